@@ -1,0 +1,11 @@
+"""persistrnn: recurrent networks on NVIDIA GPUs with persistent kernels.
+
+Importing the package needs no GPU; the first use of a kernel does, and says
+so clearly (:class:`persistrnn.jit.GPUUnavailableError`) when there is none.
+"""
+
+__version__ = "0.1.0"
+
+from .jit import GPUUnavailableError, CompileError, KernelLaunchError  # noqa: E402
+
+__all__ = ["__version__", "GPUUnavailableError", "CompileError", "KernelLaunchError"]

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m persistrnn.bench <suite>`` (suites: sync)."""

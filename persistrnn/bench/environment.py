@@ -1,0 +1,47 @@
+"""What every result file records: GPU, clocks, driver, CUDA, torch, cuDNN, commit, date."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    repo = Path(__file__).resolve().parents[2]
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "persistrnn": __version__,
+        "commit": _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo),
+        "dirty": _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) not in ("", "unknown"),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
+    try:
+        from cuda.core import __version__ as core_version
+
+        info["cuda_core"] = core_version
+    except ImportError:
+        info["cuda_core"] = None
+    from ..jit import nvrtc_version
+
+    info["nvrtc"] = ".".join(map(str, nvrtc_version()))
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        query = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu"
+        fields = _run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", str(torch.cuda.current_device())])
+        info["nvidia_smi"] = dict(zip(query.split(","), (f.strip() for f in fields.split(","))))
+    return info

@@ -1,0 +1,166 @@
+// Shared device helpers for persistrnn kernels: bounded barriers and the
+// Hopper cluster primitives (mapa, st.async, mbarrier) written as PTX, so the
+// kernels need no toolkit headers beyond what NVRTC bundles.
+
+typedef unsigned int prnn_u32;
+typedef unsigned long long prnn_u64;
+
+// Status codes a kernel leaves in its status word; the host raises on them.
+#define PRNN_STATUS_OK 0
+#define PRNN_STATUS_GRID_BARRIER_TIMEOUT 1
+#define PRNN_STATUS_CLUSTER_WAIT_TIMEOUT 2
+
+// Every spin loop gives up after this long and reports, so a kernel whose
+// blocks are not all resident fails instead of hanging. 2 s is ~10^6 steps of
+// any kernel we launch.
+#ifndef PRNN_SPIN_TIMEOUT_NS
+#define PRNN_SPIN_TIMEOUT_NS 2000000000ull
+#endif
+// Read the clock only every this many polls: the timer read costs more than
+// the poll and is needed only on the slow path.
+#define PRNN_POLLS_PER_CLOCK_READ 256
+
+__device__ __forceinline__ prnn_u64 prnn_globaltimer() {
+    prnn_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// First failure wins; later ones keep the first code.
+__device__ __forceinline__ void prnn_fail(int* status, int code) { atomicCAS(status, PRNN_STATUS_OK, code); }
+
+__device__ __forceinline__ bool prnn_failed(const int* status) {
+    return *reinterpret_cast<const volatile int*>(status) != PRNN_STATUS_OK;
+}
+
+__device__ __forceinline__ prnn_u32 prnn_ld_acquire_gpu(const prnn_u32* p) {
+    prnn_u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void prnn_red_release_gpu_add(prnn_u32* p, prnn_u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Grid-wide barrier over a counter that only grows: arrival k of every block
+// waits until the counter reaches blocks * k. Never reset inside a launch, so
+// no block can mistake an old generation for a new one. Returns false (and
+// sets *status) if the other blocks did not arrive within the timeout.
+__device__ __forceinline__ bool prnn_grid_barrier(prnn_u32* counter, prnn_u32 target, int* status) {
+    __shared__ int arrived;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        prnn_red_release_gpu_add(counter, 1u);
+        int ok = 1;
+        if (prnn_ld_acquire_gpu(counter) < target) {
+            const prnn_u64 start = prnn_globaltimer();
+            prnn_u32 polls = 0;
+            while (prnn_ld_acquire_gpu(counter) < target) {
+                if (++polls % PRNN_POLLS_PER_CLOCK_READ == 0 &&
+                    (prnn_failed(status) || prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS)) {
+                    prnn_fail(status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        arrived = ok;
+    }
+    __syncthreads();
+    return arrived;
+}
+
+// ---- thread-block clusters -------------------------------------------------
+
+__device__ __forceinline__ prnn_u32 prnn_cluster_rank() {
+    prnn_u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ prnn_u32 prnn_cluster_size() {
+    prnn_u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+
+// cluster.sync(): every thread of every block in the cluster arrives (release)
+// and waits (acquire). The hardware co-schedules a cluster, so it cannot hang.
+__device__ __forceinline__ void prnn_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ prnn_u32 prnn_smem_addr(const void* p) {
+    return static_cast<prnn_u32>(__cvta_generic_to_shared(p));
+}
+
+// Address of the same shared-memory location in cluster block `rank`.
+__device__ __forceinline__ prnn_u32 prnn_peer_addr(prnn_u32 local_addr, prnn_u32 rank) {
+    prnn_u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local_addr), "r"(rank));
+    return r;
+}
+
+__device__ __forceinline__ void prnn_st_cluster_v4(prnn_u32 addr, float4 v) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w)
+                 : "memory");
+}
+
+// ---- mbarrier + st.async ---------------------------------------------------
+
+__device__ __forceinline__ void prnn_mbar_init(prnn_u64* bar, prnn_u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(prnn_smem_addr(bar)), "r"(arrivals) : "memory");
+}
+
+// Makes mbarrier.init visible to the other blocks of the cluster, which will
+// complete transactions on it remotely.
+__device__ __forceinline__ void prnn_fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrive once and announce `bytes` of incoming st.async data for this phase.
+// Peers' complete_tx may land before this; the phase still waits for both.
+__device__ __forceinline__ void prnn_mbar_arrive_expect_tx(prnn_u64* bar, prnn_u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(prnn_smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ bool prnn_mbar_try_wait_cluster(prnn_u64* bar, prnn_u32 parity) {
+    prnn_u32 done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(prnn_smem_addr(bar)), "r"(parity)
+        : "memory");
+    return done;
+}
+
+// Wait for phase `parity` of a local mbarrier whose data come from peers.
+// Bounded like every spin loop: false (and *status set) on timeout.
+__device__ __forceinline__ bool prnn_mbar_wait_cluster(prnn_u64* bar, prnn_u32 parity, int* status) {
+    if (prnn_mbar_try_wait_cluster(bar, parity)) return true;
+    const prnn_u64 start = prnn_globaltimer();
+    while (!prnn_mbar_try_wait_cluster(bar, parity)) {
+        if (prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS) {
+            prnn_fail(status, PRNN_STATUS_CLUSTER_WAIT_TIMEOUT);
+            return false;
+        }
+    }
+    return true;
+}
+
+// 16 bytes into a peer's shared memory; the peer's mbarrier counts the bytes
+// (complete_tx carries release semantics at cluster scope).
+__device__ __forceinline__ void prnn_st_async_v4(prnn_u32 remote_addr, float4 v, prnn_u32 remote_bar) {
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+            remote_addr),
+        "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar)
+        : "memory");
+}

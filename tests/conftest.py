@@ -1,0 +1,36 @@
+"""Test configuration: the ``gpu`` marker and an isolated kernel cache."""
+
+import pytest
+
+
+def _gpu_skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"needs a CUDA GPU; torch {torch.__version__} sees none (torch.cuda.is_available() is False)"
+    if torch.cuda.get_device_capability()[0] < 9:
+        return f"needs compute capability >= 9.0; {torch.cuda.get_device_name()} is {torch.cuda.get_device_capability()}"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a Hopper (sm_90+) GPU; skipped with the reason where none is present")
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """A fresh, empty kernel cache for tests that inspect cache behaviour."""
+    monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -1,0 +1,160 @@
+"""CPU tests of the JIT runtime: NVRTC compilation for sm_90, the resource
+report, and the disk cache (keys, atomic writes, corrupt entries, locking)."""
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from persistrnn import jit
+
+TINY = r"""
+extern "C" __global__ void scale(float* x, float a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= a;
+}
+"""
+
+SPILLS = r"""
+// A run-time index into a large array forces it to local memory.
+extern "C" __global__ void local_array(float* x, int k) {
+    float a[256];
+    for (int i = 0; i < 256; ++i) a[i] = x[i * 7 + k];
+    x[threadIdx.x] = a[(k * 13 + threadIdx.x) & 255];
+}
+"""
+
+
+def test_compiles_for_sm90_without_gpu(isolated_cache):
+    binary = jit.compile_source("tiny", TINY, arch="sm_90")
+    assert binary.cubin[:4] == b"\x7fELF"
+    assert binary.arch == "sm_90"
+    res = binary.kernel_resources("scale")
+    assert 0 < res.registers <= 255
+    assert not res.uses_local_memory
+
+
+def test_resource_report_sees_local_memory(isolated_cache):
+    res = jit.compile_source("spills", SPILLS, arch="sm_90").kernel_resources("local_array")
+    assert res.stack_frame_bytes >= 1024, res  # 256 floats on the stack
+    assert res.uses_local_memory
+
+
+def test_parse_ptxas_report():
+    log = (
+        "ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+        "ptxas info    : Function properties for k\n"
+        "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 72 registers, used 1 barriers, 1200 bytes smem\n"
+        "ptxas info    : Compiling entry function 'j' for 'sm_90'\n"
+        "ptxas info    : Function properties for j\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 10 registers\n"
+    )
+    report = jit.parse_ptxas_report(log)
+    assert report["k"] == jit.KernelResources(72, 16, 8, 4, 1200, 1)
+    assert report["j"] == jit.KernelResources(10, 0, 0, 0, 0, 0)
+
+
+def test_second_compile_is_a_cache_hit(isolated_cache, monkeypatch):
+    first = jit.compile_source("tiny", TINY, arch="sm_90")
+    monkeypatch.setattr(jit, "_nvrtc_compile", lambda *a: pytest.fail("compiled again despite a cached entry"))
+    second = jit.compile_source("tiny", TINY, arch="sm_90")
+    assert second.cubin == first.cubin and second.resources == first.resources
+    assert [p.name for p in isolated_cache.glob("*.bin")] == [f"tiny-{first.key}.bin"]
+
+
+def test_cache_dir_follows_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert jit.cache_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv(jit.CACHE_ENV)
+    assert jit.cache_dir() == jit.Path.home() / ".cache" / "persistrnn"
+
+
+def test_cache_key_covers_every_input(monkeypatch):
+    base = jit.cache_key(TINY, "sm_90", {"A": 1})
+    assert jit.cache_key(TINY + " ", "sm_90", {"A": 1}) != base
+    assert jit.cache_key(TINY, "sm_90a", {"A": 1}) != base
+    assert jit.cache_key(TINY, "sm_90", {"A": 2}) != base
+    assert jit.cache_key(TINY, "sm_90", {}) != base
+    monkeypatch.setattr(jit, "nvrtc_version", lambda: (99, 0))
+    assert jit.cache_key(TINY, "sm_90", {"A": 1}) != base
+    monkeypatch.undo()
+    monkeypatch.setattr(jit, "__version__", "0.0.0-other")
+    assert jit.cache_key(TINY, "sm_90", {"A": 1}) != base
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_byte", "garbage", "empty", "wrong_key"])
+def test_corrupt_entry_is_a_miss(isolated_cache, damage):
+    binary = jit.compile_source("tiny", TINY, arch="sm_90")
+    path = isolated_cache / f"tiny-{binary.key}.bin"
+    blob = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip_byte":
+        path.write_bytes(blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:])
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(len(blob)))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "wrong_key":
+        header_len = int.from_bytes(blob[8:16], "little")
+        header = json.loads(blob[16 : 16 + header_len])
+        header["key"] = "0" * 32
+        new = json.dumps(header).encode()
+        path.write_bytes(blob[:8] + len(new).to_bytes(8, "little") + new + blob[16 + header_len :])
+    assert jit._read_entry(path, binary.key) is None
+    again = jit.compile_source("tiny", TINY, arch="sm_90")  # recompiles and repairs
+    assert again.cubin == binary.cubin
+    assert jit._read_entry(path, binary.key) is not None
+
+
+def _compile_in_child(cache: str, queue) -> None:
+    os.environ[jit.CACHE_ENV] = cache
+    queue.put(jit.compile_source("tiny", TINY, arch="sm_90").key)
+
+
+def test_concurrent_processes_share_one_entry(isolated_cache):
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_compile_in_child, args=(str(isolated_cache), queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    keys = {queue.get(timeout=5) for _ in procs}
+    assert len(keys) == 1
+    assert len(list(isolated_cache.glob("*.bin"))) == 1
+    assert not list(isolated_cache.glob("*.tmp")), "a temp file was left behind"
+
+
+def test_compile_error_carries_the_log(isolated_cache):
+    with pytest.raises(jit.CompileError, match="undeclared_thing"):
+        jit.compile_source("broken", 'extern "C" __global__ void k() { undeclared_thing = 1; }', arch="sm_90")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(name="bad name", source=TINY, arch="sm_90"), ValueError, "identifier-like"),
+        (dict(name="ok", source="  ", arch="sm_90"), ValueError, "non-empty"),
+        (dict(name="ok", source=TINY, arch="90"), ValueError, "sm_90"),
+        (dict(name="ok", source=TINY, arch=90), TypeError, "got int"),
+    ],
+)
+def test_compile_rejects_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        jit.compile_source(**kwargs)
+
+
+def test_wrong_kernel_name_is_named(isolated_cache):
+    binary = jit.compile_source("tiny", TINY, arch="sm_90")
+    with pytest.raises(ValueError, match=r"no kernel 'scal'.*\['scale'\]"):
+        binary.kernel_resources("scal")
+
+
+def test_read_source_inlines_common_header():
+    src = jit.read_source("sync_bench.cu")
+    assert "prnn_grid_barrier" in src and "cluster_exchange_stasync" in src
