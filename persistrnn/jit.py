@@ -131,7 +131,9 @@ def _header_options() -> tuple[tuple[str, Any], ...]:
     candidates.append("/usr/local/cuda/include")
     for inc in candidates:
         if inc and os.path.exists(os.path.join(inc, "cooperative_groups.h")):
-            return (("include_path", inc),)
+            # cooperative_groups includes <nv/target>, which CCCL keeps in cccl/.
+            cccl = os.path.join(inc, "cccl")
+            return (("include_path", [inc, cccl] if os.path.isdir(cccl) else [inc]),)
     return ()
 
 
