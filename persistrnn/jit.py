@@ -124,16 +124,16 @@ def _header_options() -> tuple[tuple[str, Any], ...]:
     with contextlib.suppress(Exception):
         from cuda.pathfinder import find_nvidia_header_directory
 
-        candidates.append(find_nvidia_header_directory("cudart"))
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            candidates.append(os.path.join(os.environ[env], "include"))
-    candidates.append("/usr/local/cuda/include")
-    for inc in candidates:
-        if inc and os.path.exists(os.path.join(inc, "cooperative_groups.h")):
-            # cooperative_groups includes <nv/target>, which CCCL keeps in cccl/.
-            cccl = os.path.join(inc, "cccl")
-            return (("include_path", [inc, cccl] if os.path.isdir(cccl) else [inc]),)
+        candidates += [find_nvidia_header_directory("cudart"), find_nvidia_header_directory("cccl")]
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for root in filter(None, roots):
+        candidates += [os.path.join(root, "include"), os.path.join(root, "include", "cccl")]
+    # cooperative_groups.h comes with the runtime headers; the <nv/target> it
+    # includes comes with CCCL, which wheels and toolkits keep in different places.
+    wanted = ("cooperative_groups.h", os.path.join("nv", "target"))
+    found = [next((d for d in candidates if d and os.path.exists(os.path.join(d, f))), None) for f in wanted]
+    if all(found):
+        return (("include_path", list(dict.fromkeys(found))),)
     return ()
 
 
