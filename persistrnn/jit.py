@@ -18,7 +18,6 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -261,16 +260,26 @@ def _key_lock(path: Path) -> Iterator[None]:
 
 
 def _nvrtc_compile(name: str, source: str, arch: str, defines: dict[str, Any], key: str) -> CompiledBinary:
+    from cuda.bindings import nvrtc
     from cuda.core import Program
 
-    log = io.StringIO()
+    program = Program(source, "c++", options=program_options(arch, defines, name))
     try:
-        program = Program(source, "c++", options=program_options(arch, defines, name))
-        code = program.compile("cubin", logs=log)
-    except Exception as exc:  # NVRTC errors arrive as several exception types
-        raise CompileError(f"NVRTC failed to compile {name!r} for {arch}:\n{exc}\n{log.getvalue()}") from exc
-    text = log.getvalue().replace("\x00", "")
-    return CompiledBinary(name, key, arch, bytes(code.code), parse_ptxas_report(text), text)
+        code = program.compile("cubin")
+        # The ptxas report is read from NVRTC's program log directly: the
+        # log callback of older cuda.core releases does not always deliver it.
+        err, size = nvrtc.nvrtcGetProgramLogSize(program.handle)
+        log = b" " * size
+        (err,) = nvrtc.nvrtcGetProgramLog(program.handle, log)
+    except Exception as exc:  # cuda.core raises NVRTC failures as several types; the log is in the message
+        raise CompileError(f"NVRTC failed to compile {name!r} for {arch}:\n{exc}") from exc
+    finally:
+        program.close()
+    text = log.decode(errors="replace").replace("\x00", "")
+    resources = parse_ptxas_report(text)
+    if not resources:
+        raise CompileError(f"NVRTC compiled {name!r} but reported no kernel resources; its log was:\n{text}")
+    return CompiledBinary(name, key, arch, bytes(code.code), resources, text)
 
 
 def compile_source(
@@ -453,8 +462,8 @@ class LoadedKernel:
             _check_positive("cluster", cluster)
             if grid % cluster:
                 raise ValueError(f"grid ({grid} blocks) must be a multiple of the cluster size ({cluster})")
-            if cluster > 8:
-                self.allow_non_portable_cluster()
+            if cluster > (largest := self.max_cluster_size(block, shared)):
+                raise KernelLaunchError(f"{self.name}: clusters of {cluster} blocks exceed this device's largest, {largest}")
             config = LaunchConfig(grid=grid // cluster, cluster=cluster, block=block, shmem_size=shared)
             resident = self.max_resident_clusters(cluster, block, shared)
             if grid // cluster > resident:
@@ -474,6 +483,22 @@ class LoadedKernel:
         """How many blocks of this kernel the whole GPU holds at once."""
         per_sm = self.kernel.occupancy.max_active_blocks_per_multiprocessor(block, shared)
         return per_sm * _device_facts(self.device).sm_count
+
+    def max_cluster_size(self, block: int, shared: int = 0) -> int:
+        """Largest cluster of this kernel the device launches (16 on an H100).
+
+        Asked of the driver (cuOccupancyMaxPotentialClusterSize); the
+        max-active-clusters query is no guide here: on an H100 it reports
+        clusters of 17 and 18 as resident, and their launch then fails.
+        """
+        import torch
+        from cuda.core import LaunchConfig
+
+        self.allow_non_portable_cluster()
+        if shared:
+            self.reserve_dynamic_shared(shared)
+        cfg = LaunchConfig(grid=_device_facts(self.device).sm_count, block=block, shmem_size=shared)
+        return self.kernel.occupancy.max_potential_cluster_size(cfg, stream=_stream(torch.cuda.current_stream()))
 
     def max_resident_clusters(self, cluster: int, block: int, shared: int = 0) -> int:
         """How many clusters of ``cluster`` blocks the whole GPU holds at once."""

@@ -148,3 +148,12 @@ def test_bench_sync_smoke():
     assert result["max_cluster_size"] >= 8
     assert set(result["cluster_exchange_stasync"]) == set(sync.STATE_SIZES)
     assert "| st.async + mbarrier |" in sync.format_table(result)
+
+
+def test_cluster_larger_than_the_device_allows_is_refused(binary):
+    k = jit.get_kernel(binary, "cluster_barrier")
+    largest = k.max_cluster_size(BLOCK)
+    assert largest >= 8  # 8 is portable on every cluster-capable GPU
+    k.config(largest, BLOCK, cluster=largest)
+    with pytest.raises(KernelLaunchError, match=rf"clusters of {largest + 1} blocks exceed .* largest, {largest}"):
+        k.config(largest + 1, BLOCK, cluster=largest + 1)

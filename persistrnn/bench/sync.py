@@ -202,21 +202,6 @@ def cluster_exchanges(r: _Runner, max_cluster: int) -> dict[str, dict[int, dict[
     return out
 
 
-def max_cluster_size(r: _Runner) -> int:
-    """Largest cluster this GPU launches (16 on an H100 with the non-portable opt-in)."""
-    k = r.kernel("cluster_barrier")
-    k.allow_non_portable_cluster()
-    best = 1
-    for n in range(2, 33):
-        try:
-            if k.max_resident_clusters(n, BLOCK) < 1:
-                break
-        except Exception:  # the driver refuses sizes above the hardware limit
-            break
-        best = n
-    return best
-
-
 def residency(r: _Runner, max_cluster: int) -> dict[str, dict[int, int]]:
     """Clusters that fit at once: small blocks, and one 200 KB block per SM."""
     k = r.kernel("cluster_barrier")
@@ -240,7 +225,7 @@ def run(cfg: SyncConfig | None = None, progress: bool = True) -> dict[str, Any]:
         ("grid exchange", lambda: {"grid_exchange": grid_exchange(r, facts.sm_count)}),
     ]
     result: dict[str, Any] = {"environment": environment(), "device": dataclasses.asdict(facts), "config": dataclasses.asdict(cfg)}
-    max_cluster = max_cluster_size(r)
+    max_cluster = r.kernel("cluster_barrier").max_cluster_size(BLOCK)
     result["max_cluster_size"] = max_cluster
     stages += [
         ("cluster barriers", lambda: {"cluster_barrier": cluster_barriers(r, max_cluster)}),

@@ -1,0 +1,497 @@
+"""Cell specifications: the single source of each recurrent cell's math.
+
+A :class:`CellSpec` describes a cell as data: its gates in torch's row order,
+the recurrent matrix products grouped into stages, and the pointwise
+statements that turn gate pre-activations into the new state. The float64
+reference evaluates these statements with numpy and the CUDA kernels render
+them to C++, so both run the same formulas.
+
+Expression language: identifiers, int/float literals, binary ``+ - * /``,
+unary ``-``, parentheses and the calls ``sigmoid(e)``, ``tanh(e)``,
+``relu(e)``. Nothing else parses, so evaluating a validated expression with
+``eval`` cannot reach anything but arithmetic and those three functions.
+
+Names a cell's statements may read:
+
+* ``x_<gate>``: input projection ``W_ih[gate] @ x + b_ih[gate]``;
+* ``h_<gate>``: recurrent product ``W_hh[gate] @ operand + b_hh[gate]``, where
+  the operand is the one of the stage holding the gate (available once that
+  stage has run);
+* ``h``: previous hidden state; ``c``: previous cell state (cells with one);
+* any name assigned by an earlier statement.
+
+Every cell assigns ``h_new`` (before any LSTM projection) and, with a cell
+state, ``c_new``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import CodeType, MappingProxyType
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "CELLS",
+    "CUDA_FUNCTIONS",
+    "GRU",
+    "GRU_RESET_BEFORE",
+    "LSTM",
+    "NUMPY_FUNCTIONS",
+    "RNN_RELU",
+    "RNN_TANH",
+    "CellSpec",
+    "Statement",
+    "evaluate",
+    "expression_names",
+    "get_cell",
+    "render_cuda",
+    "render_cuda_expression",
+    "render_numpy_expression",
+]
+
+
+class Statement(NamedTuple):
+    """One pointwise assignment ``name = expr``."""
+
+    name: str
+    expr: str
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """Logistic function; exp only ever sees -|x|, so it cannot overflow."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0.0)
+
+
+NUMPY_FUNCTIONS: Mapping[str, Callable[[np.ndarray], np.ndarray]] = MappingProxyType(
+    {"sigmoid": _sigmoid, "tanh": np.tanh, "relu": _relu}
+)
+"""float64 numpy implementation of each function of the expression language."""
+
+CUDA_FUNCTIONS: Mapping[str, str] = MappingProxyType(
+    {"sigmoid": "prnn_sigmoid", "tanh": "tanhf", "relu": "prnn_relu"}
+)
+"""CUDA name of each function; ``prnn_*`` are ``float -> float`` device functions
+the kernel source must define."""
+
+# Identifiers must be valid in both Python and C; "prnn_" is kept for the
+# kernels' own symbols so a statement can never shadow one.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_RESERVED_PREFIX = "prnn_"
+
+_BINARY_OPERATORS: Mapping[type[ast.operator], tuple[str, int]] = {
+    ast.Add: ("+", 1),
+    ast.Sub: ("-", 1),
+    ast.Mult: ("*", 2),
+    ast.Div: ("/", 2),
+}
+_UNARY_PRECEDENCE = 3
+_ATOM_PRECEDENCE = 4
+_ALLOWED = "identifiers, numbers, + - * /, parentheses and calls to " + ", ".join(NUMPY_FUNCTIONS)
+
+
+def _check_identifier(name: object, what: str) -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise ValueError(f"{what}: expected an ASCII identifier, got {name!r}")
+    if name.startswith(_RESERVED_PREFIX) or name in NUMPY_FUNCTIONS:
+        raise ValueError(
+            f"{what}: expected a name not starting with {_RESERVED_PREFIX!r} and not one of "
+            f"{sorted(NUMPY_FUNCTIONS)}, got {name!r}"
+        )
+    return name
+
+
+def _check_node(node: ast.expr, expr: str) -> None:
+    """Raise ValueError unless ``node`` uses only the expression language."""
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPERATORS:
+        _check_node(node.left, expr)
+        _check_node(node.right, expr)
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        _check_node(node.operand, expr)
+    elif isinstance(node, ast.Name):
+        if node.id in NUMPY_FUNCTIONS:
+            raise ValueError(f"expression {expr!r}: expected {node.id!r} to be called, got it used as a value")
+        if not _IDENTIFIER.match(node.id) or node.id.startswith(_RESERVED_PREFIX):
+            raise ValueError(f"expression {expr!r}: expected ASCII identifiers not starting with "
+                             f"{_RESERVED_PREFIX!r}, got {node.id!r}")
+    elif isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        try:
+            finite = math.isfinite(float(node.value))
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ValueError(f"expression {expr!r}: expected a finite number, got {ast.unparse(node)}")
+    elif isinstance(node, ast.Call):
+        if not isinstance(node.func, ast.Name) or node.func.id not in NUMPY_FUNCTIONS:
+            raise ValueError(
+                f"expression {expr!r}: expected a call to one of {sorted(NUMPY_FUNCTIONS)}, "
+                f"got a call to {ast.unparse(node.func)!r}"
+            )
+        if len(node.args) != 1 or node.keywords or isinstance(node.args[0], ast.Starred):
+            raise ValueError(
+                f"expression {expr!r}: expected {node.func.id}() to take one positional argument, "
+                f"got {ast.unparse(node)!r}"
+            )
+        _check_node(node.args[0], expr)
+    else:
+        raise ValueError(f"expression {expr!r}: expected only {_ALLOWED}, got {ast.unparse(node)!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(expr: str) -> ast.expr:
+    """Parse and validate ``expr``; cached, so callers must not mutate the tree."""
+    if not isinstance(expr, str):
+        raise TypeError(f"expression: expected str, got {type(expr).__name__}")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as error:
+        raise ValueError(f"expression {expr!r}: expected valid syntax, got {error.msg}") from None
+    _check_node(tree.body, expr)
+    return tree.body
+
+
+def expression_names(expr: str) -> frozenset[str]:
+    """Validate ``expr`` and return the variable names it reads.
+
+    Raises ValueError for anything outside the expression language.
+    """
+    return frozenset(node.id for node in ast.walk(_parse(expr)) if isinstance(node, ast.Name)) - frozenset(
+        NUMPY_FUNCTIONS
+    )
+
+
+def _precedence(node: ast.expr) -> int:
+    if isinstance(node, ast.BinOp):
+        return _BINARY_OPERATORS[type(node.op)][1]
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY_PRECEDENCE
+    return _ATOM_PRECEDENCE
+
+
+def _render(node: ast.expr, functions: Mapping[str, str], float_suffix: str) -> str:
+    """Render a validated tree with the fewest parentheses that keep its order.
+
+    The same tree renders to Python and C, whose precedence agrees for these
+    operators. The right operand is parenthesised at equal precedence so that
+    ``a - (b - c)`` keeps its grouping (float arithmetic is not associative).
+    """
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Constant):
+        # Always a float literal: in C, 1/2 would be integer division.
+        return repr(float(node.value)) + float_suffix
+    if isinstance(node, ast.Call):
+        assert isinstance(node.func, ast.Name)
+        return f"{functions[node.func.id]}({_render(node.args[0], functions, float_suffix)})"
+    if isinstance(node, ast.UnaryOp):
+        operand = _render(node.operand, functions, float_suffix)
+        # Parenthesise a nested unary too: "--x" is a decrement in C.
+        return f"-({operand})" if _precedence(node.operand) <= _UNARY_PRECEDENCE else f"-{operand}"
+    assert isinstance(node, ast.BinOp)
+    symbol, precedence = _BINARY_OPERATORS[type(node.op)]
+    left = _render(node.left, functions, float_suffix)
+    right = _render(node.right, functions, float_suffix)
+    if _precedence(node.left) < precedence:
+        left = f"({left})"
+    if _precedence(node.right) <= precedence:
+        right = f"({right})"
+    return f"{left} {symbol} {right}"
+
+
+def render_cuda_expression(expr: str) -> str:
+    """Render ``expr`` as a CUDA float expression (``1`` -> ``1.0f``, ``tanh`` -> ``tanhf``)."""
+    return _render(_parse(expr), CUDA_FUNCTIONS, "f")
+
+
+def render_numpy_expression(expr: str) -> str:
+    """Render ``expr`` as Python source over the names in NUMPY_FUNCTIONS."""
+    return _render(_parse(expr), {name: name for name in NUMPY_FUNCTIONS}, "")
+
+
+def render_cuda(statements: Iterable[tuple[str, str]], indent: str = "") -> str:
+    """Render statements as CUDA lines ``const float name = expr;``, one per line."""
+    lines = []
+    for name, expr in statements:
+        _check_identifier(name, "statement name")
+        lines.append(f"{indent}const float {name} = {render_cuda_expression(expr)};")
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_numpy(expr: str) -> CodeType:
+    return compile(render_numpy_expression(expr), f"<expression {expr!r}>", "eval")
+
+
+def evaluate(statements: Iterable[tuple[str, str]], env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run statements in order with numpy; return ``env`` extended by their results."""
+    namespace = dict(env)
+    # No builtins: a validated expression needs nothing but the three functions.
+    functions = {"__builtins__": {}, **NUMPY_FUNCTIONS}
+    for name, expr in statements:
+        _check_identifier(name, "statement name")
+        namespace[name] = eval(_compile_numpy(expr), functions, namespace)
+    return namespace
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """A recurrent cell's math as data.
+
+    Attributes:
+        name: registry key.
+        gates: gate names in torch's row order of ``w_ih`` / ``w_hh``.
+        has_cell_state: whether the cell carries ``c`` (LSTM).
+        stages: recurrent products, in dependency order; stage ``k`` computes
+            ``h_<gate> = W_hh[gate] @ stage_operands[k] + b_hh[gate]`` for each
+            of its gates. Every gate is in exactly one stage.
+        stage_operands: per stage, the name multiplied by ``W_hh``: ``"h"`` or
+            a name assigned in an earlier ``between_stages`` entry.
+        between_stages: ``between_stages[k]`` runs after stage ``k`` and before
+            stage ``k + 1`` (one entry fewer than ``stages``).
+        pointwise: statements run after the last stage; they assign ``h_new``
+            and, with a cell state, ``c_new``.
+        supports_projection: whether an LSTM-style ``h = W_hr @ h_new``
+            projection may follow; such cells must not read ``h`` pointwise,
+            since with a projection ``h`` is not hidden-sized.
+    """
+
+    name: str
+    gates: tuple[str, ...]
+    has_cell_state: bool
+    stages: tuple[tuple[str, ...], ...]
+    stage_operands: tuple[str, ...]
+    between_stages: tuple[tuple[Statement, ...], ...]
+    pointwise: tuple[Statement, ...]
+    supports_projection: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept plain (name, expr) pairs; store Statements.
+        object.__setattr__(self, "pointwise", tuple(Statement(*s) for s in self.pointwise))
+        object.__setattr__(
+            self, "between_stages", tuple(tuple(Statement(*s) for s in block) for block in self.between_stages)
+        )
+        self._validate()
+
+    @property
+    def num_gates(self) -> int:
+        return len(self.gates)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """Names the pointwise statements must assign."""
+        return ("h_new", "c_new") if self.has_cell_state else ("h_new",)
+
+    def gate_rows(self, gate: str, hidden_size: int) -> slice:
+        """Rows of ``w_ih`` / ``w_hh`` / biases that belong to ``gate``."""
+        index = self.gates.index(gate)
+        return slice(index * hidden_size, (index + 1) * hidden_size)
+
+    def step_reference(
+        self,
+        x_proj: np.ndarray,
+        h: np.ndarray,
+        c: np.ndarray | None,
+        w_hh: np.ndarray,
+        b_hh: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One time step with numpy, running this spec's stages and statements.
+
+        Args:
+            x_proj: ``x @ w_ih.T + b_ih``, shape (batch, num_gates * hidden).
+            h: previous hidden state (batch, w_hh.shape[1]).
+            c: previous cell state (batch, hidden), or None without one.
+            w_hh: (num_gates * hidden, w_hh.shape[1]); b_hh: (num_gates * hidden,) or None.
+
+        Returns:
+            ``(h_new, c_new)``; ``c_new`` is None without a cell state.
+        """
+        hidden = w_hh.shape[0] // self.num_gates
+        env: dict[str, np.ndarray] = {"h": h}
+        if self.has_cell_state:
+            assert c is not None
+            env["c"] = c
+        for gate in self.gates:
+            env[f"x_{gate}"] = x_proj[:, self.gate_rows(gate, hidden)]
+        for k, (stage, operand) in enumerate(zip(self.stages, self.stage_operands)):
+            if k > 0:
+                env = evaluate(self.between_stages[k - 1], env)
+            for gate in stage:
+                rows = self.gate_rows(gate, hidden)
+                product = env[operand] @ w_hh[rows].T
+                env[f"h_{gate}"] = product if b_hh is None else product + b_hh[rows]
+        env = evaluate(self.pointwise, env)
+        return env["h_new"], env.get("c_new")
+
+    def _validate(self) -> None:
+        """Check the spec is well formed, so that every renderer can trust it."""
+        where = f"cell {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"cell name: expected a non-empty str, got {self.name!r}")
+        if not self.gates or len(set(self.gates)) != len(self.gates):
+            raise ValueError(f"{where}: expected distinct gate names, got {self.gates!r}")
+        for gate in self.gates:
+            _check_identifier(gate, f"{where} gate")
+        staged = [gate for stage in self.stages for gate in stage]
+        if sorted(staged) != sorted(self.gates) or not all(self.stages):
+            raise ValueError(
+                f"{where}: expected non-empty stages covering each gate of {self.gates!r} once, got {self.stages!r}"
+            )
+        if len(self.stage_operands) != len(self.stages):
+            raise ValueError(
+                f"{where}: expected {len(self.stages)} stage operands, got {len(self.stage_operands)}"
+            )
+        if len(self.between_stages) != len(self.stages) - 1:
+            raise ValueError(
+                f"{where}: expected {len(self.stages) - 1} between-stage blocks, got {len(self.between_stages)}"
+            )
+
+        defined = {f"x_{gate}" for gate in self.gates} | {"h"} | ({"c"} if self.has_cell_state else set())
+        assigned: set[str] = set()  # names assigned by statements; the only valid later operands
+        for k, (stage, operand) in enumerate(zip(self.stages, self.stage_operands)):
+            if k > 0:
+                self._check_block(self.between_stages[k - 1], defined, assigned)
+            if operand != "h" and operand not in assigned:
+                raise ValueError(
+                    f"{where}: stage {k} operand: expected 'h' or a name assigned before it "
+                    f"({sorted(assigned)}), got {operand!r}"
+                )
+            defined |= {f"h_{gate}" for gate in stage}
+        final = self._check_block(self.pointwise, defined, assigned)
+        missing = [name for name in self.outputs if name not in final]
+        if missing:
+            raise ValueError(f"{where}: expected pointwise statements assigning {self.outputs}, missing {missing}")
+        if self.supports_projection:
+            readers = [s.name for s in self.pointwise if "h" in expression_names(s.expr)]
+            if readers:
+                raise ValueError(
+                    f"{where}: expected no pointwise statement to read 'h' with supports_projection, "
+                    f"got {readers}"
+                )
+
+    def _check_block(self, block: tuple[Statement, ...], defined: set[str], assigned: set[str]) -> set[str]:
+        """Check one block of statements in order; update ``defined``/``assigned``; return its names."""
+        names = set()
+        for name, expr in block:
+            what = f"cell {self.name!r} statement {name!r}"
+            _check_identifier(name, what)
+            if name in defined:
+                # Each name becomes one `const float` in CUDA: no reassignment.
+                raise ValueError(f"{what}: expected a new name, got one already defined")
+            unknown = expression_names(expr) - defined
+            if unknown:
+                raise ValueError(
+                    f"{what}: expected reads of defined names {sorted(defined)}, got undefined {sorted(unknown)}"
+                )
+            defined.add(name)
+            assigned.add(name)
+            names.add(name)
+        return names
+
+
+LSTM = CellSpec(
+    name="lstm",
+    gates=("i", "f", "g", "o"),
+    has_cell_state=True,
+    stages=(("i", "f", "g", "o"),),
+    stage_operands=("h",),
+    between_stages=(),
+    pointwise=(
+        Statement("i", "sigmoid(x_i + h_i)"),
+        Statement("f", "sigmoid(x_f + h_f)"),
+        Statement("g", "tanh(x_g + h_g)"),
+        Statement("o", "sigmoid(x_o + h_o)"),
+        Statement("c_new", "f * c + i * g"),
+        Statement("h_new", "o * tanh(c_new)"),
+    ),
+    supports_projection=True,
+)
+
+# torch / cuDNN form: r scales the recurrent product including b_hn.
+GRU = CellSpec(
+    name="gru",
+    gates=("r", "z", "n"),
+    has_cell_state=False,
+    stages=(("r", "z", "n"),),
+    stage_operands=("h",),
+    between_stages=(),
+    pointwise=(
+        Statement("r", "sigmoid(x_r + h_r)"),
+        Statement("z", "sigmoid(x_z + h_z)"),
+        Statement("n", "tanh(x_n + r * h_n)"),
+        Statement("h_new", "(1 - z) * n + z * h"),
+    ),
+)
+
+# Cho et al. (ONNX linear_before_reset=0, Keras reset_after=False): r scales h
+# before the matmul, so U_n's product waits for r. Same parameter layout as
+# torch's GRU; b_hn is added after U_n (r * h).
+GRU_RESET_BEFORE = CellSpec(
+    name="gru_reset_before",
+    gates=("r", "z", "n"),
+    has_cell_state=False,
+    stages=(("r", "z"), ("n",)),
+    stage_operands=("h", "r_h"),
+    between_stages=(
+        (
+            Statement("r", "sigmoid(x_r + h_r)"),
+            Statement("r_h", "r * h"),
+        ),
+    ),
+    pointwise=(
+        Statement("z", "sigmoid(x_z + h_z)"),
+        Statement("n", "tanh(x_n + h_n)"),
+        Statement("h_new", "(1 - z) * n + z * h"),
+    ),
+)
+
+RNN_TANH = CellSpec(
+    name="rnn_tanh",
+    gates=("a",),
+    has_cell_state=False,
+    stages=(("a",),),
+    stage_operands=("h",),
+    between_stages=(),
+    pointwise=(Statement("h_new", "tanh(x_a + h_a)"),),
+)
+
+RNN_RELU = CellSpec(
+    name="rnn_relu",
+    gates=("a",),
+    has_cell_state=False,
+    stages=(("a",),),
+    stage_operands=("h",),
+    between_stages=(),
+    pointwise=(Statement("h_new", "relu(x_a + h_a)"),),
+)
+
+CELLS: Mapping[str, CellSpec] = MappingProxyType(
+    {cell.name: cell for cell in (LSTM, GRU, GRU_RESET_BEFORE, RNN_TANH, RNN_RELU)}
+)
+"""Registry of the built-in cells by name (read-only)."""
+
+
+def get_cell(cell: str | CellSpec) -> CellSpec:
+    """Return the spec for a registry name, or ``cell`` itself if it is a CellSpec."""
+    if isinstance(cell, CellSpec):
+        return cell
+    if not isinstance(cell, str):
+        raise TypeError(f"cell: expected a str or CellSpec, got {type(cell).__name__}")
+    try:
+        return CELLS[cell]
+    except KeyError:
+        raise ValueError(f"cell: expected one of {sorted(CELLS)}, got {cell!r}") from None

@@ -1,0 +1,346 @@
+"""Cell specs: registry, expression validation, rendering and evaluation."""
+
+from __future__ import annotations
+
+import ast
+import re
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from persistrnn.cells import (
+    CELLS,
+    CUDA_FUNCTIONS,
+    GRU,
+    GRU_RESET_BEFORE,
+    LSTM,
+    NUMPY_FUNCTIONS,
+    RNN_RELU,
+    RNN_TANH,
+    CellSpec,
+    Statement,
+    evaluate,
+    expression_names,
+    get_cell,
+    render_cuda,
+    render_cuda_expression,
+    render_numpy_expression,
+)
+
+# ---- registry ---------------------------------------------------------------
+
+
+def test_registry_holds_each_cell_under_its_name():
+    assert dict(CELLS) == {
+        "lstm": LSTM,
+        "gru": GRU,
+        "gru_reset_before": GRU_RESET_BEFORE,
+        "rnn_tanh": RNN_TANH,
+        "rnn_relu": RNN_RELU,
+    }
+    with pytest.raises(TypeError):
+        CELLS["mine"] = LSTM  # type: ignore[index]
+
+
+def test_get_cell():
+    assert get_cell("gru_reset_before") is GRU_RESET_BEFORE
+    assert get_cell(LSTM) is LSTM
+    with pytest.raises(ValueError) as info:
+        get_cell("LSTM")
+    message = str(info.value)
+    assert "'LSTM'" in message
+    for name in CELLS:
+        assert repr(name) in message
+    with pytest.raises(TypeError, match="expected a str or CellSpec, got int"):
+        get_cell(4)
+
+
+@pytest.mark.parametrize(
+    ("cell", "gates", "has_cell_state"),
+    [
+        (LSTM, ("i", "f", "g", "o"), True),
+        (GRU, ("r", "z", "n"), False),
+        (GRU_RESET_BEFORE, ("r", "z", "n"), False),
+        (RNN_TANH, ("a",), False),
+        (RNN_RELU, ("a",), False),
+    ],
+    ids=lambda v: v.name if isinstance(v, CellSpec) else None,
+)
+def test_gates_and_state(cell: CellSpec, gates: tuple[str, ...], has_cell_state: bool):
+    assert cell.gates == gates
+    assert cell.num_gates == len(gates)
+    assert cell.has_cell_state is has_cell_state
+    assert cell.outputs == (("h_new", "c_new") if has_cell_state else ("h_new",))
+    assert cell.gate_rows(gates[-1], 5) == slice(5 * (len(gates) - 1), 5 * len(gates))
+
+
+def test_stages():
+    for cell in (LSTM, GRU, RNN_TANH, RNN_RELU):
+        assert cell.stages == (cell.gates,)
+        assert cell.stage_operands == ("h",)
+        assert cell.between_stages == ()
+    assert GRU_RESET_BEFORE.stages == (("r", "z"), ("n",))
+    assert GRU_RESET_BEFORE.stage_operands == ("h", "r_h")
+    assert GRU_RESET_BEFORE.between_stages == ((Statement("r", "sigmoid(x_r + h_r)"), Statement("r_h", "r * h")),)
+    assert GRU_RESET_BEFORE.num_stages == 2
+    assert LSTM.supports_projection
+    assert not any(cell.supports_projection for cell in (GRU, GRU_RESET_BEFORE, RNN_TANH, RNN_RELU))
+
+
+# ---- CUDA rendering ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cell", "expected"),
+    [
+        (
+            LSTM,
+            [
+                "const float i = prnn_sigmoid(x_i + h_i);",
+                "const float f = prnn_sigmoid(x_f + h_f);",
+                "const float g = tanhf(x_g + h_g);",
+                "const float o = prnn_sigmoid(x_o + h_o);",
+                "const float c_new = f * c + i * g;",
+                "const float h_new = o * tanhf(c_new);",
+            ],
+        ),
+        (
+            GRU,
+            [
+                "const float r = prnn_sigmoid(x_r + h_r);",
+                "const float z = prnn_sigmoid(x_z + h_z);",
+                "const float n = tanhf(x_n + r * h_n);",
+                "const float h_new = (1.0f - z) * n + z * h;",
+            ],
+        ),
+        (
+            GRU_RESET_BEFORE,
+            [
+                "const float z = prnn_sigmoid(x_z + h_z);",
+                "const float n = tanhf(x_n + h_n);",
+                "const float h_new = (1.0f - z) * n + z * h;",
+            ],
+        ),
+        (RNN_TANH, ["const float h_new = tanhf(x_a + h_a);"]),
+        (RNN_RELU, ["const float h_new = prnn_relu(x_a + h_a);"]),
+    ],
+    ids=lambda v: v.name if isinstance(v, CellSpec) else "",
+)
+def test_render_cuda_pointwise(cell: CellSpec, expected: list[str]):
+    assert render_cuda(cell.pointwise, indent="    ").split("\n") == ["    " + line for line in expected]
+
+
+def test_render_cuda_between_stages():
+    assert render_cuda(GRU_RESET_BEFORE.between_stages[0]) == (
+        "const float r = prnn_sigmoid(x_r + h_r);\nconst float r_h = r * h;"
+    )
+
+
+@pytest.mark.parametrize(
+    ("expr", "cuda"),
+    [
+        ("a - (b - c)", "a - (b - c)"),
+        ("(a - b) - c", "a - b - c"),
+        ("a / (b * c)", "a / (b * c)"),
+        ("(a + b) * c", "(a + b) * c"),
+        ("-(-a)", "-(-a)"),
+        ("-(a + b)", "-(a + b)"),
+        ("2 * -a", "2.0f * -a"),
+        ("1 / 2", "1.0f / 2.0f"),  # never integer division in C
+        ("1e-5 * a", "1e-05f * a"),
+        ("sigmoid(tanh(relu(a)))", "prnn_sigmoid(tanhf(prnn_relu(a)))"),
+    ],
+)
+def test_render_cuda_expression(expr: str, cuda: str):
+    assert render_cuda_expression(expr) == cuda
+
+
+def _cuda_to_python(cuda: str) -> str:
+    """Map a rendered CUDA expression back to Python: the syntax of this subset is shared."""
+    python = re.sub(r"(\d)f\b", r"\1", cuda)
+    for name, cuda_name in CUDA_FUNCTIONS.items():
+        python = re.sub(rf"\b{cuda_name}\(", f"{name}(", python)
+    return python
+
+
+@pytest.mark.parametrize("cell", list(CELLS.values()), ids=lambda c: c.name)
+def test_cuda_rendering_keeps_each_expression_tree(cell: CellSpec):
+    # If parentheses were lost or precedence differed, the tree read back would differ.
+    for block in (*cell.between_stages, cell.pointwise):
+        for _, expr in block:
+            rendered = _cuda_to_python(render_cuda_expression(expr))
+            assert ast.dump(ast.parse(rendered, mode="eval")) == ast.dump(
+                ast.parse(render_numpy_expression(expr), mode="eval")
+            )
+
+
+# ---- expression validation --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expr", "fragment"),
+    [
+        ("__import__('os')", "'__import__'"),
+        ("x.real", "'x.real'"),
+        ("np.exp(x)", "'np.exp'"),
+        ("exp(x)", "'exp'"),
+        ("sigmoid(x, y)", "one positional argument"),
+        ("sigmoid(x=1)", "one positional argument"),
+        ("sigmoid(*x)", "one positional argument"),
+        ("sigmoid + 1", "used as a value"),
+        ("x ** 2", "'x ** 2'"),
+        ("x % 2", "'x % 2'"),
+        ("x[0]", "'x[0]'"),
+        ("a if b else c", "'a if b else c'"),
+        ("lambda: 0", "'lambda: 0'"),
+        ("a < b", "'a < b'"),
+        ("(a := 1)", "'(a := 1)'"),
+        ("+a", "'+a'"),
+        ("True", "'True'"),
+        ("'text'", "\"'text'\""),
+        ("1e999", "finite"),
+        ("x\u00e9", "ASCII"),
+        ("prnn_sigmoid(x)", "'prnn_sigmoid'"),
+        ("", "valid syntax"),
+        ("a +", "valid syntax"),
+        ("a = 1", "valid syntax"),
+    ],
+)
+def test_expression_validator_rejects(expr: str, fragment: str):
+    with pytest.raises(ValueError) as info:
+        expression_names(expr)
+    assert fragment in str(info.value)
+    with pytest.raises(ValueError):
+        render_cuda_expression(expr)
+    with pytest.raises(ValueError):
+        evaluate([("y", expr)], {})
+
+
+def test_expression_validator_rejects_non_str():
+    with pytest.raises(TypeError, match="expected str, got int"):
+        expression_names(3)  # type: ignore[arg-type]
+
+
+def test_expression_names():
+    assert expression_names("(1 - z) * n + z * h") == {"z", "n", "h"}
+    assert expression_names("sigmoid(x_i + h_i)") == {"x_i", "h_i"}
+
+
+# ---- numpy evaluation -------------------------------------------------------
+
+
+def test_evaluate_runs_statements_in_order():
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.uniform(0.5, 2.0, 6) * rng.choice([-1.0, 1.0], 6) for _ in range(3))
+    env = evaluate(
+        [("d", "a - (b - c)"), ("e", "-d / 3"), ("f", "sigmoid(e) * tanh(a) + relu(b)")], {"a": a, "b": b, "c": c}
+    )
+    d = a - (b - c)
+    e = -d / 3
+    np.testing.assert_array_equal(env["d"], d)
+    np.testing.assert_array_equal(env["e"], e)
+    np.testing.assert_allclose(env["f"], 1 / (1 + np.exp(-e)) * np.tanh(a) + np.maximum(b, 0), rtol=1e-15)
+    assert set(env) == {"a", "b", "c", "d", "e", "f"}
+
+
+def test_numpy_functions_are_float64_and_stable():
+    x = np.array([-1000.0, -30.0, -1.0, 0.0, 1.0, 30.0, 1000.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow for large |x|
+        sigmoid = NUMPY_FUNCTIONS["sigmoid"](x)
+    assert sigmoid.dtype == np.float64
+    np.testing.assert_allclose(sigmoid[1:-1], 1 / (1 + np.exp(-x[1:-1])), rtol=1e-15)
+    assert sigmoid[0] == 0.0 and sigmoid[-1] == 1.0
+    np.testing.assert_array_equal(NUMPY_FUNCTIONS["relu"](x), np.maximum(x, 0.0))
+    np.testing.assert_array_equal(NUMPY_FUNCTIONS["tanh"](x), np.tanh(x))
+
+
+def test_step_reference_lstm_matches_formula():
+    rng = np.random.default_rng(1)
+    batch, hidden, proj = 3, 4, 2
+    x_proj = rng.standard_normal((batch, 4 * hidden))
+    h = rng.standard_normal((batch, proj))
+    c = rng.standard_normal((batch, hidden))
+    w_hh = rng.standard_normal((4 * hidden, proj))
+    b_hh = rng.standard_normal(4 * hidden)
+    h_new, c_new = LSTM.step_reference(x_proj, h, c, w_hh, b_hh)
+    gates = x_proj + h @ w_hh.T + b_hh
+    i, f, g, o = np.split(gates, 4, axis=1)
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    expected_c = sig(f) * c + sig(i) * np.tanh(g)
+    np.testing.assert_allclose(c_new, expected_c, rtol=1e-13)
+    np.testing.assert_allclose(h_new, sig(o) * np.tanh(expected_c), rtol=1e-13)
+
+
+# ---- spec validation --------------------------------------------------------
+
+
+def _linear(**changes) -> CellSpec:
+    fields = dict(
+        name="linear",
+        gates=("a",),
+        has_cell_state=False,
+        stages=(("a",),),
+        stage_operands=("h",),
+        between_stages=(),
+        pointwise=(("h_new", "x_a + h_a"),),
+    )
+    fields.update(changes)
+    return CellSpec(**fields)
+
+
+def test_spec_accepts_plain_pairs_and_stores_statements():
+    assert _linear().pointwise == (Statement("h_new", "x_a + h_a"),)
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"pointwise": (("h_new", "x_a + h_b"),)}, ["undefined ['h_b']"]),
+        ({"pointwise": (("h_new", "x_a + c"),)}, ["undefined ['c']"]),  # no cell state
+        ({"pointwise": (("y", "x_a"), ("y", "h_a"), ("h_new", "y"))}, ["'y'", "already defined"]),
+        ({"pointwise": (("h", "x_a"), ("h_new", "h"))}, ["'h'", "already defined"]),
+        ({"pointwise": (("tanh", "x_a"), ("h_new", "x_a"))}, ["'tanh'"]),
+        ({"pointwise": (("prnn_x", "x_a"), ("h_new", "x_a"))}, ["'prnn_x'"]),
+        ({"pointwise": (("h new", "x_a"),)}, ["identifier", "'h new'"]),
+        ({"pointwise": (("y", "x_a + h_a"),)}, ["('h_new',)", "missing ['h_new']"]),
+        ({"pointwise": (("h_new", "x_a.real"),)}, ["'x_a.real'"]),
+        ({"has_cell_state": True}, ["missing ['c_new']"]),
+        ({"gates": ("a", "b")}, ["each gate of ('a', 'b')"]),
+        ({"gates": ("a", "a")}, ["distinct gate names", "('a', 'a')"]),
+        ({"gates": ("a-b",), "stages": (("a-b",),)}, ["identifier", "'a-b'"]),
+        ({"stages": (("a",), ())}, ["non-empty stages"]),
+        ({"stage_operands": ("h", "h")}, ["expected 1 stage operands, got 2"]),
+        ({"between_stages": ((("y", "h"),),)}, ["expected 0 between-stage blocks, got 1"]),
+        ({"stage_operands": ("x_a",)}, ["'h' or a name assigned before it", "got 'x_a'"]),
+        ({"supports_projection": True, "pointwise": (("h_new", "x_a + h"),)}, ["read 'h'", "['h_new']"]),
+        ({"name": ""}, ["non-empty str", "''"]),
+    ],
+)
+def test_spec_rejects(changes: dict, fragments: list[str]):
+    with pytest.raises(ValueError) as info:
+        _linear(**changes)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_spec_later_stage_may_only_use_earlier_names():
+    two_stage = dict(
+        gates=("a", "b"),
+        stages=(("a",), ("b",)),
+        stage_operands=("h", "s"),
+        pointwise=(("h_new", "h_a + h_b + x_b"),),
+    )
+    _linear(**two_stage, between_stages=((("s", "sigmoid(h_a) * h"),),))
+    with pytest.raises(ValueError, match=r"got undefined \['h_b'\]"):
+        _linear(**two_stage, between_stages=((("s", "h_b * h"),),))
+    with pytest.raises(ValueError, match="got 's'"):
+        _linear(**two_stage, between_stages=((("t", "h"),),))
+
+
+def test_spec_is_frozen():
+    with pytest.raises(AttributeError):
+        LSTM.name = "other"  # type: ignore[misc]
+    assert replace(LSTM) == LSTM
