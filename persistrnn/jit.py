@@ -146,6 +146,9 @@ def program_options(arch: str, defines: dict[str, Any], name: str = "default_pro
         arch=arch,
         std="c++17",
         ptxas_options=["-v"],  # the resource report
+        # NVRTC's own cache (12.9+) skips ptxas on a hit, and with it the
+        # resource report; our disk cache stores the report beside the cubin.
+        no_cache=True,
         define_macro=macros or None,
         **dict(_header_options()),
     )
