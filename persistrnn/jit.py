@@ -564,6 +564,9 @@ def _stream(torch_stream: Any) -> Any:
     return _wrapped_stream(torch_stream.cuda_stream)
 
 
+_core_launch = None
+
+
 def launch(
     kernel: LoadedKernel,
     config: Any,
@@ -572,14 +575,20 @@ def launch(
 ) -> None:
     """Launch on ``stream`` (default: torch's current stream).
 
-    ``args`` must already be C-typed (numpy scalars, e.g. ``np.uint64`` for a
-    pointer and ``np.int32`` for an int): cuda.core copies them by their type.
+    ``args`` must already be C-typed (see :func:`kernel_args`): cuda.core
+    copies them by their type. This is the per-call path, so it does no work
+    that could be done once: imports and the stream wrapper are cached.
     """
-    import torch
-    from cuda.core import launch as core_launch
+    global _core_launch
+    if _core_launch is None:
+        from cuda.core import launch as core_launch
 
-    stream = stream if stream is not None else torch.cuda.current_stream(kernel.device)
-    core_launch(_stream(stream), config, kernel.kernel, *args)
+        _core_launch = core_launch
+    if stream is None:
+        import torch
+
+        stream = torch.cuda.current_stream()
+    _core_launch(_wrapped_stream(stream.cuda_stream), config, kernel.kernel, *args)
 
 
 def kernel_args(*values: Any) -> tuple[Any, ...]:

@@ -14,12 +14,15 @@ PY=${PYTHON:-python3}
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 $PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
+$PY -m persistrnn >"$OUT/demo.log" 2>&1
+demo_rc=$?
 $PY -m persistrnn.bench sync --json "$OUT/sync.json" --markdown "$OUT/sync.md" >"$OUT/bench_sync.log" 2>&1
 bench_rc=$?
 
 echo
 echo "==== summary ($(git rev-parse --short=12 HEAD 2>/dev/null || echo no-git)) ===="
 echo "tests: exit $tests_rc: $(tail -n 1 "$OUT/tests.log")"
+echo "demo: exit $demo_rc"; cat "$OUT/demo.log"
 echo "bench sync: exit $bench_rc"
 if [ -f "$OUT/sync.md" ]; then cat "$OUT/sync.md"; else tail -n 30 "$OUT/bench_sync.log"; fi
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$demo_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

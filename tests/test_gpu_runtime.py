@@ -146,7 +146,9 @@ def test_bench_sync_smoke():
     # A short run of the whole suite: every stage runs and checks its result.
     result = sync.run(sync.SyncConfig(steps=200, repeats=1, warmup=1, launches=50), progress=False)
     assert result["max_cluster_size"] >= 8
-    assert set(result["cluster_exchange_stasync"]) == set(sync.STATE_SIZES)
+    assert set(result["cluster_exchange_stasync"]) == set(sync.EXCHANGE_BLOCKS)
+    assert set(result["cluster_exchange_stasync"][256]) == set(sync.STATE_SIZES)
+    assert result["launch"]["graph_us"] > 0
     assert "| st.async + mbarrier |" in sync.format_table(result)
 
 

@@ -29,6 +29,9 @@ from .timing import time_cuda_ms
 BLOCK = 256  # threads per block in every sync kernel: a typical persistent block
 STATE_SIZES = (256, 1024, 4096)  # H: floats of state exchanged per step
 EXCHANGE_CLUSTERS = (2, 4, 8, 16)  # H must divide by 4 * cluster size
+# Threads per block for the exchanges: every thread waits, so the cost grows
+# with the block; a persistent RNN block holding weights in registers is large.
+EXCHANGE_BLOCKS = (32, 256, 1024)
 RESIDENCY_SHARED = 200 * 1024  # a persistent block that holds its weights in shared memory
 
 
@@ -104,7 +107,9 @@ def _check_state(got: Any, H: int, steps: int, what: str) -> None:
 
 
 def launch_gap(r: _Runner) -> dict[str, float]:
-    """Back-to-back empty launches: device time and host issue time per launch."""
+    """Back-to-back empty launches, per launch: issued from Python (host-bound
+    when the issue path is slower than the GPU), and replayed from a CUDA graph
+    (the device's own gap between dependent kernels)."""
     import torch
 
     k = r.kernel("empty_kernel")
@@ -120,8 +125,13 @@ def launch_gap(r: _Runner) -> dict[str, float]:
     t0 = time.perf_counter()
     many()
     host_us = (time.perf_counter() - t0) * 1e6 / n
-    device_us = time_cuda_ms(many, warmup=1, repeats=r.cfg.repeats) * 1e3 / n
-    return {"device_us_per_launch": device_us, "host_us_per_launch": host_us}
+    torch.cuda.synchronize()
+    issued_us = time_cuda_ms(many, warmup=1, repeats=r.cfg.repeats) * 1e3 / n
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        many()
+    graph_us = time_cuda_ms(graph.replay, warmup=1, repeats=r.cfg.repeats) * 1e3 / n
+    return {"host_issue_us": host_us, "issued_us": issued_us, "graph_us": graph_us}
 
 
 def grid_block_counts(sm_count: int) -> list[int]:
@@ -177,28 +187,31 @@ def cluster_barriers(r: _Runner, max_cluster: int) -> dict[int, float]:
     }
 
 
-def cluster_exchanges(r: _Runner, max_cluster: int) -> dict[str, dict[int, dict[int, float]]]:
+def cluster_exchanges(r: _Runner, max_cluster: int) -> dict[str, dict[int, dict[int, dict[int, float]]]]:
+    """Per-step exchange cost, indexed [kernel][threads per block][H][cluster size]."""
     import torch
 
-    out: dict[str, dict[int, dict[int, float]]] = {"cluster_exchange_dsmem": {}, "cluster_exchange_stasync": {}}
+    out: dict[str, dict] = {"cluster_exchange_dsmem": {}, "cluster_exchange_stasync": {}}
     for name, table in out.items():
         k = r.kernel(name)
         with_status = name.endswith("stasync")
-        for H in STATE_SIZES:
-            table[H] = {}
-            for n in (c for c in EXCHANGE_CLUSTERS if c <= max_cluster):
-                state = torch.full((H,), float("nan"), device=r.device)  # poisoned
-                shared = 2 * H * 4 + (16 if with_status else 0)
-                cfg = k.config(n, BLOCK, shared=shared, cluster=n)
+        for block in EXCHANGE_BLOCKS:
+            table[block] = {}
+            for H in STATE_SIZES:
+                table[block][H] = {}
+                for n in (c for c in EXCHANGE_CLUSTERS if c <= max_cluster):
+                    state = torch.full((H,), float("nan"), device=r.device)  # poisoned
+                    shared = 2 * H * 4 + (16 if with_status else 0)
+                    cfg = k.config(n, block, shared=shared, cluster=n)
 
-                def make_args(s, state=state, H=H):
-                    return jit.kernel_args(state, H, s, r.status) if with_status else jit.kernel_args(state, H, s)
+                    def make_args(s, state=state, H=H):
+                        return jit.kernel_args(state, H, s, r.status) if with_status else jit.kernel_args(state, H, s)
 
-                table[H][n] = r.per_step_us(name, cfg, make_args)
-                state.fill_(float("nan"))
-                jit.launch(k, cfg, *make_args(r.cfg.steps))
-                jit.check_status(r.status, name)
-                _check_state(state, H, r.cfg.steps, f"{name} H={H} cluster={n}")
+                    table[block][H][n] = r.per_step_us(name, cfg, make_args)
+                    state.fill_(float("nan"))
+                    jit.launch(k, cfg, *make_args(r.cfg.steps))
+                    jit.check_status(r.status, name)
+                    _check_state(state, H, r.cfg.steps, f"{name} H={H} cluster={n} block={block}")
     return out
 
 
@@ -252,11 +265,12 @@ def _progress(stages, enabled: bool):
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """Markdown table of the floors, in microseconds per step."""
+    """Markdown tables of the floors, in microseconds per step."""
     lines = ["| what | configuration | µs per step |", "|---|---|---|"]
     launch = result["launch"]
-    lines.append(f"| back-to-back empty launches | device | {launch['device_us_per_launch']:.2f} |")
-    lines.append(f"| back-to-back empty launches | host issue | {launch['host_us_per_launch']:.2f} |")
+    lines.append(f"| empty launches, back to back from Python | host issue time | {launch['host_issue_us']:.2f} |")
+    lines.append(f"| empty launches, back to back from Python | device time | {launch['issued_us']:.2f} |")
+    lines.append(f"| empty launches, replayed from a CUDA graph | device time | {launch['graph_us']:.2f} |")
     for name, label in (("grid_sync_cg", "cooperative-groups grid.sync"), ("grid_barrier_counter", "counter barrier")):
         for blocks, us in result[name].items():
             lines.append(f"| {label} | {blocks} blocks | {us:.3f} |")
@@ -264,19 +278,26 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"| counter barrier + broadcast of h (global) | H={H}, all SMs | {us:.3f} |")
     for n, us in result["cluster_barrier"].items():
         lines.append(f"| cluster.sync | cluster of {n} | {us:.3f} |")
+    sizes = [n for n in EXCHANGE_CLUSTERS if n <= result["max_cluster_size"]]
+    lines += ["", "Exchange of h to every block of a cluster, µs per step, by cluster size:", ""]
+    lines.append("| method | threads per block | H | " + " | ".join(str(n) for n in sizes) + " |")
+    lines.append("|---|---|---|" + "---|" * len(sizes))
     for name, label in (
         ("cluster_exchange_dsmem", "DSMEM stores + cluster.sync"),
         ("cluster_exchange_stasync", "st.async + mbarrier"),
     ):
-        for H, row in result[name].items():
-            for n, us in row.items():
-                lines.append(f"| {label} | H={H}, cluster of {n} | {us:.3f} |")
+        for block, by_h in result[name].items():
+            for H, row in by_h.items():
+                lines.append(f"| {label} | {block} | {H} | " + " | ".join(f"{row[n]:.3f}" for n in sizes) + " |")
+    res = result["max_resident_clusters"]
     lines.append("")
-    lines.append(f"Largest cluster: {result['max_cluster_size']}. Clusters resident at once "
-                 f"(256 threads per block): " + ", ".join(
-                     f"{n}: {c}" for n, c in result["max_resident_clusters"]["no_shared"].items())
-                 + "; with 200 KB shared memory per block: " + ", ".join(
-                     f"{n}: {c}" for n, c in result["max_resident_clusters"]["shared_200KB"].items()) + ".")
+    lines.append(
+        f"Largest cluster: {result['max_cluster_size']}. Clusters resident at once (256 threads per block): "
+        + ", ".join(f"{n}: {c}" for n, c in res["no_shared"].items())
+        + "; with 200 KB shared memory per block: "
+        + ", ".join(f"{n}: {c}" for n, c in res["shared_200KB"].items())
+        + "."
+    )
     return "\n".join(lines)
 
 

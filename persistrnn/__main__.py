@@ -1,0 +1,92 @@
+"""``python -m persistrnn``: the demo, and the entry to the other commands.
+
+On a GPU the demo measures what a persistent kernel pays per timestep against
+what cuDNN pays per timestep on the same GPU, today's reason for persistrnn.
+Without a GPU it says so and runs what runs on a CPU: the float64 reference
+against torch, and the compilation of every kernel for sm_90.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _cpu_demo() -> int:
+    import numpy as np
+    import torch
+
+    from . import reference
+    from .bench import sync
+
+    print("No CUDA GPU is visible, so persistrnn's kernels cannot run here: they need an NVIDIA GPU of")
+    print(f"compute capability 9.0 or newer (torch {torch.__version__}, torch.cuda.is_available() is False).")
+    print("Running what runs on a CPU instead.\n")
+
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(64, 128, num_layers=2, batch_first=True).double()
+    x = torch.randn(3, 50, 64, dtype=torch.float64)
+    with torch.no_grad():
+        want, (h_want, _) = lstm(x)
+    got, (h_got, _) = reference.rnn_forward(
+        "lstm", x.numpy(), reference.params_from_torch(lstm), num_layers=2, batch_first=True
+    )
+    err = np.linalg.norm(got - want.numpy()) / np.linalg.norm(want.numpy())
+    print(f"1. float64 reference vs torch.nn.LSTM (2 layers, H=128, T=50, B=3): relative error {err:.1e}")
+
+    t0 = time.perf_counter()
+    binary = sync.sync_binary(arch="sm_90")
+    print(f"2. NVRTC compiled the sync kernels for sm_90 in {time.perf_counter() - t0:.2f} s (cached after the first time):")
+    for name, res in sorted(binary.resources.items()):
+        print(f"     {name:28s} {res.registers:3d} registers, {res.stack_frame_bytes} B stack, "
+              f"{res.spill_store_bytes} B spills")
+    return 0
+
+
+def _gpu_demo() -> int:
+    import torch
+
+    from . import jit
+    from .bench import sync
+    from .bench.timing import time_cuda_ms
+
+    facts = jit.device_facts()
+    print(f"{facts.name}: {facts.sm_count} SMs, {facts.registers_per_sm // 1024}K registers and "
+          f"{facts.shared_per_sm // 1024} KB shared memory per SM\n")
+
+    H, T, B = 256, 100, 1
+    lstm = torch.nn.LSTM(H, H).cuda()
+    x = torch.randn(T, B, H, device="cuda")
+    with torch.no_grad():
+        cudnn_ms = time_cuda_ms(lambda: lstm(x), warmup=3, repeats=20)
+    print(f"cuDNN through torch, LSTM H={H}, T={T}, batch {B}: {cudnn_ms:.3f} ms = {cudnn_ms * 1e3 / T:.2f} µs per step")
+
+    r = sync._Runner(sync.SyncConfig(steps=5_000, repeats=5))
+    k = r.kernel("cluster_exchange_stasync")
+    state = torch.empty(H, device="cuda")
+    cluster = 8
+    cfg = k.config(cluster, sync.BLOCK, shared=8 * H + 16, cluster=cluster)
+    us = r.per_step_us("cluster_exchange_stasync", cfg, lambda s: jit.kernel_args(state, H, s, r.status))
+    print(f"persistent kernel floor: exchanging h (H={H}) across a cluster of {cluster} blocks: {us:.2f} µs per step")
+    print(f"\nThe synchronisation a persistent LSTM needs per step costs {cudnn_ms * 1e3 / T / us:.0f}x less than")
+    print("a step of cuDNN here. Full table: python -m persistrnn.bench sync")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else "demo"
+    if command == "demo":
+        import torch
+
+        return _gpu_demo() if torch.cuda.is_available() else _cpu_demo()
+    if command == "bench":
+        from .bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
+    print(f"unknown command {command!r}; expected 'demo' (the default) or 'bench <suite>'", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
