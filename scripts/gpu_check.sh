@@ -2,7 +2,8 @@
 # One call on a GPU machine: every test (GPU ones included), then the
 # benchmarks. Full logs and JSON go under $OUT (default ./gpu_check_out); a
 # short summary is printed last. Runs from a checkout with no install and no
-# network: PYTHONPATH points at the repository.
+# network: PYTHONPATH points at the repository. Where the copy has no .git,
+# set PERSISTRNN_COMMIT so that results name their commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -20,7 +21,7 @@ $PY -m persistrnn.bench sync --json "$OUT/sync.json" --markdown "$OUT/sync.md" >
 bench_rc=$?
 
 echo
-echo "==== summary ($(git rev-parse --short=12 HEAD 2>/dev/null || echo no-git)) ===="
+echo "==== summary (commit ${PERSISTRNN_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}) ===="
 echo "tests: exit $tests_rc: $(tail -n 1 "$OUT/tests.log")"
 echo "demo: exit $demo_rc"; cat "$OUT/demo.log"
 echo "bench sync: exit $bench_rc"

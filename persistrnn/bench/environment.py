@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,9 @@ def environment() -> dict[str, Any]:
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "persistrnn": __version__,
-        "commit": _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo),
-        "dirty": _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) not in ("", "unknown"),
+        # A copy of the tree without .git (a remote GPU machine) is told its
+        # commit through PERSISTRNN_COMMIT.
+        "commit": os.environ.get("PERSISTRNN_COMMIT") or _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo),
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,

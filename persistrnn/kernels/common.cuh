@@ -146,8 +146,9 @@ __device__ __forceinline__ bool prnn_mbar_try_wait_cluster(prnn_u64* bar, prnn_u
 __device__ __forceinline__ bool prnn_mbar_wait_cluster(prnn_u64* bar, prnn_u32 parity, int* status) {
     if (prnn_mbar_try_wait_cluster(bar, parity)) return true;
     const prnn_u64 start = prnn_globaltimer();
+    prnn_u32 polls = 0;
     while (!prnn_mbar_try_wait_cluster(bar, parity)) {
-        if (prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS) {
+        if (++polls % PRNN_POLLS_PER_CLOCK_READ == 0 && prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS) {
             prnn_fail(status, PRNN_STATUS_CLUSTER_WAIT_TIMEOUT);
             return false;
         }
