@@ -459,25 +459,21 @@ GRU_RESET_BEFORE = CellSpec(
     ),
 )
 
-RNN_TANH = CellSpec(
-    name="rnn_tanh",
-    gates=("a",),
-    has_cell_state=False,
-    stages=(("a",),),
-    stage_operands=("h",),
-    between_stages=(),
-    pointwise=(Statement("h_new", "tanh(x_a + h_a)"),),
-)
+def _vanilla_rnn(nonlinearity: str) -> CellSpec:
+    """torch.nn.RNN's cell: one gate, h' = f(x_a + h_a)."""
+    return CellSpec(
+        name=f"rnn_{nonlinearity}",
+        gates=("a",),
+        has_cell_state=False,
+        stages=(("a",),),
+        stage_operands=("h",),
+        between_stages=(),
+        pointwise=(Statement("h_new", f"{nonlinearity}(x_a + h_a)"),),
+    )
 
-RNN_RELU = CellSpec(
-    name="rnn_relu",
-    gates=("a",),
-    has_cell_state=False,
-    stages=(("a",),),
-    stage_operands=("h",),
-    between_stages=(),
-    pointwise=(Statement("h_new", "relu(x_a + h_a)"),),
-)
+
+RNN_TANH = _vanilla_rnn("tanh")
+RNN_RELU = _vanilla_rnn("relu")
 
 CELLS: Mapping[str, CellSpec] = MappingProxyType(
     {cell.name: cell for cell in (LSTM, GRU, GRU_RESET_BEFORE, RNN_TANH, RNN_RELU)}

@@ -158,3 +158,26 @@ def test_wrong_kernel_name_is_named(isolated_cache):
 def test_read_source_inlines_common_header():
     src = jit.read_source("sync_bench.cu")
     assert "prnn_grid_barrier" in src and "cluster_exchange_stasync" in src
+
+
+def test_kernel_args_types_and_errors():
+    import numpy as np
+    import torch
+
+    t = torch.empty(3)
+    args = jit.kernel_args(t, 7, 0.5, True, np.int64(9))
+    assert [type(a) for a in args] == [np.uint64, np.int32, np.float32, np.int32, np.int64]
+    assert int(args[0]) == t.data_ptr()
+    with pytest.raises(TypeError, match="tensor, int, float or numpy scalar, got str"):
+        jit.kernel_args("7")
+
+
+def test_sync_config_rejects_bad_values():
+    from persistrnn.bench.sync import SyncConfig
+
+    with pytest.raises(ValueError, match="steps must be >= 20.*got 10"):
+        SyncConfig(steps=10)
+    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
+        SyncConfig(repeats=0)
+    with pytest.raises(ValueError, match="warmup must be a non-negative int, got -1"):
+        SyncConfig(warmup=-1)

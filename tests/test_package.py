@@ -32,3 +32,25 @@ def test_first_gpu_use_without_gpu_says_why(monkeypatch):
         jit.device_facts()
     with pytest.raises(GPUUnavailableError):
         jit.compile_source("tiny", 'extern "C" __global__ void k() {}')  # arch from the device
+
+
+def _run_module(*args):
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_demo_without_gpu_says_so_and_runs_the_cpu_part():
+    out = _run_module("persistrnn")
+    assert out.returncode == 0, out.stderr
+    assert "No CUDA GPU is visible" in out.stdout
+    err = float(out.stdout.split("relative error ")[1].split()[0])
+    assert err < 1e-10  # the float64 reference agrees with torch
+    assert "cluster_exchange_stasync" in out.stdout and "0 B spills" in out.stdout
+
+
+def test_bench_without_gpu_fails_clearly():
+    out = _run_module("persistrnn.bench", "sync", "--steps", "100")
+    assert out.returncode == 2
+    assert "torch.cuda.is_available() is False" in out.stderr
+    out = _run_module("persistrnn.bench", "nosuch")
+    assert out.returncode == 2 and "expected one of: sync" in out.stderr

@@ -18,7 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     if suite not in SUITES:
         print(f"unknown suite {suite!r}; expected one of: {', '.join(SUITES)}", file=sys.stderr)
         return 2
-    return importlib.import_module(SUITES[suite]).main(rest)
+    from ..jit import GPUUnavailableError
+
+    try:
+        return importlib.import_module(SUITES[suite]).main(rest)
+    except GPUUnavailableError as exc:
+        print(f"bench {suite}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
