@@ -301,6 +301,23 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_header(result: dict[str, Any]) -> str:
+    """Where and how the numbers were taken, for the top of a results file."""
+    env, cfg = result["environment"], result["config"]
+    smi = env.get("nvidia_smi", {})
+    return "\n".join([
+        f"- GPU: {env.get('gpu')}, driver {smi.get('driver_version')}, SM clock {smi.get('clocks.sm')} "
+        f"(max {smi.get('clocks.max.sm')}), memory clock {smi.get('clocks.mem')}, power limit {smi.get('power.limit')}",
+        f"- torch {env['torch']} (CUDA {env['cuda_runtime']}), cuDNN {env['cudnn']}, cuda.core {env['cuda_core']}, "
+        f"NVRTC {env['nvrtc']}",
+        f"- persistrnn {env['persistrnn']}, commit {env['commit']}, {env['date']}",
+        f"- Method: each kernel runs {cfg['steps']} and {cfg['steps'] // 10} steps in one launch; per step = the "
+        f"difference of the two times over the difference of the steps. Each time is the median of {cfg['repeats']} "
+        f"CUDA-event timings after {cfg['warmup']} warm-up launches. The exchange kernels' final state is checked "
+        "exactly before any number is reported.",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -312,14 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(SyncConfig(steps=args.steps, repeats=args.repeats))
     table = format_table(result)
-    env = result["environment"]
-    header = f"{env.get('gpu')} · torch {env['torch']} · commit {env['commit']} · {env['date']}"
+    header = format_header(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(f"{header}\n\n{table}\n")
+        args.markdown.write_text(f"# Sync floors (`python -m persistrnn.bench sync`)\n\n{header}\n\n{table}\n")
     print(header)
     print(table)
     return 0
