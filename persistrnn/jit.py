@@ -30,6 +30,7 @@ from . import __version__
 CACHE_ENV = "PERSISTRNN_CACHE_DIR"
 _CACHE_MAGIC = b"PRNNBIN1"
 
+
 class GPUUnavailableError(RuntimeError):
     """Raised on the first GPU use when no usable GPU is present."""
 
