@@ -65,7 +65,7 @@ def _gpu_demo() -> int:
     k = r.kernel("cluster_exchange_stasync")
     state = torch.empty(H, device="cuda")
     cluster = 8
-    cfg = k.config(cluster, sync.BLOCK, shared=8 * H + 16, cluster=cluster)
+    cfg = k.config(cluster, sync.BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=cluster)
     us = r.per_step_us("cluster_exchange_stasync", cfg, lambda s: jit.kernel_args(state, H, s, r.status))
     print(f"persistent kernel floor: exchanging h (H={H}) across a cluster of {cluster} blocks: {us:.2f} µs per step")
     print(f"\nThe synchronisation a persistent LSTM needs per step costs {cudnn_ms * 1e3 / T / us:.0f}x less than")

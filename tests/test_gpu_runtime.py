@@ -57,9 +57,8 @@ def test_cluster_exchange_is_exact(torch, binary, status, kernel, H, cluster):
     k = jit.get_kernel(binary, kernel)
     steps = 101  # odd: the result ends in buffer 1
     out = torch.full((H,), float("nan"), device="cuda")
-    extra = 16 if kernel.endswith("stasync") else 0
-    cfg = k.config(cluster, BLOCK, shared=8 * H + extra, cluster=cluster)
-    args = (out, H, steps, status) if extra else (out, H, steps)
+    cfg = k.config(cluster, BLOCK, shared=sync.exchange_shared_bytes(kernel, H), cluster=cluster)
+    args = (out, H, steps, status) if kernel.endswith("stasync") else (out, H, steps)
     jit.launch(k, cfg, *jit.kernel_args(*args))
     jit.check_status(status, kernel)
     torch.testing.assert_close(out, expected(torch, H, steps), rtol=0, atol=0)
@@ -70,7 +69,7 @@ def test_dynamic_shared_above_48KB(torch, binary, status):
     H, steps = 8192, 33
     k = jit.get_kernel(binary, "cluster_exchange_stasync")
     out = torch.full((H,), float("nan"), device="cuda")
-    jit.launch(k, k.config(2, BLOCK, shared=8 * H + 16, cluster=2), *jit.kernel_args(out, H, steps, status))
+    jit.launch(k, k.config(2, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=2), *jit.kernel_args(out, H, steps, status))
     jit.check_status(status, "cluster_exchange_stasync")
     torch.testing.assert_close(out, expected(torch, H, steps), rtol=0, atol=0)
 
@@ -96,7 +95,7 @@ def test_launch_follows_torch_current_stream(torch, binary, status):
     # the copy sees the kernel's result only if the launch went on that stream.
     H, steps, cluster = 1024, 500, 8
     k = jit.get_kernel(binary, "cluster_exchange_stasync")
-    cfg = k.config(cluster, BLOCK, shared=8 * H + 16, cluster=cluster)
+    cfg = k.config(cluster, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=cluster)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         out = torch.empty(H, device="cuda")

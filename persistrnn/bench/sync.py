@@ -40,6 +40,12 @@ def sync_binary(arch: str | None = None) -> jit.CompiledBinary:
     return jit.compile_source("sync_bench", jit.read_source("sync_bench.cu"), arch=arch)
 
 
+def exchange_shared_bytes(kernel: str, H: int) -> int:
+    """Dynamic shared memory of a cluster exchange kernel: two H-float state
+    buffers, then (st.async only) one 8-byte mbarrier per buffer."""
+    return 2 * H * 4 + (16 if kernel == "cluster_exchange_stasync" else 0)
+
+
 def expected_state(H: int, steps: int) -> list[float]:
     """h_S of the exchange recurrence h_s[j] = h_{s-1}[(j+1) mod H] + 1, h_0[j] = j."""
     return [float((j + steps) % H + steps) for j in range(H)]
@@ -201,8 +207,7 @@ def cluster_exchanges(r: _Runner, max_cluster: int) -> dict[str, dict[int, dict[
                 table[block][H] = {}
                 for n in (c for c in EXCHANGE_CLUSTERS if c <= max_cluster):
                     state = torch.full((H,), float("nan"), device=r.device)  # poisoned
-                    shared = 2 * H * 4 + (16 if with_status else 0)
-                    cfg = k.config(n, block, shared=shared, cluster=n)
+                    cfg = k.config(n, block, shared=exchange_shared_bytes(name, H), cluster=n)
 
                     def make_args(s, state=state, H=H):
                         return jit.kernel_args(state, H, s, r.status) if with_status else jit.kernel_args(state, H, s)
