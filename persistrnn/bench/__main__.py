@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-SUITES = {"sync": "persistrnn.bench.sync"}
+SUITES = {"sync": "persistrnn.bench.sync", "recurrence": "persistrnn.bench.recurrence"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,3 +165,59 @@ __device__ __forceinline__ void prnn_st_async_v4(prnn_u32 remote_addr, float4 v,
         "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar)
         : "memory");
 }
+
+// ---- asynchronous global -> shared copies ---------------------------------
+
+// 4 bytes, bypassing registers; completes with the group it is committed in.
+__device__ __forceinline__ void prnn_cp_async_4(void* smem_dst, const void* global_src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(prnn_smem_addr(smem_dst)), "l"(global_src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void prnn_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most `pending` committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void prnn_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
+// ---- element types without toolkit headers ---------------------------------
+// 16-bit floats travel as raw bits and are converted with PTX cvt, so no
+// cuda_fp16.h / cuda_bf16.h is needed at run-time compile.
+
+struct prnn_f16 { unsigned short bits; };
+struct prnn_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float prnn_to_float(float v) { return v; }
+__device__ __forceinline__ float prnn_to_float(prnn_f16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+}
+__device__ __forceinline__ float prnn_to_float(prnn_bf16 v) {
+    float f;
+    asm("cvt.f32.bf16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T prnn_from_float(float v);
+template <> __device__ __forceinline__ float prnn_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ prnn_f16 prnn_from_float<prnn_f16>(float v) {
+    prnn_f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+}
+template <> __device__ __forceinline__ prnn_bf16 prnn_from_float<prnn_bf16>(float v) {
+    prnn_bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+}
+
+// ---- the pointwise functions of cells.py's expression language ------------
+
+// Full-precision expf, not __expf: the pointwise math is a sliver of a step and
+// __expf's error grows with |x|. Saturates correctly at both ends (e^-x -> inf
+// gives 0, -> 0 gives 1).
+__device__ __forceinline__ float prnn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float prnn_relu(float x) { return fmaxf(x, 0.0f); }

@@ -1,0 +1,244 @@
+"""One recurrent layer, persistent kernel against cuDNN: ``python -m persistrnn.bench recurrence``.
+
+For each (cell, hidden size, batch), with input size = hidden size and fp32:
+
+* ours: the input-projection GEMM plus one persistent launch. A few
+  configurations are timed and the fastest is kept (the planner will choose
+  from a model instead). Reported replayed from a CUDA graph (device time) and
+  called eagerly from Python back to back (what a plain call costs, host
+  included).
+* cuDNN through torch, in the same process: eager with torch's default fp32
+  settings (cuDNN may use TF32), eager with TF32 off, and replayed from a CUDA
+  graph (default settings).
+* relative error ||out - ref|| / ||ref|| of the output sequence against the
+  float64 reference, for ours and for cuDNN (TF32 on and off).
+
+Times are medians of ``repeats`` CUDA-event timings, each over ``calls``
+back-to-back calls, after warm-up; input buffers rotate over ``ROTATE`` copies
+so a small model does not run from a warm L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .. import jit, persistent, reference
+from ..cells import get_cell
+from .timing import time_cuda_ms
+
+ROTATE = 4
+TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
+
+
+@dataclasses.dataclass
+class RecurrenceBenchConfig:
+    cases: tuple[tuple[str, int, int], ...] = tuple(
+        [("lstm", H, B) for H in (64, 256, 1024) for B in (1, 8, 10, 20)]
+        + [(cell, H, B) for cell in ("gru", "gru_reset_before", "rnn_tanh") for H in (256, 1024) for B in (1, 20)]
+    )
+    steps: int = 100
+    calls: int = 10
+    repeats: int = 5
+    warmup: int = 2
+
+
+def candidates(cell: str, hidden: int, batch: int, sm_count: int) -> list[persistent.KernelConfig]:
+    """A handful of configurations around the default: fewer or more blocks
+    (register budget) and other work-group sizes."""
+    seen: dict[persistent.KernelConfig, None] = {}
+    for budget in (64, 128, 160):
+        try:
+            base = persistent.default_config(cell, hidden, batch, sm_count=sm_count, register_budget=budget)
+        except persistent.ConfigError:
+            continue
+        seen[base] = None
+        for group in (4, 16, 32):
+            try:
+                cfg = dataclasses.replace(base, group_size=group)
+            except persistent.ConfigError:
+                continue
+            if cfg.register_weights <= budget and cfg.estimated_registers <= persistent.MAX_REGISTERS_PER_THREAD:
+                seen[cfg] = None
+    return list(seen)
+
+
+def _rel(a: Any, b: Any) -> float:
+    import numpy as np
+
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _per_call_ms(fn, cfg: RecurrenceBenchConfig) -> float:
+    def many() -> None:
+        for _ in range(cfg.calls):
+            fn()
+
+    return time_cuda_ms(many, warmup=cfg.warmup, repeats=cfg.repeats) / cfg.calls
+
+
+def _graph(fn):
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture: compile, load, allocate
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def run_case(cell: str, hidden: int, batch: int, cfg: RecurrenceBenchConfig) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    spec = get_cell(cell)
+    T, H, G = cfg.steps, hidden, spec.num_gates
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(hash((cell, hidden, batch)) % 2**32)
+    bound = 1 / math.sqrt(H)
+    p = {k: rng.uniform(-bound, bound, shape) for k, shape in
+         (("w_ih", (G * H, H)), ("w_hh", (G * H, H)), ("b_ih", (G * H,)), ("b_hh", (G * H,)))}
+    xs = [rng.standard_normal((T, batch, H)) for _ in range(ROTATE)]
+    h0 = rng.standard_normal((batch, H)) * 0.5
+    c0 = rng.standard_normal((batch, H)) * 0.5
+    ref_out, _ = reference.rnn_forward(cell, xs[0], [[p]], hx=((h0[None], c0[None]) if spec.has_cell_state else h0[None]))
+
+    f32 = lambda a: torch.tensor(a, dtype=torch.float32, device=dev)  # noqa: E731
+    w = {k: f32(v) for k, v in p.items()}
+    x_gpu = [f32(x) for x in xs]
+    h0_gpu, c0_gpu = f32(h0), (f32(c0) if spec.has_cell_state else None)
+    result: dict[str, Any] = {"cell": cell, "hidden": H, "batch": batch, "steps": T}
+
+    # ---- ours: pick the fastest of a few configurations, by graph replay time
+    facts = jit.device_facts()
+    timings = []
+    for config in candidates(cell, H, batch, facts.sm_count):
+        try:
+            def fwd(i=0, config=config):
+                return persistent.forward_layer(config, x_gpu[i], w["w_ih"], w["w_hh"], w["b_ih"], w["b_hh"],
+                                                h0_gpu, c0_gpu, check=False)
+            out, _, _ = fwd()
+            jit.check_status(persistent._buffers(dev.index, torch.cuda.current_stream().cuda_stream).status,
+                             persistent.KERNEL_NAME)
+            err = _rel(out.double().cpu().numpy(), ref_out)
+            graphs = [_graph(lambda i=i, fwd=fwd: fwd(i)) for i in range(ROTATE)]
+            k = iter(range(10**9))
+            ms = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
+            timings.append((ms, config, err, fwd))
+        except (persistent.ConfigError, jit.KernelLaunchError, jit.CompileError) as exc:
+            result.setdefault("rejected", []).append(f"{config}: {exc}")
+    if not timings:
+        raise RuntimeError(f"no configuration ran for {cell} H={H} B={batch}: {result.get('rejected')}")
+    ms, best, err, fwd = min(timings, key=lambda item: item[0])
+    k = iter(range(10**9))
+    result.update(
+        config=dataclasses.asdict(best),
+        ours_graph_ms=ms,
+        ours_eager_ms=_per_call_ms(lambda: fwd(next(k) % ROTATE), cfg),
+        ours_error=err,
+        candidates={str(c): t for t, c, _, _ in timings},
+    )
+
+    # ---- cuDNN through torch
+    name = TORCH_MODULES.get(cell)
+    if name is None:
+        result["cudnn"] = "no torch/cuDNN module for this cell"
+        return result
+    kwargs = {"nonlinearity": cell.split("_")[1]} if name == "RNN" else {}
+    module = getattr(torch.nn, name)(H, H, **kwargs).to(dev)
+    reference.load_params_into_torch(module, [[p]])
+    hx = (h0_gpu[None], c0_gpu[None]) if spec.has_cell_state else h0_gpu[None]
+    with torch.no_grad():
+        for tf32 in (True, False):
+            old = torch.backends.cudnn.allow_tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+            try:
+                out = module(x_gpu[0], hx)[0]
+                key = "tf32" if tf32 else "fp32"
+                result[f"cudnn_{key}_error"] = _rel(out.double().cpu().numpy(), ref_out)
+                k = iter(range(10**9))
+                result[f"cudnn_{key}_eager_ms"] = _per_call_ms(lambda: module(x_gpu[next(k) % ROTATE], hx), cfg)
+                if tf32:
+                    graphs = [_graph(lambda i=i: module(x_gpu[i], hx)) for i in range(ROTATE)]
+                    k = iter(range(10**9))
+                    result["cudnn_tf32_graph_ms"] = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
+            finally:
+                torch.backends.cudnn.allow_tf32 = old
+    return result
+
+
+def run(cfg: RecurrenceBenchConfig | None = None, progress: bool = True) -> dict[str, Any]:
+    from .environment import environment
+
+    cfg = cfg or RecurrenceBenchConfig()
+    result: dict[str, Any] = {"environment": environment(), "config": dataclasses.asdict(cfg), "cases": []}
+    cases = cfg.cases
+    if progress:
+        from rich.progress import track
+
+        cases = track(cases, description="recurrence", transient=True)
+    for cell, H, B in cases:
+        result["cases"].append(run_case(cell, H, B, cfg))
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        "| cell | H | B | ours graph ms | ours eager ms | cuDNN eager ms (TF32 allowed) | cuDNN eager ms (TF32 off) "
+        "| cuDNN graph ms | speed-up vs eager / graph | µs per step (ours) | error ours | error cuDNN TF32 / fp32 | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cases"]:
+        cfg = c["config"]
+        conf = f"{cfg['sync']} {cfg['blocks']}×{cfg['threads']}, wg {cfg['group_size']}, bt {cfg['batch_tile']}"
+        if "cudnn_tf32_eager_ms" in c:
+            peer = (f"{c['cudnn_tf32_eager_ms']:.3f} | {c['cudnn_fp32_eager_ms']:.3f} | {c['cudnn_tf32_graph_ms']:.3f} | "
+                    f"{c['cudnn_tf32_eager_ms'] / c['ours_graph_ms']:.1f}× / {c['cudnn_tf32_graph_ms'] / c['ours_graph_ms']:.1f}×")
+            errs = f"{c['cudnn_tf32_error']:.1e} / {c['cudnn_fp32_error']:.1e}"
+        else:
+            peer, errs = "— | — | — | —", "—"
+        lines.append(
+            f"| {c['cell']} | {c['hidden']} | {c['batch']} | {c['ours_graph_ms']:.4f} | {c['ours_eager_ms']:.4f} | {peer} | "
+            f"{1000 * c['ours_graph_ms'] / c['steps']:.2f} | {c['ours_error']:.1e} | {errs} | {conf} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m persistrnn.bench recurrence", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", action="append", default=None, metavar="CELL:H:B",
+                        help="run only these cases, e.g. lstm:256:1 (repeatable)")
+    parser.add_argument("--steps", type=int, default=RecurrenceBenchConfig.steps)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cfg = RecurrenceBenchConfig(steps=args.steps)
+    if args.case:
+        cases = []
+        for item in args.case:
+            cell, H, B = item.split(":")
+            cases.append((cell, int(H), int(B)))
+        cfg.cases = tuple(cases)
+    result = run(cfg)
+    table = format_table(result)
+    from .sync import format_header
+
+    env = result["environment"]
+    header = "\n".join(format_header({"environment": env, "config": {"steps": 0, "repeats": 0, "warmup": 0}}).split("\n")[:3])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(header + "\n\n" + table + "\n")
+    print(header + "\n\n" + table)
+    return 0

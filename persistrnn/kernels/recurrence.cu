@@ -1,0 +1,345 @@
+// Persistent recurrence: one launch runs every time step of one RNN layer.
+//
+// The input projection x @ W_ih^T + b_ih of all steps is one GEMM before this
+// kernel (xw below); the kernel runs only h_t = cell(xw_t, W_hh h_{t-1} + b_hh).
+//
+// Output-based tiling (GRNN section 5): block `blk` owns hidden units
+// [blk*U, blk*U + U) and every gate row of those units, so the cell's pointwise
+// math is local and a step ends with one exchange of the new h slice. A cell
+// whose matrix products depend on each other (reset-before GRU) runs them as
+// stages, one exchange after each.
+//
+// Thread mapping (GRNN section 6): the block's THREADS threads form NWG work
+// groups of WGS lanes. A work group owns RPW rows of a stage (rows wg,
+// wg + NWG, ...); lane l holds the weights of columns l, l + WGS, ... of those
+// rows, so one row's dot product is WGS partial sums reduced with shuffles.
+// Weights live in registers under compile-time indices; the last SHARED_K of a
+// thread's KPT column chunks live in shared memory instead.
+//
+// Exchange, by PRNN_SYNC:
+//   0 single block: __syncthreads;
+//   1 cluster: each block st.async-pushes its slice into every peer's shared
+//     memory, completing on the receiver's mbarrier (one per buffer);
+//   2 grid: slices go to a global double buffer, then a counter barrier that
+//     only grows; every block then reads the whole vector back.
+// h travels in shared memory as [KPAD][BP]: row k holds unit k for every batch
+// column, so a block's slice is one contiguous run and BT batch columns are
+// one vector load. Exchange e (stage s of step t is e = t * STAGES + s) lands
+// in buffer e & 1; the initial state is exchange -1, buffer 1.
+//
+// Configuration macros come from persistrnn/persistent.py (KernelConfig),
+// together with the cell's generated pointwise functions.
+
+#define PRNN_NWG (PRNN_THREADS / PRNN_WGS)
+#define PRNN_FULL_MASK 0xffffffffu
+
+typedef PRNN_IO_T io_t;
+
+struct prnn_smem_layout {
+    float* hbuf;    // [2][KPAD][BP]
+    float* gates;   // [G][U][BP]      recurrent products W_hh h (b_hh is added pointwise)
+    float* bias;    // [G][U]          b_hh of this block's rows
+    float* xw;      // [2][G][U][BP]   prefetched input projections, by step parity
+    float* c;       // [U][BP]         cell state (cells that carry one)
+    float* w;       // weights that do not fit in registers
+};
+
+__device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
+    prnn_smem_layout L;
+    L.hbuf = base;
+    L.gates = L.hbuf + 2 * PRNN_KPAD * BP;
+    L.xw = L.gates + PRNN_G * PRNN_U * BP;
+    L.c = L.xw + 2 * PRNN_G * PRNN_U * BP;
+    L.bias = L.c + (PRNN_HAS_C ? PRNN_U * BP : 0);
+    L.w = L.bias + PRNN_BIAS_FLOATS;
+    return L;
+}
+
+// BT consecutive floats of one h row (BP is a multiple of 4 and of BT, so the
+// vector loads are aligned).
+template <int BT>
+__device__ __forceinline__ void prnn_load_columns(const float* p, float (&v)[BT]) {
+    if constexpr (BT % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < BT; q += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(p + q);
+            v[q] = f.x, v[q + 1] = f.y, v[q + 2] = f.z, v[q + 3] = f.w;
+        }
+    } else if constexpr (BT == 2) {
+        const float2 f = *reinterpret_cast<const float2*>(p);
+        v[0] = f.x, v[1] = f.y;
+    } else {
+        v[0] = *p;
+    }
+}
+
+// The generated prnn_stage_gate, prnn_between and prnn_pointwise go here.
+// ---- kernel ----
+
+// One stage's matrix product for this thread's work group:
+// gates[gate][u][b] = W_hh[gate*H + u, :] . operand[:, b]
+// for the stage's rows and batch columns [0, Bc).
+template <int STAGE, int NG, int RPW, int KREG>
+__device__ __forceinline__ void prnn_stage_matmul(const float (&w)[RPW][KREG > 0 ? KREG : 1],
+                                                  const float* w_shared, const float* operand, float* gates,
+                                                  int wg, int lane, int BP, int Bc) {
+    // The stage's gates are consecutive, so its rows are consecutive in
+    // `gates` and a row's address needs no division (per-row divisions were
+    // hoisted out of the time loop into registers, and spilled).
+    float* stage_gates = gates + (prnn_stage_gate(STAGE, 0) * PRNN_U + wg) * BP;
+    const int rows = (NG * PRNN_U - wg + PRNN_NWG - 1) / PRNN_NWG;  // this group's valid rows
+    for (int b0 = 0; b0 < Bc; b0 += PRNN_BT) {
+        float acc[RPW][PRNN_BT];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r)
+#pragma unroll
+            for (int bb = 0; bb < PRNN_BT; ++bb) acc[r][bb] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PRNN_KPT; ++j) {
+            float hv[PRNN_BT];
+            prnn_load_columns<PRNN_BT>(operand + (lane + j * PRNN_WGS) * BP + b0, hv);
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                // j is a constant once unrolled, so this picks registers or
+                // shared memory at compile time (the clamp keeps the dead
+                // branch's index in bounds).
+                const float wv = j < KREG ? w[r][j < KREG ? j : 0] : w_shared[((j - KREG) * RPW + r) * PRNN_THREADS];
+#pragma unroll
+                for (int bb = 0; bb < PRNN_BT; ++bb) acc[r][bb] = fmaf(wv, hv[bb], acc[r][bb]);
+            }
+        }
+#pragma unroll
+        for (int offset = PRNN_WGS / 2; offset > 0; offset /= 2)
+#pragma unroll
+            for (int r = 0; r < RPW; ++r)
+#pragma unroll
+                for (int bb = 0; bb < PRNN_BT; ++bb)
+                    acc[r][bb] += __shfl_xor_sync(PRNN_FULL_MASK, acc[r][bb], offset);
+        // Every lane holds every sum now; spread the stores over the lanes.
+#pragma unroll
+        for (int r = 0; r < RPW; ++r)
+            if (r < rows)
+#pragma unroll
+                for (int bb = 0; bb < PRNN_BT; ++bb)
+                    if ((r * PRNN_BT + bb) % PRNN_WGS == lane) stage_gates[r * PRNN_NWG * BP + b0 + bb] = acc[r][bb];
+    }
+}
+
+// Registers (and shared overflow) of one stage's weights for this thread.
+template <int STAGE, int NG, int RPW, int KREG>
+__device__ __forceinline__ void prnn_load_stage_weights(const float* __restrict__ w_hh,
+                                                        float (&w)[RPW][KREG > 0 ? KREG : 1], float* w_shared,
+                                                        int blk, int wg, int lane) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const int row = wg + r * PRNN_NWG;
+        const int unit = blk * PRNN_U + row % PRNN_U;
+        const bool valid = row < NG * PRNN_U && unit < PRNN_H;
+        const int grow = valid ? prnn_stage_gate(STAGE, row / PRNN_U) * PRNN_H + unit : 0;
+#pragma unroll
+        for (int j = 0; j < PRNN_KPT; ++j) {
+            const int k = lane + j * PRNN_WGS;
+            const float v = valid && k < PRNN_H ? w_hh[(long long)grow * PRNN_H + k] : 0.0f;
+            if (j < KREG)
+                w[r][j < KREG ? j : 0] = v;
+            else
+                w_shared[((j - KREG) * RPW + r) * PRNN_THREADS] = v;
+        }
+    }
+}
+
+// xw[t][b][g*H + u] for this block's units -> xs[g][u][b], asynchronously.
+__device__ __forceinline__ void prnn_prefetch_xw(const io_t* __restrict__ xw, float* xs, int t, int B, int BP,
+                                                 long long step_stride, int blk) {
+    static_assert(sizeof(io_t) == 4, "cp.async of 4 bytes needs 32-bit input projections");
+    const io_t* src = xw + t * step_stride;
+    for (int i = threadIdx.x; i < PRNN_G * PRNN_U * B; i += PRNN_THREADS) {
+        const int b = i % B, gu = i / B, u = gu % PRNN_U, g = gu / PRNN_U;
+        const int unit = blk * PRNN_U + u;
+        if (unit < PRNN_H) prnn_cp_async_4(xs + gu * BP + b, src + (long long)b * PRNN_G * PRNN_H + g * PRNN_H + unit);
+    }
+    prnn_cp_async_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
+prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection incl. b_ih
+                const float* __restrict__ w_hh,  // [G*H][H]
+                const float* __restrict__ b_hh,  // [G*H]
+                const io_t* __restrict__ h0,     // [ld][H]
+                const io_t* __restrict__ c0,     // [ld][H] (cells with a cell state)
+                io_t* __restrict__ out,          // [T][ld][H]
+                io_t* __restrict__ h_n,          // [ld][H]
+                io_t* __restrict__ c_n,          // [ld][H]
+                float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
+                prnn_u32* __restrict__ counters, // grid mode: barrier arrivals, exits
+                int T, int B, int ld, int* __restrict__ status) {
+    extern __shared__ __align__(16) float smem[];
+    const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN;
+    const int Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
+    const prnn_smem_layout L = prnn_layout(smem, BP);
+    const int tid = threadIdx.x, wg = tid / PRNN_WGS, lane = tid % PRNN_WGS;
+#if PRNN_SYNC == 1
+    const int blk = (int)prnn_cluster_rank();
+    __shared__ prnn_u64 bars[2];
+#elif PRNN_SYNC == 2
+    const int blk = blockIdx.x;
+#else
+    const int blk = 0;
+#endif
+    const long long step_stride = (long long)ld * PRNN_G * PRNN_H;
+
+    prnn_prefetch_xw(xw, L.xw, 0, B, BP, step_stride, blk);
+
+    float w0[PRNN_S0_RPW][PRNN_S0_KREG > 0 ? PRNN_S0_KREG : 1];
+    float* w0_shared = L.w + tid;
+    prnn_load_stage_weights<0, PRNN_S0_NG, PRNN_S0_RPW, PRNN_S0_KREG>(w_hh, w0, w0_shared, blk, wg, lane);
+#if PRNN_STAGES > 1
+    float w1[PRNN_S1_RPW][PRNN_S1_KREG > 0 ? PRNN_S1_KREG : 1];
+    float* w1_shared = w0_shared + (PRNN_KPT - PRNN_S0_KREG) * PRNN_S0_RPW * PRNN_THREADS;
+    prnn_load_stage_weights<1, PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w_hh, w1, w1_shared, blk, wg, lane);
+#endif
+    // The bias is read once per (gate, unit, column) in the pointwise phase;
+    // in registers it would cost every thread a register per row.
+    for (int i = tid; i < PRNN_G * PRNN_U; i += PRNN_THREADS) {
+        const int unit = blk * PRNN_U + i % PRNN_U;
+        L.bias[i] = unit < PRNN_H ? b_hh[(i / PRNN_U) * PRNN_H + unit] : 0.0f;
+    }
+
+    // Both h buffers start as zeros (the padding rows and columns stay zero);
+    // buffer 1 then receives h0, the state "exchanged" at step -1.
+    for (int i = tid; i < 2 * PRNN_KPAD * BP; i += PRNN_THREADS) L.hbuf[i] = 0.0f;
+    __syncthreads();
+    for (int i = tid; i < PRNN_H * B; i += PRNN_THREADS) {
+        const int b = i / PRNN_H, k = i % PRNN_H;
+        L.hbuf[PRNN_KPAD * BP + k * BP + b] = prnn_to_float(h0[(long long)b * PRNN_H + k]);
+    }
+#if PRNN_HAS_C
+    for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
+        const int b = i % B, u = i / B, unit = blk * PRNN_U + u;
+        L.c[u * BP + b] = unit < PRNN_H ? prnn_to_float(c0[(long long)b * PRNN_H + unit]) : 0.0f;
+    }
+#endif
+#if PRNN_SYNC == 1
+    if (tid == 0) {
+        prnn_mbar_init(&bars[0], 1);
+        prnn_mbar_init(&bars[1], 1);
+        prnn_fence_mbar_init();
+    }
+    prnn_cluster_sync();  // barriers initialised everywhere before any peer pushes
+#else
+    __syncthreads();
+#endif
+
+    const int slice_floats = PRNN_U * BP;  // one block's part of an exchanged vector
+    int e = 0;                             // exchange index
+    bool ok = true;
+    for (int t = 0; t < T && ok; ++t) {
+        // Prefetch the next step's projections under this step's work; an
+        // empty group keeps the wait count below uniform on the last step.
+        if (t + 1 < T)
+            prnn_prefetch_xw(xw, L.xw + ((t + 1) & 1) * PRNN_G * PRNN_U * BP, t + 1, B, BP, step_stride, blk);
+        else
+            prnn_cp_async_commit();
+        const float* xs = L.xw + (t & 1) * PRNN_G * PRNN_U * BP;
+        const float* h_prev = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
+
+#pragma unroll
+        for (int stage = 0; stage < PRNN_STAGES; ++stage, ++e) {
+            const float* operand = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
+            float* next = L.hbuf + (e & 1) * PRNN_KPAD * BP;
+            if (stage == 0)
+                prnn_stage_matmul<0, PRNN_S0_NG, PRNN_S0_RPW, PRNN_S0_KREG>(w0, w0_shared, operand, L.gates, wg, lane,
+                                                                           BP, Bc);
+#if PRNN_STAGES > 1
+            else
+                prnn_stage_matmul<1, PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w1, w1_shared, operand, L.gates, wg, lane,
+                                                                           BP, Bc);
+#endif
+            if (stage == 0) prnn_cp_async_wait<1>();  // this step's projections have landed
+            __syncthreads();
+
+            // Pointwise: one (unit, batch column) per thread and pass.
+            const bool last_stage = stage == PRNN_STAGES - 1;
+            for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
+                const int b = i % B, u = i / B, unit = blk * PRNN_U + u;
+                if (unit >= PRNN_H) continue;
+                float xg[PRNN_G], hg[PRNN_G];
+#pragma unroll
+                for (int g = 0; g < PRNN_G; ++g) {
+                    xg[g] = xs[(g * PRNN_U + u) * BP + b];
+                    hg[g] = L.gates[(g * PRNN_U + u) * BP + b] + L.bias[g * PRNN_U + u];
+                }
+                const float h = h_prev[unit * BP + b];
+                float value;
+#if PRNN_STAGES > 1
+                if (!last_stage) {
+                    value = prnn_between(stage, xg, hg, h);
+                } else
+#endif
+                {
+#if PRNN_HAS_C
+                    float c_new;
+                    prnn_pointwise(xg, hg, h, L.c[u * BP + b], value, c_new);
+                    L.c[u * BP + b] = c_new;
+                    if (t == T - 1) c_n[(long long)b * PRNN_H + unit] = prnn_from_float<io_t>(c_new);
+#else
+                    prnn_pointwise(xg, hg, h, value);
+#endif
+                    out[((long long)t * ld + b) * PRNN_H + unit] = prnn_from_float<io_t>(value);
+                    if (t == T - 1) h_n[(long long)b * PRNN_H + unit] = prnn_from_float<io_t>(value);
+                }
+#if PRNN_SYNC == 2
+                __stcg(exchange + (e & 1) * PRNN_KPAD * BP + unit * BP + b, value);
+#else
+                next[unit * BP + b] = value;
+#endif
+            }
+
+            // Exchange this block's slice of `next`.
+#if PRNN_SYNC == 0
+            __syncthreads();
+#elif PRNN_SYNC == 1
+            prnn_u64* bar = &bars[e & 1];
+            if (tid == 0)
+                prnn_mbar_arrive_expect_tx(bar, (prnn_u32)((PRNN_NB - 1) * slice_floats * sizeof(float)));
+            __syncthreads();  // the slice is complete
+            {
+                const float* mine = next + blk * slice_floats;
+                const prnn_u32 addr = prnn_smem_addr(mine), bar_addr = prnn_smem_addr(bar);
+                for (int q = tid; q < slice_floats / 4; q += PRNN_THREADS) {
+                    const float4 v = reinterpret_cast<const float4*>(mine)[q];
+                    for (int peer = 1; peer < PRNN_NB; ++peer) {
+                        const prnn_u32 rank = (blk + peer) % PRNN_NB;
+                        prnn_st_async_v4(prnn_peer_addr(addr + 16 * q, rank), v, prnn_peer_addr(bar_addr, rank));
+                    }
+                }
+            }
+            // Use k of buffer (e & 1) is exchange e = 2k + (e & 1): parity k & 1.
+            if (!prnn_mbar_wait_cluster(bar, (e >> 1) & 1, status)) ok = false;
+#else
+            if (!prnn_grid_barrier(&counters[0], (prnn_u32)(PRNN_NB * (e + 1)), status)) {
+                ok = false;
+            } else {
+                const float4* src = reinterpret_cast<const float4*>(exchange + (e & 1) * PRNN_KPAD * BP);
+                float4* dst = reinterpret_cast<float4*>(next);
+                for (int q = tid; q < PRNN_KPAD * BP / 4; q += PRNN_THREADS) dst[q] = __ldcg(src + q);
+                __syncthreads();
+            }
+#endif
+            if (!ok) break;
+        }
+    }
+    prnn_cp_async_wait<0>();
+#if PRNN_SYNC == 1
+    prnn_cluster_sync();  // no block leaves while a peer may still write its shared memory
+#elif PRNN_SYNC == 2
+    // The last block out resets the counters: every block has passed every
+    // barrier by then, so the next launch (or graph replay) starts from zero.
+    __syncthreads();
+    if (tid == 0 && atomicAdd(&counters[1], 1u) == PRNN_NB - 1) {
+        counters[0] = 0;
+        counters[1] = 0;
+        __threadfence();
+    }
+#endif
+}

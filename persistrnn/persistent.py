@@ -1,0 +1,525 @@
+"""Persistent recurrence kernels: configuration, source rendering, launch.
+
+One launch of ``kernels/recurrence.cu`` runs every time step of one layer.
+A :class:`KernelConfig` fixes everything that is baked into the binary (cell,
+hidden size, sync mode, block count, thread mapping, weight placement); batch
+size and sequence length stay run-time values, so a new batch or length never
+recompiles.
+
+The path is: :class:`KernelConfig` -> :func:`render_source` ->
+:func:`compile_config` (NVRTC, disk cache) -> :func:`run_recurrence` (launch).
+:func:`forward_layer` adds the input-projection GEMM in front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from . import jit
+from .cells import CellSpec, get_cell
+
+SYNC_MODES = ("single", "cluster", "grid")
+"""single: one block, ``__syncthreads``; cluster: 2-16 blocks of one cluster,
+st.async + mbarrier; grid: cooperative launch, global buffer + counter barrier."""
+
+KERNEL_NAME = "prnn_recurrence"
+MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
+WARP = 32
+# Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
+MAX_REGISTERS_PER_THREAD = 255
+# Registers a thread needs beside weights, accumulators and bias (indices,
+# pointers, loop state); fitted to ptxas reports of the sm_90 builds.
+REGISTER_OVERHEAD = 40
+
+
+class ConfigError(ValueError):
+    """A kernel configuration that is invalid, or does not fit the device."""
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Everything compiled into one persistent-recurrence binary.
+
+    Attributes:
+        cell: a name in :data:`persistrnn.cells.CELLS`.
+        hidden_size: H.
+        sync: one of :data:`SYNC_MODES`.
+        blocks: 1 for ``single``, 2-16 for ``cluster``, up to the SM count for ``grid``.
+        threads: threads per block, a multiple of 32.
+        group_size: lanes of a work group that split one row's dot product
+            (a power of two <= 32); ``threads // group_size`` work groups.
+        batch_tile: batch columns each weight load is reused for (1, 2, 4, 8).
+        shared_k_chunks: per thread, how many of its column chunks of each row
+            sit in shared memory instead of registers.
+    """
+
+    cell: str
+    hidden_size: int
+    sync: str
+    blocks: int
+    threads: int = 256
+    group_size: int = 8
+    batch_tile: int = 1
+    shared_k_chunks: int = 0
+
+    def __post_init__(self) -> None:
+        spec = get_cell(self.cell)
+        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"KernelConfig.{name}: expected an int, got {type(value).__name__}")
+            if value < 1:
+                raise ConfigError(f"KernelConfig.{name}: expected >= 1, got {value}")
+        if self.sync not in SYNC_MODES:
+            raise ConfigError(f"KernelConfig.sync: expected one of {SYNC_MODES}, got {self.sync!r}")
+        if self.sync == "single" and self.blocks != 1:
+            raise ConfigError(f"KernelConfig.blocks: sync 'single' runs 1 block, got {self.blocks}")
+        if self.sync == "cluster" and not 2 <= self.blocks <= MAX_CLUSTER:
+            raise ConfigError(f"KernelConfig.blocks: sync 'cluster' needs 2..{MAX_CLUSTER} blocks, got {self.blocks}")
+        if self.sync == "grid" and self.blocks < 2:
+            raise ConfigError(f"KernelConfig.blocks: sync 'grid' needs >= 2 blocks, got {self.blocks}")
+        if self.blocks > self.hidden_size:
+            raise ConfigError(
+                f"KernelConfig.blocks: each block needs at least one hidden unit; got {self.blocks} blocks "
+                f"for hidden_size {self.hidden_size}"
+            )
+        if math.ceil(self.hidden_size / self.units_per_block) != self.blocks:
+            raise ConfigError(
+                f"KernelConfig.blocks: {self.blocks} blocks of {self.units_per_block} units leave a block "
+                f"without units for hidden_size {self.hidden_size}; use {math.ceil(self.hidden_size / self.units_per_block)}"
+            )
+        if self.threads % WARP or self.threads > 1024:
+            raise ConfigError(f"KernelConfig.threads: expected a multiple of 32 up to 1024, got {self.threads}")
+        if not _pow2(self.group_size) or self.group_size > WARP:
+            raise ConfigError(f"KernelConfig.group_size: expected a power of two <= 32, got {self.group_size}")
+        if self.batch_tile not in (1, 2, 4, 8):
+            raise ConfigError(f"KernelConfig.batch_tile: expected 1, 2, 4 or 8, got {self.batch_tile}")
+        if not 0 <= self.shared_k_chunks <= self.k_per_thread:
+            raise ConfigError(
+                f"KernelConfig.shared_k_chunks: expected 0..{self.k_per_thread} (the column chunks per thread), "
+                f"got {self.shared_k_chunks}"
+            )
+        for stage in spec.stages:
+            first = spec.gates.index(stage[0])
+            if tuple(spec.gates[first : first + len(stage)]) != tuple(stage):
+                raise ConfigError(f"cell {spec.name}: the kernel needs each stage's gates consecutive, got {stage}")
+        if spec.num_stages > 2:
+            raise ConfigError(f"cell {spec.name}: the kernel runs at most 2 stages, got {spec.num_stages}")
+
+    # ---- derived sizes ------------------------------------------------------
+
+    @property
+    def spec(self) -> CellSpec:
+        return get_cell(self.cell)
+
+    @property
+    def units_per_block(self) -> int:
+        return math.ceil(self.hidden_size / self.blocks)
+
+    @property
+    def work_groups(self) -> int:
+        return self.threads // self.group_size
+
+    @property
+    def k_per_thread(self) -> int:
+        """Column chunks of a row each lane holds (the tile width)."""
+        return math.ceil(self.hidden_size / self.group_size)
+
+    @property
+    def register_k(self) -> int:
+        return self.k_per_thread - self.shared_k_chunks
+
+    def stage_rows(self, stage: int) -> int:
+        """Rows of W_hh one block multiplies in ``stage``."""
+        return len(self.spec.stages[stage]) * self.units_per_block
+
+    def rows_per_group(self, stage: int) -> int:
+        """Rows of ``stage`` each work group produces (the tile height)."""
+        return math.ceil(self.stage_rows(stage) / self.work_groups)
+
+    @property
+    def padded_hidden(self) -> int:
+        """Rows of the shared h buffers: covers every lane's columns and every block's slice."""
+        rows = max(self.k_per_thread * self.group_size, self.blocks * self.units_per_block)
+        return -(-rows // 4) * 4
+
+    @property
+    def batch_align(self) -> int:
+        """Batch columns are padded to this; a slice is then whole 16-byte vectors."""
+        return self.batch_tile if self.units_per_block % 4 == 0 else max(self.batch_tile, 4)
+
+    def batch_stride(self, batch: int) -> int:
+        return -(-batch // self.batch_align) * self.batch_align
+
+    @property
+    def register_weights(self) -> int:
+        """Weight registers per thread, over all stages."""
+        return sum(self.rows_per_group(s) * self.register_k for s in range(self.spec.num_stages))
+
+    @property
+    def estimated_registers(self) -> int:
+        """Registers per thread the planner expects ptxas to need."""
+        stages = range(self.spec.num_stages)
+        acc = max(self.rows_per_group(s) * self.batch_tile for s in stages)
+        return self.register_weights + acc + self.batch_tile + REGISTER_OVERHEAD
+
+    @property
+    def bias_floats(self) -> int:
+        """b_hh of one block's rows, in shared memory (rounded to 16 bytes)."""
+        return -(-self.spec.num_gates * self.units_per_block // 4) * 4
+
+    @property
+    def shared_weight_floats(self) -> int:
+        return sum(self.rows_per_group(s) * self.shared_k_chunks * self.threads for s in range(self.spec.num_stages))
+
+    def shared_bytes(self, batch: int) -> int:
+        """Dynamic shared memory of one block for ``batch`` sequences."""
+        bp = self.batch_stride(batch)
+        g, u = self.spec.num_gates, self.units_per_block
+        floats = 2 * self.padded_hidden * bp + 3 * g * u * bp + (u * bp if self.spec.has_cell_state else 0)
+        return 4 * (floats + self.bias_floats + self.shared_weight_floats)
+
+    def max_batch(self, shared_limit: int) -> int:
+        """Most sequences one launch holds within ``shared_limit`` bytes per block (0: none)."""
+        per_column = self.shared_bytes(self.batch_align) - self.shared_bytes(0)
+        fixed = self.shared_bytes(0)
+        if fixed + per_column > shared_limit:
+            return 0
+        return (shared_limit - fixed) // per_column * self.batch_align
+
+    @property
+    def exchanges_per_step(self) -> int:
+        return self.spec.num_stages
+
+
+# ----------------------------------------------------------------------------
+# Source
+# ----------------------------------------------------------------------------
+
+
+def _pointwise_function(spec: CellSpec) -> str:
+    from .cells import render_cuda
+
+    g = spec.num_gates
+    inputs = "\n".join(
+        f"    const float x_{gate} = xg[{i}], h_{gate} = hg[{i}];" for i, gate in enumerate(spec.gates)
+    )
+    lines = []
+    if spec.num_stages > 1:
+        lines.append(f"__device__ __forceinline__ float prnn_between(int stage, const float (&xg)[{g}], "
+                     f"const float (&hg)[{g}], float h) {{")
+        lines.append(inputs)
+        for k, block in enumerate(spec.between_stages):
+            lines.append(f"    if (stage == {k}) {{")
+            lines.append(render_cuda(block, indent="        "))
+            lines.append(f"        return {spec.stage_operands[k + 1]};")
+            lines.append("    }")
+        lines.append("    return 0.0f;  // unreachable: the kernel passes a between-stage index")
+        lines.append("}")
+    state = "float c, float& out_h, float& out_c" if spec.has_cell_state else "float& out_h"
+    lines.append(f"__device__ __forceinline__ void prnn_pointwise(const float (&xg)[{g}], const float (&hg)[{g}], "
+                 f"float h, {state}) {{")
+    lines.append(inputs)
+    if spec.num_stages > 1:
+        # The final stage needs what the between-stage statements computed.
+        for block in spec.between_stages:
+            lines.append(render_cuda(block, indent="    "))
+    lines.append(render_cuda(spec.pointwise, indent="    "))
+    lines.append("    out_h = h_new;")
+    if spec.has_cell_state:
+        lines.append("    out_c = c_new;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def render_source(config: KernelConfig) -> str:
+    """The complete CUDA source of ``config``: generated prelude + template."""
+    spec = config.spec
+    defines = {
+        "PRNN_H": config.hidden_size,
+        "PRNN_G": spec.num_gates,
+        "PRNN_NB": config.blocks,
+        "PRNN_SYNC": SYNC_MODES.index(config.sync),
+        "PRNN_THREADS": config.threads,
+        "PRNN_WGS": config.group_size,
+        "PRNN_BT": config.batch_tile,
+        "PRNN_BP_ALIGN": config.batch_align,
+        "PRNN_U": config.units_per_block,
+        "PRNN_KPT": config.k_per_thread,
+        "PRNN_KPAD": config.padded_hidden,
+        "PRNN_HAS_C": int(spec.has_cell_state),
+        "PRNN_STAGES": spec.num_stages,
+        "PRNN_IO_T": "float",
+        "PRNN_BIAS_FLOATS": config.bias_floats,
+    }
+    first_gates = []
+    for s, stage in enumerate(spec.stages):
+        defines[f"PRNN_S{s}_NG"] = len(stage)
+        defines[f"PRNN_S{s}_RPW"] = config.rows_per_group(s)
+        defines[f"PRNN_S{s}_KREG"] = config.register_k
+        first_gates.append(spec.gates.index(stage[0]))
+    prelude = [f"// {config}"]
+    prelude += [f"#define {k} {v}" for k, v in defines.items()]
+    source = jit.read_source("recurrence.cu")
+    # The stage gate lookup and the cell's math go after common.cuh (which
+    # defines prnn_sigmoid etc.) and before the kernel that calls them.
+    generated = [
+        "__device__ __forceinline__ int prnn_stage_gate(int stage, int slot) {",
+        "    return " + " : ".join(f"stage == {s} ? {g} + slot" for s, g in enumerate(first_gates[:-1]))
+        + (" : " if len(first_gates) > 1 else "") + f"{first_gates[-1]} + slot;",
+        "}",
+        _pointwise_function(spec),
+    ]
+    marker = "// ---- kernel ----"
+    head, _, body = source.partition(marker)
+    if not body:
+        raise RuntimeError(f"recurrence.cu lost its {marker!r} line")
+    return "\n".join(prelude) + "\n" + head + "\n".join(generated) + "\n" + marker + body
+
+
+@functools.lru_cache(maxsize=256)
+def compile_config(config: KernelConfig, arch: str | None = None) -> jit.CompiledBinary:
+    """Compile ``config`` (disk-cached) and check that it keeps weights on chip.
+
+    Raises :class:`ConfigError` if ptxas put anything in local memory: a
+    spilled weight array runs at DRAM speed and defeats the kernel.
+    """
+    binary = jit.compile_source("recurrence", render_source(config), arch=arch)
+    res = binary.kernel_resources(KERNEL_NAME)
+    if res.uses_local_memory:
+        raise ConfigError(
+            f"{config} spills to local memory ({res.registers} registers, {res.stack_frame_bytes} bytes stack, "
+            f"{res.spill_store_bytes} bytes spill stores); it needs fewer register weights per thread "
+            f"(now {config.register_weights})"
+        )
+    return binary
+
+
+# ----------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _DeviceBuffers:
+    status: Any  # int32[1]
+    counters: Any  # uint32[2] as int32, grid barrier arrivals and exits
+    exchange: Any  # float32 grid-mode h buffer, grown on demand
+
+
+@functools.lru_cache(maxsize=None)
+def _buffers(device: int, stream: int) -> _DeviceBuffers:
+    import torch
+
+    dev = torch.device("cuda", device)
+    return _DeviceBuffers(
+        torch.zeros(1, dtype=torch.int32, device=dev),
+        torch.zeros(2, dtype=torch.int32, device=dev),
+        torch.empty(0, dtype=torch.float32, device=dev),
+    )
+
+
+def run_recurrence(
+    config: KernelConfig,
+    xw: Any,
+    w_hh: Any,
+    b_hh: Any,
+    h0: Any,
+    c0: Any | None,
+    *,
+    out: Any | None = None,
+    h_n: Any | None = None,
+    c_n: Any | None = None,
+    check: bool = True,
+) -> tuple[Any, Any, Any | None]:
+    """Run the recurrence on precomputed input projections.
+
+    Args:
+        xw: (T, B, G*H) float32 CUDA tensor, ``x @ W_ih^T + b_ih``.
+        w_hh: (G*H, H); b_hh: (G*H,); h0, c0: (B, H).
+        out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
+        check: synchronise and raise if the kernel reported a failure.
+
+    Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None).
+    Batches larger than one launch holds run as consecutive launches.
+    """
+    import torch
+
+    spec = config.spec
+    H, G = config.hidden_size, spec.num_gates
+    T, B = xw.shape[0], xw.shape[1]
+    _check_tensor("xw", xw, (T, B, G * H))
+    _check_tensor("w_hh", w_hh, (G * H, H))
+    _check_tensor("b_hh", b_hh, (G * H,))
+    _check_tensor("h0", h0, (B, H))
+    if spec.has_cell_state:
+        if c0 is None:
+            raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
+        _check_tensor("c0", c0, (B, H))
+    if T < 1 or B < 1:
+        raise ValueError(f"expected at least one step and one sequence, got xw of shape {tuple(xw.shape)}")
+
+    per_launch = batch_per_launch(config, xw.device.index)
+
+    def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
+        if given is None:
+            return torch.empty(shape, dtype=torch.float32, device=xw.device)
+        _check_tensor(name, given, shape)
+        return given
+
+    out = destination("out", out, (T, B, H))
+    h_n = destination("h_n", h_n, (B, H))
+    c_n = destination("c_n", c_n, (B, H)) if spec.has_cell_state else h_n
+    c0_arg = c0 if spec.has_cell_state else h0
+    buffers = _buffers(xw.device.index, torch.cuda.current_stream().cuda_stream)
+
+    for b0 in range(0, B, per_launch):
+        nb = min(per_launch, B - b0)
+        kernel, launch_config = _prepared_launch(config, xw.device.index, nb)
+        if config.sync == "grid":
+            need = 2 * config.padded_hidden * config.batch_stride(nb)
+            if buffers.exchange.numel() < need:
+                buffers.exchange = torch.empty(need, dtype=torch.float32, device=xw.device)
+        jit.launch(
+            kernel,
+            launch_config,
+            *jit.kernel_args(
+                xw[:, b0:],
+                w_hh,
+                b_hh,
+                h0[b0:],
+                c0_arg[b0:],
+                out[:, b0:],
+                h_n[b0:],
+                c_n[b0:],
+                buffers.exchange,
+                buffers.counters,
+                T,
+                nb,
+                B,
+                buffers.status,
+            ),
+        )
+    if check:
+        try:
+            jit.check_status(buffers.status, KERNEL_NAME)
+        except jit.KernelLaunchError:
+            buffers.counters.zero_()
+            raise
+    return out, h_n, (c_n if spec.has_cell_state else None)
+
+
+@functools.lru_cache(maxsize=None)
+def batch_per_launch(config: KernelConfig, device: int) -> int:
+    """Most sequences one launch of ``config`` holds on ``device``."""
+    kernel = jit.get_kernel(compile_config(config), KERNEL_NAME)
+    limit = jit.device_facts().shared_per_block_optin - kernel.resources.shared_bytes
+    per_launch = config.max_batch(limit)
+    if per_launch < 1:
+        raise ConfigError(f"{config} needs {config.shared_bytes(1)} bytes of shared memory per block; "
+                          f"the device allows {limit}")
+    return per_launch
+
+
+@functools.lru_cache(maxsize=1024)
+def _prepared_launch(config: KernelConfig, device: int, batch: int) -> tuple[jit.LoadedKernel, Any]:
+    """The loaded kernel and checked launch configuration, once per (config, device, batch):
+    the residency queries cost far more than a launch."""
+    kernel = jit.get_kernel(compile_config(config), KERNEL_NAME)
+    return kernel, _launch_config(kernel, config, config.shared_bytes(batch))
+
+
+def _launch_config(kernel: jit.LoadedKernel, config: KernelConfig, shared: int) -> Any:
+    if config.sync == "single":
+        return kernel.config(1, config.threads, shared=shared)
+    if config.sync == "cluster":
+        return kernel.config(config.blocks, config.threads, shared=shared, cluster=config.blocks)
+    return kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
+
+
+def _check_tensor(name: str, t: Any, shape: tuple[int, ...]) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype torch.float32, got {t.dtype}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def forward_layer(
+    config: KernelConfig,
+    x: Any,
+    w_ih: Any,
+    w_hh: Any,
+    b_ih: Any,
+    b_hh: Any,
+    h0: Any,
+    c0: Any | None = None,
+    *,
+    check: bool = True,
+) -> tuple[Any, Any, Any | None]:
+    """One layer, one direction: input GEMM through torch, then the recurrence.
+
+    ``x`` is (T, B, I) float32; the rest as in :func:`run_recurrence`.
+    """
+    import torch
+
+    T, B, I = x.shape
+    xw = torch.addmm(b_ih, x.reshape(T * B, I), w_ih.t()).view(T, B, -1)
+    return run_recurrence(config, xw, w_hh, b_hh, h0, c0, check=check)
+
+
+# ----------------------------------------------------------------------------
+# A default configuration until the planner chooses
+# ----------------------------------------------------------------------------
+
+
+def blocks_for(hidden_size: int, wanted: int) -> int:
+    """The block count nearest ``wanted`` (not above) that leaves no block without units."""
+    units = math.ceil(hidden_size / min(wanted, hidden_size))
+    return math.ceil(hidden_size / units)
+
+
+def default_config(cell: str, hidden_size: int, batch: int, *, sm_count: int,
+                   register_budget: int = 128, threads: int = 256) -> KernelConfig:
+    """A reasonable configuration from sizes alone: the fewest blocks whose
+    weights fit ``register_budget`` registers per thread, in the cheapest sync
+    mode that holds them. The planner replaces this with a tuned choice."""
+    spec = get_cell(cell)
+    batch_tile = 1 if batch == 1 else 2 if batch == 2 else 4 if batch <= 4 else 8
+    for sync, counts in (("single", (1,)), ("cluster", (2, 4, 8, 16)), ("grid", range(17, sm_count + 1))):
+        for wanted in counts:
+            blocks = blocks_for(hidden_size, wanted)
+            if (sync == "single") != (blocks == 1) or (sync != "single" and blocks < 2):
+                continue
+            if sync == "grid" and blocks <= MAX_CLUSTER:
+                continue
+            for group_size in (8, 16, 32, 4):
+                try:
+                    cfg = KernelConfig(cell, hidden_size, sync, blocks, threads, group_size,
+                                       min(batch_tile, 8), 0)
+                except ConfigError:
+                    continue
+                tile = max(cfg.rows_per_group(s) for s in range(spec.num_stages)) * batch_tile
+                while tile > 32 and cfg.batch_tile > 1:
+                    cfg = dataclasses.replace(cfg, batch_tile=cfg.batch_tile // 2)
+                    tile //= 2
+                if cfg.register_weights <= register_budget:
+                    return cfg
+    raise ConfigError(
+        f"{spec.name} with hidden_size {hidden_size} does not fit on chip in {register_budget} registers "
+        f"per thread over {sm_count} blocks"
+    )

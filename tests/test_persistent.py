@@ -1,0 +1,237 @@
+"""Persistent recurrence kernels: configurations, sm_90 builds, and (on a GPU)
+agreement with the float64 reference."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from persistrnn import cells, persistent, reference
+from persistrnn.persistent import ConfigError, KernelConfig
+
+CELL_NAMES = tuple(cells.CELLS)
+
+# ---- configurations (CPU) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(sync="single", blocks=2), "runs 1 block"),
+        (dict(sync="cluster", blocks=17), "2..16"),
+        (dict(sync="grid", blocks=1), ">= 2 blocks"),
+        (dict(sync="ring"), "one of"),
+        (dict(threads=100), "multiple of 32"),
+        (dict(group_size=3), "power of two"),
+        (dict(group_size=64), "power of two"),
+        (dict(batch_tile=3), "1, 2, 4 or 8"),
+        (dict(shared_k_chunks=99), "column chunks"),
+        (dict(hidden_size=3, sync="cluster", blocks=4), "at least one hidden unit"),
+        (dict(hidden_size=9, sync="cluster", blocks=4), "without units"),
+    ],
+)
+def test_invalid_configs_name_what_was_expected(kwargs, message):
+    base = dict(cell="lstm", hidden_size=64, sync="cluster", blocks=4)
+    with pytest.raises(ConfigError, match=message):
+        KernelConfig(**{**base, **kwargs})
+
+
+def test_config_rejects_non_int_sizes():
+    with pytest.raises(TypeError, match="expected an int, got float"):
+        KernelConfig("lstm", 64.0, "single", 1)
+    with pytest.raises(ValueError, match="expected one of"):
+        KernelConfig("lstm2", 64, "single", 1)
+
+
+@pytest.mark.parametrize("cell", CELL_NAMES)
+@pytest.mark.parametrize("hidden", [1, 64, 100, 256, 333, 1000, 1024])
+def test_derived_sizes_cover_every_row_and_column(cell, hidden):
+    cfg = persistent.default_config(cell, hidden, 3, sm_count=132)
+    spec = cfg.spec
+    # Every hidden unit has a block; every block has a unit.
+    assert cfg.blocks * cfg.units_per_block >= hidden > (cfg.blocks - 1) * cfg.units_per_block
+    # Every row of each stage has a work group, and every column a lane chunk.
+    for s in range(spec.num_stages):
+        assert cfg.rows_per_group(s) * cfg.work_groups >= cfg.stage_rows(s)
+    assert cfg.k_per_thread * cfg.group_size >= hidden
+    assert cfg.padded_hidden >= max(hidden, cfg.blocks * cfg.units_per_block)
+    # Slices and vector loads stay 16-byte aligned.
+    for batch in (1, 3, 17, 64):
+        bp = cfg.batch_stride(batch)
+        assert bp >= batch and bp % cfg.batch_tile == 0 and (cfg.units_per_block * bp) % 4 == 0
+
+
+def test_shared_bytes_grow_with_batch_and_max_batch_fits():
+    cfg = KernelConfig("lstm", 256, "cluster", 8, batch_tile=4)
+    assert cfg.shared_bytes(8) > cfg.shared_bytes(4) > cfg.shared_bytes(0)
+    limit = 227 * 1024
+    m = cfg.max_batch(limit)
+    assert m >= 32 and cfg.shared_bytes(m) <= limit < cfg.shared_bytes(m + cfg.batch_align)
+
+
+def test_shared_k_chunks_move_weights_out_of_registers():
+    cfg = KernelConfig("gru", 256, "cluster", 8, group_size=8)
+    half = dataclasses.replace(cfg, shared_k_chunks=cfg.k_per_thread // 2)
+    assert half.register_weights == cfg.register_weights - half.rows_per_group(0) * half.shared_k_chunks
+    assert half.shared_bytes(1) - cfg.shared_bytes(1) == 4 * half.shared_weight_floats > 0
+
+
+def test_default_config_picks_the_cheapest_sync_that_holds_the_weights():
+    assert persistent.default_config("rnn_tanh", 64, 1, sm_count=132).sync == "single"
+    assert persistent.default_config("lstm", 256, 1, sm_count=132).sync == "cluster"
+    assert persistent.default_config("lstm", 1024, 1, sm_count=132).sync == "grid"
+    with pytest.raises(ConfigError, match="does not fit on chip"):
+        persistent.default_config("lstm", 4096, 1, sm_count=132)
+
+
+def test_rendered_source_carries_the_cell_math():
+    src = persistent.render_source(KernelConfig("gru_reset_before", 100, "cluster", 4))
+    assert "#define PRNN_STAGES 2" in src
+    assert "const float r_h = r * h;" in src  # the between-stage statement
+    assert "prnn_between" in src and "prnn_pointwise" in src
+    lstm = persistent.render_source(KernelConfig("lstm", 100, "single", 1))
+    assert "const float c_new = f * c + i * g;" in lstm and "PRNN_HAS_C 1" in lstm
+
+
+# Every family (cell x sync mode) and a spread of mappings, built for sm_90
+# without a GPU: no spills, no local memory.
+COMPILE_SAMPLE = [
+    KernelConfig(cell, hidden, sync, blocks, threads, group, tile, shared)
+    for cell in CELL_NAMES
+    for (hidden, sync, blocks, threads, group, tile, shared) in (
+        (64, "single", 1, 256, 8, 1, 0),
+        (100, "single", 1, 256, 32, 1, 3),
+        (256, "cluster", 8, 256, 8, 1, 0),
+        (333, "cluster", 16, 256, 16, 8, 0),
+        (256, "cluster", 4, 256, 8, 2, 16),
+        (1024, "grid", 128, 256, 16, 1, 0),
+    )
+]
+
+
+# ---- GPU: agreement with the float64 reference -------------------------------
+
+
+def _random_layer(cell, input_size, hidden, batch, steps, rng):
+    spec = cells.get_cell(cell)
+    bound = 1.0 / math.sqrt(hidden)
+    g = spec.num_gates * hidden
+    p = {
+        "w_ih": rng.uniform(-bound, bound, (g, input_size)),
+        "w_hh": rng.uniform(-bound, bound, (g, hidden)),
+        "b_ih": rng.uniform(-bound, bound, g),
+        "b_hh": rng.uniform(-bound, bound, g),
+    }
+    x = rng.standard_normal((steps, batch, input_size))
+    h0 = rng.standard_normal((1, batch, hidden)) * 0.5
+    c0 = rng.standard_normal((1, batch, hidden)) * 0.5
+    return p, x, h0, c0
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check_against_reference(config, batch, steps, seed, input_size=None):
+    import torch
+
+    rng = np.random.default_rng(seed)
+    spec = config.spec
+    H = config.hidden_size
+    input_size = input_size or H
+    p, x, h0, c0 = _random_layer(config.cell, input_size, H, batch, steps, rng)
+    hx = (h0, c0) if spec.has_cell_state else h0
+    ref_out, ref_state = reference.rnn_forward(config.cell, x, [[p]], hx=hx)
+    ref_h = ref_state[0] if spec.has_cell_state else ref_state
+
+    dev = torch.device("cuda")
+    t = {k: torch.tensor(v, dtype=torch.float32, device=dev) for k, v in p.items()}
+    nan = float("nan")
+    out = torch.full((steps, batch, H), nan, device=dev)
+    h_n = torch.full((batch, H), nan, device=dev)
+    c_n = torch.full((batch, H), nan, device=dev) if spec.has_cell_state else None
+    xw = torch.addmm(t["b_ih"], torch.tensor(x, dtype=torch.float32, device=dev).view(-1, input_size),
+                     t["w_ih"].t()).view(steps, batch, -1)
+    persistent.run_recurrence(
+        config, xw, t["w_hh"], t["b_hh"],
+        torch.tensor(h0[0], dtype=torch.float32, device=dev),
+        torch.tensor(c0[0], dtype=torch.float32, device=dev) if spec.has_cell_state else None,
+        out=out, h_n=h_n, c_n=c_n,
+    )
+    errors = {"output": _rel(out.double().cpu().numpy(), ref_out), "h_n": _rel(h_n.double().cpu().numpy(), ref_h[0])}
+    if spec.has_cell_state:
+        errors["c_n"] = _rel(c_n.double().cpu().numpy(), ref_state[1][0])
+    return errors
+
+
+FP32_TOLERANCE = 1e-5
+
+
+def _gpu_cases():
+    """(config, batch, steps): every cell x sync mode, the issue's sizes, and mapping variants."""
+    cases = []
+    sizes = [(1, 1, 7), (64, 3, 100), (100, 17, 7), (256, 8, 100), (333, 1, 7), (1000, 3, 7), (1024, 1, 100)]
+    for cell in CELL_NAMES:
+        for hidden, batch, steps in sizes:
+            cases.append((persistent.default_config(cell, hidden, batch, sm_count=132), batch, steps))
+        # each sync mode on one size, whatever the default would pick
+        cases.append((KernelConfig(cell, 100, "single", 1, 256, 16, 2), 3, 7))
+        cases.append((KernelConfig(cell, 100, "cluster", 4, 128, 4, 4), 64, 7))
+        cases.append((KernelConfig(cell, 100, "grid", 10, 64, 2, 1), 17, 7))
+        cases.append((KernelConfig(cell, 256, "cluster", 16, 512, 32, 8, 2), 17, 1))
+        cases.append((KernelConfig(cell, 64, "grid", 64, 32, 1, 2), 8, 100))
+    return cases
+
+
+GPU_CASES = _gpu_cases()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, steps", GPU_CASES, ids=[f"{c}-B{b}-T{t}" for c, b, t in GPU_CASES])
+def test_fp32_kernel_matches_float64_reference(config, batch, steps):
+    errors = check_against_reference(config, batch, steps, seed=hash((str(config), batch, steps)) % 2**32)
+    assert all(e <= FP32_TOLERANCE for e in errors.values()), errors
+
+
+@pytest.mark.gpu
+def test_large_batch_is_split_across_launches():
+    import torch
+
+    cfg = KernelConfig("lstm", 256, "cluster", 8, batch_tile=8)
+    facts = persistent.jit.device_facts()
+    per_launch = cfg.max_batch(facts.shared_per_block_optin)
+    errors = check_against_reference(cfg, per_launch + 5, 3, seed=7)
+    assert all(e <= FP32_TOLERANCE for e in errors.values()), errors
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_bad_inputs_raise_before_launch():
+    import torch
+
+    cfg = KernelConfig("gru", 64, "single", 1)
+    dev = torch.device("cuda")
+    xw = torch.randn(5, 2, 3 * 64, device=dev)
+    w = torch.randn(3 * 64, 64, device=dev)
+    b = torch.randn(3 * 64, device=dev)
+    h0 = torch.randn(2, 64, device=dev)
+    with pytest.raises(ValueError, match=r"w_hh: expected shape \(192, 64\), got \(64, 192\)"):
+        persistent.run_recurrence(cfg, xw, w.t().contiguous(), b, h0, None)
+    with pytest.raises(TypeError, match="xw: expected dtype torch.float32, got torch.float64"):
+        persistent.run_recurrence(cfg, xw.double(), w, b, h0, None)
+    with pytest.raises(ValueError, match="xw: expected a CUDA tensor"):
+        persistent.run_recurrence(cfg, xw.cpu(), w, b, h0, None)
+
+
+def _compiled_configs():
+    """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
+    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES}, key=str)
+
+
+@pytest.mark.parametrize("config", _compiled_configs(), ids=str)
+def test_kernel_compiles_for_sm90_without_local_memory(config):
+    binary = persistent.compile_config(config, arch="sm_90")
+    res = binary.kernel_resources(persistent.KERNEL_NAME)
+    assert not res.uses_local_memory, res
+    assert res.registers <= persistent.MAX_REGISTERS_PER_THREAD
