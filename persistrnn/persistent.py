@@ -58,6 +58,8 @@ class KernelConfig:
         batch_tile: batch columns each weight load is reused for (1, 2, 4, 8).
         shared_k_chunks: per thread, how many of its column chunks of each row
             sit in shared memory instead of registers.
+        prefetch_steps: how many steps ahead the input projections are copied
+            into shared memory (their load latency exceeds a step).
     """
 
     cell: str
@@ -68,10 +70,11 @@ class KernelConfig:
     group_size: int = 8
     batch_tile: int = 1
     shared_k_chunks: int = 0
+    prefetch_steps: int = 4
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
-        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile"):
+        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile", "prefetch_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"KernelConfig.{name}: expected an int, got {type(value).__name__}")
@@ -183,7 +186,8 @@ class KernelConfig:
         """Dynamic shared memory of one block for ``batch`` sequences."""
         bp = self.batch_stride(batch)
         g, u = self.spec.num_gates, self.units_per_block
-        floats = 2 * self.padded_hidden * bp + 3 * g * u * bp + (u * bp if self.spec.has_cell_state else 0)
+        xw = (self.prefetch_steps + 1) * g * u * bp
+        floats = 2 * self.padded_hidden * bp + g * u * bp + xw + (u * bp if self.spec.has_cell_state else 0)
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
 
     def max_batch(self, shared_limit: int) -> int:
@@ -258,6 +262,7 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_STAGES": spec.num_stages,
         "PRNN_IO_T": "float",
         "PRNN_BIAS_FLOATS": config.bias_floats,
+        "PRNN_XW_DEPTH": config.prefetch_steps,
     }
     first_gates = []
     for s, stage in enumerate(spec.stages):

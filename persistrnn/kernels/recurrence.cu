@@ -39,7 +39,7 @@ struct prnn_smem_layout {
     float* hbuf;    // [2][KPAD][BP]
     float* gates;   // [G][U][BP]      recurrent products W_hh h (b_hh is added pointwise)
     float* bias;    // [G][U]          b_hh of this block's rows
-    float* xw;      // [2][G][U][BP]   prefetched input projections, by step parity
+    float* xw;      // [DEPTH+1][G][U][BP]  input projections, prefetched DEPTH steps ahead
     float* c;       // [U][BP]         cell state (cells that carry one)
     float* w;       // weights that do not fit in registers
 };
@@ -49,7 +49,7 @@ __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     L.hbuf = base;
     L.gates = L.hbuf + 2 * PRNN_KPAD * BP;
     L.xw = L.gates + PRNN_G * PRNN_U * BP;
-    L.c = L.xw + 2 * PRNN_G * PRNN_U * BP;
+    L.c = L.xw + (PRNN_XW_DEPTH + 1) * PRNN_G * PRNN_U * BP;
     L.bias = L.c + (PRNN_HAS_C ? PRNN_U * BP : 0);
     L.w = L.bias + PRNN_BIAS_FLOATS;
     return L;
@@ -148,14 +148,30 @@ __device__ __forceinline__ void prnn_load_stage_weights(const float* __restrict_
     }
 }
 
+// This thread's share of the (row, batch column) pairs i = row * B + b,
+// i = tid, tid + THREADS, ...: the first pair and the stride, divided once.
+// Dividing by the run-time B inside the step loops cost ~20 instructions per
+// division on the critical path of every step.
+struct prnn_walk {
+    int row0, b0, drow, db;
+};
+
+__device__ __forceinline__ prnn_walk prnn_make_walk(int B) {
+    return {(int)threadIdx.x / B, (int)threadIdx.x % B, PRNN_THREADS / B, PRNN_THREADS % B};
+}
+
+#define PRNN_FOR_PAIRS(walk, rows, B, row, b)                                                   \
+    for (int row = (walk).row0, b = (walk).b0; row < (rows);                                    \
+         row += (walk).drow, b += (walk).db, row += b >= (B) ? 1 : 0, b -= b >= (B) ? (B) : 0)
+
 // xw[t][b][g*H + u] for this block's units -> xs[g][u][b], asynchronously.
 __device__ __forceinline__ void prnn_prefetch_xw(const io_t* __restrict__ xw, float* xs, int t, int B, int BP,
-                                                 long long step_stride, int blk) {
+                                                 long long step_stride, int blk, prnn_walk walk) {
     static_assert(sizeof(io_t) == 4, "cp.async of 4 bytes needs 32-bit input projections");
     const io_t* src = xw + t * step_stride;
-    for (int i = threadIdx.x; i < PRNN_G * PRNN_U * B; i += PRNN_THREADS) {
-        const int b = i % B, gu = i / B, u = gu % PRNN_U, g = gu / PRNN_U;
-        const int unit = blk * PRNN_U + u;
+    xs += (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
+    PRNN_FOR_PAIRS(walk, PRNN_G * PRNN_U, B, gu, b) {
+        const int u = gu % PRNN_U, g = gu / PRNN_U, unit = blk * PRNN_U + u;
         if (unit < PRNN_H) prnn_cp_async_4(xs + gu * BP + b, src + (long long)b * PRNN_G * PRNN_H + g * PRNN_H + unit);
     }
     prnn_cp_async_commit();
@@ -187,8 +203,17 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
     const int blk = 0;
 #endif
     const long long step_stride = (long long)ld * PRNN_G * PRNN_H;
+    const prnn_walk walk = prnn_make_walk(B);
 
-    prnn_prefetch_xw(xw, L.xw, 0, B, BP, step_stride, blk);
+    // A step is shorter than a global load's latency, so the projections are
+    // fetched DEPTH steps ahead (one step ahead measured ~1.2 us per step, the
+    // latency itself). Groups past T are empty, keeping the wait count uniform.
+#pragma unroll
+    for (int t = 0; t < PRNN_XW_DEPTH; ++t)
+        if (t < T)
+            prnn_prefetch_xw(xw, L.xw, t, B, BP, step_stride, blk, walk);
+        else
+            prnn_cp_async_commit();
 
     float w0[PRNN_S0_RPW][PRNN_S0_KREG > 0 ? PRNN_S0_KREG : 1];
     float* w0_shared = L.w + tid;
@@ -234,13 +259,13 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
     int e = 0;                             // exchange index
     bool ok = true;
     for (int t = 0; t < T && ok; ++t) {
-        // Prefetch the next step's projections under this step's work; an
-        // empty group keeps the wait count below uniform on the last step.
-        if (t + 1 < T)
-            prnn_prefetch_xw(xw, L.xw + ((t + 1) & 1) * PRNN_G * PRNN_U * BP, t + 1, B, BP, step_stride, blk);
+        // Its buffer was last read by step t - 1's pointwise, which every
+        // thread finished before that step's exchange.
+        if (t + PRNN_XW_DEPTH < T)
+            prnn_prefetch_xw(xw, L.xw, t + PRNN_XW_DEPTH, B, BP, step_stride, blk, walk);
         else
             prnn_cp_async_commit();
-        const float* xs = L.xw + (t & 1) * PRNN_G * PRNN_U * BP;
+        const float* xs = L.xw + (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
         const float* h_prev = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
 
 #pragma unroll
@@ -255,13 +280,13 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
                 prnn_stage_matmul<1, PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w1, w1_shared, operand, L.gates, wg, lane,
                                                                            BP, Bc);
 #endif
-            if (stage == 0) prnn_cp_async_wait<1>();  // this step's projections have landed
+            if (stage == 0) prnn_cp_async_wait<PRNN_XW_DEPTH>();  // this step's projections have landed
             __syncthreads();
 
             // Pointwise: one (unit, batch column) per thread and pass.
             const bool last_stage = stage == PRNN_STAGES - 1;
-            for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
-                const int b = i % B, u = i / B, unit = blk * PRNN_U + u;
+            PRNN_FOR_PAIRS(walk, PRNN_U, B, u, b) {
+                const int unit = blk * PRNN_U + u;
                 if (unit >= PRNN_H) continue;
                 float xg[PRNN_G], hg[PRNN_G];
 #pragma unroll
