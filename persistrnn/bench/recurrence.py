@@ -48,7 +48,7 @@ class RecurrenceBenchConfig:
 
 def candidates(cell: str, hidden: int, batch: int, sm_count: int) -> list[persistent.KernelConfig]:
     """A handful of configurations around the default: fewer or more blocks
-    (register budget), other work-group sizes and prefetch depths."""
+    (register budget) and other work-group sizes."""
     seen: dict[persistent.KernelConfig, None] = {}
     for budget in (64, 128, 160):
         try:
@@ -56,8 +56,6 @@ def candidates(cell: str, hidden: int, batch: int, sm_count: int) -> list[persis
         except persistent.ConfigError:
             continue
         seen[base] = None
-        for depth in (1, 8):
-            seen[dataclasses.replace(base, prefetch_steps=depth)] = None
         for group in (4, 16, 32):
             try:
                 cfg = dataclasses.replace(base, group_size=group)
