@@ -1,8 +1,8 @@
 """One small launch of each kernel family (cell x sync mode), checked against
 the float64 reference, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_recurrence.py
-    compute-sanitizer --tool racecheck python scripts/sanitize_recurrence.py
+    compute-sanitizer --tool memcheck --report-api-errors no python scripts/sanitize_recurrence.py
+    compute-sanitizer --tool racecheck --report-api-errors no python scripts/sanitize_recurrence.py
 """
 
 import sys
