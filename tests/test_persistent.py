@@ -235,3 +235,19 @@ def test_kernel_compiles_for_sm90_without_local_memory(config):
     res = binary.kernel_resources(persistent.KERNEL_NAME)
     assert not res.uses_local_memory, res
     assert res.registers <= persistent.MAX_REGISTERS_PER_THREAD
+
+
+@pytest.mark.gpu
+def test_grid_that_cannot_be_resident_is_refused_not_hung():
+    import torch
+
+    from persistrnn import jit
+
+    sm_count = jit.device_facts().sm_count
+    blocks = persistent.blocks_for(1024, 2 * sm_count)
+    cfg = KernelConfig("rnn_tanh", 1024, "grid", blocks, 512, 32, 1)  # ~128 registers: one block per SM
+    dev = torch.device("cuda")
+    xw = torch.randn(3, 1, 1024, device=dev)
+    with pytest.raises(jit.KernelLaunchError, match=f"needs {blocks} blocks resident at once"):
+        persistent.run_recurrence(cfg, xw, torch.randn(1024, 1024, device=dev), torch.randn(1024, device=dev),
+                                  torch.randn(1, 1024, device=dev), None)
