@@ -33,7 +33,7 @@ rec_rc=$?
 echo
 echo "==== summary (commit ${PERSISTRNN_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}) ===="
 echo "tests: exit $tests_rc: $(tail -n 1 "$OUT/tests.log")"
-for tool in memcheck racecheck; do echo "sanitizer $tool: $(grep -E 'ERROR SUMMARY|FAIL' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"; done
+for tool in memcheck racecheck; do echo "sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|FAIL' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"; done
 echo "demo: exit $demo_rc"; cat "$OUT/demo.log"
 echo "bench sync: exit $sync_rc"
 echo "bench recurrence: exit $rec_rc"
