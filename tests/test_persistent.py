@@ -190,8 +190,10 @@ GPU_CASES = _gpu_cases()
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, batch, steps", GPU_CASES, ids=[f"{c}-B{b}-T{t}" for c, b, t in GPU_CASES])
 def test_fp32_kernel_matches_float64_reference(config, batch, steps):
-    errors = check_against_reference(config, batch, steps, seed=hash((str(config), batch, steps)) % 2**32)
-    assert all(e <= FP32_TOLERANCE for e in errors.values()), errors
+    # A fresh seed per run (str hashes are salted per process); printed on failure.
+    seed = hash((str(config), batch, steps)) % 2**32
+    errors = check_against_reference(config, batch, steps, seed=seed)
+    assert all(e <= FP32_TOLERANCE for e in errors.values()), (seed, errors)
 
 
 @pytest.mark.gpu
