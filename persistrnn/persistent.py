@@ -198,10 +198,6 @@ class KernelConfig:
             return 0
         return (shared_limit - fixed) // per_column * self.batch_align
 
-    @property
-    def exchanges_per_step(self) -> int:
-        return self.spec.num_stages
-
 
 # ----------------------------------------------------------------------------
 # Source
@@ -359,15 +355,20 @@ def run_recurrence(
 
     spec = config.spec
     H, G = config.hidden_size, spec.num_gates
+    if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
+        raise ValueError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
+                         f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
     T, B = xw.shape[0], xw.shape[1]
-    _check_tensor("xw", xw, (T, B, G * H))
-    _check_tensor("w_hh", w_hh, (G * H, H))
-    _check_tensor("b_hh", b_hh, (G * H,))
-    _check_tensor("h0", h0, (B, H))
+    _check_tensor("xw", xw, (T, B, G * H), xw.device)
+    _check_tensor("w_hh", w_hh, (G * H, H), xw.device)
+    _check_tensor("b_hh", b_hh, (G * H,), xw.device)
+    _check_tensor("h0", h0, (B, H), xw.device)
     if spec.has_cell_state:
         if c0 is None:
             raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
-        _check_tensor("c0", c0, (B, H))
+        _check_tensor("c0", c0, (B, H), xw.device)
+    elif c0 is not None:
+        raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
     if T < 1 or B < 1:
         raise ValueError(f"expected at least one step and one sequence, got xw of shape {tuple(xw.shape)}")
 
@@ -376,7 +377,7 @@ def run_recurrence(
     def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
         if given is None:
             return torch.empty(shape, dtype=torch.float32, device=xw.device)
-        _check_tensor(name, given, shape)
+        _check_tensor(name, given, shape, xw.device)
         return given
 
     out = destination("out", out, (T, B, H))
@@ -449,7 +450,7 @@ def _launch_config(kernel: jit.LoadedKernel, config: KernelConfig, shared: int) 
     return kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
 
 
-def _check_tensor(name: str, t: Any, shape: tuple[int, ...]) -> None:
+def _check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any) -> None:
     import torch
 
     if not isinstance(t, torch.Tensor):
@@ -458,6 +459,8 @@ def _check_tensor(name: str, t: Any, shape: tuple[int, ...]) -> None:
         raise TypeError(f"{name}: expected dtype torch.float32, got {t.dtype}")
     if t.device.type != "cuda":
         raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where xw is), got one on {t.device}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
     if not t.is_contiguous():
@@ -508,14 +511,11 @@ def default_config(cell: str, hidden_size: int, batch: int, *, sm_count: int,
     for sync, counts in (("single", (1,)), ("cluster", (2, 4, 8, 16)), ("grid", range(17, sm_count + 1))):
         for wanted in counts:
             blocks = blocks_for(hidden_size, wanted)
-            if (sync == "single") != (blocks == 1) or (sync != "single" and blocks < 2):
-                continue
             if sync == "grid" and blocks <= MAX_CLUSTER:
-                continue
+                continue  # a cluster holds it with a cheaper exchange
             for group_size in (8, 16, 32, 4):
-                try:
-                    cfg = KernelConfig(cell, hidden_size, sync, blocks, threads, group_size,
-                                       min(batch_tile, 8), 0)
+                try:  # KernelConfig rejects block counts the sync mode cannot run
+                    cfg = KernelConfig(cell, hidden_size, sync, blocks, threads, group_size, batch_tile)
                 except ConfigError:
                     continue
                 tile = max(cfg.rows_per_group(s) for s in range(spec.num_stages)) * batch_tile

@@ -224,6 +224,12 @@ def test_bad_inputs_raise_before_launch():
         persistent.run_recurrence(cfg, xw.double(), w, b, h0, None)
     with pytest.raises(ValueError, match="xw: expected a CUDA tensor"):
         persistent.run_recurrence(cfg, xw.cpu(), w, b, h0, None)
+    with pytest.raises(ValueError, match="h0: expected a CUDA tensor, got one on cpu"):
+        persistent.run_recurrence(cfg, xw, w, b, h0.cpu(), None)
+    with pytest.raises(ValueError, match="gru has no cell state: expected c0=None"):
+        persistent.run_recurrence(cfg, xw, w, b, h0, h0)
+    with pytest.raises(ValueError, match=r"xw: expected a 3-D tensor \(T, B, 192\), got \(10, 192\)"):
+        persistent.run_recurrence(cfg, xw.view(10, 192), w, b, h0, None)
 
 
 def _compiled_configs():

@@ -18,6 +18,18 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
         return "unknown"
 
 
+def describe(env: dict[str, Any]) -> str:
+    """Markdown bullet lines naming the GPU, clocks, versions, commit and date of ``env``."""
+    smi = env.get("nvidia_smi", {})
+    return "\n".join([
+        f"- GPU: {env.get('gpu')}, driver {smi.get('driver_version')}, SM clock {smi.get('clocks.sm')} "
+        f"(max {smi.get('clocks.max.sm')}), memory clock {smi.get('clocks.mem')}, power limit {smi.get('power.limit')}",
+        f"- torch {env['torch']} (CUDA {env['cuda_runtime']}), cuDNN {env['cudnn']}, cuda.core {env['cuda_core']}, "
+        f"NVRTC {env['nvrtc']}",
+        f"- persistrnn {env['persistrnn']}, commit {env['commit']}, {env['date']}",
+    ])
+
+
 def environment() -> dict[str, Any]:
     import torch
 

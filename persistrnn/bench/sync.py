@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import jit
+from .environment import describe
 from .timing import time_cuda_ms
 
 BLOCK = 256  # threads per block in every sync kernel: a typical persistent block
@@ -308,14 +309,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 def format_header(result: dict[str, Any]) -> str:
     """Where and how the numbers were taken, for the top of a results file."""
-    env, cfg = result["environment"], result["config"]
-    smi = env.get("nvidia_smi", {})
+    cfg = result["config"]
     return "\n".join([
-        f"- GPU: {env.get('gpu')}, driver {smi.get('driver_version')}, SM clock {smi.get('clocks.sm')} "
-        f"(max {smi.get('clocks.max.sm')}), memory clock {smi.get('clocks.mem')}, power limit {smi.get('power.limit')}",
-        f"- torch {env['torch']} (CUDA {env['cuda_runtime']}), cuDNN {env['cudnn']}, cuda.core {env['cuda_core']}, "
-        f"NVRTC {env['nvrtc']}",
-        f"- persistrnn {env['persistrnn']}, commit {env['commit']}, {env['date']}",
+        describe(result["environment"]),
         f"- Method: each kernel runs {cfg['steps']} and {cfg['steps'] // 10} steps in one launch; per step = the "
         f"difference of the two times over the difference of the steps. Each time is the median of {cfg['repeats']} "
         f"CUDA-event timings after {cfg['warmup']} warm-up launches. The exchange kernels' final state is checked "
