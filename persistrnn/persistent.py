@@ -25,6 +25,15 @@ SYNC_MODES = ("single", "cluster", "grid")
 """single: one block, ``__syncthreads``; cluster: 2-16 blocks of one cluster,
 st.async + mbarrier; grid: cooperative launch, global buffer + counter barrier."""
 
+DTYPES = ("float32", "float16", "bfloat16")
+"""The layer's dtype: weights, states and outputs. Input projections and all
+arithmetic stay fp32."""
+MATH_PATHS = ("ffma", "mma")
+"""ffma: fp32 fused multiply-adds (16-bit weights are widened once, at load);
+mma: tensor cores, mma.sync m16n8k16 on 16-bit weights with fp32 accumulation."""
+MMA_TILE = 16  # rows and columns of one m16n8k16 A fragment
+MMA_BATCH = 8  # batch columns of one B fragment
+
 KERNEL_NAME = "prnn_recurrence"
 MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
 WARP = 32
@@ -60,6 +69,12 @@ class KernelConfig:
             sit in shared memory instead of registers.
         prefetch_steps: how many steps ahead the input projections are copied
             into shared memory (their load latency exceeds a step).
+        dtype: one of :data:`DTYPES`.
+        math: one of :data:`MATH_PATHS`. ``mma`` needs a 16-bit dtype, a warp
+            per work group (group_size 32), batch_tile 8 and every weight in
+            registers.
+        k_split: (mma) warps that split one row tile's columns; their partial
+            products are summed in the pointwise phase.
     """
 
     cell: str
@@ -71,15 +86,26 @@ class KernelConfig:
     batch_tile: int = 1
     shared_k_chunks: int = 0
     prefetch_steps: int = 4
+    dtype: str = "float32"
+    math: str = "ffma"
+    k_split: int = 1
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
-        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile", "prefetch_steps"):
+        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile", "prefetch_steps", "k_split"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"KernelConfig.{name}: expected an int, got {type(value).__name__}")
             if value < 1:
                 raise ConfigError(f"KernelConfig.{name}: expected >= 1, got {value}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"KernelConfig.dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.math not in MATH_PATHS:
+            raise ConfigError(f"KernelConfig.math: expected one of {MATH_PATHS}, got {self.math!r}")
+        if self.math == "mma":
+            self._check_mma()
+        elif self.k_split != 1:
+            raise ConfigError(f"KernelConfig.k_split: only the mma path splits K, expected 1, got {self.k_split}")
         if self.sync not in SYNC_MODES:
             raise ConfigError(f"KernelConfig.sync: expected one of {SYNC_MODES}, got {self.sync!r}")
         if self.sync == "single" and self.blocks != 1:
@@ -116,6 +142,19 @@ class KernelConfig:
         if spec.num_stages > 2:
             raise ConfigError(f"cell {spec.name}: the kernel runs at most 2 stages, got {spec.num_stages}")
 
+    def _check_mma(self) -> None:
+        if self.dtype == "float32":
+            raise ConfigError("KernelConfig.math: 'mma' runs 16-bit weights, expected dtype float16 or bfloat16, "
+                              "got float32")
+        fixed = {"group_size": WARP, "batch_tile": MMA_BATCH, "shared_k_chunks": 0}
+        for name, want in fixed.items():
+            if getattr(self, name) != want:
+                raise ConfigError(f"KernelConfig.{name}: math 'mma' needs {want}, got {getattr(self, name)}")
+        warps = self.threads // WARP
+        if not _pow2(self.k_split) or warps % self.k_split:
+            raise ConfigError(f"KernelConfig.k_split: expected a power of two dividing the {warps} warps, "
+                              f"got {self.k_split}")
+
     # ---- derived sizes ------------------------------------------------------
 
     @property
@@ -147,10 +186,25 @@ class KernelConfig:
         """Rows of ``stage`` each work group produces (the tile height)."""
         return math.ceil(self.stage_rows(stage) / self.work_groups)
 
+    # mma: a warp holds m_tiles_per_warp(s) x k_tiles_per_warp A fragments.
+
+    @property
+    def k_tiles_per_warp(self) -> int:
+        return math.ceil(math.ceil(self.hidden_size / MMA_TILE) / self.k_split)
+
+    def m_tiles_per_warp(self, stage: int) -> int:
+        row_groups = self.threads // WARP // self.k_split
+        return math.ceil(math.ceil(self.stage_rows(stage) / MMA_TILE) / row_groups)
+
     @property
     def padded_hidden(self) -> int:
-        """Rows of the shared h buffers: covers every lane's columns and every block's slice."""
-        rows = max(self.k_per_thread * self.group_size, self.blocks * self.units_per_block)
+        """Rows of the shared h buffers: covers every lane's (or k tile's)
+        columns and every block's slice."""
+        if self.math == "mma":
+            columns = self.k_split * self.k_tiles_per_warp * MMA_TILE
+        else:
+            columns = self.k_per_thread * self.group_size
+        rows = max(columns, self.blocks * self.units_per_block)
         return -(-rows // 4) * 4
 
     @property
@@ -158,20 +212,33 @@ class KernelConfig:
         """Batch columns are padded to this; a slice is then whole 16-byte vectors."""
         return self.batch_tile if self.units_per_block % 4 == 0 else max(self.batch_tile, 4)
 
+    @property
+    def batch_pad(self) -> int:
+        """Extra columns after the aligned batch. mma reads h at rows 2*tig (+1)
+        for 8 batch columns; a row stride of 8j + 4 floats puts the four tig
+        rows in distinct banks (8j alone is a 2- or 4-way conflict)."""
+        return 4 if self.math == "mma" else 0
+
     def batch_stride(self, batch: int) -> int:
-        return -(-batch // self.batch_align) * self.batch_align
+        return -(-batch // self.batch_align) * self.batch_align + self.batch_pad
 
     @property
     def register_weights(self) -> int:
         """Weight registers per thread, over all stages."""
-        return sum(self.rows_per_group(s) * self.register_k for s in range(self.spec.num_stages))
+        stages = range(self.spec.num_stages)
+        if self.math == "mma":  # a fragment is 4 registers of two 16-bit values
+            return sum(4 * self.m_tiles_per_warp(s) * self.k_tiles_per_warp for s in stages)
+        return sum(self.rows_per_group(s) * self.register_k for s in stages)
 
     @property
     def estimated_registers(self) -> int:
         """Registers per thread the planner expects ptxas to need."""
         stages = range(self.spec.num_stages)
-        acc = max(self.rows_per_group(s) * self.batch_tile for s in stages)
-        return self.register_weights + acc + self.batch_tile + REGISTER_OVERHEAD
+        if self.math == "mma":  # two accumulator fragments per tile, two B registers
+            acc = max(8 * self.m_tiles_per_warp(s) for s in stages) + 2
+        else:
+            acc = max(self.rows_per_group(s) * self.batch_tile for s in stages) + self.batch_tile
+        return self.register_weights + acc + REGISTER_OVERHEAD
 
     @property
     def bias_floats(self) -> int:
@@ -187,7 +254,7 @@ class KernelConfig:
         bp = self.batch_stride(batch)
         g, u = self.spec.num_gates, self.units_per_block
         xw = (self.prefetch_steps + 1) * g * u * bp
-        floats = 2 * self.padded_hidden * bp + g * u * bp + xw + (u * bp if self.spec.has_cell_state else 0)
+        floats = 2 * self.padded_hidden * bp + self.k_split * g * u * bp + xw + (u * bp if self.spec.has_cell_state else 0)
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
 
     def max_batch(self, shared_limit: int) -> int:
@@ -239,6 +306,9 @@ def _pointwise_function(spec: CellSpec) -> str:
     return "\n".join(lines)
 
 
+_DEVICE_TYPES = {"float32": "float", "float16": "prnn_f16", "bfloat16": "prnn_bf16"}
+
+
 def render_source(config: KernelConfig) -> str:
     """The complete CUDA source of ``config``: generated prelude + template."""
     spec = config.spec
@@ -251,12 +321,16 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_WGS": config.group_size,
         "PRNN_BT": config.batch_tile,
         "PRNN_BP_ALIGN": config.batch_align,
+        "PRNN_BP_PAD": config.batch_pad,
         "PRNN_U": config.units_per_block,
         "PRNN_KPT": config.k_per_thread,
         "PRNN_KPAD": config.padded_hidden,
         "PRNN_HAS_C": int(spec.has_cell_state),
         "PRNN_STAGES": spec.num_stages,
-        "PRNN_IO_T": "float",
+        "PRNN_IO_T": _DEVICE_TYPES[config.dtype],
+        "PRNN_MMA": int(config.math == "mma"),
+        "PRNN_KS": config.k_split,
+        "PRNN_KTW": config.k_tiles_per_warp,
         "PRNN_BIAS_FLOATS": config.bias_floats,
         "PRNN_XW_DEPTH": config.prefetch_steps,
     }
@@ -265,6 +339,7 @@ def render_source(config: KernelConfig) -> str:
         defines[f"PRNN_S{s}_NG"] = len(stage)
         defines[f"PRNN_S{s}_RPW"] = config.rows_per_group(s)
         defines[f"PRNN_S{s}_KREG"] = config.register_k
+        defines[f"PRNN_S{s}_MTW"] = config.m_tiles_per_warp(s)
         first_gates.append(spec.gates.index(stage[0]))
     prelude = [f"// {config}"]
     prelude += [f"#define {k} {v}" for k, v in defines.items()]
@@ -344,7 +419,7 @@ def run_recurrence(
 
     Args:
         xw: (T, B, G*H) float32 CUDA tensor, ``x @ W_ih^T + b_ih``.
-        w_hh: (G*H, H); b_hh: (G*H,); h0, c0: (B, H).
+        w_hh: (G*H, H); b_hh: (G*H,); h0, c0: (B, H); all of ``config.dtype``.
         out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
         check: synchronise and raise if the kernel reported a failure.
 
@@ -359,14 +434,15 @@ def run_recurrence(
         raise ValueError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
                          f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
     T, B = xw.shape[0], xw.shape[1]
-    _check_tensor("xw", xw, (T, B, G * H), xw.device)
-    _check_tensor("w_hh", w_hh, (G * H, H), xw.device)
-    _check_tensor("b_hh", b_hh, (G * H,), xw.device)
-    _check_tensor("h0", h0, (B, H), xw.device)
+    dtype = getattr(torch, config.dtype)
+    _check_tensor("xw", xw, (T, B, G * H), xw.device, torch.float32)
+    _check_tensor("w_hh", w_hh, (G * H, H), xw.device, dtype)
+    _check_tensor("b_hh", b_hh, (G * H,), xw.device, dtype)
+    _check_tensor("h0", h0, (B, H), xw.device, dtype)
     if spec.has_cell_state:
         if c0 is None:
             raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
-        _check_tensor("c0", c0, (B, H), xw.device)
+        _check_tensor("c0", c0, (B, H), xw.device, dtype)
     elif c0 is not None:
         raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
     if T < 1 or B < 1:
@@ -376,8 +452,8 @@ def run_recurrence(
 
     def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
         if given is None:
-            return torch.empty(shape, dtype=torch.float32, device=xw.device)
-        _check_tensor(name, given, shape, xw.device)
+            return torch.empty(shape, dtype=dtype, device=xw.device)
+        _check_tensor(name, given, shape, xw.device, dtype)
         return given
 
     out = destination("out", out, (T, B, H))
@@ -391,8 +467,8 @@ def run_recurrence(
         kernel, launch_config = _prepared_launch(config, xw.device.index, nb)
         if config.sync == "grid":
             need = 2 * config.padded_hidden * config.batch_stride(nb)
-            if buffers.exchange.numel() < need:
-                buffers.exchange = torch.empty(need, dtype=torch.float32, device=xw.device)
+            if buffers.exchange.numel() < need:  # zeros: the kernel reads rows it never writes
+                buffers.exchange = torch.zeros(need, dtype=torch.float32, device=xw.device)
         jit.launch(
             kernel,
             launch_config,
@@ -450,13 +526,13 @@ def _launch_config(kernel: jit.LoadedKernel, config: KernelConfig, shared: int) 
     return kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
 
 
-def _check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any) -> None:
+def _check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any, dtype: Any) -> None:
     import torch
 
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name}: expected dtype torch.float32, got {t.dtype}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if t.device.type != "cuda":
         raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
     if t.device != device:
@@ -465,6 +541,23 @@ def _check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any) -> Non
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def input_projection(x: Any, w_ih: Any, b_ih: Any) -> Any:
+    """``x @ W_ih^T + b_ih`` for every step at once: (T, B, I) -> (T, B, G*H) float32.
+
+    One GEMM through torch. A 16-bit layer's GEMM accumulates and returns
+    fp32, so the recurrence starts from unrounded projections.
+    """
+    import torch
+
+    T, B, I = x.shape
+    x2 = x.reshape(T * B, I)
+    if x.dtype == torch.float32:
+        xw = torch.addmm(b_ih, x2, w_ih.t())
+    else:
+        xw = torch.addmm(b_ih.float(), x2, w_ih.t(), out_dtype=torch.float32)
+    return xw.view(T, B, -1)
 
 
 def forward_layer(
@@ -479,15 +572,11 @@ def forward_layer(
     *,
     check: bool = True,
 ) -> tuple[Any, Any, Any | None]:
-    """One layer, one direction: input GEMM through torch, then the recurrence.
+    """One layer, one direction: :func:`input_projection`, then the recurrence.
 
-    ``x`` is (T, B, I) float32; the rest as in :func:`run_recurrence`.
+    ``x`` is (T, B, I) of ``config.dtype``; the rest as in :func:`run_recurrence`.
     """
-    import torch
-
-    T, B, I = x.shape
-    xw = torch.addmm(b_ih, x.reshape(T * B, I), w_ih.t()).view(T, B, -1)
-    return run_recurrence(config, xw, w_hh, b_hh, h0, c0, check=check)
+    return run_recurrence(config, input_projection(x, w_ih, b_ih), w_hh, b_hh, h0, c0, check=check)
 
 
 # ----------------------------------------------------------------------------
@@ -501,8 +590,8 @@ def blocks_for(hidden_size: int, wanted: int) -> int:
     return math.ceil(hidden_size / units)
 
 
-def default_config(cell: str, hidden_size: int, batch: int, *, sm_count: int,
-                   register_budget: int = 128, threads: int = 256) -> KernelConfig:
+def default_config(cell: str, hidden_size: int, batch: int, *, sm_count: int, register_budget: int = 128,
+                   threads: int = 256, dtype: str = "float32", math: str = "ffma") -> KernelConfig:
     """A reasonable configuration from sizes alone: the fewest blocks whose
     weights fit ``register_budget`` registers per thread, in the cheapest sync
     mode that holds them. The planner replaces this with a tuned choice."""
@@ -513,15 +602,20 @@ def default_config(cell: str, hidden_size: int, batch: int, *, sm_count: int,
             blocks = blocks_for(hidden_size, wanted)
             if sync == "grid" and blocks <= MAX_CLUSTER:
                 continue  # a cluster holds it with a cheaper exchange
-            for group_size in (8, 16, 32, 4):
+            if math == "mma":  # a warp per work group; split K until the fragments fit
+                mappings = [dict(group_size=WARP, batch_tile=MMA_BATCH, k_split=k) for k in (1, 2, 4, 8)]
+            else:
+                mappings = [dict(group_size=g, batch_tile=batch_tile) for g in (8, 16, 32, 4)]
+            for mapping in mappings:
                 try:  # KernelConfig rejects block counts the sync mode cannot run
-                    cfg = KernelConfig(cell, hidden_size, sync, blocks, threads, group_size, batch_tile)
+                    cfg = KernelConfig(cell, hidden_size, sync, blocks, threads, dtype=dtype, math=math, **mapping)
                 except ConfigError:
                     continue
-                tile = max(cfg.rows_per_group(s) for s in range(spec.num_stages)) * batch_tile
-                while tile > 32 and cfg.batch_tile > 1:
-                    cfg = dataclasses.replace(cfg, batch_tile=cfg.batch_tile // 2)
-                    tile //= 2
+                if math == "ffma":
+                    tile = max(cfg.rows_per_group(s) for s in range(spec.num_stages)) * cfg.batch_tile
+                    while tile > 32 and cfg.batch_tile > 1:
+                        cfg = dataclasses.replace(cfg, batch_tile=cfg.batch_tile // 2)
+                        tile //= 2
                 if cfg.register_weights <= register_budget:
                     return cfg
     raise ConfigError(

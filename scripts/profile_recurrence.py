@@ -26,13 +26,15 @@ def main() -> None:
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = persistent.default_config(args.cell, args.hidden, args.batch, sm_count=sm)
     if args.config:
-        fields = {k: (v if k in ("cell", "sync") else int(v)) for k, v in (kv.split("=") for kv in args.config.split(","))}
+        fields = {k: (v if k in ("cell", "sync", "dtype", "math") else int(v))
+                  for k, v in (kv.split("=") for kv in args.config.split(","))}
         cfg = persistent.dataclasses.replace(cfg, **fields)
     print(cfg)
     G, H, B = cfg.spec.num_gates, args.hidden, args.batch
-    w_hh = torch.randn(G * H, H, device="cuda") / H**0.5
-    b_hh = torch.randn(G * H, device="cuda")
-    h0, c0 = torch.randn(B, H, device="cuda"), torch.randn(B, H, device="cuda")
+    dt = getattr(torch, cfg.dtype)
+    w_hh = (torch.randn(G * H, H, device="cuda") / H**0.5).to(dt)
+    b_hh = torch.randn(G * H, device="cuda", dtype=dt)
+    h0, c0 = torch.randn(B, H, device="cuda", dtype=dt), torch.randn(B, H, device="cuda", dtype=dt)
     times = {}
     for steps in (args.steps, args.steps * 10):
         xw = torch.randn(steps, B, G * H, device="cuda")

@@ -29,6 +29,14 @@ CELL_NAMES = tuple(cells.CELLS)
         (dict(shared_k_chunks=99), "column chunks"),
         (dict(hidden_size=3, sync="cluster", blocks=4), "at least one hidden unit"),
         (dict(hidden_size=9, sync="cluster", blocks=4), "without units"),
+        (dict(dtype="float64"), "one of"),
+        (dict(math="wmma"), "one of"),
+        (dict(math="mma"), "expected dtype float16 or bfloat16, got float32"),
+        (dict(math="mma", dtype="float16"), "group_size: math 'mma' needs 32, got 8"),
+        (dict(math="mma", dtype="float16", group_size=32), "batch_tile: math 'mma' needs 8, got 1"),
+        (dict(math="mma", dtype="float16", group_size=32, batch_tile=8, k_split=3), "power of two dividing"),
+        (dict(math="mma", dtype="float16", group_size=32, batch_tile=8, k_split=16), "dividing the 8 warps"),
+        (dict(k_split=2), "only the mma path splits K"),
     ],
 )
 def test_invalid_configs_name_what_was_expected(kwargs, message):
@@ -110,6 +118,24 @@ COMPILE_SAMPLE = [
 ]
 
 
+def _mma(cell, hidden, sync, blocks, threads, k_split, dtype="bfloat16"):
+    return KernelConfig(cell, hidden, sync, blocks, threads, group_size=32, batch_tile=8, dtype=dtype, math="mma",
+                        k_split=k_split)
+
+
+# (hidden, sync, blocks, threads, k_split), batch, steps
+MMA_SAMPLE = [
+    ((1, "single", 1, 64, 1), 1, 7),
+    ((64, "single", 1, 256, 2), 3, 100),
+    ((100, "cluster", 4, 256, 4), 17, 7),
+    ((256, "cluster", 8, 256, 1), 8, 100),
+    ((333, "cluster", 16, 256, 2), 64, 7),
+    ((1000, "grid", 125, 256, 8), 1, 7),
+    ((1024, "grid", 128, 256, 8), 16, 100),
+]
+COMPILE_SAMPLE += [_mma(cell, *shape) for cell in CELL_NAMES for shape, _, _ in MMA_SAMPLE]
+
+
 # ---- GPU: agreement with the float64 reference -------------------------------
 
 
@@ -134,31 +160,35 @@ def _rel(a, b):
 
 
 def check_against_reference(config, batch, steps, seed, input_size=None):
+    """Relative errors of one run of ``config`` against the float64 reference.
+
+    Parameters and inputs are drawn in float64, rounded to the config's dtype
+    for the kernel, and the reference runs on the rounded values: the error
+    is the kernel's own, not the rounding of its inputs."""
     import torch
 
     rng = np.random.default_rng(seed)
     spec = config.spec
     H = config.hidden_size
     input_size = input_size or H
+    dtype = getattr(torch, config.dtype)
+    dev = torch.device("cuda")
     p, x, h0, c0 = _random_layer(config.cell, input_size, H, batch, steps, rng)
+    t = {k: torch.tensor(v, dtype=dtype, device=dev) for k, v in p.items()}
+    x_t, h0_t, c0_t = (torch.tensor(v, dtype=dtype, device=dev) for v in (x, h0[0], c0[0]))
+    p, x, h0, c0 = ({k: v.double().cpu().numpy() for k, v in t.items()}, x_t.double().cpu().numpy(),
+                    h0_t.double().cpu().numpy()[None], c0_t.double().cpu().numpy()[None])
     hx = (h0, c0) if spec.has_cell_state else h0
     ref_out, ref_state = reference.rnn_forward(config.cell, x, [[p]], hx=hx)
     ref_h = ref_state[0] if spec.has_cell_state else ref_state
 
-    dev = torch.device("cuda")
-    t = {k: torch.tensor(v, dtype=torch.float32, device=dev) for k, v in p.items()}
     nan = float("nan")
-    out = torch.full((steps, batch, H), nan, device=dev)
-    h_n = torch.full((batch, H), nan, device=dev)
-    c_n = torch.full((batch, H), nan, device=dev) if spec.has_cell_state else None
-    xw = torch.addmm(t["b_ih"], torch.tensor(x, dtype=torch.float32, device=dev).view(-1, input_size),
-                     t["w_ih"].t()).view(steps, batch, -1)
-    persistent.run_recurrence(
-        config, xw, t["w_hh"], t["b_hh"],
-        torch.tensor(h0[0], dtype=torch.float32, device=dev),
-        torch.tensor(c0[0], dtype=torch.float32, device=dev) if spec.has_cell_state else None,
-        out=out, h_n=h_n, c_n=c_n,
-    )
+    out = torch.full((steps, batch, H), nan, dtype=dtype, device=dev)
+    h_n = torch.full((batch, H), nan, dtype=dtype, device=dev)
+    c_n = torch.full((batch, H), nan, dtype=dtype, device=dev) if spec.has_cell_state else None
+    xw = persistent.input_projection(x_t, t["w_ih"], t["b_ih"])
+    persistent.run_recurrence(config, xw, t["w_hh"], t["b_hh"], h0_t, c0_t if spec.has_cell_state else None,
+                              out=out, h_n=h_n, c_n=c_n)
     errors = {"output": _rel(out.double().cpu().numpy(), ref_out), "h_n": _rel(h_n.double().cpu().numpy(), ref_h[0])}
     if spec.has_cell_state:
         errors["c_n"] = _rel(c_n.double().cpu().numpy(), ref_state[1][0])
@@ -166,6 +196,11 @@ def check_against_reference(config, batch, steps, seed, input_size=None):
 
 
 FP32_TOLERANCE = 1e-5
+HALF_TOLERANCE = 2e-2  # bf16 and fp16 weights, states and outputs
+
+
+def _tolerance(config):
+    return FP32_TOLERANCE if config.dtype == "float32" else HALF_TOLERANCE
 
 
 def _gpu_cases():
@@ -181,6 +216,11 @@ def _gpu_cases():
         cases.append((KernelConfig(cell, 100, "grid", 10, 64, 2, 1), 17, 7))
         cases.append((KernelConfig(cell, 256, "cluster", 16, 512, 32, 8, 2), 17, 1))
         cases.append((KernelConfig(cell, 64, "grid", 64, 32, 1, 2), 8, 100))
+        # 16-bit: tensor cores in each sync mode, and the widening ffma path
+        for dtype in ("bfloat16", "float16"):
+            for (hidden, sync, blocks, threads, k_split), batch, steps in MMA_SAMPLE:
+                cases.append((_mma(cell, hidden, sync, blocks, threads, k_split, dtype), batch, steps))
+            cases.append((KernelConfig(cell, 100, "cluster", 4, 128, 8, 4, dtype=dtype), 17, 7))
     return cases
 
 
@@ -189,11 +229,11 @@ GPU_CASES = _gpu_cases()
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, batch, steps", GPU_CASES, ids=[f"{c}-B{b}-T{t}" for c, b, t in GPU_CASES])
-def test_fp32_kernel_matches_float64_reference(config, batch, steps):
+def test_kernel_matches_float64_reference(config, batch, steps):
     # A fresh seed per run (str hashes are salted per process); printed on failure.
     seed = hash((str(config), batch, steps)) % 2**32
     errors = check_against_reference(config, batch, steps, seed=seed)
-    assert all(e <= FP32_TOLERANCE for e in errors.values()), (seed, errors)
+    assert all(e <= _tolerance(config) for e in errors.values()), (seed, errors)
 
 
 @pytest.mark.gpu
@@ -259,3 +299,27 @@ def test_grid_that_cannot_be_resident_is_refused_not_hung():
     with pytest.raises(jit.KernelLaunchError, match=f"needs {blocks} blocks resident at once"):
         persistent.run_recurrence(cfg, xw, torch.randn(1024, 1024, device=dev), torch.randn(1024, device=dev),
                                   torch.randn(1, 1024, device=dev), None)
+
+
+@pytest.mark.parametrize("cell", CELL_NAMES)
+@pytest.mark.parametrize("shape", [shape for shape, _, _ in MMA_SAMPLE], ids=str)
+def test_mma_tiles_cover_every_row_and_column(cell, shape):
+    cfg = _mma(cell, *shape)
+    row_groups = cfg.threads // 32 // cfg.k_split
+    for s in range(cfg.spec.num_stages):
+        assert cfg.m_tiles_per_warp(s) * row_groups * 16 >= cfg.stage_rows(s)
+    assert cfg.padded_hidden >= cfg.k_split * cfg.k_tiles_per_warp * 16 >= cfg.hidden_size
+    assert cfg.register_weights == sum(4 * cfg.m_tiles_per_warp(s) * cfg.k_tiles_per_warp
+                                       for s in range(cfg.spec.num_stages))
+    for batch in (1, 8, 9, 64):
+        bp = cfg.batch_stride(batch)
+        # every 8-column tile fits, and B fragment rows 0, 2, 4, 6 fall in distinct banks
+        assert bp >= -(-batch // 8) * 8 and bp % 4 == 0
+        assert len({(2 * tig * bp) % 32 // 8 for tig in range(4)}) == 4
+
+
+def test_mma_partials_take_shared_memory_per_k_split():
+    one = _mma("lstm", 256, "cluster", 8, 256, 1)
+    four = dataclasses.replace(one, k_split=4)
+    assert four.shared_bytes(8) - one.shared_bytes(8) == 4 * 3 * 4 * one.units_per_block * one.batch_stride(8)
+    assert four.register_weights == one.register_weights  # same fragments, split the other way

@@ -1,17 +1,19 @@
 """One recurrent layer, persistent kernel against cuDNN: ``python -m persistrnn.bench recurrence``.
 
-For each (cell, hidden size, batch), with input size = hidden size and fp32:
+For each (cell, hidden size, batch, dtype), with input size = hidden size:
 
 * ours: the input-projection GEMM plus one persistent launch. A few
   configurations are timed and the fastest is kept (the planner will choose
   from a model instead). Reported replayed from a CUDA graph (device time) and
   called eagerly from Python back to back (what a plain call costs, host
   included).
-* cuDNN through torch, in the same process: eager with torch's default fp32
-  settings (cuDNN may use TF32), eager with TF32 off, and replayed from a CUDA
-  graph (default settings).
+* cuDNN through torch, in the same process: eager with torch's default
+  settings (in fp32 cuDNN may use TF32), eager with TF32 off (fp32 only), and
+  replayed from a CUDA graph (default settings). In fp16/bf16 the module runs
+  in that dtype, which is where torch picks cuDNN's persistent kernels.
 * relative error ||out - ref|| / ||ref|| of the output sequence against the
-  float64 reference, for ours and for cuDNN (TF32 on and off).
+  float64 reference on the same (dtype-rounded) parameters, for ours and for
+  cuDNN.
 
 Times are medians of ``repeats`` CUDA-event timings, each over ``calls``
 back-to-back calls, after warm-up; input buffers rotate over ``ROTATE`` copies
@@ -36,9 +38,11 @@ TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "R
 
 @dataclasses.dataclass
 class RecurrenceBenchConfig:
-    cases: tuple[tuple[str, int, int], ...] = tuple(
-        [("lstm", H, B) for H in (64, 256, 1024) for B in (1, 8, 10, 20)]
-        + [(cell, H, B) for cell in ("gru", "gru_reset_before", "rnn_tanh") for H in (256, 1024) for B in (1, 20)]
+    cases: tuple[tuple[str, int, int, str], ...] = tuple(
+        [("lstm", H, B, "float32") for H in (64, 256, 1024) for B in (1, 8, 10, 20)]
+        + [(cell, H, B, "float32") for cell in ("gru", "gru_reset_before", "rnn_tanh") for H in (256, 1024)
+           for B in (1, 20)]
+        + [("lstm", H, B, dtype) for dtype in ("bfloat16", "float16") for H in (256, 1024) for B in (1, 8, 16, 20)]
     )
     steps: int = 100
     calls: int = 10
@@ -46,9 +50,12 @@ class RecurrenceBenchConfig:
     warmup: int = 2
 
 
-def candidates(cell: str, hidden: int, batch: int, sm_count: int) -> list[persistent.KernelConfig]:
+def candidates(cell: str, hidden: int, batch: int, sm_count: int, dtype: str = "float32") -> list[persistent.KernelConfig]:
     """A handful of configurations around the default: fewer or more blocks
-    (register budget) and other work-group sizes."""
+    (register budget) and other work-group sizes; for 16-bit dtypes, the
+    tensor-core path with other K splits, and the widening FFMA path."""
+    if dtype != "float32":
+        return _mma_candidates(cell, hidden, batch, sm_count, dtype)
     seen: dict[persistent.KernelConfig, None] = {}
     # Small budgets spread a small model over more blocks, which pays once the
     # batch makes a step compute-bound (H=64, B=20 on one SM: 2.5 µs of FMAs).
@@ -65,6 +72,28 @@ def candidates(cell: str, hidden: int, batch: int, sm_count: int) -> list[persis
                 continue
             if cfg.register_weights <= budget and cfg.estimated_registers <= persistent.MAX_REGISTERS_PER_THREAD:
                 seen[cfg] = None
+    return list(seen)
+
+
+def _mma_candidates(cell: str, hidden: int, batch: int, sm_count: int, dtype: str) -> list[persistent.KernelConfig]:
+    seen: dict[persistent.KernelConfig, None] = {}
+    for budget in (32, 64, 128, 160):
+        try:
+            base = persistent.default_config(cell, hidden, batch, sm_count=sm_count, register_budget=budget,
+                                             dtype=dtype, math="mma")
+        except persistent.ConfigError:
+            continue
+        seen[base] = None
+        for k_split in (2 * base.k_split, 4 * base.k_split):
+            try:
+                cfg = dataclasses.replace(base, k_split=k_split)
+            except persistent.ConfigError:
+                continue
+            seen[cfg] = None
+    try:
+        seen[persistent.default_config(cell, hidden, batch, sm_count=sm_count, dtype=dtype)] = None
+    except persistent.ConfigError:
+        pass
     return list(seen)
 
 
@@ -96,38 +125,39 @@ def _graph(fn):
     return graph
 
 
-def run_case(cell: str, hidden: int, batch: int, cfg: RecurrenceBenchConfig) -> dict[str, Any]:
+def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenchConfig) -> dict[str, Any]:
     import numpy as np
     import torch
 
     spec = get_cell(cell)
     T, H, G = cfg.steps, hidden, spec.num_gates
     dev = torch.device("cuda")
+    tdtype = getattr(torch, dtype)
     rng = np.random.default_rng(hash((cell, hidden, batch)) % 2**32)
     bound = 1 / math.sqrt(H)
-    p = {k: rng.uniform(-bound, bound, shape) for k, shape in
+    on_gpu = lambda a: torch.tensor(a, dtype=tdtype, device=dev)  # noqa: E731
+    as_f64 = lambda t: t.double().cpu().numpy()  # noqa: E731
+    w = {k: on_gpu(rng.uniform(-bound, bound, shape)) for k, shape in
          (("w_ih", (G * H, H)), ("w_hh", (G * H, H)), ("b_ih", (G * H,)), ("b_hh", (G * H,)))}
-    xs = [rng.standard_normal((T, batch, H)) for _ in range(ROTATE)]
-    h0 = rng.standard_normal((batch, H)) * 0.5
-    c0 = rng.standard_normal((batch, H)) * 0.5
-    ref_out, _ = reference.rnn_forward(cell, xs[0], [[p]], hx=((h0[None], c0[None]) if spec.has_cell_state else h0[None]))
-
-    f32 = lambda a: torch.tensor(a, dtype=torch.float32, device=dev)  # noqa: E731
-    w = {k: f32(v) for k, v in p.items()}
-    x_gpu = [f32(x) for x in xs]
-    h0_gpu, c0_gpu = f32(h0), (f32(c0) if spec.has_cell_state else None)
-    result: dict[str, Any] = {"cell": cell, "hidden": H, "batch": batch, "steps": T}
+    x_gpu = [on_gpu(rng.standard_normal((T, batch, H))) for _ in range(ROTATE)]
+    h0_gpu = on_gpu(rng.standard_normal((batch, H)) * 0.5)
+    c0_gpu = on_gpu(rng.standard_normal((batch, H)) * 0.5) if spec.has_cell_state else None
+    # The reference runs on the rounded values the GPU sees.
+    p = {k: as_f64(v) for k, v in w.items()}
+    hx_ref = (as_f64(h0_gpu)[None], as_f64(c0_gpu)[None]) if spec.has_cell_state else as_f64(h0_gpu)[None]
+    ref_out, _ = reference.rnn_forward(cell, as_f64(x_gpu[0]), [[p]], hx=hx_ref)
+    result: dict[str, Any] = {"cell": cell, "hidden": H, "batch": batch, "dtype": dtype, "steps": T}
 
     # ---- ours: pick the fastest of a few configurations, by graph replay time
     facts = jit.device_facts()
     timings = []
-    for config in candidates(cell, H, batch, facts.sm_count):
+    for config in candidates(cell, H, batch, facts.sm_count, dtype):
         try:
             def fwd(i=0, config=config, check=False):
                 return persistent.forward_layer(config, x_gpu[i], w["w_ih"], w["w_hh"], w["b_ih"], w["b_hh"],
                                                 h0_gpu, c0_gpu, check=check)
             out, _, _ = fwd(check=True)  # timed calls skip the status read: it synchronises
-            err = _rel(out.double().cpu().numpy(), ref_out)
+            err = _rel(as_f64(out), ref_out)
             graphs = [_graph(lambda i=i, fwd=fwd: fwd(i)) for i in range(ROTATE)]
             k = iter(range(10**9))
             ms = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
@@ -135,7 +165,7 @@ def run_case(cell: str, hidden: int, batch: int, cfg: RecurrenceBenchConfig) -> 
         except (persistent.ConfigError, jit.KernelLaunchError, jit.CompileError) as exc:
             result.setdefault("rejected", []).append(f"{config}: {exc}")
     if not timings:
-        raise RuntimeError(f"no configuration ran for {cell} H={H} B={batch}: {result.get('rejected')}")
+        raise RuntimeError(f"no configuration ran for {cell} H={H} B={batch} {dtype}: {result.get('rejected')}")
     ms, best, err, fwd = min(timings, key=lambda item: item[0])
     k = iter(range(10**9))
     result.update(
@@ -154,21 +184,23 @@ def run_case(cell: str, hidden: int, batch: int, cfg: RecurrenceBenchConfig) -> 
     kwargs = {"nonlinearity": cell.split("_")[1]} if name == "RNN" else {}
     module = getattr(torch.nn, name)(H, H, **kwargs).to(dev)
     reference.load_params_into_torch(module, [[p]])
+    module = module.to(tdtype)
     hx = (h0_gpu[None], c0_gpu[None]) if spec.has_cell_state else h0_gpu[None]
+    # TF32 only exists for fp32; the default settings allow it for cuDNN.
+    settings = {"": True, "fp32_": False} if dtype == "float32" else {"": True}
     with torch.no_grad():
-        for tf32 in (True, False):
+        for prefix, tf32 in settings.items():
             old = torch.backends.cudnn.allow_tf32
             torch.backends.cudnn.allow_tf32 = tf32
             try:
                 out = module(x_gpu[0], hx)[0]
-                key = "tf32" if tf32 else "fp32"
-                result[f"cudnn_{key}_error"] = _rel(out.double().cpu().numpy(), ref_out)
+                result[f"cudnn_{prefix}error"] = _rel(as_f64(out), ref_out)
                 k = iter(range(10**9))
-                result[f"cudnn_{key}_eager_ms"] = _per_call_ms(lambda: module(x_gpu[next(k) % ROTATE], hx), cfg)
+                result[f"cudnn_{prefix}eager_ms"] = _per_call_ms(lambda: module(x_gpu[next(k) % ROTATE], hx), cfg)
                 if tf32:
                     graphs = [_graph(lambda i=i: module(x_gpu[i], hx)) for i in range(ROTATE)]
                     k = iter(range(10**9))
-                    result["cudnn_tf32_graph_ms"] = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
+                    result["cudnn_graph_ms"] = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
             finally:
                 torch.backends.cudnn.allow_tf32 = old
     return result
@@ -184,29 +216,33 @@ def run(cfg: RecurrenceBenchConfig | None = None, progress: bool = True) -> dict
         from rich.progress import track
 
         cases = track(cases, description="recurrence", transient=True)
-    for cell, H, B in cases:
-        result["cases"].append(run_case(cell, H, B, cfg))
+    for cell, H, B, dtype in cases:
+        result["cases"].append(run_case(cell, H, B, dtype, cfg))
     return result
 
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        "| cell | H | B | ours graph ms | ours eager ms | cuDNN eager ms (TF32 allowed) | cuDNN eager ms (TF32 off) "
-        "| cuDNN graph ms | speed-up vs eager / graph | µs per step (ours) | error ours | error cuDNN TF32 / fp32 | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | dtype | H | B | ours graph ms | ours eager ms | cuDNN eager ms (default: TF32 allowed) "
+        "| cuDNN eager ms (TF32 off) | cuDNN graph ms | speed-up vs eager / graph | µs per step (ours) "
+        "| error ours | error cuDNN default / TF32 off | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result["cases"]:
         cfg = c["config"]
-        conf = f"{cfg['sync']} {cfg['blocks']}×{cfg['threads']}, wg {cfg['group_size']}, bt {cfg['batch_tile']}"
-        if "cudnn_tf32_eager_ms" in c:
-            peer = (f"{c['cudnn_tf32_eager_ms']:.3f} | {c['cudnn_fp32_eager_ms']:.3f} | {c['cudnn_tf32_graph_ms']:.3f} | "
-                    f"{c['cudnn_tf32_eager_ms'] / c['ours_graph_ms']:.1f}× / {c['cudnn_tf32_graph_ms'] / c['ours_graph_ms']:.1f}×")
-            errs = f"{c['cudnn_tf32_error']:.1e} / {c['cudnn_fp32_error']:.1e}"
+        conf = f"{cfg['sync']} {cfg['blocks']}×{cfg['threads']}, {cfg['math']}"
+        conf += f", k split {cfg['k_split']}" if cfg["math"] == "mma" else f", wg {cfg['group_size']}, bt {cfg['batch_tile']}"
+        if "cudnn_eager_ms" in c:
+            fp32 = lambda key: f"{c[key]:.3g}" if key in c else "—"  # noqa: E731
+            peer = (f"{c['cudnn_eager_ms']:.3f} | {fp32('cudnn_fp32_eager_ms')} | {c['cudnn_graph_ms']:.3f} | "
+                    f"{c['cudnn_eager_ms'] / c['ours_graph_ms']:.1f}× / {c['cudnn_graph_ms'] / c['ours_graph_ms']:.1f}×")
+            errs = f"{c['cudnn_error']:.1e} / {fp32('cudnn_fp32_error')}"
         else:
             peer, errs = "— | — | — | —", "—"
         lines.append(
-            f"| {c['cell']} | {c['hidden']} | {c['batch']} | {c['ours_graph_ms']:.4f} | {c['ours_eager_ms']:.4f} | {peer} | "
-            f"{1000 * c['ours_graph_ms'] / c['steps']:.2f} | {c['ours_error']:.1e} | {errs} | {conf} |"
+            f"| {c['cell']} | {c['dtype']} | {c['hidden']} | {c['batch']} | {c['ours_graph_ms']:.4f} | "
+            f"{c['ours_eager_ms']:.4f} | {peer} | {1000 * c['ours_graph_ms'] / c['steps']:.2f} | "
+            f"{c['ours_error']:.1e} | {errs} | {conf} |"
         )
     return "\n".join(lines)
 
@@ -215,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m persistrnn.bench recurrence", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", action="append", default=None, metavar="CELL:H:B",
-                        help="run only these cases, e.g. lstm:256:1 (repeatable)")
+    parser.add_argument("--case", action="append", default=None, metavar="CELL:H:B[:DTYPE]",
+                        help="run only these cases, e.g. lstm:256:1 or lstm:1024:16:bfloat16 (repeatable)")
     parser.add_argument("--steps", type=int, default=RecurrenceBenchConfig.steps)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
@@ -225,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         cases = []
         for item in args.case:
-            cell, H, B = item.split(":")
-            cases.append((cell, int(H), int(B)))
+            cell, H, B, *dtype = item.split(":")
+            cases.append((cell, int(H), int(B), dtype[0] if dtype else "float32"))
         cfg.cases = tuple(cases)
     result = run(cfg)
     table = format_table(result)

@@ -223,3 +223,38 @@ template <> __device__ __forceinline__ prnn_bf16 prnn_from_float<prnn_bf16>(floa
 // the precise tanhf: 1 - 2/(e^2x + 1) loses relative accuracy near 0.
 __device__ __forceinline__ float prnn_sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float prnn_relu(float x) { return fmaxf(x, 0.0f); }
+
+// ---- tensor cores ------------------------------------------------------------
+
+// Two floats as one 16-bit pair: lo in bits 0-15, hi in bits 16-31 (cvt's
+// first source lands in the upper half).
+template <typename T> __device__ __forceinline__ prnn_u32 prnn_pack2(float lo, float hi);
+template <> __device__ __forceinline__ prnn_u32 prnn_pack2<prnn_f16>(float lo, float hi) {
+    prnn_u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ prnn_u32 prnn_pack2<prnn_bf16>(float lo, float hi) {
+    prnn_u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <typename T> struct prnn_mma_16816;
+// d += a * b with a: 16x16 (row), b: 16x8 (col), fp32 accumulation.
+template <> struct prnn_mma_16816<prnn_f16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const prnn_u32 (&a)[4], prnn_u32 b0, prnn_u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct prnn_mma_16816<prnn_bf16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const prnn_u32 (&a)[4], prnn_u32 b0, prnn_u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};

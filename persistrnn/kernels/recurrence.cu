@@ -16,6 +16,11 @@
 // Weights live in registers under compile-time indices; the last SHARED_K of a
 // thread's KPT column chunks live in shared memory instead.
 //
+// With PRNN_MMA the matrix product runs on tensor cores instead (16-bit
+// weights, mma.sync m16n8k16, fp32 accumulation): a warp is the work group,
+// and PRNN_KS warps split a row tile's K, each leaving a partial product that
+// the pointwise phase sums.
+//
 // Exchange, by PRNN_SYNC:
 //   0 single block: __syncthreads;
 //   1 cluster: each block st.async-pushes its slice into every peer's shared
@@ -33,11 +38,11 @@
 #define PRNN_NWG (PRNN_THREADS / PRNN_WGS)
 #define PRNN_FULL_MASK 0xffffffffu
 
-typedef PRNN_IO_T io_t;
+typedef PRNN_IO_T io_t;  // h0, c0, outputs and weights: the layer's dtype
 
 struct prnn_smem_layout {
     float* hbuf;    // [2][KPAD][BP]
-    float* gates;   // [G][U][BP]      recurrent products W_hh h (b_hh is added pointwise)
+    float* gates;   // [KS][G][U][BP]  recurrent products W_hh h, KS partials (b_hh is added pointwise)
     float* bias;    // [G][U]          b_hh of this block's rows
     float* xw;      // [DEPTH+1][G][U][BP]  input projections, prefetched DEPTH steps ahead
     float* c;       // [U][BP]         cell state (cells that carry one)
@@ -48,7 +53,7 @@ __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     prnn_smem_layout L;
     L.hbuf = base;
     L.gates = L.hbuf + 2 * PRNN_KPAD * BP;
-    L.xw = L.gates + PRNN_G * PRNN_U * BP;
+    L.xw = L.gates + PRNN_KS * PRNN_G * PRNN_U * BP;
     L.c = L.xw + (PRNN_XW_DEPTH + 1) * PRNN_G * PRNN_U * BP;
     L.bias = L.c + (PRNN_HAS_C ? PRNN_U * BP : 0);
     L.w = L.bias + PRNN_BIAS_FLOATS;
@@ -127,7 +132,7 @@ __device__ __forceinline__ void prnn_stage_matmul(const float (&w)[RPW][KREG > 0
 
 // Registers (and shared overflow) of one stage's weights for this thread.
 template <int STAGE, int NG, int RPW, int KREG>
-__device__ __forceinline__ void prnn_load_stage_weights(const float* __restrict__ w_hh,
+__device__ __forceinline__ void prnn_load_stage_weights(const io_t* __restrict__ w_hh,
                                                         float (&w)[RPW][KREG > 0 ? KREG : 1], float* w_shared,
                                                         int blk, int wg, int lane) {
 #pragma unroll
@@ -139,7 +144,7 @@ __device__ __forceinline__ void prnn_load_stage_weights(const float* __restrict_
 #pragma unroll
         for (int j = 0; j < PRNN_KPT; ++j) {
             const int k = lane + j * PRNN_WGS;
-            const float v = valid && k < PRNN_H ? w_hh[(long long)grow * PRNN_H + k] : 0.0f;
+            const float v = valid && k < PRNN_H ? prnn_to_float(w_hh[(long long)grow * PRNN_H + k]) : 0.0f;
             if (j < KREG)
                 w[r][j < KREG ? j : 0] = v;
             else
@@ -147,6 +152,80 @@ __device__ __forceinline__ void prnn_load_stage_weights(const float* __restrict_
         }
     }
 }
+
+#if PRNN_MMA
+// Tensor-core product. Warp w is K-group w % KS of row group w / KS; it holds
+// the A fragments of MTW 16-row tiles (tiles m, m + WM, ...) by KTW 16-column
+// tiles in registers. B is 8 batch columns of the operand, rounded to 16 bits
+// as it is read. Fragment layout (PTX ISA, mma.m16n8k16), lane = 4*gid + tig:
+//   A rows gid, gid+8 x columns 2tig+{0,1}, 2tig+8+{0,1} (registers 0-3:
+//     (gid, k), (gid+8, k), (gid, k+8), (gid+8, k+8));
+//   B batch column gid x rows 2tig+{0,1}, 2tig+8+{0,1};
+//   C rows gid, gid+8 x batch columns 2tig+{0,1}.
+#define PRNN_WM (PRNN_THREADS / 32 / PRNN_KS)
+
+template <int STAGE, int NG, int MTW>
+__device__ __forceinline__ void prnn_load_stage_fragments(const io_t* __restrict__ w_hh,
+                                                          prnn_u32 (&a)[MTW][PRNN_KTW][4], int blk, int warp,
+                                                          int lane) {
+    const int mgroup = warp / PRNN_KS, kgroup = warp % PRNN_KS, gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int m = 0; m < MTW; ++m)
+#pragma unroll
+        for (int kt = 0; kt < PRNN_KTW; ++kt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = (mgroup + m * PRNN_WM) * 16 + gid + (i & 1) * 8;
+                const int k = (kgroup * PRNN_KTW + kt) * 16 + 2 * tig + (i >> 1) * 8;
+                const int unit = blk * PRNN_U + row % PRNN_U;
+                const bool valid = row < NG * PRNN_U && unit < PRNN_H;
+                const long long base = valid ? (long long)(prnn_stage_gate(STAGE, row / PRNN_U) * PRNN_H + unit) * PRNN_H : 0;
+                const prnn_u32 lo = valid && k < PRNN_H ? w_hh[base + k].bits : 0u;
+                const prnn_u32 hi = valid && k + 1 < PRNN_H ? w_hh[base + k + 1].bits : 0u;
+                a[m][kt][i] = lo | hi << 16;
+            }
+}
+
+template <int STAGE, int NG, int MTW>
+__device__ __forceinline__ void prnn_stage_mma(const prnn_u32 (&a)[MTW][PRNN_KTW][4], const float* operand,
+                                               float* gates, int warp, int lane, int BP, int Bc) {
+    constexpr int ROWS = NG * PRNN_U, MT = (ROWS + 15) / 16;
+    const int mgroup = warp / PRNN_KS, kgroup = warp % PRNN_KS, gid = lane >> 2, tig = lane & 3;
+    float* part = gates + (kgroup * PRNN_G + prnn_stage_gate(STAGE, 0)) * PRNN_U * BP;
+    const float* column = operand + (kgroup * PRNN_KTW * 16 + 2 * tig) * BP + gid;
+    for (int b0 = 0; b0 < Bc; b0 += 8) {
+        // Two accumulators per tile, alternating by k tile, halve the chain
+        // of dependent mma latencies.
+        float acc[MTW][2][4];
+#pragma unroll
+        for (int m = 0; m < MTW; ++m)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[m][i / 4][i % 4] = 0.0f;
+#pragma unroll
+        for (int kt = 0; kt < PRNN_KTW; ++kt) {
+            const float* p = column + kt * 16 * BP + b0;
+            const prnn_u32 b_lo = prnn_pack2<io_t>(p[0], p[BP]);
+            const prnn_u32 b_hi = prnn_pack2<io_t>(p[8 * BP], p[9 * BP]);
+#pragma unroll
+            for (int m = 0; m < MTW; ++m)
+                if (mgroup + m * PRNN_WM < MT) prnn_mma_16816<io_t>::run(acc[m][kt & 1], a[m][kt], b_lo, b_hi);
+        }
+#pragma unroll
+        for (int m = 0; m < MTW; ++m) {
+            const int row = (mgroup + m * PRNN_WM) * 16 + gid;
+            float* dst = part + row * BP + b0 + 2 * tig;
+            if (row < ROWS) {
+                dst[0] = acc[m][0][0] + acc[m][1][0];
+                dst[1] = acc[m][0][1] + acc[m][1][1];
+            }
+            if (row + 8 < ROWS) {
+                dst[8 * BP] = acc[m][0][2] + acc[m][1][2];
+                dst[8 * BP + 1] = acc[m][0][3] + acc[m][1][3];
+            }
+        }
+    }
+}
+#endif
 
 // This thread's share of the (row, batch column) pairs i = row * B + b,
 // i = tid, tid + THREADS, ...: the first pair and the stride, divided once.
@@ -165,10 +244,9 @@ __device__ __forceinline__ prnn_walk prnn_make_walk(int B) {
          row += (walk).drow, b += (walk).db, row += b >= (B) ? 1 : 0, b -= b >= (B) ? (B) : 0)
 
 // xw[t][b][g*H + u] for this block's units -> xs[g][u][b], asynchronously.
-__device__ __forceinline__ void prnn_prefetch_xw(const io_t* __restrict__ xw, float* xs, int t, int B, int BP,
+__device__ __forceinline__ void prnn_prefetch_xw(const float* __restrict__ xw, float* xs, int t, int B, int BP,
                                                  long long step_stride, int blk, prnn_walk walk) {
-    static_assert(sizeof(io_t) == 4, "cp.async of 4 bytes needs 32-bit input projections");
-    const io_t* src = xw + t * step_stride;
+    const float* src = xw + t * step_stride;
     xs += (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
     PRNN_FOR_PAIRS(walk, PRNN_G * PRNN_U, B, gu, b) {
         const int u = gu % PRNN_U, g = gu / PRNN_U, unit = blk * PRNN_U + u;
@@ -194,9 +272,9 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
 }
 
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
-prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection incl. b_ih
-                const float* __restrict__ w_hh,  // [G*H][H]
-                const float* __restrict__ b_hh,  // [G*H]
+prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection incl. b_ih, fp32
+                const io_t* __restrict__ w_hh,   // [G*H][H]
+                const io_t* __restrict__ b_hh,   // [G*H]
                 const io_t* __restrict__ h0,     // [ld][H]
                 const io_t* __restrict__ c0,     // [ld][H] (cells with a cell state)
                 io_t* __restrict__ out,          // [T][ld][H]
@@ -206,10 +284,10 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
                 prnn_u32* __restrict__ counters, // grid mode: barrier arrivals, exits
                 int T, int B, int ld, int* __restrict__ status) {
     extern __shared__ __align__(16) float smem[];
-    const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN;
+    const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN + PRNN_BP_PAD;
     const int Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
     const prnn_smem_layout L = prnn_layout(smem, BP);
-    const int tid = threadIdx.x, wg = tid / PRNN_WGS, lane = tid % PRNN_WGS;
+    const int tid = threadIdx.x, wg = tid / PRNN_WGS, lane = tid % PRNN_WGS;  // a warp under PRNN_MMA
 #if PRNN_SYNC == 1
     const int blk = (int)prnn_cluster_rank();
     __shared__ prnn_u64 bars[2];
@@ -231,19 +309,32 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
         else
             prnn_cp_async_commit();
 
+#if PRNN_MMA
+    prnn_u32 w0[PRNN_S0_MTW][PRNN_KTW][4];
+    prnn_load_stage_fragments<0, PRNN_S0_NG, PRNN_S0_MTW>(w_hh, w0, blk, wg, lane);
+#define PRNN_STAGE_PRODUCT(s) prnn_stage_mma<s, PRNN_S##s##_NG, PRNN_S##s##_MTW>(w##s, operand, L.gates, wg, lane, BP, Bc)
+#if PRNN_STAGES > 1
+    prnn_u32 w1[PRNN_S1_MTW][PRNN_KTW][4];
+    prnn_load_stage_fragments<1, PRNN_S1_NG, PRNN_S1_MTW>(w_hh, w1, blk, wg, lane);
+#endif
+#else
     float w0[PRNN_S0_RPW][PRNN_S0_KREG > 0 ? PRNN_S0_KREG : 1];
     float* w0_shared = L.w + tid;
     prnn_load_stage_weights<0, PRNN_S0_NG, PRNN_S0_RPW, PRNN_S0_KREG>(w_hh, w0, w0_shared, blk, wg, lane);
+#define PRNN_STAGE_PRODUCT(s)                                                                              \
+    prnn_stage_matmul<s, PRNN_S##s##_NG, PRNN_S##s##_RPW, PRNN_S##s##_KREG>(w##s, w##s##_shared, operand, L.gates, \
+                                                                           wg, lane, BP, Bc)
 #if PRNN_STAGES > 1
     float w1[PRNN_S1_RPW][PRNN_S1_KREG > 0 ? PRNN_S1_KREG : 1];
     float* w1_shared = w0_shared + (PRNN_KPT - PRNN_S0_KREG) * PRNN_S0_RPW * PRNN_THREADS;
     prnn_load_stage_weights<1, PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w_hh, w1, w1_shared, blk, wg, lane);
 #endif
+#endif
     // The bias is read once per (gate, unit, column) in the pointwise phase;
     // in registers it would cost every thread a register per row.
     for (int i = tid; i < PRNN_G * PRNN_U; i += PRNN_THREADS) {
         const int unit = blk * PRNN_U + i % PRNN_U;
-        L.bias[i] = unit < PRNN_H ? b_hh[(i / PRNN_U) * PRNN_H + unit] : 0.0f;
+        L.bias[i] = unit < PRNN_H ? prnn_to_float(b_hh[(i / PRNN_U) * PRNN_H + unit]) : 0.0f;
     }
 
     // Both h buffers start as zeros (the padding rows and columns stay zero);
@@ -289,12 +380,10 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
             const float* operand = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
             float* next = L.hbuf + (e & 1) * PRNN_KPAD * BP;
             if (stage == 0)
-                prnn_stage_matmul<0, PRNN_S0_NG, PRNN_S0_RPW, PRNN_S0_KREG>(w0, w0_shared, operand, L.gates, wg, lane,
-                                                                           BP, Bc);
+                PRNN_STAGE_PRODUCT(0);
 #if PRNN_STAGES > 1
             else
-                prnn_stage_matmul<1, PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w1, w1_shared, operand, L.gates, wg, lane,
-                                                                           BP, Bc);
+                PRNN_STAGE_PRODUCT(1);
 #endif
             if (stage == 0) prnn_cp_async_wait<PRNN_XW_DEPTH>();  // this step's projections have landed
             __syncthreads();
@@ -308,7 +397,9 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
 #pragma unroll
                 for (int g = 0; g < PRNN_G; ++g) {
                     xg[g] = xs[(g * PRNN_U + u) * BP + b];
-                    hg[g] = L.gates[(g * PRNN_U + u) * BP + b] + L.bias[g * PRNN_U + u];
+                    hg[g] = L.bias[g * PRNN_U + u];
+#pragma unroll
+                    for (int ks = 0; ks < PRNN_KS; ++ks) hg[g] += L.gates[((ks * PRNN_G + g) * PRNN_U + u) * BP + b];
                 }
                 const float h = h_prev[unit * BP + b];
                 float value;
@@ -363,7 +454,8 @@ prnn_recurrence(const io_t* __restrict__ xw,  // [T][ld][G*H] input projection i
             } else {
                 const float4* src = reinterpret_cast<const float4*>(exchange + (e & 1) * PRNN_KPAD * BP);
                 float4* dst = reinterpret_cast<float4*>(next);
-                prnn_copy_from_l2(dst, src, PRNN_KPAD * BP / 4);
+                // Rows past H stay as initialised (zero): the buffer's are never written.
+                prnn_copy_from_l2(dst, src, (PRNN_H * BP + 3) / 4);
                 __syncthreads();
             }
 #endif
