@@ -45,13 +45,18 @@ __device__ __forceinline__ void prnn_red_release_gpu_add(prnn_u32* p, prnn_u32 v
 
 // Grid-wide barrier over a counter that only grows: arrival k of every block
 // waits until the counter reaches blocks * k. Never reset inside a launch, so
-// no block can mistake an old generation for a new one. Returns false (and
-// sets *status) if the other blocks did not arrive within the timeout.
-__device__ __forceinline__ bool prnn_grid_barrier(prnn_u32* counter, prnn_u32 target, int* status) {
+// no block can mistake an old generation for a new one. Split in two so that a
+// block can do independent work between its arrival and its wait.
+__device__ __forceinline__ void prnn_grid_arrive(prnn_u32* counter) {
+    __syncthreads();  // the block's writes precede its arrival
+    if (threadIdx.x == 0) prnn_red_release_gpu_add(counter, 1u);
+}
+
+// Returns false (and sets *status) if the other blocks did not arrive within
+// the timeout.
+__device__ __forceinline__ bool prnn_grid_wait(prnn_u32* counter, prnn_u32 target, int* status) {
     __shared__ int arrived;
-    __syncthreads();
     if (threadIdx.x == 0) {
-        prnn_red_release_gpu_add(counter, 1u);
         int ok = 1;
         if (prnn_ld_acquire_gpu(counter) < target) {
             const prnn_u64 start = prnn_globaltimer();
@@ -69,6 +74,11 @@ __device__ __forceinline__ bool prnn_grid_barrier(prnn_u32* counter, prnn_u32 ta
     }
     __syncthreads();
     return arrived;
+}
+
+__device__ __forceinline__ bool prnn_grid_barrier(prnn_u32* counter, prnn_u32 target, int* status) {
+    prnn_grid_arrive(counter);
+    return prnn_grid_wait(counter, target, status);
 }
 
 // ---- thread-block clusters -------------------------------------------------

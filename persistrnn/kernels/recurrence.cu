@@ -302,6 +302,9 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
     // A step is shorter than a global load's latency, so the projections are
     // fetched DEPTH steps ahead (one step ahead measured ~1.2 us per step, the
     // latency itself). Groups past T are empty, keeping the wait count uniform.
+    // Step t's copy for step t + DEPTH is issued while the block waits for its
+    // exchange: its address arithmetic (~100 instructions per warp at batch 8)
+    // then costs no time on the step's critical path.
 #pragma unroll
     for (int t = 0; t < PRNN_XW_DEPTH; ++t)
         if (t < T)
@@ -366,12 +369,6 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
     int e = 0;                             // exchange index
     bool ok = true;
     for (int t = 0; t < T && ok; ++t) {
-        // Its buffer was last read by step t - 1's pointwise, which every
-        // thread finished before that step's exchange.
-        if (t + PRNN_XW_DEPTH < T)
-            prnn_prefetch_xw(xw, L.xw, t + PRNN_XW_DEPTH, B, BP, step_stride, blk, walk);
-        else
-            prnn_cp_async_commit();
         const float* xs = L.xw + (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
         const float* h_prev = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
 
@@ -385,7 +382,9 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
             else
                 PRNN_STAGE_PRODUCT(1);
 #endif
-            if (stage == 0) prnn_cp_async_wait<PRNN_XW_DEPTH>();  // this step's projections have landed
+            // Groups for steps 0 .. t + DEPTH - 1 are committed: this step's
+            // has landed once at most DEPTH - 1 remain in flight.
+            if (stage == 0) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
             __syncthreads();
 
             // Pointwise: one (unit, batch column) per thread and pass.
@@ -427,29 +426,44 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
 #endif
             }
 
+            // While the exchange is in flight: the projections of step
+            // t + DEPTH, into the slot step t - 1 read (the exchange's
+            // __syncthreads orders that read before these writes).
+#define PRNN_PREFETCH_AHEAD()                                                                \
+    if (last_stage) {                                                                        \
+        if (t + PRNN_XW_DEPTH < T)                                                           \
+            prnn_prefetch_xw(xw, L.xw, t + PRNN_XW_DEPTH, B, BP, step_stride, blk, walk);  \
+        else                                                                                 \
+            prnn_cp_async_commit();                                                          \
+    }
             // Exchange this block's slice of `next`.
 #if PRNN_SYNC == 0
             __syncthreads();
+            PRNN_PREFETCH_AHEAD();
 #elif PRNN_SYNC == 1
             prnn_u64* bar = &bars[e & 1];
             if (tid == 0)
                 prnn_mbar_arrive_expect_tx(bar, (prnn_u32)((PRNN_NB - 1) * slice_floats * sizeof(float)));
             __syncthreads();  // the slice is complete
             {
+                // One (vector, peer) pair per thread and pass: with a loop over
+                // peers inside, a few threads issued every store in series.
                 const float* mine = next + blk * slice_floats;
                 const prnn_u32 addr = prnn_smem_addr(mine), bar_addr = prnn_smem_addr(bar);
-                for (int q = tid; q < slice_floats / 4; q += PRNN_THREADS) {
+                for (int i = tid; i < slice_floats / 4 * (PRNN_NB - 1); i += PRNN_THREADS) {
+                    const int q = i / (PRNN_NB - 1);  // compile-time divisor
+                    const prnn_u32 rank = (blk + 1 + i % (PRNN_NB - 1)) % PRNN_NB;
                     const float4 v = reinterpret_cast<const float4*>(mine)[q];
-                    for (int peer = 1; peer < PRNN_NB; ++peer) {
-                        const prnn_u32 rank = (blk + peer) % PRNN_NB;
-                        prnn_st_async_v4(prnn_peer_addr(addr + 16 * q, rank), v, prnn_peer_addr(bar_addr, rank));
-                    }
+                    prnn_st_async_v4(prnn_peer_addr(addr + 16 * q, rank), v, prnn_peer_addr(bar_addr, rank));
                 }
             }
+            PRNN_PREFETCH_AHEAD();
             // Use k of buffer (e & 1) is exchange e = 2k + (e & 1): parity k & 1.
             if (!prnn_mbar_wait_cluster(bar, (e >> 1) & 1, status)) ok = false;
 #else
-            if (!prnn_grid_barrier(&counters[0], (prnn_u32)(PRNN_NB * (e + 1)), status)) {
+            prnn_grid_arrive(&counters[0]);
+            PRNN_PREFETCH_AHEAD();
+            if (!prnn_grid_wait(&counters[0], (prnn_u32)(PRNN_NB * (e + 1)), status)) {
                 ok = false;
             } else {
                 const float4* src = reinterpret_cast<const float4*>(exchange + (e & 1) * PRNN_KPAD * BP);
