@@ -235,8 +235,8 @@ struct prnn_walk {
     int row0, b0, drow, db;
 };
 
-__device__ __forceinline__ prnn_walk prnn_make_walk(int B) {
-    return {(int)threadIdx.x / B, (int)threadIdx.x % B, PRNN_THREADS / B, PRNN_THREADS % B};
+__device__ __forceinline__ prnn_walk prnn_make_walk(int columns) {
+    return {(int)threadIdx.x / columns, (int)threadIdx.x % columns, PRNN_THREADS / columns, PRNN_THREADS % columns};
 }
 
 #define PRNN_FOR_PAIRS(walk, rows, B, row, b)                                                   \
@@ -366,6 +366,9 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
 #endif
 
     const int slice_floats = PRNN_U * BP;  // one block's part of an exchanged vector
+#if PRNN_SYNC == 1
+    const prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
+#endif
     int e = 0;                             // exchange index
     bool ok = true;
     for (int t = 0; t < T && ok; ++t) {
@@ -446,13 +449,14 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
                 prnn_mbar_arrive_expect_tx(bar, (prnn_u32)((PRNN_NB - 1) * slice_floats * sizeof(float)));
             __syncthreads();  // the slice is complete
             {
-                // One (vector, peer) pair per thread and pass: with a loop over
-                // peers inside, a few threads issued every store in series.
+                // One (peer, vector) pair per thread and pass; consecutive
+                // threads store consecutive vectors to the same peer, so a
+                // warp's stores coalesce. (With a loop over peers inside, a few
+                // threads issued every store in series.)
                 const float* mine = next + blk * slice_floats;
                 const prnn_u32 addr = prnn_smem_addr(mine), bar_addr = prnn_smem_addr(bar);
-                for (int i = tid; i < slice_floats / 4 * (PRNN_NB - 1); i += PRNN_THREADS) {
-                    const int q = i / (PRNN_NB - 1);  // compile-time divisor
-                    const prnn_u32 rank = (blk + 1 + i % (PRNN_NB - 1)) % PRNN_NB;
+                PRNN_FOR_PAIRS(push_walk, PRNN_NB - 1, slice_floats / 4, p, q) {
+                    const prnn_u32 rank = (blk + 1 + p) % PRNN_NB;
                     const float4 v = reinterpret_cast<const float4*>(mine)[q];
                     prnn_st_async_v4(prnn_peer_addr(addr + 16 * q, rank), v, prnn_peer_addr(bar_addr, rank));
                 }
