@@ -75,6 +75,10 @@ class KernelConfig:
             registers.
         k_split: (mma) warps that split one row tile's columns; their partial
             products are summed in the pointwise phase.
+        one_sync: (reset-before GRU) one exchange per step instead of two:
+            U_r is split by columns and every block's partial sums travel
+            with its h slice (GRNN Fig. 7b). ``single`` or ``cluster`` sync,
+            ffma, prefetch_steps >= 2.
     """
 
     cell: str
@@ -89,6 +93,7 @@ class KernelConfig:
     dtype: str = "float32"
     math: str = "ffma"
     k_split: int = 1
+    one_sync: bool = False
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
@@ -108,6 +113,8 @@ class KernelConfig:
             raise ConfigError(f"KernelConfig.k_split: only the mma path splits K, expected 1, got {self.k_split}")
         if self.sync not in SYNC_MODES:
             raise ConfigError(f"KernelConfig.sync: expected one of {SYNC_MODES}, got {self.sync!r}")
+        if self.one_sync:
+            self._check_one_sync()
         if self.sync == "single" and self.blocks != 1:
             raise ConfigError(f"KernelConfig.blocks: sync 'single' runs 1 block, got {self.blocks}")
         if self.sync == "cluster" and not 2 <= self.blocks <= MAX_CLUSTER:
@@ -155,6 +162,19 @@ class KernelConfig:
             raise ConfigError(f"KernelConfig.k_split: expected a power of two dividing the {warps} warps, "
                               f"got {self.k_split}")
 
+    def _check_one_sync(self) -> None:
+        if self.cell != "gru_reset_before":
+            raise ConfigError(f"KernelConfig.one_sync: only cell 'gru_reset_before' has a 1-sync variant, "
+                              f"got {self.cell!r}")
+        if self.sync == "grid":
+            raise ConfigError("KernelConfig.one_sync: expected sync 'single' or 'cluster', got 'grid' (every block "
+                              "would read every block's partial sums from L2 each step)")
+        if self.math != "ffma":
+            raise ConfigError(f"KernelConfig.one_sync: expected math 'ffma', got {self.math!r}")
+        if self.prefetch_steps < 2:
+            raise ConfigError(f"KernelConfig.one_sync: the partial sums need the next step's projections, "
+                              f"expected prefetch_steps >= 2, got {self.prefetch_steps}")
+
     # ---- derived sizes ------------------------------------------------------
 
     @property
@@ -178,9 +198,31 @@ class KernelConfig:
     def register_k(self) -> int:
         return self.k_per_thread - self.shared_k_chunks
 
+    @property
+    def stages(self) -> tuple[tuple[str, ...], ...]:
+        """The gates of each row-partitioned product. One-sync GRU: U_z on h
+        and U_n on r * h; r comes from the column-partitioned product."""
+        return (("z",), ("n",)) if self.one_sync else self.spec.stages
+
     def stage_rows(self, stage: int) -> int:
         """Rows of W_hh one block multiplies in ``stage``."""
-        return len(self.spec.stages[stage]) * self.units_per_block
+        return len(self.stages[stage]) * self.units_per_block
+
+    # one-sync: the column-partitioned U_r[:, slice], all H rows.
+
+    @property
+    def column_rows_per_group(self) -> int:
+        return math.ceil(self.hidden_size / self.work_groups) if self.one_sync else 0
+
+    @property
+    def column_chunks(self) -> int:
+        """Columns of the block's slice each lane holds."""
+        return math.ceil(self.units_per_block / self.group_size) if self.one_sync else 0
+
+    @property
+    def partial_rows(self) -> int:
+        """Rows of one block's partial sums (H, rounded to 16 bytes)."""
+        return -(-self.hidden_size // 4) * 4 if self.one_sync else 0
 
     def rows_per_group(self, stage: int) -> int:
         """Rows of ``stage`` each work group produces (the tile height)."""
@@ -205,6 +247,8 @@ class KernelConfig:
         else:
             columns = self.k_per_thread * self.group_size
         rows = max(columns, self.blocks * self.units_per_block)
+        if self.one_sync:  # the last block's column chunks read past its slice
+            rows = max(rows, (self.blocks - 1) * self.units_per_block + self.column_chunks * self.group_size)
         return -(-rows // 4) * 4
 
     @property
@@ -228,7 +272,8 @@ class KernelConfig:
         stages = range(self.spec.num_stages)
         if self.math == "mma":  # a fragment is 4 registers of two 16-bit values
             return sum(4 * self.m_tiles_per_warp(s) * self.k_tiles_per_warp for s in stages)
-        return sum(self.rows_per_group(s) * self.register_k for s in stages)
+        return (sum(self.rows_per_group(s) * self.register_k for s in stages)
+                + self.column_rows_per_group * self.column_chunks)
 
     @property
     def estimated_registers(self) -> int:
@@ -255,6 +300,8 @@ class KernelConfig:
         g, u = self.spec.num_gates, self.units_per_block
         xw = (self.prefetch_steps + 1) * g * u * bp
         floats = 2 * self.padded_hidden * bp + self.k_split * g * u * bp + xw + (u * bp if self.spec.has_cell_state else 0)
+        if self.one_sync:  # double-buffered partial sums of every block, and r * h
+            floats += 2 * self.blocks * self.partial_rows * bp + self.padded_hidden * bp
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
 
     def max_batch(self, shared_limit: int) -> int:
@@ -331,11 +378,17 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_MMA": int(config.math == "mma"),
         "PRNN_KS": config.k_split,
         "PRNN_KTW": config.k_tiles_per_warp,
+        "PRNN_SHARED_W_FLOATS": config.shared_weight_floats,
+        "PRNN_ONE_SYNC": int(config.one_sync),
+        "PRNN_FIRST_STAGE": spec.num_stages - 1 if config.one_sync else 0,  # the first stage with an exchange
+        "PRNN_C_RPW": max(config.column_rows_per_group, 1),
+        "PRNN_CPT": max(config.column_chunks, 1),
+        "PRNN_PROWS": config.partial_rows,
         "PRNN_BIAS_FLOATS": config.bias_floats,
         "PRNN_XW_DEPTH": config.prefetch_steps,
     }
     first_gates = []
-    for s, stage in enumerate(spec.stages):
+    for s, stage in enumerate(config.stages):
         defines[f"PRNN_S{s}_NG"] = len(stage)
         defines[f"PRNN_S{s}_RPW"] = config.rows_per_group(s)
         defines[f"PRNN_S{s}_KREG"] = config.register_k

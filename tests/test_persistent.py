@@ -37,6 +37,11 @@ CELL_NAMES = tuple(cells.CELLS)
         (dict(math="mma", dtype="float16", group_size=32, batch_tile=8, k_split=3), "power of two dividing"),
         (dict(math="mma", dtype="float16", group_size=32, batch_tile=8, k_split=16), "dividing the 8 warps"),
         (dict(k_split=2), "only the mma path splits K"),
+        (dict(one_sync=True), "only cell 'gru_reset_before'"),
+        (dict(cell="gru_reset_before", one_sync=True, sync="grid"), "expected sync 'single' or 'cluster', got 'grid'"),
+        (dict(cell="gru_reset_before", one_sync=True, prefetch_steps=1), "expected prefetch_steps >= 2, got 1"),
+        (dict(cell="gru_reset_before", one_sync=True, math="mma", dtype="float16", group_size=32, batch_tile=8),
+         "expected math 'ffma', got 'mma'"),
     ],
 )
 def test_invalid_configs_name_what_was_expected(kwargs, message):
@@ -135,6 +140,24 @@ MMA_SAMPLE = [
 ]
 COMPILE_SAMPLE += [_mma(cell, *shape) for cell in CELL_NAMES for shape, _, _ in MMA_SAMPLE]
 
+# The 1-sync reset-before GRU: (hidden, sync, blocks, threads, group, tile, dtype), batch, steps
+ONE_SYNC_SAMPLE = [
+    ((100, "single", 1, 256, 16, 2, "float32"), 3, 7),
+    ((256, "cluster", 8, 256, 8, 1, "float32"), 1, 100),
+    ((256, "cluster", 8, 256, 8, 8, "float32"), 8, 100),
+    ((100, "cluster", 4, 128, 4, 4, "float32"), 64, 7),
+    ((100, "cluster", 4, 256, 8, 1, "float32"), 3, 1),
+    ((333, "cluster", 16, 256, 16, 2, "bfloat16"), 17, 7),
+    ((200, "cluster", 8, 256, 8, 1, "float16"), 1, 7),
+]
+
+
+def _one_sync(hidden, sync, blocks, threads, group, tile, dtype):
+    return KernelConfig("gru_reset_before", hidden, sync, blocks, threads, group, tile, dtype=dtype, one_sync=True)
+
+
+COMPILE_SAMPLE += [_one_sync(*shape) for shape, _, _ in ONE_SYNC_SAMPLE]
+
 
 # ---- GPU: agreement with the float64 reference -------------------------------
 
@@ -221,6 +244,7 @@ def _gpu_cases():
             for (hidden, sync, blocks, threads, k_split), batch, steps in MMA_SAMPLE:
                 cases.append((_mma(cell, hidden, sync, blocks, threads, k_split, dtype), batch, steps))
             cases.append((KernelConfig(cell, 100, "cluster", 4, 128, 8, 4, dtype=dtype), 17, 7))
+    cases += [(_one_sync(*shape), batch, steps) for shape, batch, steps in ONE_SYNC_SAMPLE]
     return cases
 
 
@@ -323,3 +347,21 @@ def test_mma_partials_take_shared_memory_per_k_split():
     four = dataclasses.replace(one, k_split=4)
     assert four.shared_bytes(8) - one.shared_bytes(8) == 4 * 3 * 4 * one.units_per_block * one.batch_stride(8)
     assert four.register_weights == one.register_weights  # same fragments, split the other way
+
+
+@pytest.mark.parametrize("shape", [shape for shape, _, _ in ONE_SYNC_SAMPLE], ids=str)
+def test_one_sync_moves_u_r_to_a_column_product_with_the_same_weight_count(shape):
+    one = _one_sync(*shape)
+    two = dataclasses.replace(one, one_sync=False)
+    assert one.stages == (("z",), ("n",)) and two.stages == (("r", "z"), ("n",))
+    # U_r's rows move from the row products to the column product: H x U per
+    # block either way, up to the rounding of rows over work groups.
+    assert one.column_rows_per_group * one.work_groups >= one.hidden_size
+    assert one.column_chunks * one.group_size >= one.units_per_block
+    assert one.padded_hidden >= (one.blocks - 1) * one.units_per_block + one.column_chunks * one.group_size
+    # every block's partial sums, double-buffered, plus r * h
+    bp = one.batch_stride(5)
+    extra = 2 * one.blocks * one.partial_rows + one.padded_hidden + 2 * (one.padded_hidden - two.padded_hidden)
+    assert one.shared_bytes(5) - two.shared_bytes(5) == 4 * extra * bp
+    src = persistent.render_source(one)
+    assert "#define PRNN_ONE_SYNC 1" in src and "#define PRNN_FIRST_STAGE 1" in src

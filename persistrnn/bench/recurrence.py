@@ -72,6 +72,12 @@ def candidates(cell: str, hidden: int, batch: int, sm_count: int, dtype: str = "
                 continue
             if cfg.register_weights <= budget and cfg.estimated_registers <= persistent.MAX_REGISTERS_PER_THREAD:
                 seen[cfg] = None
+    if cell == "gru_reset_before":  # both variants: two exchanges per step, or one (GRNN Fig. 7b)
+        for cfg in list(seen):
+            try:
+                seen[dataclasses.replace(cfg, one_sync=True)] = None
+            except persistent.ConfigError:
+                continue
     return list(seen)
 
 
@@ -232,6 +238,7 @@ def format_table(result: dict[str, Any]) -> str:
         cfg = c["config"]
         conf = f"{cfg['sync']} {cfg['blocks']}×{cfg['threads']}, {cfg['math']}"
         conf += f", k split {cfg['k_split']}" if cfg["math"] == "mma" else f", wg {cfg['group_size']}, bt {cfg['batch_tile']}"
+        conf += ", 1-sync" if cfg["one_sync"] else ""
         if "cudnn_eager_ms" in c:
             fp32 = lambda key: f"{c[key]:.3g}" if key in c else "—"  # noqa: E731
             peer = (f"{c['cudnn_eager_ms']:.3f} | {fp32('cudnn_fp32_eager_ms')} | {c['cudnn_graph_ms']:.3f} | "

@@ -16,6 +16,13 @@
 // Weights live in registers under compile-time indices; the last SHARED_K of a
 // thread's KPT column chunks live in shared memory instead.
 //
+// PRNN_ONE_SYNC (reset-before GRU, GRNN Fig. 7b) removes the exchange between
+// r and U_n (r * h): U_r is partitioned by columns instead, so right after a
+// block computes its slice of h_t it multiplies U_r[:, slice] by it, for every
+// row, and sends these partial sums (with its own units' x_r + b_r folded in)
+// along with the slice. After the one exchange every block sums the partials
+// into r for every unit, and runs U_z h and U_n (r * h) for its own rows.
+//
 // With PRNN_MMA the matrix product runs on tensor cores instead (16-bit
 // weights, mma.sync m16n8k16, fp32 accumulation): a warp is the work group,
 // and PRNN_KS warps split a row tile's K, each leaving a partial product that
@@ -47,6 +54,8 @@ struct prnn_smem_layout {
     float* xw;      // [DEPTH+1][G][U][BP]  input projections, prefetched DEPTH steps ahead
     float* c;       // [U][BP]         cell state (cells that carry one)
     float* w;       // weights that do not fit in registers
+    float* part;    // one-sync: [2][NB][PROWS][BP] every block's partial sums of U_r h (+ x_r + b_r)
+    float* rh;      // one-sync: [KPAD][BP] r * h for every unit
 };
 
 __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
@@ -57,6 +66,8 @@ __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     L.c = L.xw + (PRNN_XW_DEPTH + 1) * PRNN_G * PRNN_U * BP;
     L.bias = L.c + (PRNN_HAS_C ? PRNN_U * BP : 0);
     L.w = L.bias + PRNN_BIAS_FLOATS;
+    L.part = L.w + PRNN_SHARED_W_FLOATS;
+    L.rh = L.part + (PRNN_ONE_SYNC ? 2 * PRNN_NB * PRNN_PROWS * BP : 0);
     return L;
 }
 
@@ -81,18 +92,14 @@ __device__ __forceinline__ void prnn_load_columns(const float* p, float (&v)[BT]
 // The generated prnn_stage_gate, prnn_between and prnn_pointwise go here.
 // ---- kernel ----
 
-// One stage's matrix product for this thread's work group:
-// gates[gate][u][b] = W_hh[gate*H + u, :] . operand[:, b]
-// for the stage's rows and batch columns [0, Bc).
-template <int STAGE, int NG, int RPW, int KREG>
-__device__ __forceinline__ void prnn_stage_matmul(const float (&w)[RPW][KREG > 0 ? KREG : 1],
-                                                  const float* w_shared, const float* operand, float* gates,
-                                                  int wg, int lane, int BP, int Bc) {
-    // The stage's gates are consecutive, so its rows are consecutive in
-    // `gates` and a row's address needs no division (per-row divisions were
-    // hoisted out of the time loop into registers, and spilled).
-    float* stage_gates = gates + (prnn_stage_gate(STAGE, 0) * PRNN_U + wg) * BP;
-    const int rows = (NG * PRNN_U - wg + PRNN_NWG - 1) / PRNN_NWG;  // this group's valid rows
+// This work group's rows times the operand: for each of its rows r (weights
+// w[r][j], lane + j * WGS the column) and batch columns [0, Bc), the dot
+// product with the operand's columns, reduced over the group's lanes; then
+// store(r, b, value) on one lane per value, for r < rows.
+template <int RPW, int KCH, int KREG, typename Store>
+__device__ __forceinline__ void prnn_group_product(const float (&w)[RPW][KREG > 0 ? KREG : 1], const float* w_shared,
+                                                   const float* operand, int lane, int BP, int Bc, int rows,
+                                                   Store store) {
     for (int b0 = 0; b0 < Bc; b0 += PRNN_BT) {
         float acc[RPW][PRNN_BT];
 #pragma unroll
@@ -100,7 +107,7 @@ __device__ __forceinline__ void prnn_stage_matmul(const float (&w)[RPW][KREG > 0
 #pragma unroll
             for (int bb = 0; bb < PRNN_BT; ++bb) acc[r][bb] = 0.0f;
 #pragma unroll
-        for (int j = 0; j < PRNN_KPT; ++j) {
+        for (int j = 0; j < KCH; ++j) {
             float hv[PRNN_BT];
             prnn_load_columns<PRNN_BT>(operand + (lane + j * PRNN_WGS) * BP + b0, hv);
 #pragma unroll
@@ -126,8 +133,25 @@ __device__ __forceinline__ void prnn_stage_matmul(const float (&w)[RPW][KREG > 0
             if (r < rows)
 #pragma unroll
                 for (int bb = 0; bb < PRNN_BT; ++bb)
-                    if ((r * PRNN_BT + bb) % PRNN_WGS == lane) stage_gates[r * PRNN_NWG * BP + b0 + bb] = acc[r][bb];
+                    if ((r * PRNN_BT + bb) % PRNN_WGS == lane) store(r, b0 + bb, acc[r][bb]);
     }
+}
+
+// One stage's matrix product for this thread's work group:
+// gates[gate][u][b] = W_hh[gate*H + u, :] . operand[:, b]
+// for the stage's rows and batch columns [0, Bc).
+template <int STAGE, int NG, int RPW, int KREG>
+__device__ __forceinline__ void prnn_stage_matmul(const float (&w)[RPW][KREG > 0 ? KREG : 1],
+                                                  const float* w_shared, const float* operand, float* gates,
+                                                  int wg, int lane, int BP, int Bc) {
+    // The stage's gates are consecutive, so its rows are consecutive in
+    // `gates` and a row's address needs no division (per-row divisions were
+    // hoisted out of the time loop into registers, and spilled).
+    float* stage_gates = gates + (prnn_stage_gate(STAGE, 0) * PRNN_U + wg) * BP;
+    const int rows = (NG * PRNN_U - wg + PRNN_NWG - 1) / PRNN_NWG;  // this group's valid rows
+    prnn_group_product<RPW, PRNN_KPT, KREG>(w, w_shared, operand, lane, BP, Bc, rows, [&](int r, int b, float v) {
+        stage_gates[r * PRNN_NWG * BP + b] = v;
+    });
 }
 
 // Registers (and shared overflow) of one stage's weights for this thread.
@@ -271,6 +295,23 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
     }
 }
 
+#if PRNN_SYNC == 1
+// `vectors` float4s at `mine` into the same place in every peer's shared
+// memory, completing on the peers' `bar`. One (peer, vector) pair per thread
+// and pass, consecutive threads storing consecutive vectors to one peer, so a
+// warp's stores coalesce (a warp whose stores went to 15 peers cost +0.25 us
+// per step; a loop over peers inside one thread serialised them).
+__device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* bar, int blk, int vectors,
+                                                   prnn_walk walk) {
+    const prnn_u32 addr = prnn_smem_addr(mine), bar_addr = prnn_smem_addr(bar);
+    PRNN_FOR_PAIRS(walk, PRNN_NB - 1, vectors, p, q) {
+        const prnn_u32 rank = (blk + 1 + p) % PRNN_NB;
+        const float4 v = reinterpret_cast<const float4*>(mine)[q];
+        prnn_st_async_v4(prnn_peer_addr(addr + 16 * q, rank), v, prnn_peer_addr(bar_addr, rank));
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
 prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection incl. b_ih, fp32
                 const io_t* __restrict__ w_hh,   // [G*H][H]
@@ -333,6 +374,31 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
     prnn_load_stage_weights<1, PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w_hh, w1, w1_shared, blk, wg, lane);
 #endif
 #endif
+#if PRNN_ONE_SYNC
+    // U_r[:, this block's units] (r is gate 0): rows wg, wg + NWG, ...; columns
+    // lane, lane + WGS, ... of the block's slice.
+    float wc[PRNN_C_RPW][PRNN_CPT];
+#pragma unroll
+    for (int r = 0; r < PRNN_C_RPW; ++r)
+#pragma unroll
+        for (int c = 0; c < PRNN_CPT; ++c) {
+            const int row = wg + r * PRNN_NWG, col = lane + c * PRNN_WGS, unit = blk * PRNN_U + col;
+            wc[r][c] = row < PRNN_H && col < PRNN_U && unit < PRNN_H
+                           ? prnn_to_float(w_hh[(long long)row * PRNN_H + unit]) : 0.0f;
+        }
+    const int column_rows = (PRNN_H - wg + PRNN_NWG - 1) / PRNN_NWG;
+    // Partial sums of U_r h for every row from this block's slice of h, plus
+    // x_r + b_r of its own units (xs_r: gate 0 of a step's projections).
+    auto column_product = [&](const float* h, const float* xs_r, float* part) {
+        prnn_group_product<PRNN_C_RPW, PRNN_CPT, PRNN_CPT>(
+            wc, nullptr, h + blk * PRNN_U * BP, lane, BP, Bc, column_rows, [&](int r, int b, float v) {
+                const int row = wg + r * PRNN_NWG, u = row - blk * PRNN_U;
+                if (u >= 0 && u < PRNN_U) v += xs_r[u * BP + b] + L.bias[u];
+                part[row * BP + b] = v;
+            });
+    };
+    const int part_floats = PRNN_PROWS * BP;  // one block's partial sums
+#endif
     // The bias is read once per (gate, unit, column) in the pointwise phase;
     // in registers it would cost every thread a register per row.
     for (int i = tid; i < PRNN_G * PRNN_U; i += PRNN_THREADS) {
@@ -343,6 +409,9 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
     // Both h buffers start as zeros (the padding rows and columns stay zero);
     // buffer 1 then receives h0, the state "exchanged" at step -1.
     for (int i = tid; i < 2 * PRNN_KPAD * BP; i += PRNN_THREADS) L.hbuf[i] = 0.0f;
+#if PRNN_ONE_SYNC
+    for (int i = tid; i < 2 * PRNN_NB * part_floats + PRNN_KPAD * BP; i += PRNN_THREADS) L.part[i] = 0.0f;
+#endif
     __syncthreads();
     for (int i = tid; i < PRNN_H * B; i += PRNN_THREADS) {
         const int b = i / PRNN_H, k = i % PRNN_H;
@@ -366,28 +435,79 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
 #endif
 
     const int slice_floats = PRNN_U * BP;  // one block's part of an exchanged vector
-#if PRNN_SYNC == 1
-    const prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
-#endif
     int e = 0;                             // exchange index
     bool ok = true;
+#if PRNN_SYNC == 1
+    const prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
+    prnn_u32 phases = 0;  // bit i: the parity the next wait on bars[i] completes
+    auto wait_exchange = [&](int i) {
+        if (!prnn_mbar_wait_cluster(&bars[i], (phases >> i) & 1u, status)) ok = false;
+        phases ^= 1u << i;
+    };
+#endif
+#if PRNN_ONE_SYNC
+#if PRNN_SYNC == 1
+    const prnn_walk part_walk = prnn_make_walk(part_floats / 4);
+#endif
+    // Exchange -1 (buffer 1): the partial sums of U_r h0 for r at step 0
+    // (h0 itself every block read whole).
+    {
+        float* part = L.part + (PRNN_NB + blk) * part_floats;
+#if PRNN_SYNC == 1
+        if (tid == 0) prnn_mbar_arrive_expect_tx(&bars[1], (prnn_u32)((PRNN_NB - 1) * part_floats * sizeof(float)));
+#endif
+        prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();  // step 0's projections, x_r among them
+        __syncthreads();
+        column_product(L.hbuf + PRNN_KPAD * BP, L.xw, part);
+        __syncthreads();
+#if PRNN_SYNC == 1
+        prnn_push_to_peers(part, &bars[1], blk, part_floats / 4, part_walk);
+        wait_exchange(1);
+#endif
+    }
+#endif
     for (int t = 0; t < T && ok; ++t) {
         const float* xs = L.xw + (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
         const float* h_prev = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
+#if PRNN_ONE_SYNC
+        {
+            // r_t * h_{t-1} for every unit, from every block's partial sums.
+            const float* parts = L.part + ((e - 1) & 1) * PRNN_NB * part_floats;
+            PRNN_FOR_PAIRS(walk, PRNN_H, B, k, b) {
+                float pre = 0.0f;
+#pragma unroll
+                for (int q = 0; q < PRNN_NB; ++q) pre += parts[q * part_floats + k * BP + b];
+                L.rh[k * BP + b] = prnn_sigmoid(pre) * h_prev[k * BP + b];
+            }
+            __syncthreads();
+            // U_z h_{t-1} and U_n (r * h_{t-1}) for this block's rows, then
+            // only the last stage's pointwise and exchange.
+            {
+                const float* operand = h_prev;
+                PRNN_STAGE_PRODUCT(0);
+            }
+            {
+                const float* operand = L.rh;
+                PRNN_STAGE_PRODUCT(1);
+            }
+        }
+#endif
 
 #pragma unroll
-        for (int stage = 0; stage < PRNN_STAGES; ++stage, ++e) {
+        for (int stage = PRNN_FIRST_STAGE; stage < PRNN_STAGES; ++stage, ++e) {
             const float* operand = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
             float* next = L.hbuf + (e & 1) * PRNN_KPAD * BP;
+#if !PRNN_ONE_SYNC
             if (stage == 0)
                 PRNN_STAGE_PRODUCT(0);
 #if PRNN_STAGES > 1
             else
                 PRNN_STAGE_PRODUCT(1);
 #endif
+#endif
             // Groups for steps 0 .. t + DEPTH - 1 are committed: this step's
             // has landed once at most DEPTH - 1 remain in flight.
-            if (stage == 0) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
+            if (stage == PRNN_FIRST_STAGE) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
             __syncthreads();
 
             // Pointwise: one (unit, batch column) per thread and pass.
@@ -439,31 +559,41 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
         else                                                                                 \
             prnn_cp_async_commit();                                                          \
     }
+            // One-sync: the partial sums for r at step t + 1 travel with this
+            // exchange; they need step t + 1's x_r (this thread's copies
+            // waited for here, everyone's visible after the next barrier).
+#if PRNN_ONE_SYNC
+            const bool partials = t + 1 < T;
+            float* part = L.part + ((e & 1) * PRNN_NB + blk) * part_floats;
+            const float* xs_next = L.xw + ((t + 1) % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
+            if (partials) prnn_cp_async_wait<PRNN_XW_DEPTH - 2>();
+#endif
             // Exchange this block's slice of `next`.
 #if PRNN_SYNC == 0
             __syncthreads();
+#if PRNN_ONE_SYNC
+            if (partials) {
+                column_product(next, xs_next, part);
+                __syncthreads();
+            }
+#endif
             PRNN_PREFETCH_AHEAD();
 #elif PRNN_SYNC == 1
-            prnn_u64* bar = &bars[e & 1];
-            if (tid == 0)
-                prnn_mbar_arrive_expect_tx(bar, (prnn_u32)((PRNN_NB - 1) * slice_floats * sizeof(float)));
-            __syncthreads();  // the slice is complete
-            {
-                // One (peer, vector) pair per thread and pass; consecutive
-                // threads store consecutive vectors to the same peer, so a
-                // warp's stores coalesce. (With a loop over peers inside, a few
-                // threads issued every store in series.)
-                const float* mine = next + blk * slice_floats;
-                const prnn_u32 addr = prnn_smem_addr(mine), bar_addr = prnn_smem_addr(bar);
-                PRNN_FOR_PAIRS(push_walk, PRNN_NB - 1, slice_floats / 4, p, q) {
-                    const prnn_u32 rank = (blk + 1 + p) % PRNN_NB;
-                    const float4 v = reinterpret_cast<const float4*>(mine)[q];
-                    prnn_st_async_v4(prnn_peer_addr(addr + 16 * q, rank), v, prnn_peer_addr(bar_addr, rank));
-                }
+            if (tid == 0) {
+                const int floats = slice_floats + (PRNN_ONE_SYNC && t + 1 < T ? PRNN_PROWS * BP : 0);
+                prnn_mbar_arrive_expect_tx(&bars[e & 1], (prnn_u32)((PRNN_NB - 1) * floats * sizeof(float)));
             }
+            __syncthreads();  // the slice is complete
+            prnn_push_to_peers(next + blk * slice_floats, &bars[e & 1], blk, slice_floats / 4, push_walk);
+#if PRNN_ONE_SYNC
+            if (partials) {
+                column_product(next, xs_next, part);
+                __syncthreads();
+                prnn_push_to_peers(part, &bars[e & 1], blk, part_floats / 4, part_walk);
+            }
+#endif
             PRNN_PREFETCH_AHEAD();
-            // Use k of buffer (e & 1) is exchange e = 2k + (e & 1): parity k & 1.
-            if (!prnn_mbar_wait_cluster(bar, (e >> 1) & 1, status)) ok = false;
+            wait_exchange(e & 1);
 #else
             prnn_grid_arrive(&counters[0]);
             PRNN_PREFETCH_AHEAD();
