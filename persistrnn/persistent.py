@@ -643,12 +643,18 @@ def blocks_for(hidden_size: int, wanted: int) -> int:
     return math.ceil(hidden_size / units)
 
 
-def default_config(cell: str, hidden_size: int, batch: int, *, sm_count: int, register_budget: int = 128,
+def default_config(cell: str, hidden_size: int, batch: int, *, sm_count: int, register_budget: int | None = None,
                    threads: int = 256, dtype: str = "float32", math: str = "ffma") -> KernelConfig:
     """A reasonable configuration from sizes alone: the fewest blocks whose
     weights fit ``register_budget`` registers per thread, in the cheapest sync
-    mode that holds them. The planner replaces this with a tuned choice."""
+    mode that holds them. The planner replaces this with a tuned choice.
+
+    The default budget is 128 registers for ffma and 64 for mma: ptxas loads
+    every B fragment of a step ahead of its mma (4 registers per k tile), and
+    at 128 weight registers the sm_90 builds spilled."""
     spec = get_cell(cell)
+    if register_budget is None:
+        register_budget = 64 if math == "mma" else 128
     batch_tile = 1 if batch == 1 else 2 if batch == 2 else 4 if batch <= 4 else 8
     for sync, counts in (("single", (1,)), ("cluster", (2, 4, 8, 16)), ("grid", range(17, sm_count + 1))):
         for wanted in counts:
