@@ -8,4 +8,7 @@ __version__ = "0.1.0"
 
 from .jit import GPUUnavailableError, CompileError, KernelLaunchError  # noqa: E402
 
-__all__ = ["__version__", "GPUUnavailableError", "CompileError", "KernelLaunchError"]
+from .plan import ModelShape, Plan, explain, tune  # noqa: E402
+
+__all__ = ["__version__", "GPUUnavailableError", "CompileError", "KernelLaunchError", "ModelShape", "Plan", "explain",
+           "tune"]

@@ -61,7 +61,7 @@ def _gpu_demo() -> int:
         cudnn_ms = time_cuda_ms(lambda: lstm(x), warmup=3, repeats=20)
     print(f"cuDNN through torch, LSTM H={H}, T={T}, batch {B}: {cudnn_ms:.3f} ms = {cudnn_ms * 1e3 / T:.2f} µs per step")
 
-    r = sync._Runner(sync.SyncConfig(steps=5_000, repeats=5))
+    r = sync.Runner(sync.SyncConfig(steps=5_000, repeats=5))
     k = r.kernel("cluster_exchange_stasync")
     state = torch.empty(H, device="cuda")
     cluster = 8
@@ -70,6 +70,47 @@ def _gpu_demo() -> int:
     print(f"persistent kernel floor: exchanging h (H={H}) across a cluster of {cluster} blocks: {us:.2f} µs per step")
     print(f"\nThe synchronisation a persistent LSTM needs per step costs {cudnn_ms * 1e3 / T / us:.0f}x less than")
     print("a step of cuDNN here. Full table: python -m persistrnn.bench sync")
+    return 0
+
+
+def _plan_parser(command: str):
+    import argparse
+
+    from .cells import CELLS
+    from .persistent import DTYPES
+    from .plan import DEFAULT_K, DEFAULT_STEPS
+
+    what = ("time the cost model's top K configurations, the fallback and cuDNN, and cache the fastest"
+            if command == "tune" else "print the plan and the cost model's ranking")
+    p = argparse.ArgumentParser(prog=f"python -m persistrnn {command}", description=f"{command}: {what}")
+    p.add_argument("--cell", required=True, choices=sorted(CELLS))
+    p.add_argument("--input-size", type=int, required=True)
+    p.add_argument("--hidden-size", type=int, required=True)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--batch", type=int, nargs="+", required=True, help="one or more batch sizes")
+    if command == "tune":
+        p.add_argument("--k", type=int, default=DEFAULT_K, help="configurations to compile and time")
+        p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="sequence length to time")
+        p.add_argument("--refresh", action="store_true", help="tune again even if a choice is cached")
+    return p
+
+
+def _plan_command(command: str, argv: list[str]) -> int:
+    from . import plan
+    from .jit import GPUUnavailableError
+
+    args = _plan_parser(command).parse_args(argv)
+    try:
+        shape = plan.ModelShape(args.cell, args.input_size, args.hidden_size, args.layers, args.dtype)
+        for batch in args.batch:
+            if command == "tune":
+                print(plan.tune(shape, batch, k=args.k, steps=args.steps, refresh=args.refresh).describe())
+            else:
+                plan.explain(shape, batch)
+    except (GPUUnavailableError, ValueError) as exc:
+        print(f"persistrnn {command}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -84,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
-    print(f"unknown command {command!r}; expected 'demo' (the default) or 'bench <suite>'", file=sys.stderr)
+    if command in ("tune", "explain"):
+        return _plan_command(command, argv[1:])
+    print(f"unknown command {command!r}; expected 'demo' (the default), 'bench <suite>', 'tune' or 'explain'",
+          file=sys.stderr)
     return 2
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "render_cuda",
     "render_cuda_expression",
     "render_numpy_expression",
+    "render_pointwise_functions",
 ]
 
 
@@ -225,6 +226,54 @@ def render_cuda(statements: Iterable[tuple[str, str]], indent: str = "") -> str:
     for name, expr in statements:
         _check_identifier(name, "statement name")
         lines.append(f"{indent}const float {name} = {render_cuda_expression(expr)};")
+    return "\n".join(lines)
+
+
+def render_pointwise_functions(spec: CellSpec) -> str:
+    """The cell's math as CUDA device functions over fp32 gate values.
+
+    Every kernel that runs a cell (the persistent recurrence and the
+    fallback's pointwise kernel) includes this one rendering, so they cannot
+    disagree about the formulas. It emits:
+
+    * ``prnn_between(stage, xg, hg, h)`` (cells with more than one stage):
+      runs ``between_stages[stage]`` and returns the next stage's operand;
+    * ``prnn_pointwise(xg, hg, h, c, out_h, out_c)`` (or ``(xg, hg, h,
+      out_h)`` without a cell state): the new state.
+
+    ``xg[i]`` / ``hg[i]`` are gate ``i``'s input projection and recurrent
+    product (``b_hh`` included). The functions call ``prnn_sigmoid`` etc.,
+    which ``kernels/common.cuh`` defines, so they go after that header.
+    """
+    g = spec.num_gates
+    inputs = "\n".join(
+        f"    const float x_{gate} = xg[{i}], h_{gate} = hg[{i}];" for i, gate in enumerate(spec.gates)
+    )
+    lines = []
+    if spec.num_stages > 1:
+        lines.append(f"__device__ __forceinline__ float prnn_between(int stage, const float (&xg)[{g}], "
+                     f"const float (&hg)[{g}], float h) {{")
+        lines.append(inputs)
+        for k, block in enumerate(spec.between_stages):
+            lines.append(f"    if (stage == {k}) {{")
+            lines.append(render_cuda(block, indent="        "))
+            lines.append(f"        return {spec.stage_operands[k + 1]};")
+            lines.append("    }")
+        lines.append("    return 0.0f;  // unreachable: the kernel passes a between-stage index")
+        lines.append("}")
+    state = "float c, float& out_h, float& out_c" if spec.has_cell_state else "float& out_h"
+    lines.append(f"__device__ __forceinline__ void prnn_pointwise(const float (&xg)[{g}], const float (&hg)[{g}], "
+                 f"float h, {state}) {{")
+    lines.append(inputs)
+    if spec.num_stages > 1:
+        # The final stage needs what the between-stage statements computed.
+        for block in spec.between_stages:
+            lines.append(render_cuda(block, indent="    "))
+    lines.append(render_cuda(spec.pointwise, indent="    "))
+    lines.append("    out_h = h_new;")
+    if spec.has_cell_state:
+        lines.append("    out_c = c_new;")
+    lines.append("}")
     return "\n".join(lines)
 
 

@@ -22,10 +22,15 @@ import json
 import os
 import re
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from . import __version__
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 CACHE_ENV = "PERSISTRNN_CACHE_DIR"
 _CACHE_MAGIC = b"PRNNBIN1"
@@ -314,7 +319,33 @@ def compile_source(
             return hit
         binary = _nvrtc_compile(name, source, arch, defines, key)
         _write_entry(path, binary)
+        global _nvrtc_compiles
+        with _count_lock:
+            _nvrtc_compiles += 1
         return binary
+
+
+_nvrtc_compiles = 0
+_count_lock = threading.Lock()
+
+
+def nvrtc_compiles() -> int:
+    """NVRTC compilations this process ran (cache misses): lets a caller, or a
+    test, see that a warm cache compiled nothing."""
+    return _nvrtc_compiles
+
+
+def map_in_threads(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[R]:
+    """``[fn(x) for x in items]`` in threads: NVRTC releases the GIL, so
+    compilations run in parallel. cuda.core's lazily imported modules are
+    imported here first, since concurrent first imports race."""
+    from cuda.core import Program, ProgramOptions  # noqa: F401
+
+    if not items:
+        return []
+    workers = max(1, min(len(items), max_workers or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
 
 
 # ----------------------------------------------------------------------------

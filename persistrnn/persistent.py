@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from . import jit
-from .cells import CellSpec, get_cell
+from .cells import CellSpec, get_cell, render_pointwise_functions
 
 SYNC_MODES = ("single", "cluster", "grid")
 """single: one block, ``__syncthreads``; cluster: 2-16 blocks of one cluster,
@@ -318,41 +318,6 @@ class KernelConfig:
 # ----------------------------------------------------------------------------
 
 
-def _pointwise_function(spec: CellSpec) -> str:
-    from .cells import render_cuda
-
-    g = spec.num_gates
-    inputs = "\n".join(
-        f"    const float x_{gate} = xg[{i}], h_{gate} = hg[{i}];" for i, gate in enumerate(spec.gates)
-    )
-    lines = []
-    if spec.num_stages > 1:
-        lines.append(f"__device__ __forceinline__ float prnn_between(int stage, const float (&xg)[{g}], "
-                     f"const float (&hg)[{g}], float h) {{")
-        lines.append(inputs)
-        for k, block in enumerate(spec.between_stages):
-            lines.append(f"    if (stage == {k}) {{")
-            lines.append(render_cuda(block, indent="        "))
-            lines.append(f"        return {spec.stage_operands[k + 1]};")
-            lines.append("    }")
-        lines.append("    return 0.0f;  // unreachable: the kernel passes a between-stage index")
-        lines.append("}")
-    state = "float c, float& out_h, float& out_c" if spec.has_cell_state else "float& out_h"
-    lines.append(f"__device__ __forceinline__ void prnn_pointwise(const float (&xg)[{g}], const float (&hg)[{g}], "
-                 f"float h, {state}) {{")
-    lines.append(inputs)
-    if spec.num_stages > 1:
-        # The final stage needs what the between-stage statements computed.
-        for block in spec.between_stages:
-            lines.append(render_cuda(block, indent="    "))
-    lines.append(render_cuda(spec.pointwise, indent="    "))
-    lines.append("    out_h = h_new;")
-    if spec.has_cell_state:
-        lines.append("    out_c = c_new;")
-    lines.append("}")
-    return "\n".join(lines)
-
-
 _DEVICE_TYPES = {"float32": "float", "float16": "prnn_f16", "bfloat16": "prnn_bf16"}
 
 
@@ -396,7 +361,7 @@ def render_source(config: KernelConfig) -> str:
         first_gates.append(spec.gates.index(stage[0]))
     prelude = [f"// {config}"]
     prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    source = jit.read_source("recurrence.cu")
+    source = jit.read_source("recurrence.cu", includes=("common.cuh", "group_product.cuh"))
     # The stage gate lookup and the cell's math go after common.cuh (which
     # defines prnn_sigmoid etc.) and before the kernel that calls them.
     generated = [
@@ -404,7 +369,7 @@ def render_source(config: KernelConfig) -> str:
         "    return " + " : ".join(f"stage == {s} ? {g} + slot" for s, g in enumerate(first_gates[:-1]))
         + (" : " if len(first_gates) > 1 else "") + f"{first_gates[-1]} + slot;",
         "}",
-        _pointwise_function(spec),
+        render_pointwise_functions(spec),
     ]
     marker = "// ---- kernel ----"
     head, _, body = source.partition(marker)
@@ -488,14 +453,14 @@ def run_recurrence(
                          f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
     T, B = xw.shape[0], xw.shape[1]
     dtype = getattr(torch, config.dtype)
-    _check_tensor("xw", xw, (T, B, G * H), xw.device, torch.float32)
-    _check_tensor("w_hh", w_hh, (G * H, H), xw.device, dtype)
-    _check_tensor("b_hh", b_hh, (G * H,), xw.device, dtype)
-    _check_tensor("h0", h0, (B, H), xw.device, dtype)
+    check_tensor("xw", xw, (T, B, G * H), xw.device, torch.float32)
+    check_tensor("w_hh", w_hh, (G * H, H), xw.device, dtype)
+    check_tensor("b_hh", b_hh, (G * H,), xw.device, dtype)
+    check_tensor("h0", h0, (B, H), xw.device, dtype)
     if spec.has_cell_state:
         if c0 is None:
             raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
-        _check_tensor("c0", c0, (B, H), xw.device, dtype)
+        check_tensor("c0", c0, (B, H), xw.device, dtype)
     elif c0 is not None:
         raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
     if T < 1 or B < 1:
@@ -506,7 +471,7 @@ def run_recurrence(
     def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
         if given is None:
             return torch.empty(shape, dtype=dtype, device=xw.device)
-        _check_tensor(name, given, shape, xw.device, dtype)
+        check_tensor(name, given, shape, xw.device, dtype)
         return given
 
     out = destination("out", out, (T, B, H))
@@ -579,7 +544,10 @@ def _launch_config(kernel: jit.LoadedKernel, config: KernelConfig, shared: int) 
     return kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
 
 
-def _check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any, dtype: Any) -> None:
+def check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any, dtype: Any) -> None:
+    """Raise TypeError (type, dtype) or ValueError (device, shape, layout)
+    naming ``name`` and what was expected, unless ``t`` is a contiguous
+    CUDA tensor of ``shape`` and ``dtype`` on ``device``."""
     import torch
 
     if not isinstance(t, torch.Tensor):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 
-SUITES = {"sync": "persistrnn.bench.sync", "recurrence": "persistrnn.bench.recurrence"}
+SUITES = {
+    "sync": "persistrnn.bench.sync",
+    "recurrence": "persistrnn.bench.recurrence",
+    "model-accuracy": "persistrnn.bench.model_accuracy",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

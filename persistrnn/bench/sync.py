@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import jit
 from .environment import describe
-from .timing import time_cuda_ms
+from .timing import per_iteration_us, time_cuda_ms
 
 BLOCK = 256  # threads per block in every sync kernel: a typical persistent block
 STATE_SIZES = (256, 1024, 4096)  # H: floats of state exchanged per step
@@ -70,7 +70,7 @@ class SyncConfig:
             raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
 
 
-class _Runner:
+class Runner:
     """Times one kernel at two step counts and returns microseconds per step."""
 
     def __init__(self, cfg: SyncConfig) -> None:
@@ -87,18 +87,10 @@ class _Runner:
 
     def per_step_us(self, name: str, config: Any, make_args, setup=None) -> float:
         k = self.kernel(name)
-        long, short = self.cfg.steps, self.cfg.steps // 10
-        times = {}
-        for steps in (short, long):
-            args = make_args(steps)
-            times[steps] = time_cuda_ms(
-                lambda: jit.launch(k, config, *args),
-                warmup=self.cfg.warmup,
-                repeats=self.cfg.repeats,
-                setup=setup,
-            )
+        us = per_iteration_us(lambda steps: jit.launch(k, config, *make_args(steps)), self.cfg.steps,
+                              warmup=self.cfg.warmup, repeats=self.cfg.repeats, setup=setup)
         jit.check_status(self.status, name)
-        return (times[long] - times[short]) * 1e3 / (long - short)
+        return us
 
     def zero_counter(self) -> None:
         self.counter.zero_()
@@ -113,7 +105,7 @@ def _check_state(got: Any, H: int, steps: int, what: str) -> None:
         raise AssertionError(f"{what}: {bad} of {H} state values wrong after {steps} steps (an ordering bug)")
 
 
-def launch_gap(r: _Runner) -> dict[str, float]:
+def launch_gap(r: Runner) -> dict[str, float]:
     """Back-to-back empty launches, per launch: issued from Python (host-bound
     when the issue path is slower than the GPU), and replayed from a CUDA graph
     (the device's own gap between dependent kernels)."""
@@ -146,7 +138,7 @@ def grid_block_counts(sm_count: int) -> list[int]:
     return counts + [sm_count]
 
 
-def grid_barriers(r: _Runner, sm_count: int) -> dict[str, dict[int, float]]:
+def grid_barriers(r: Runner, sm_count: int) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {"grid_sync_cg": {}, "grid_barrier_counter": {}}
     for blocks in grid_block_counts(sm_count):
         cg = r.kernel("grid_sync_cg")
@@ -163,7 +155,7 @@ def grid_barriers(r: _Runner, sm_count: int) -> dict[str, dict[int, float]]:
     return out
 
 
-def grid_exchange(r: _Runner, sm_count: int) -> dict[int, float]:
+def grid_exchange(r: Runner, sm_count: int) -> dict[int, float]:
     import torch
 
     k = r.kernel("grid_exchange")
@@ -186,7 +178,7 @@ def grid_exchange(r: _Runner, sm_count: int) -> dict[int, float]:
     return out
 
 
-def cluster_barriers(r: _Runner, max_cluster: int) -> dict[int, float]:
+def cluster_barriers(r: Runner, max_cluster: int) -> dict[int, float]:
     k = r.kernel("cluster_barrier")
     return {
         n: r.per_step_us("cluster_barrier", k.config(n, BLOCK, cluster=n), lambda s: jit.kernel_args(s))
@@ -194,7 +186,7 @@ def cluster_barriers(r: _Runner, max_cluster: int) -> dict[int, float]:
     }
 
 
-def cluster_exchanges(r: _Runner, max_cluster: int) -> dict[str, dict[int, dict[int, dict[int, float]]]]:
+def cluster_exchanges(r: Runner, max_cluster: int) -> dict[str, dict[int, dict[int, dict[int, float]]]]:
     """Per-step exchange cost, indexed [kernel][threads per block][H][cluster size]."""
     import torch
 
@@ -221,7 +213,7 @@ def cluster_exchanges(r: _Runner, max_cluster: int) -> dict[str, dict[int, dict[
     return out
 
 
-def residency(r: _Runner, max_cluster: int) -> dict[str, dict[int, int]]:
+def residency(r: Runner, max_cluster: int) -> dict[str, dict[int, int]]:
     """Clusters that fit at once: small blocks, and one 200 KB block per SM."""
     k = r.kernel("cluster_barrier")
     sizes = [n for n in (2, 4, 8, 16) if n <= max_cluster]
@@ -237,7 +229,7 @@ def run(cfg: SyncConfig | None = None, progress: bool = True) -> dict[str, Any]:
 
     cfg = cfg or SyncConfig()
     facts = jit.device_facts()
-    r = _Runner(cfg)
+    r = Runner(cfg)
     stages = [
         ("launch gap", lambda: {"launch": launch_gap(r)}),
         ("grid barriers", lambda: grid_barriers(r, facts.sm_count)),

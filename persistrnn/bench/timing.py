@@ -29,3 +29,19 @@ def time_cuda_ms(run: Callable[[], None], *, warmup: int = 2, repeats: int = 5, 
         pairs.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def per_iteration_us(run_with: Callable[[int], None], iterations: int, *, warmup: int = 2, repeats: int = 5,
+                     setup: Callable[[], None] | None = None) -> float:
+    """Device time of one iteration of a loop that runs inside one launch, in µs.
+
+    ``run_with(n)`` launches the loop for ``n`` iterations. The loop is timed
+    at ``iterations`` and ``iterations // 10``; the difference of the two times
+    over the difference of the counts cancels the launch and the prologue.
+    """
+    if iterations < 20:
+        raise ValueError(f"iterations must be >= 20 so that iterations // 10 differs, got {iterations}")
+    long, short = iterations, iterations // 10
+    times = {n: time_cuda_ms(lambda n=n: run_with(n), warmup=warmup, repeats=repeats, setup=setup)
+             for n in (short, long)}
+    return (times[long] - times[short]) * 1e3 / (long - short)

@@ -1,0 +1,414 @@
+"""The planner's cost model (GRNN §7): ranks configurations by a per-step cost.
+
+The cost of one time step, in µs, is the sum of terms that cannot overlap
+(each phase waits for the last):
+
+* **product**, the partial dot products and their reduction. GRNN writes it
+  as an FMA baseline over fitted speed-ups: a thread's sequential FMAs times
+  the cost of one FMA with one warp per scheduler and no reuse, divided by the
+  speed-up that more warps per scheduler and more reuse (rows per work group x
+  batch columns per weight load) buy. The speed-ups are not separable on this
+  GPU (a saturated FMA pipe makes them multiply to less than their product),
+  so they are fitted as one table over (warps per scheduler, rows, batch
+  tile, work-group size, weight placement) from :data:`PRODUCT_BENCH`, the
+  kernel's own ``prnn_group_product`` timed on one SM. The reduction is the
+  per-product fixed part of the same fit: ``log2(group size)`` shuffle rounds
+  over the rows' sums. The mma path has its own table, per warp and
+  m-tiles per warp.
+* **pointwise and block barriers**, from the same micro-benchmarks.
+* **exchange**, per sync mode, from the sync calibration
+  (``persistrnn.bench.sync``): st.async pushes within a cluster by cluster
+  size, threads and floats exchanged; the grid's counter barrier by block
+  count plus its broadcast of h through L2 by floats.
+
+Calibration runs once per device and is cached on disk, keyed by device name,
+SM count and package version (:func:`calibration`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from .. import __version__, jit, persistent
+from ..progress import track
+from ..persistent import KernelConfig, WARP
+
+SCHEDULERS_PER_SM = 4  # warp schedulers (SM sub-partitions) of every SM since Volta; no device query returns it
+WARPS_PER_SCHEDULER = (1, 2, 4, 8)  # blocks of 128-1024 threads
+BENCH_ROWS = (1, 2, 4, 8)  # rows per work group (and mma m-tiles per warp) the benches run
+BENCH_TILES = (1, 2, 4, 8)
+BENCH_GROUPS = (2, 8, 32)
+BENCH_CHUNKS = (2, 8)  # two chunk counts separate the per-chunk cost from the fixed part
+MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A fragments fit in registers)
+BENCH_ITERATIONS = 2000
+CALIBRATION_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured costs of one device, in ns (product, pointwise, barrier) or µs
+    (exchange). Tables are keyed by comma-joined integers so they survive JSON.
+
+    product_chunk: "w,rows,tile,group,shared" -> ns per column chunk per lane
+    product_fixed: same key -> ns per product beyond the chunks (reduction, stores)
+    mma: "w,m_tiles" -> ns per mma per warp
+    pointwise: "w" -> ns per pointwise pass (one LSTM element per thread)
+    barrier: "w" -> ns per __syncthreads
+    cluster_exchange: "threads,floats,cluster" -> µs per st.async exchange
+    grid_barrier: "blocks" -> µs per counter barrier
+    grid_exchange: "floats" -> µs per barrier + broadcast of h, all SMs
+    """
+
+    device: str
+    sm_count: int
+    version: str
+    product_chunk: dict[str, float]
+    product_fixed: dict[str, float]
+    mma: dict[str, float]
+    pointwise: dict[str, float]
+    barrier: dict[str, float]
+    cluster_exchange: dict[str, float]
+    grid_barrier: dict[str, float]
+    grid_exchange: dict[str, float]
+    format: int = CALIBRATION_FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+            raise ValueError(f"not a calibration of format {CALIBRATION_FORMAT}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != fields:
+            raise ValueError(f"calibration fields differ: expected {sorted(fields)}, got {sorted(data)}")
+        return cls(**data)
+
+
+def _key(*values: int) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _interp_log2(points: dict[int, float], x: float, extrapolate_linear: bool = True) -> float:
+    """Piecewise-linear interpolation of ``points`` in log2(x). Above the last
+    point the cost grows in proportion to x (a saturated pipe); below the first
+    it stays at the first."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        return points[xs[-1]] * (x / xs[-1] if extrapolate_linear else 1.0)
+    for lo, hi in zip(xs, xs[1:]):
+        if lo <= x <= hi:
+            f = (math.log2(x) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+            return points[lo] + f * (points[hi] - points[lo])
+    raise AssertionError("unreachable")
+
+
+def _interp_linear(points: dict[int, float], x: float) -> float:
+    """Linear in x, extended by the last segment's slope above the last point."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            return points[lo] + (x - lo) * (points[hi] - points[lo]) / (hi - lo)
+    lo, hi = xs[-2], xs[-1]
+    return points[hi] + (x - hi) * (points[hi] - points[lo]) / (hi - lo)
+
+
+def _table(table: dict[str, float], prefix: tuple[int, ...]) -> dict[int, float]:
+    """The slice of ``table`` whose leading key fields equal ``prefix``, keyed by the next field."""
+    n = len(prefix)
+    out = {}
+    for key, value in table.items():
+        fields = tuple(int(v) for v in key.split(","))
+        if fields[:n] == prefix and len(fields) == n + 1:
+            out[fields[n]] = value
+    if not out:
+        raise KeyError(f"calibration has no entries for {prefix}")
+    return out
+
+
+def _entry(table: dict[str, float], w: int, rows: int, *rest: int) -> float:
+    """``table[w, rows, *rest]``. Where the bench could not run that block
+    (registers or shared memory), the measured entry with the most warps and
+    rows not above these, scaled by both ratios (the pipe is saturated there)."""
+    for measured_w in (v for v in reversed(WARPS_PER_SCHEDULER) if v <= w):
+        for measured_rows in (r for r in reversed(BENCH_ROWS) if r <= rows):
+            key = _key(measured_w, measured_rows, *rest)
+            if key in table:
+                return table[key] * (w / measured_w) * (rows / measured_rows)
+    raise KeyError(f"calibration has no entry for {_key(w, rows, *rest)}")
+
+
+def _nearest(options: list[int], x: float) -> int:
+    return min(options, key=lambda o: abs(math.log2(o) - math.log2(x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Predicted µs per time step of one configuration, by term, summed over
+    the launches a batch too large for one launch needs."""
+
+    product: float
+    pointwise: float
+    barriers: float
+    exchange: float
+    launches: int = 1
+
+    @property
+    def total(self) -> float:
+        return self.product + self.pointwise + self.barriers + self.exchange
+
+    def __add__(self, other: "StepCost") -> "StepCost":
+        return StepCost(self.product + other.product, self.pointwise + other.pointwise,
+                        self.barriers + other.barriers, self.exchange + other.exchange,
+                        self.launches + other.launches)
+
+
+class CostModel:
+    """Per-step cost of a configuration on a calibrated device."""
+
+    def __init__(self, calibration: Calibration, facts: jit.DeviceFacts) -> None:
+        self.cal = calibration
+        self.facts = facts
+        self._cache: dict[tuple, float] = {}
+
+    # ---- fitted terms --------------------------------------------------------
+
+    def _product_ns(self, w: int, rows: int, tile: int, group: int, chunks: int, shared: bool) -> float:
+        """One product: ``chunks`` column chunks per lane over ``rows`` rows and
+        ``tile`` batch columns, reduced over ``group`` lanes."""
+        key = (w, rows, tile, group, chunks, shared)
+        if key not in self._cache:
+            def at(table: dict[str, float], g: int) -> float:
+                by_rows = {r: _entry(table, w, r, tile, g, int(shared)) for r in BENCH_ROWS}
+                return _interp_log2(by_rows, rows)
+
+            chunk = _interp_log2({g: at(self.cal.product_chunk, g) for g in BENCH_GROUPS}, group, False)
+            fixed = _interp_log2({g: at(self.cal.product_fixed, g) for g in BENCH_GROUPS}, group, False)
+            self._cache[key] = chunks * chunk + fixed
+        return self._cache[key]
+
+    def _mma_ns(self, w: int, m_tiles: int) -> float:
+        # Per mma, so constant once the tensor pipe is saturated.
+        return _interp_log2({m: _entry(self.cal.mma, w, m) for m in BENCH_ROWS}, m_tiles, False)
+
+    def exchange_us(self, config: KernelConfig, floats: int) -> float:
+        """One exchange of ``floats`` per block (the whole state every block reads)."""
+        if config.sync == "single":
+            return 0.0
+        if config.sync == "cluster":
+            measured_threads = sorted({int(k.split(",")[0]) for k in self.cal.cluster_exchange})
+            threads = _nearest(measured_threads, config.threads)
+            by_floats = {}
+            for f in sorted({int(k.split(",")[1]) for k in self.cal.cluster_exchange}):
+                by_cluster = _table(self.cal.cluster_exchange, (threads, f))
+                by_floats[f] = _interp_log2(by_cluster, config.blocks, False)
+            return _interp_linear(by_floats, floats)
+        barrier = _table(self.cal.grid_barrier, ())
+        full = self.facts.sm_count
+        return (_interp_linear(_table(self.cal.grid_exchange, ()), floats)
+                + _interp_linear(barrier, config.blocks) - _interp_linear(barrier, full))
+
+    # ---- the step ------------------------------------------------------------
+
+    def step_cost(self, config: KernelConfig, batch: int) -> StepCost:
+        """Predicted cost of one step of ``batch`` sequences (consecutive
+        launches where one launch holds fewer)."""
+        most = config.max_batch(self.facts.shared_per_block_optin)
+        full, rest = divmod(batch, most)
+        total = None
+        for nb in [most] * full + ([rest] if rest else []):
+            cost = self._launch_cost(config, nb)
+            total = cost if total is None else total + cost
+        return total
+
+    def _launch_cost(self, config: KernelConfig, per_launch: int) -> StepCost:
+        w = max(1, config.threads // WARP // SCHEDULERS_PER_SM)
+        spec = config.spec
+        bp = config.batch_stride(per_launch)
+        product = 0.0
+        for s in range(len(config.stages)):
+            if config.math == "mma":
+                sequential = config.m_tiles_per_warp(s) * config.k_tiles_per_warp * math.ceil(per_launch / 8)
+                product += sequential * self._mma_ns(w, config.m_tiles_per_warp(s))
+                continue
+            chunks = math.ceil(per_launch / config.batch_tile)
+            rows = config.rows_per_group(s)
+            product += chunks * (self._product_ns(w, rows, config.batch_tile, config.group_size, config.register_k,
+                                                  False)
+                                 + (self._product_ns(w, rows, config.batch_tile, config.group_size,
+                                                     config.shared_k_chunks, True)
+                                    if config.shared_k_chunks else 0.0))
+        passes = math.ceil(config.units_per_block * per_launch / config.threads)
+        pointwise_ns = self.cal.pointwise[str(w)] * spec.num_gates / 4  # the bench runs one 4-gate element
+        exchanges = 1 if config.one_sync else spec.num_stages
+        pointwise = exchanges * passes * pointwise_ns
+        barriers = exchanges * (3 if config.sync == "grid" else 2) * self.cal.barrier[str(w)]
+        floats = config.hidden_size * bp
+        exchange = exchanges * self.exchange_us(config, floats)
+        if config.one_sync:
+            # The column product of U_r, the partial sums of every block in
+            # each exchange, and r * h summed from them for every unit.
+            chunks = math.ceil(per_launch / config.batch_tile)
+            product += chunks * self._product_ns(w, config.column_rows_per_group, config.batch_tile,
+                                                 config.group_size, config.column_chunks, False)
+            if config.sync == "cluster":
+                partials = config.blocks * config.partial_rows * bp
+                exchange += self.exchange_us(config, floats + partials) - self.exchange_us(config, floats)
+            pointwise += math.ceil(config.hidden_size * per_launch / config.threads) * pointwise_ns
+            barriers += 2 * self.cal.barrier[str(w)]
+        return StepCost(product / 1e3, pointwise / 1e3, barriers / 1e3, exchange)
+
+    def rank(self, configs: list[KernelConfig], batch: int) -> list[tuple[float, KernelConfig]]:
+        """(predicted µs per step, config), cheapest first; ties keep enumeration order."""
+        scored = [(self.step_cost(c, batch).total, i, c) for i, c in enumerate(configs)]
+        scored.sort(key=lambda x: (x[0], x[1]))
+        return [(cost, c) for cost, _, c in scored]
+
+
+# ----------------------------------------------------------------------------
+# Calibration: micro-benchmarks on this device, cached on disk
+# ----------------------------------------------------------------------------
+
+
+def bench_binary(program: tuple[int, int, int, int], arch: str | None = None) -> jit.CompiledBinary:
+    """One micro-benchmark program: (mma, tile, group, chunks). mma 0: every
+    rows x placement product kernel at that tile, group and chunk count; mma 1:
+    the mma kernels at ``chunks`` k tiles, and the barrier and pointwise ones."""
+    mma, tile, group, chunks = program
+    source = jit.read_source("model_bench.cu", includes=("common.cuh", "group_product.cuh"))
+    return jit.compile_source("model_bench", source, arch=arch,
+                              defines={"PRNN_BENCH_MMA": mma, "PRNN_BT": tile, "PRNN_WGS": group,
+                                       "PRNN_KCH": chunks, "PRNN_THREADS": "((int)blockDim.x)"})
+
+
+def bench_programs() -> list[tuple[int, int, int, int]]:
+    """(mma, tile, group, chunks) of every micro-benchmark program."""
+    return ([(0, t, g, k) for t in BENCH_TILES for g in BENCH_GROUPS for k in BENCH_CHUNKS]
+            + [(1, 1, 1, k) for k in MMA_CHUNKS])
+
+
+def compile_bench_programs(arch: str | None = None) -> dict[tuple[int, int, int, int], jit.CompiledBinary]:
+    """Every micro-benchmark program, compiled in threads."""
+    programs = bench_programs()
+    return dict(zip(programs, jit.map_in_threads(lambda p: bench_binary(p, arch=arch), programs)))
+
+
+def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
+    import torch
+
+    from ..bench.timing import per_iteration_us
+
+    binaries = compile_bench_programs()
+    dev = torch.device("cuda")
+    max_threads = 128 * WARPS_PER_SCHEDULER[-1]
+    sink = torch.empty(max_threads, device=dev)
+    inputs = torch.rand(max_threads * max(BENCH_ROWS) * max(BENCH_CHUNKS) * 4, device=dev,
+                        generator=torch.Generator(device=dev).manual_seed(0))
+
+    def per_iteration_ns(program: tuple, kernel: str, threads: int, shared: int) -> float | None:
+        """ns per iteration, or None where the block cannot run (registers or shared memory)."""
+        k = jit.get_kernel(binaries[program], kernel)
+        if shared > jit.device_facts().shared_per_block_optin or k.max_resident_blocks(threads, shared) < 1:
+            return None
+        config = k.config(1, threads, shared=shared)
+        return 1e3 * per_iteration_us(lambda n: jit.launch(k, config, *jit.kernel_args(inputs, sink, n)),
+                                      BENCH_ITERATIONS, warmup=1, repeats=5)
+
+    def split(times: dict[int, float | None], per: int = 1) -> tuple[float, float] | None:
+        """(cost per chunk, fixed cost) from times at two chunk counts."""
+        (lo, t_lo), (hi, t_hi) = sorted(times.items())
+        if t_lo is None or t_hi is None:
+            return None
+        per_chunk = max((t_hi - t_lo) / (hi - lo), 1e-3)
+        return per_chunk / per, max(t_lo - lo * per_chunk, 0.0)
+
+    chunk, fixed, mma, pointwise, barrier = {}, {}, {}, {}, {}
+    jobs = [(t, g, r, sh, w) for t in BENCH_TILES for g in BENCH_GROUPS for r in BENCH_ROWS for sh in (0, 1)
+            for w in WARPS_PER_SCHEDULER]
+    for tile, group, rows, shared, w in track(jobs, progress, "calibrating the FFMA product"):
+        threads = 128 * w
+        name = f"prnn_product_bench_R{rows}_{'shared' if shared else 'reg'}"
+        result = split({k: per_iteration_ns((0, tile, group, k), name, threads,
+                                            4 * (k * group * tile + threads // group * rows * tile
+                                                 + (k * rows * threads if shared else 0)))
+                        for k in BENCH_CHUNKS})
+        if result is not None:
+            chunk[_key(w, rows, tile, group, shared)], fixed[_key(w, rows, tile, group, shared)] = result
+    for m in BENCH_ROWS:
+        for w in WARPS_PER_SCHEDULER:
+            result = split({k: per_iteration_ns((1, 1, 1, k), f"prnn_mma_bench_M{m}", 128 * w, 4 * k * 16 * 12)
+                            for k in MMA_CHUNKS}, per=m)
+            if result is not None:
+                mma[_key(w, m)] = result[0]
+    for w in WARPS_PER_SCHEDULER:
+        threads = 128 * w
+        program = (1, 1, 1, MMA_CHUNKS[0])
+        barrier[str(w)] = per_iteration_ns(program, "prnn_barrier_bench", threads, 0)
+        pointwise[str(w)] = per_iteration_ns(program, "prnn_pointwise_bench", threads, 4 * 5 * threads)
+    return {"product_chunk": chunk, "product_fixed": fixed, "mma": mma, "pointwise": pointwise, "barrier": barrier}
+
+
+def _measure_sync() -> dict[str, dict[str, float]]:
+    from ..bench import sync
+
+    r = sync.Runner(sync.SyncConfig(steps=4000, repeats=3, warmup=1))
+    facts = jit.device_facts()
+    max_cluster = r.kernel("cluster_barrier").max_cluster_size(sync.BLOCK)
+    stasync = sync.cluster_exchanges(r, max_cluster)["cluster_exchange_stasync"]
+    return {
+        "cluster_exchange": {_key(t, f, n): us for t, by_f in stasync.items() for f, by_n in by_f.items()
+                             for n, us in by_n.items()},
+        "grid_barrier": {str(b): us for b, us in sync.grid_barriers(r, facts.sm_count)["grid_barrier_counter"].items()},
+        "grid_exchange": {str(f): us for f, us in sync.grid_exchange(r, facts.sm_count).items()},
+    }
+
+
+def measure_calibration(progress: bool = True) -> Calibration:
+    """Run every micro-benchmark on the current GPU (a few seconds)."""
+    facts = jit.device_facts()
+    tables = _measure_micro(progress)
+    tables.update(_measure_sync())
+    return Calibration(device=facts.name, sm_count=facts.sm_count, version=__version__, **tables)
+
+
+def calibration_path(facts: jit.DeviceFacts) -> Path:
+    name = re.sub(r"[^A-Za-z0-9]+", "-", facts.name).strip("-")
+    return jit.cache_dir() / "calibration" / f"{name}-{facts.sm_count}sm-{__version__}.json"
+
+
+def load_calibration(path: Path) -> Calibration | None:
+    """The calibration stored at ``path``, or None if it is missing or unreadable."""
+    try:
+        return Calibration.from_json(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def calibration(*, progress: bool = True, refresh: bool = False) -> Calibration:
+    """This device's calibration: from the disk cache, or measured now and stored."""
+    facts = jit.device_facts()
+    path = calibration_path(facts)
+    cached = None if refresh else load_calibration(path)
+    if cached is not None and cached.device == facts.name and cached.sm_count == facts.sm_count:
+        return cached
+    fresh = measure_calibration(progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(fresh.to_json())
+    tmp.replace(path)
+    return fresh
+
+
+def cost_model(*, progress: bool = True) -> CostModel:
+    """The cost model of the current device (calibrating it on first use)."""
+    return CostModel(calibration(progress=progress), jit.device_facts())

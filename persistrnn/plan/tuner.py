@@ -1,0 +1,354 @@
+"""Choosing how to run a model: the model's top K, compiled and timed, cached.
+
+:func:`plan` answers "how does this device run this model at this batch?"
+with a :class:`Plan`:
+
+1. A tuned choice for (device, cell, sizes, layers, batch bucket, dtype,
+   package version) in the on-disk tuning cache is reused as is: no compile,
+   no timing (the binary is in the kernel cache too).
+2. Otherwise the configuration space is pruned (:mod:`.space`) and ranked by
+   the cost model (:mod:`.model`). Without tuning, the top-ranked
+   configuration that compiles without spilling is the plan.
+3. With tuning, the top ``k`` that compile (in threads) are timed on the real
+   shapes, with the non-persistent fallback and cuDNN through torch beside
+   them, and the fastest is kept and cached. No persistent configuration at
+   all (weights too large for the chip) leaves the fallback and cuDNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import __version__, jit, persistent
+from ..progress import track
+from ..cells import get_cell
+from ..persistent import ConfigError, KernelConfig
+from . import model as cost
+from . import space
+
+PATHS = ("persistent", "fallback", "cudnn")
+"""persistent: one launch per layer (this package's kernels); fallback: the
+non-persistent path (:mod:`persistrnn.fallback`); cudnn: torch's own module."""
+CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
+DEFAULT_K = 5
+DEFAULT_STEPS = 100
+CACHE_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the plan depends on: the model's cell, sizes and dtype."""
+
+    cell: str
+    input_size: int
+    hidden_size: int
+    num_layers: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        get_cell(self.cell)  # raises for an unknown cell
+        for name in ("input_size", "hidden_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelShape.{name}: expected a positive int, got {value!r}")
+        if self.dtype not in persistent.DTYPES:
+            raise ValueError(f"ModelShape.dtype: expected one of {persistent.DTYPES}, got {self.dtype!r}")
+
+    def layer_input(self, layer: int) -> int:
+        return self.input_size if layer == 0 else self.hidden_size
+
+
+def shape_of(module: Any) -> ModelShape:
+    """The :class:`ModelShape` of a ``torch.nn.LSTM``/``GRU``/``RNN`` (or a module with the same attributes)."""
+    import torch
+
+    kinds = {torch.nn.LSTM: "lstm", torch.nn.GRU: "gru"}
+    cell = kinds.get(type(module))
+    if cell is None and isinstance(module, torch.nn.RNN):
+        cell = f"rnn_{module.nonlinearity}"
+    if cell is None:
+        cell = getattr(module, "cell", None)
+    if cell is None:
+        raise TypeError(f"expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
+    if getattr(module, "proj_size", 0):
+        raise ValueError(f"proj_size={module.proj_size}: the persistent kernels run LSTMs without projections")
+    dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+    return ModelShape(cell, module.input_size, module.hidden_size, module.num_layers, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a model runs at a batch bucket, and why.
+
+    source: "cache" (a stored tuned choice), "tuned" (timed now) or "model"
+    (the cost model's top choice, untimed). predicted_us: the model's µs per
+    step of ``config`` (persistent only). measured_ms: ms per forward of T
+    steps for each timed candidate, by label.
+    """
+
+    shape: ModelShape
+    batch_bucket: int
+    path: str
+    config: KernelConfig | None
+    source: str
+    reason: str
+    predicted_us: float | None = None
+    measured_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    steps: int | None = None
+    tuning_seconds: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = dataclasses.asdict(self.shape)
+        d["config"] = dataclasses.asdict(self.config) if self.config else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        d["shape"] = ModelShape(**d["shape"])
+        d["config"] = KernelConfig(**d["config"]) if d["config"] else None
+        if d["path"] not in PATHS:
+            raise ValueError(f"unknown path {d['path']!r}")
+        return cls(**d)
+
+    def describe(self) -> str:
+        s = self.shape
+        lines = [f"{s.cell} input {s.input_size}, hidden {s.hidden_size}, {s.num_layers} layer(s), {s.dtype}, "
+                 f"batch bucket {self.batch_bucket}: {self.path} ({self.source})",
+                 f"  why: {self.reason}"]
+        if self.config is not None:
+            c = self.config
+            lines.append(f"  kernel: sync {c.sync}, {c.blocks} block(s) x {c.threads} threads, work groups of "
+                         f"{c.group_size}, batch tile {c.batch_tile}, {c.units_per_block} units per block, "
+                         f"{c.register_k} register / {c.shared_k_chunks} shared chunks per lane, math {c.math}"
+                         + (f", k_split {c.k_split}" if c.math == "mma" else "")
+                         + (", one sync" if c.one_sync else ""))
+        if self.predicted_us is not None:
+            lines.append(f"  predicted: {self.predicted_us:.2f} µs per step")
+        for label, ms in sorted(self.measured_ms.items(), key=lambda kv: kv[1]):
+            lines.append(f"  measured: {ms:8.3f} ms per forward of {self.steps} steps  {label}")
+        if self.tuning_seconds is not None:
+            lines.append(f"  tuning took {self.tuning_seconds:.1f} s")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# The tuning cache
+# ----------------------------------------------------------------------------
+
+
+def cache_key(facts: jit.DeviceFacts, shape: ModelShape, bucket: int) -> dict[str, Any]:
+    """Every component a tuned choice depends on."""
+    return {"device": facts.name, "sm_count": facts.sm_count, **dataclasses.asdict(shape),
+            "batch_bucket": bucket, "version": __version__, "format": CACHE_FORMAT}
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return jit.cache_dir() / "tuning" / f"{digest}.json"
+
+
+def load_plan(key: dict[str, Any]) -> Plan | None:
+    """The cached plan for ``key``; None when absent, unreadable or for another key."""
+    try:
+        data = json.loads(cache_path(key).read_text())
+        if data.get("key") != key:
+            return None
+        return dataclasses.replace(Plan.from_json(data["plan"]), source="cache")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def store_plan(key: dict[str, Any], plan: Plan) -> None:
+    path = cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "plan": plan.to_json()}, indent=1))
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------------------
+# Candidates
+# ----------------------------------------------------------------------------
+
+
+def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel) -> list[tuple[float, KernelConfig]]:
+    """The pruned space, cheapest predicted first."""
+    configs = space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts)
+    return model.rank(configs, bucket)
+
+
+def compile_top(ranked: list[tuple[float, KernelConfig]], k: int) -> list[tuple[float, KernelConfig]]:
+    """The first ``k`` of ``ranked`` that compile without spilling, compiled in threads."""
+    kept: list[tuple[float, KernelConfig]] = []
+    start = 0
+    while len(kept) < k and start < len(ranked):
+        # Twice what is missing per round: a few spill under some NVRTC versions.
+        batch = ranked[start : start + 2 * (k - len(kept))]
+        start += len(batch)
+        results = jit.map_in_threads(_compiles, [c for _, c in batch])
+        kept += [item for item, ok in zip(batch, results) if ok]
+    return kept[:k]
+
+
+def _compiles(config: KernelConfig) -> bool:
+    try:
+        persistent.compile_config(config)
+        return True
+    except ConfigError:  # spilled under this NVRTC: not a candidate
+        return False
+
+
+# ----------------------------------------------------------------------------
+# Timing on the real shapes
+# ----------------------------------------------------------------------------
+
+
+class _Workload:
+    """Random weights and inputs of ``shape`` at ``batch`` x ``steps`` on the GPU."""
+
+    def __init__(self, shape: ModelShape, batch: int, steps: int) -> None:
+        import torch
+
+        self.shape, self.batch, self.steps = shape, batch, steps
+        dev = torch.device("cuda")
+        dtype = getattr(torch, shape.dtype)
+        spec = get_cell(shape.cell)
+        G, H = spec.num_gates, shape.hidden_size
+        gen = torch.Generator(device=dev).manual_seed(0)
+        scale = H ** -0.5
+
+        def rand(*size):
+            return ((torch.rand(*size, device=dev, generator=gen) * 2 - 1) * scale).to(dtype)
+
+        self.layers = [dict(w_ih=rand(G * H, shape.layer_input(l)), w_hh=rand(G * H, H), b_ih=rand(G * H),
+                            b_hh=rand(G * H)) for l in range(shape.num_layers)]
+        self.x = rand(steps, batch, shape.input_size) / scale
+        self.h0 = rand(batch, H)
+        self.c0 = rand(batch, H) if spec.has_cell_state else None
+
+    def persistent(self, config: KernelConfig):
+        def run() -> None:
+            x = self.x
+            for p in self.layers:
+                x, _, _ = persistent.forward_layer(config, x, p["w_ih"], p["w_hh"], p["b_ih"], p["b_hh"], self.h0,
+                                                   self.c0, check=False)
+        return run
+
+    def fallback(self):
+        from .. import fallback
+
+        def run() -> None:
+            x = self.x
+            for p in self.layers:
+                xw = persistent.input_projection(x, p["w_ih"], p["b_ih"])
+                x, _, _ = fallback.run_fallback(self.shape.cell, xw, p["w_hh"], p["b_hh"], self.h0, self.c0)
+        return run
+
+    def cudnn(self):
+        import torch
+
+        s = self.shape
+        kind = getattr(torch.nn, CUDNN_CELLS[s.cell])
+        extra = {"nonlinearity": s.cell.removeprefix("rnn_")} if kind is torch.nn.RNN else {}
+        module = kind(s.input_size, s.hidden_size, s.num_layers, **extra).to("cuda", getattr(torch, s.dtype))
+        for l, p in enumerate(self.layers):
+            for name, value in p.items():
+                getattr(module, f"{name}_l{l}").data.copy_(value)
+        hx = self.h0.expand(s.num_layers, -1, -1).contiguous()
+        if self.c0 is not None:
+            hx = (hx, self.c0.expand(s.num_layers, -1, -1).contiguous())
+
+        def run() -> None:
+            with torch.no_grad():
+                module(self.x, hx)
+        return run
+
+
+def time_forward_ms(run, *, calls: int = 3, warmup: int = 2, repeats: int = 5) -> float:
+    """ms per call of ``run``, called back to back (host issue included), median of ``repeats``."""
+    from ..bench.timing import time_cuda_ms
+
+    def many() -> None:
+        for _ in range(calls):
+            run()
+
+    return time_cuda_ms(many, warmup=warmup, repeats=repeats) / calls
+
+
+def _config_label(c: KernelConfig) -> str:
+    return (f"persistent {c.sync}x{c.blocks} t{c.threads} g{c.group_size} bt{c.batch_tile} sk{c.shared_k_chunks}"
+            f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else ""))
+
+
+# ----------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------
+
+
+def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K, steps: int = DEFAULT_STEPS,
+         progress: bool = False, refresh: bool = False) -> Plan:
+    """How to run ``shape`` at ``batch`` on the current GPU (see the module docstring)."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k: expected a positive int, got {k!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected a positive int, got {steps!r}")
+    facts = jit.device_facts()
+    bucket = space.batch_bucket(batch)
+    key = cache_key(facts, shape, bucket)
+    if not refresh:
+        cached = load_plan(key)
+        if cached is not None:
+            return cached
+    started = time.perf_counter()
+    model = cost.cost_model(progress=progress)
+    ranked = ranked_configs(shape, bucket, model)
+    if not tune:
+        top = compile_top(ranked, 1)
+        if not top:
+            return Plan(shape, bucket, "fallback", None, "model", _no_fit_reason(shape, facts))
+        us, config = top[0]
+        return Plan(shape, bucket, "persistent", config, "model",
+                    f"the cost model's top choice of {len(ranked)} configurations (untimed)", predicted_us=us)
+
+    top = compile_top(ranked, k)
+    work = _Workload(shape, bucket, steps)
+    candidates: list[tuple[str, str, KernelConfig | None, float | None, Any]] = [
+        (_config_label(c), "persistent", c, us, work.persistent(c)) for us, c in top]
+    candidates.append(("fallback", "fallback", None, None, work.fallback()))
+    if shape.cell in CUDNN_CELLS:
+        candidates.append(("cudnn", "cudnn", None, None, work.cudnn()))
+    measured: dict[str, float] = {}
+    timed: list[tuple[float, str, str, KernelConfig | None, float | None]] = []
+    for label, path, config, us, run in track(candidates, progress, "timing candidates"):
+        try:
+            ms = time_forward_ms(run)
+        except (ConfigError, jit.KernelLaunchError) as exc:  # cannot be resident here, or out of shared memory
+            measured[f"{label} (failed: {exc})"] = float("nan")
+            continue
+        measured[label] = ms
+        timed.append((ms, label, path, config, us))
+    best_ms, label, path, config, us = min(timed, key=lambda t: t[0])
+    if path == "persistent":
+        rank = [c for _, c in top].index(config) + 1
+        reason = f"fastest of the model's top {len(top)} (model rank {rank}), the fallback and cuDNN, timed"
+    elif top:
+        reason = f"{path} was faster than the model's top {len(top)} persistent configurations, timed"
+    else:
+        reason = _no_fit_reason(shape, facts) + f"; {path} was the faster of the rest, timed"
+    result = Plan(shape, bucket, path, config, "tuned", reason, predicted_us=us, measured_ms=measured, steps=steps,
+                  tuning_seconds=time.perf_counter() - started)
+    store_plan(key, result)
+    return result
+
+
+def _no_fit_reason(shape: ModelShape, facts: jit.DeviceFacts) -> str:
+    return (f"no persistent configuration of {shape.cell} H={shape.hidden_size} ({shape.dtype}) fits the "
+            f"registers and shared memory of {facts.sm_count} SMs")

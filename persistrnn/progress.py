@@ -1,0 +1,16 @@
+"""Progress bars for long runs (rich), off when not asked for."""
+
+from __future__ import annotations
+
+from typing import Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+def track(items: Iterable[T], enabled: bool, label: str) -> Iterable[T]:
+    """``items``, with a transient progress bar labelled ``label`` when ``enabled``."""
+    if not enabled:
+        return items
+    from rich.progress import track as rich_track
+
+    return rich_track(items, description=label, transient=True)

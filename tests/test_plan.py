@@ -1,0 +1,349 @@
+"""Planner: configuration space and pruning, cost model, tuning cache (CPU),
+and tuning on the GPU."""
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from persistrnn import jit, persistent
+from persistrnn.plan import model as cost
+from persistrnn.plan import space, tuner
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = jit.DeviceFacts(**json.loads((ROOT / "docs/results/sync-h100.json").read_text())["device"])
+
+
+def synthetic_calibration(device="synthetic", sm_count=132):
+    """A calibration from a plain throughput model, for CPU tests of the
+    model's structure: an FMA chunk costs its FMAs over a speed-up that grows
+    with warps and reuse up to 4x, shared weights 1.5x more; a shuffle round
+    5 ns per sum; exchanges grow with the floats moved."""
+    chunk, fixed, mma = {}, {}, {}
+    for w in cost.WARPS_PER_SCHEDULER:
+        for r in cost.BENCH_ROWS:
+            for t in cost.BENCH_TILES:
+                for g in cost.BENCH_GROUPS:
+                    for sh in (0, 1):
+                        fmas = r * t
+                        speedup = min(4.0, (w * fmas) ** 0.5)
+                        chunk[cost._key(w, r, t, g, sh)] = w * fmas / speedup * (1.5 if sh else 1.0)
+                        fixed[cost._key(w, r, t, g, sh)] = 5.0 * fmas * (g.bit_length() - 1) / min(w, 2)
+            mma[cost._key(w, r)] = 8.0 * max(1.0, w * r / 4)
+    return cost.Calibration(
+        device=device, sm_count=sm_count, version="0", product_chunk=chunk, product_fixed=fixed, mma=mma,
+        pointwise={str(w): 40.0 * w for w in cost.WARPS_PER_SCHEDULER},
+        barrier={str(w): 20.0 + 5 * w for w in cost.WARPS_PER_SCHEDULER},
+        cluster_exchange={cost._key(t, f, n): 0.2 + f / 4096 * (1 + n / 16) for t in (32, 256, 1024)
+                          for f in (256, 1024, 4096) for n in (2, 4, 8, 16)},
+        grid_barrier={str(b): 0.75 + b / 500 for b in (8, 16, 32, 64, 128, 132)},
+        grid_exchange={str(f): 1.0 + f / 2000 for f in (256, 1024, 4096)},
+    )
+
+
+def _calibrations():
+    """The synthetic calibration, and the H100's measured one when it is in the repo."""
+    out = [synthetic_calibration()]
+    measured = ROOT / "docs/results/calibration-h100.json"
+    if measured.exists():
+        out.append(cost.Calibration.from_json(measured.read_text()))
+    return out
+
+
+CALIBRATIONS = _calibrations()
+
+
+# ---- space and pruning --------------------------------------------------------
+
+
+def _random_shapes(n, seed):
+    rng = random.Random(seed)
+    for _ in range(n):
+        yield (rng.choice(["lstm", "gru", "gru_reset_before", "rnn_tanh"]), rng.choice([5, 33, 64, 100, 256, 511,
+               1024, 1536]), rng.choice([1, 3, 8, 20, 64]), rng.choice(persistent.DTYPES))
+
+
+@pytest.mark.parametrize("cell,hidden,batch,dtype", list(_random_shapes(12, seed=1)))
+def test_pruning_never_admits_a_configuration_over_a_limit(cell, hidden, batch, dtype):
+    facts = H100
+    kept = space.pruned_space(cell, hidden, batch, dtype, facts)
+    for c in kept:
+        assert c.estimated_registers <= space.register_limit(c.threads, facts)
+        assert c.estimated_registers * c.threads <= facts.registers_per_sm
+        assert c.shared_bytes(c.batch_align) <= facts.shared_per_block_optin
+        assert c.max_batch(facts.shared_per_block_optin) >= 1
+        assert c.blocks <= facts.sm_count and c.threads <= facts.max_threads_per_block
+        assert space.idle_fraction(c) <= space.IDLE_BOUND
+        assert c.cell == cell and c.hidden_size == hidden and c.dtype == dtype
+
+
+def test_pruning_reads_limits_from_the_device_facts():
+    small = dataclasses.replace(H100, sm_count=20, shared_per_block_optin=48 * 1024, registers_per_sm=32768,
+                                registers_per_block=32768)
+    big = space.pruned_space("lstm", 256, 8, "float32", H100)
+    little = space.pruned_space("lstm", 256, 8, "float32", small)
+    assert little and len(little) < len(big)
+    assert all(c.blocks <= 20 and c.shared_bytes(c.batch_align) <= 48 * 1024 for c in little)
+    assert max(c.blocks for c in big) > 20
+
+
+def test_space_covers_every_dimension_of_the_issue():
+    kept = space.pruned_space("gru_reset_before", 128, 16, "bfloat16", H100)
+    assert {c.sync for c in kept} == {"single", "cluster", "grid"}
+    assert {c.math for c in kept} == {"ffma", "mma"}
+    assert {c.one_sync for c in kept} == {False, True}
+    assert len({c.threads for c in kept}) > 1 and len({c.group_size for c in kept}) > 1
+    assert len({c.batch_tile for c in kept}) > 1
+    assert any(c.shared_k_chunks == 0 for c in kept) and any(0 < c.shared_k_chunks < c.k_per_thread for c in kept)
+
+
+def test_a_model_too_large_for_the_chip_has_an_empty_space():
+    assert space.pruned_space("lstm", 4096, 1, "float32", H100) == []
+
+
+def test_prune_names_the_limit_it_hit():
+    c = persistent.KernelConfig("lstm", 1024, "single", 1, 128, group_size=32)
+    assert "registers" in space.prune(c, 1, H100)
+    wide = persistent.KernelConfig("lstm", 64, "cluster", 16, 1024, group_size=16)
+    assert "idle" in space.prune(wide, 1, H100)
+
+
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (2, 2), (3, 4), (8, 8), (9, 16), (20, 32)])
+def test_batch_bucket(batch, bucket):
+    assert space.batch_bucket(batch) == bucket
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "1"])
+def test_batch_bucket_rejects_bad_batches(bad):
+    with pytest.raises(ValueError, match="batch"):
+        space.batch_bucket(bad)
+
+
+# ---- cost model -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cal", CALIBRATIONS, ids=lambda c: c.device)
+def test_more_work_per_thread_costs_more_all_else_equal(cal):
+    model = cost.CostModel(cal, H100)
+    rng = random.Random(0)
+    for cell, hidden, batch, dtype in _random_shapes(8, seed=2):
+        configs = space.pruned_space(cell, hidden, batch, dtype, H100)
+        for c in rng.sample(configs, min(20, len(configs))):
+            # More sequences: more FMAs per thread, same everything else.
+            assert model.step_cost(c, batch + c.batch_align).total > model.step_cost(c, batch).total
+    # More rows per work group (a larger hidden size on one block), same mapping.
+    small = persistent.KernelConfig("lstm", 64, "single", 1, 256, group_size=8)
+    large = persistent.KernelConfig("lstm", 96, "single", 1, 256, group_size=8)
+    assert large.rows_per_group(0) > small.rows_per_group(0)
+    assert model.step_cost(large, 1).total > model.step_cost(small, 1).total
+
+
+@pytest.mark.parametrize("cal", CALIBRATIONS, ids=lambda c: c.device)
+def test_step_cost_terms_are_positive_and_sum_to_the_total(cal):
+    model = cost.CostModel(cal, H100)
+    for c in space.pruned_space("gru_reset_before", 256, 4, "float32", H100)[::37]:
+        s = model.step_cost(c, 4)
+        assert s.product > 0 and s.pointwise > 0 and s.barriers > 0 and s.exchange >= 0
+        assert s.total == pytest.approx(s.product + s.pointwise + s.barriers + s.exchange) and s.launches >= 1
+        assert (s.exchange == 0) == (c.sync == "single")
+
+
+def test_rank_orders_by_predicted_cost():
+    model = cost.CostModel(synthetic_calibration(), H100)
+    configs = space.pruned_space("lstm", 256, 1, "float32", H100)
+    ranked = model.rank(configs, 1)
+    costs = [us for us, _ in ranked]
+    assert costs == sorted(costs) and len(ranked) == len(configs)
+
+
+def test_calibration_round_trips_and_rejects_other_formats(tmp_path):
+    cal = synthetic_calibration()
+    assert cost.Calibration.from_json(cal.to_json()) == cal
+    bad = json.loads(cal.to_json())
+    bad["format"] = 99
+    with pytest.raises(ValueError):
+        cost.Calibration.from_json(json.dumps(bad))
+    path = tmp_path / "c.json"
+    path.write_text(cal.to_json()[:100])  # truncated
+    assert cost.load_calibration(path) is None
+    assert cost.load_calibration(tmp_path / "missing.json") is None
+
+
+def test_calibration_path_is_keyed_by_device_sm_count_and_version(isolated_cache):
+    a = cost.calibration_path(H100)
+    assert a.parent == isolated_cache / "calibration"
+    assert cost.calibration_path(dataclasses.replace(H100, name="NVIDIA H200")) != a
+    assert cost.calibration_path(dataclasses.replace(H100, sm_count=114)) != a
+
+
+@pytest.mark.parametrize("program", cost.bench_programs())
+def test_micro_benchmarks_compile_for_sm90_without_local_memory(program):
+    binary = cost.bench_binary(program, arch="sm_90")
+    names = set(binary.resources)
+    if program[0]:
+        assert {f"prnn_mma_bench_M{m}" for m in cost.BENCH_ROWS} | {"prnn_barrier_bench", "prnn_pointwise_bench"} <= names
+    else:
+        assert {f"prnn_product_bench_R{r}_{p}" for r in cost.BENCH_ROWS for p in ("reg", "shared")} <= names
+    for name, res in binary.resources.items():
+        assert not res.uses_local_memory, (name, res)
+
+
+# ---- tuning cache -----------------------------------------------------------
+
+SHAPE = tuner.ModelShape("lstm", 128, 256, 2, "float32")
+
+
+def test_cache_key_changes_with_each_component():
+    base = tuner.cache_key(H100, SHAPE, 8)
+    variants = [
+        tuner.cache_key(dataclasses.replace(H100, name="NVIDIA H200"), SHAPE, 8),
+        tuner.cache_key(dataclasses.replace(H100, sm_count=114), SHAPE, 8),
+        tuner.cache_key(H100, dataclasses.replace(SHAPE, cell="gru"), 8),
+        tuner.cache_key(H100, dataclasses.replace(SHAPE, input_size=64), 8),
+        tuner.cache_key(H100, dataclasses.replace(SHAPE, hidden_size=512), 8),
+        tuner.cache_key(H100, dataclasses.replace(SHAPE, num_layers=3), 8),
+        tuner.cache_key(H100, dataclasses.replace(SHAPE, dtype="bfloat16"), 8),
+        tuner.cache_key(H100, SHAPE, 16),
+    ]
+    paths = {tuner.cache_path(k) for k in [base] + variants}
+    assert len(paths) == len(variants) + 1
+    assert base["version"] == __import__("persistrnn").__version__
+
+
+def _a_plan():
+    config = persistent.KernelConfig("lstm", 256, "cluster", 8, 256, group_size=8)
+    return tuner.Plan(SHAPE, 8, "persistent", config, "tuned", "timed", predicted_us=1.5,
+                      measured_ms={"a": 0.1, "fallback": 0.5}, steps=100, tuning_seconds=2.0)
+
+
+def test_a_stored_plan_is_read_back_as_a_cache_hit(isolated_cache):
+    key = tuner.cache_key(H100, SHAPE, 8)
+    assert tuner.load_plan(key) is None
+    tuner.store_plan(key, _a_plan())
+    hit = tuner.load_plan(key)
+    assert hit == dataclasses.replace(_a_plan(), source="cache")
+    assert tuner.load_plan(tuner.cache_key(H100, SHAPE, 16)) is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong key", "bad config", "bad path", "empty"])
+def test_a_corrupted_cache_file_is_a_miss_not_a_crash(isolated_cache, damage):
+    key = tuner.cache_key(H100, SHAPE, 8)
+    tuner.store_plan(key, _a_plan())
+    path = tuner.cache_path(key)
+    data = json.loads(path.read_text())
+    if damage == "truncate":
+        path.write_text(path.read_text()[:57])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00\xff" * 40)
+    elif damage == "wrong key":
+        data["key"]["hidden_size"] = 1
+        path.write_text(json.dumps(data))
+    elif damage == "bad config":
+        data["plan"]["config"]["group_size"] = 3
+        path.write_text(json.dumps(data))
+    elif damage == "bad path":
+        data["plan"]["path"] = "magic"
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text("")
+    assert tuner.load_plan(key) is None
+
+
+def test_model_shape_validates():
+    with pytest.raises(ValueError, match="hidden_size"):
+        tuner.ModelShape("lstm", 8, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        tuner.ModelShape("lstm", 8, 8, dtype="float64")
+    with pytest.raises(ValueError, match="cell"):
+        tuner.ModelShape("transformer", 8, 8)
+
+
+def test_shape_of_reads_torch_modules():
+    import torch
+
+    assert tuner.shape_of(torch.nn.LSTM(10, 20, num_layers=3)) == tuner.ModelShape("lstm", 10, 20, 3)
+    assert tuner.shape_of(torch.nn.GRU(10, 20).to(torch.bfloat16)).dtype == "bfloat16"
+    assert tuner.shape_of(torch.nn.RNN(4, 8, nonlinearity="relu")).cell == "rnn_relu"
+    with pytest.raises(TypeError, match="LSTM, GRU or RNN"):
+        tuner.shape_of(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="proj_size"):
+        tuner.shape_of(torch.nn.LSTM(10, 20, proj_size=5))
+
+
+def test_cli_tune_without_a_gpu_says_so():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, "-m", "persistrnn", "tune", "--cell", "lstm", "--input-size", "8",
+                          "--hidden-size", "8", "--batch", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and ("GPU" in run.stderr or "CUDA" in run.stderr), run.stderr
+
+
+# ---- GPU ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_calibration_is_cached_per_device(isolated_cache):
+    first = cost.calibration(progress=False)
+    path = cost.calibration_path(jit.device_facts())
+    assert path.exists()
+    assert cost.load_calibration(path) == first
+    assert first.sm_count == jit.device_facts().sm_count
+    assert all(v > 0 for v in first.product_chunk.values())
+    assert all(v > 0 for v in first.cluster_exchange.values())
+
+
+_REUSE_SCRIPT = """
+import json, sys
+from persistrnn import jit, plan
+shape = plan.ModelShape("lstm", 48, 96, 2, "float32")
+p = plan.tune(shape, int(sys.argv[1]), k=3, steps=20, progress=False)
+print(json.dumps({"source": p.source, "path": p.path, "config": str(p.config), "compiles": jit.nvrtc_compiles(),
+                  "measured": len(p.measured_ms)}))
+"""
+
+
+@pytest.mark.gpu
+def test_tuned_choice_is_reused_from_cache_in_a_new_process(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSISTRNN_CACHE_DIR=str(tmp_path / "cache"))
+
+    def tune(batch):
+        run = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT, str(batch)], capture_output=True, text=True,
+                             env=env, timeout=600)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    first = tune(3)
+    assert first["source"] == "tuned" and first["compiles"] > 0 and first["measured"] >= 2
+    second = tune(4)  # the same batch bucket
+    assert second == {**first, "source": "cache", "compiles": 0}
+
+
+@pytest.mark.gpu
+def test_a_model_too_large_for_the_chip_is_planned_onto_the_fallback(isolated_cache):
+    from persistrnn import plan
+
+    p = plan.plan(plan.ModelShape("gru_reset_before", 64, 4096, 1, "float32"), 2, tune=True, k=2, steps=3)
+    assert p.path == "fallback" and p.config is None and "fits" in p.reason
+    untuned = plan.plan(plan.ModelShape("lstm", 64, 4096, 1, "float32"), 2, tune=False)
+    assert untuned.path == "fallback"
+
+
+@pytest.mark.gpu
+def test_tune_picks_a_measured_candidate_and_explain_prints_it(isolated_cache, capsys):
+    import torch
+
+    from persistrnn import explain, tune
+
+    lstm = torch.nn.LSTM(32, 64)
+    p = tune(lstm, 2, k=2, steps=10, progress=False)
+    assert p.source == "tuned" and p.path in tuner.PATHS
+    finite = {k: v for k, v in p.measured_ms.items() if v == v}
+    assert min(finite, key=finite.get).startswith(p.path if p.path != "persistent" else "persistent")
+    shown = explain(lstm, 2)
+    assert shown.source == "cache" and shown.path == p.path
+    text = capsys.readouterr().out
+    assert "lstm input 32, hidden 64" in text and "cost model, top" in text
