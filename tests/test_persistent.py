@@ -2,12 +2,12 @@
 agreement with the float64 reference."""
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
+from helpers import FP32_TOLERANCE, reference_forward, rel, rounded_layer, tolerance
 
-from persistrnn import cells, persistent, reference
+from persistrnn import cells, persistent
 from persistrnn.persistent import ConfigError, KernelConfig
 
 CELL_NAMES = tuple(cells.CELLS)
@@ -162,26 +162,6 @@ COMPILE_SAMPLE += [_one_sync(*shape) for shape, _, _ in ONE_SYNC_SAMPLE]
 # ---- GPU: agreement with the float64 reference -------------------------------
 
 
-def _random_layer(cell, input_size, hidden, batch, steps, rng):
-    spec = cells.get_cell(cell)
-    bound = 1.0 / math.sqrt(hidden)
-    g = spec.num_gates * hidden
-    p = {
-        "w_ih": rng.uniform(-bound, bound, (g, input_size)),
-        "w_hh": rng.uniform(-bound, bound, (g, hidden)),
-        "b_ih": rng.uniform(-bound, bound, g),
-        "b_hh": rng.uniform(-bound, bound, g),
-    }
-    x = rng.standard_normal((steps, batch, input_size))
-    h0 = rng.standard_normal((1, batch, hidden)) * 0.5
-    c0 = rng.standard_normal((1, batch, hidden)) * 0.5
-    return p, x, h0, c0
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def check_against_reference(config, batch, steps, seed, input_size=None):
     """Relative errors of one run of ``config`` against the float64 reference.
 
@@ -193,17 +173,10 @@ def check_against_reference(config, batch, steps, seed, input_size=None):
     rng = np.random.default_rng(seed)
     spec = config.spec
     H = config.hidden_size
-    input_size = input_size or H
     dtype = getattr(torch, config.dtype)
     dev = torch.device("cuda")
-    p, x, h0, c0 = _random_layer(config.cell, input_size, H, batch, steps, rng)
-    t = {k: torch.tensor(v, dtype=dtype, device=dev) for k, v in p.items()}
-    x_t, h0_t, c0_t = (torch.tensor(v, dtype=dtype, device=dev) for v in (x, h0[0], c0[0]))
-    p, x, h0, c0 = ({k: v.double().cpu().numpy() for k, v in t.items()}, x_t.double().cpu().numpy(),
-                    h0_t.double().cpu().numpy()[None], c0_t.double().cpu().numpy()[None])
-    hx = (h0, c0) if spec.has_cell_state else h0
-    ref_out, ref_state = reference.rnn_forward(config.cell, x, [[p]], hx=hx)
-    ref_h = ref_state[0] if spec.has_cell_state else ref_state
+    t, x_t, h0_t, c0_t = rounded_layer(config.cell, config.dtype, input_size or H, H, batch, steps, rng, dev)
+    ref_out, ref_h, ref_c = reference_forward(config.cell, t, x_t, h0_t, c0_t)
 
     nan = float("nan")
     out = torch.full((steps, batch, H), nan, dtype=dtype, device=dev)
@@ -212,18 +185,14 @@ def check_against_reference(config, batch, steps, seed, input_size=None):
     xw = persistent.input_projection(x_t, t["w_ih"], t["b_ih"])
     persistent.run_recurrence(config, xw, t["w_hh"], t["b_hh"], h0_t, c0_t if spec.has_cell_state else None,
                               out=out, h_n=h_n, c_n=c_n)
-    errors = {"output": _rel(out.double().cpu().numpy(), ref_out), "h_n": _rel(h_n.double().cpu().numpy(), ref_h[0])}
+    errors = {"output": rel(out.double().cpu().numpy(), ref_out), "h_n": rel(h_n.double().cpu().numpy(), ref_h)}
     if spec.has_cell_state:
-        errors["c_n"] = _rel(c_n.double().cpu().numpy(), ref_state[1][0])
+        errors["c_n"] = rel(c_n.double().cpu().numpy(), ref_c)
     return errors
 
 
-FP32_TOLERANCE = 1e-5
-HALF_TOLERANCE = 2e-2  # bf16 and fp16 weights, states and outputs
-
-
 def _tolerance(config):
-    return FP32_TOLERANCE if config.dtype == "float32" else HALF_TOLERANCE
+    return tolerance(config.dtype)
 
 
 def _gpu_cases():

@@ -24,19 +24,20 @@ def synthetic_calibration(device="synthetic", sm_count=132):
     model's structure: an FMA chunk costs its FMAs over a speed-up that grows
     with warps and reuse up to 4x, shared weights 1.5x more; a shuffle round
     5 ns per sum; exchanges grow with the floats moved."""
-    chunk, fixed, mma = {}, {}, {}
+    product, mma = {}, {}
     for w in cost.WARPS_PER_SCHEDULER:
         for r in cost.BENCH_ROWS:
             for t in cost.BENCH_TILES:
                 for g in cost.BENCH_GROUPS:
                     for sh in (0, 1):
                         fmas = r * t
-                        speedup = min(4.0, (w * fmas) ** 0.5)
-                        chunk[cost._key(w, r, t, g, sh)] = w * fmas / speedup * (1.5 if sh else 1.0)
-                        fixed[cost._key(w, r, t, g, sh)] = 5.0 * fmas * (g.bit_length() - 1) / min(w, 2)
+                        chunk = w * fmas / min(4.0, (w * fmas) ** 0.5) * (1.5 if sh else 1.0)
+                        fixed = 5.0 * fmas * (g.bit_length() - 1) / min(w, 2)
+                        for k in cost.BENCH_CHUNKS:
+                            product[cost._key(w, r, t, g, sh, k)] = fixed + k * chunk
             mma[cost._key(w, r)] = 8.0 * max(1.0, w * r / 4)
     return cost.Calibration(
-        device=device, sm_count=sm_count, version="0", product_chunk=chunk, product_fixed=fixed, mma=mma,
+        device=device, sm_count=sm_count, version="0", clock_mhz=1980.0, product=product, mma=mma,
         pointwise={str(w): 40.0 * w for w in cost.WARPS_PER_SCHEDULER},
         barrier={str(w): 20.0 + 5 * w for w in cost.WARPS_PER_SCHEDULER},
         cluster_exchange={cost._key(t, f, n): 0.2 + f / 4096 * (1 + n / 16) for t in (32, 256, 1024)
@@ -292,7 +293,7 @@ def test_calibration_is_cached_per_device(isolated_cache):
     assert path.exists()
     assert cost.load_calibration(path) == first
     assert first.sm_count == jit.device_facts().sm_count
-    assert all(v > 0 for v in first.product_chunk.values())
+    assert all(v > 0 for v in first.product.values()) and first.clock_mhz > 0
     assert all(v > 0 for v in first.cluster_exchange.values())
 
 

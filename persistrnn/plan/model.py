@@ -46,7 +46,7 @@ BENCH_GROUPS = (2, 8, 32)
 BENCH_CHUNKS = (2, 8)  # two chunk counts separate the per-chunk cost from the fixed part
 MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A fragments fit in registers)
 BENCH_ITERATIONS = 2000
-CALIBRATION_FORMAT = 1
+CALIBRATION_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,9 @@ class Calibration:
     """Measured costs of one device, in ns (product, pointwise, barrier) or µs
     (exchange). Tables are keyed by comma-joined integers so they survive JSON.
 
-    product_chunk: "w,rows,tile,group,shared" -> ns per column chunk per lane
-    product_fixed: same key -> ns per product beyond the chunks (reduction, stores)
+    clock_mhz: the SM clock the device reports (for the FMA issue bound)
+    product: "w,rows,tile,group,shared,chunks" -> ns per product of ``chunks``
+        column chunks per lane (the two chunk counts of :data:`BENCH_CHUNKS`)
     mma: "w,m_tiles" -> ns per mma per warp
     pointwise: "w" -> ns per pointwise pass (one LSTM element per thread)
     barrier: "w" -> ns per __syncthreads
@@ -67,8 +68,8 @@ class Calibration:
     device: str
     sm_count: int
     version: str
-    product_chunk: dict[str, float]
-    product_fixed: dict[str, float]
+    clock_mhz: float
+    product: dict[str, float]
     mma: dict[str, float]
     pointwise: dict[str, float]
     barrier: dict[str, float]
@@ -188,13 +189,26 @@ class CostModel:
         ``tile`` batch columns, reduced over ``group`` lanes."""
         key = (w, rows, tile, group, chunks, shared)
         if key not in self._cache:
-            def at(table: dict[str, float], g: int) -> float:
-                by_rows = {r: _entry(table, w, r, tile, g, int(shared)) for r in BENCH_ROWS}
+            lo, hi = BENCH_CHUNKS
+
+            def split(r: int, g: int) -> tuple[float, float]:
+                """(ns per chunk, fixed ns) at bench rows r and group g. A chunk
+                costs at least its FMA issue slots: w warps x r x tile FFMAs,
+                one warp instruction per clock per scheduler (the two-point
+                slope is noisy where latency hides the chunks)."""
+                t_lo = _entry(self.cal.product, w, r, tile, g, int(shared), lo)
+                t_hi = _entry(self.cal.product, w, r, tile, g, int(shared), hi)
+                per_chunk = max((t_hi - t_lo) / (hi - lo), w * r * tile * 1e3 / self.cal.clock_mhz)
+                return per_chunk, max(t_lo - lo * per_chunk, 0.0)
+
+            def at(g: int) -> float:
+                by_rows = {}
+                for r in BENCH_ROWS:
+                    per_chunk, fixed = split(r, g)
+                    by_rows[r] = chunks * per_chunk + fixed
                 return _interp_log2(by_rows, rows)
 
-            chunk = _interp_log2({g: at(self.cal.product_chunk, g) for g in BENCH_GROUPS}, group, False)
-            fixed = _interp_log2({g: at(self.cal.product_fixed, g) for g in BENCH_GROUPS}, group, False)
-            self._cache[key] = chunks * chunk + fixed
+            self._cache[key] = _interp_log2({g: at(g) for g in BENCH_GROUPS}, group, False)
         return self._cache[key]
 
     def _mma_ns(self, w: int, m_tiles: int) -> float:
@@ -215,7 +229,11 @@ class CostModel:
             return _interp_linear(by_floats, floats)
         barrier = _table(self.cal.grid_barrier, ())
         full = self.facts.sm_count
-        return (_interp_linear(_table(self.cal.grid_exchange, ()), floats)
+        # The bench reads H floats back with 256 threads, one float each per
+        # load; the kernel reads with all its threads, a float4 each: the
+        # same number of loads per thread as the bench at 64 * floats / threads.
+        bench_floats = floats * 256 / (4 * config.threads)
+        return (_interp_linear(_table(self.cal.grid_exchange, ()), bench_floats)
                 + _interp_linear(barrier, config.blocks) - _interp_linear(barrier, full))
 
     # ---- the step ------------------------------------------------------------
@@ -248,8 +266,13 @@ class CostModel:
                                  + (self._product_ns(w, rows, config.batch_tile, config.group_size,
                                                      config.shared_k_chunks, True)
                                     if config.shared_k_chunks else 0.0))
-        passes = math.ceil(config.units_per_block * per_launch / config.threads)
-        pointwise_ns = self.cal.pointwise[str(w)] * spec.num_gates / 4  # the bench runs one 4-gate element
+        elements = config.units_per_block * per_launch
+        passes = math.ceil(elements / config.threads)
+        # A pass is latency-bound with few elements: it costs what the bench
+        # measured with as many warps per scheduler as the pass keeps busy.
+        busy = min(w, max(1, math.ceil(min(elements, config.threads) / WARP / SCHEDULERS_PER_SM)))
+        busy = max(v for v in WARPS_PER_SCHEDULER if v <= busy)
+        pointwise_ns = self.cal.pointwise[str(busy)] * spec.num_gates / 4  # the bench runs one 4-gate element
         exchanges = 1 if config.one_sync else spec.num_stages
         pointwise = exchanges * passes * pointwise_ns
         barriers = exchanges * (3 if config.sync == "grid" else 2) * self.cal.barrier[str(w)]
@@ -324,38 +347,38 @@ def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
         return 1e3 * per_iteration_us(lambda n: jit.launch(k, config, *jit.kernel_args(inputs, sink, n)),
                                       BENCH_ITERATIONS, warmup=1, repeats=5)
 
-    def split(times: dict[int, float | None], per: int = 1) -> tuple[float, float] | None:
-        """(cost per chunk, fixed cost) from times at two chunk counts."""
+    def mma_per_op(times: dict[int, float | None], per: int) -> float | None:
+        """ns per mma from times at two k-tile counts (``per`` m tiles each)."""
         (lo, t_lo), (hi, t_hi) = sorted(times.items())
         if t_lo is None or t_hi is None:
             return None
-        per_chunk = max((t_hi - t_lo) / (hi - lo), 1e-3)
-        return per_chunk / per, max(t_lo - lo * per_chunk, 0.0)
+        return max((t_hi - t_lo) / ((hi - lo) * per), 1e-3)
 
-    chunk, fixed, mma, pointwise, barrier = {}, {}, {}, {}, {}
+    product, mma, pointwise, barrier = {}, {}, {}, {}
     jobs = [(t, g, r, sh, w) for t in BENCH_TILES for g in BENCH_GROUPS for r in BENCH_ROWS for sh in (0, 1)
             for w in WARPS_PER_SCHEDULER]
     for tile, group, rows, shared, w in track(jobs, progress, "calibrating the FFMA product"):
         threads = 128 * w
         name = f"prnn_product_bench_R{rows}_{'shared' if shared else 'reg'}"
-        result = split({k: per_iteration_ns((0, tile, group, k), name, threads,
-                                            4 * (k * group * tile + threads // group * rows * tile
-                                                 + (k * rows * threads if shared else 0)))
-                        for k in BENCH_CHUNKS})
-        if result is not None:
-            chunk[_key(w, rows, tile, group, shared)], fixed[_key(w, rows, tile, group, shared)] = result
+        times = {k: per_iteration_ns((0, tile, group, k), name, threads,
+                                     4 * (k * group * tile + threads // group * rows * tile
+                                          + (k * rows * threads if shared else 0)))
+                 for k in BENCH_CHUNKS}
+        if None not in times.values():
+            for k, ns in times.items():
+                product[_key(w, rows, tile, group, shared, k)] = ns
     for m in BENCH_ROWS:
         for w in WARPS_PER_SCHEDULER:
-            result = split({k: per_iteration_ns((1, 1, 1, k), f"prnn_mma_bench_M{m}", 128 * w, 4 * k * 16 * 12)
-                            for k in MMA_CHUNKS}, per=m)
-            if result is not None:
-                mma[_key(w, m)] = result[0]
+            per_op = mma_per_op({k: per_iteration_ns((1, 1, 1, k), f"prnn_mma_bench_M{m}", 128 * w,
+                                                     4 * k * 16 * 12) for k in MMA_CHUNKS}, per=m)
+            if per_op is not None:
+                mma[_key(w, m)] = per_op
     for w in WARPS_PER_SCHEDULER:
         threads = 128 * w
         program = (1, 1, 1, MMA_CHUNKS[0])
         barrier[str(w)] = per_iteration_ns(program, "prnn_barrier_bench", threads, 0)
         pointwise[str(w)] = per_iteration_ns(program, "prnn_pointwise_bench", threads, 4 * 5 * threads)
-    return {"product_chunk": chunk, "product_fixed": fixed, "mma": mma, "pointwise": pointwise, "barrier": barrier}
+    return {"product": product, "mma": mma, "pointwise": pointwise, "barrier": barrier}
 
 
 def _measure_sync() -> dict[str, dict[str, float]]:
@@ -378,7 +401,10 @@ def measure_calibration(progress: bool = True) -> Calibration:
     facts = jit.device_facts()
     tables = _measure_micro(progress)
     tables.update(_measure_sync())
-    return Calibration(device=facts.name, sm_count=facts.sm_count, version=__version__, **tables)
+    from cuda.core import Device
+
+    clock_mhz = Device(facts.index).properties.clock_rate / 1e3
+    return Calibration(device=facts.name, sm_count=facts.sm_count, version=__version__, clock_mhz=clock_mhz, **tables)
 
 
 def calibration_path(facts: jit.DeviceFacts) -> Path:

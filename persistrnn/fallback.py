@@ -1,0 +1,469 @@
+"""The non-persistent path: cuBLAS GEMMs per step, fused pointwise kernels,
+the step loop replayed as a CUDA graph.
+
+The persistent kernel (:mod:`persistrnn.persistent`) keeps W_hh on chip for
+the whole sequence. When it cannot, the planner sends the layer here:
+
+* the weights do not fit in the registers and shared memory of the blocks
+  that can run at once (an fp32 LSTM with H=4096 has 256 MB of W_hh, against
+  about 64 MB of registers and shared memory on an H100);
+* the blocks a configuration needs cannot all be co-resident (another
+  process holds SMs, or the register and shared-memory budget per block
+  leaves too few blocks per SM for a grid barrier to be safe).
+
+It follows the cuDNN 5 recipe (``../shared/seeds/cudnn5-rnn-optimizations-blog.txt``):
+
+1. the input projection of all steps is one GEMM (:func:`persistent.input_projection`),
+   done by the caller, who passes ``xw`` exactly as to :func:`persistent.run_recurrence`;
+2. per step, the recurrent GEMMs of all gates are combined: one ``torch.addmm``
+   per cell *stage* (one for LSTM, GRU and RNN; two for the reset-before GRU,
+   whose n rows multiply ``r * h``), written into preallocated fp32 buffers;
+3. the cell's pointwise math is one fused kernel per step (and one more per
+   extra stage, writing the next stage's operand), generated from the
+   :class:`~persistrnn.cells.CellSpec` by the same renderer as the persistent
+   kernel's (:func:`persistrnn.cells.render_pointwise_functions`);
+4. the T-step loop is captured once per shape in a CUDA graph and replayed,
+   so a call costs a few copies and one graph launch instead of 2T+ launches
+   from Python.
+
+The blog's streams (overlapping the input and recurrent GEMMs) are not needed:
+the input GEMM of every step runs before the loop. The layer wavefront is
+for a multi-layer driver, not this one-layer path. W_hh is not pre-transposed:
+torch hands cuBLAS the transposed view ``W_hh[rows].t()`` without a copy.
+
+Public API: :func:`run_fallback` (on precomputed ``xw``),
+:func:`fallback_forward_layer` (input projection included),
+:func:`pointwise_source` and :func:`compile_pointwise` (no GPU needed with
+``arch="sm_90"``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import re
+from typing import Any
+
+from . import jit, persistent
+from .cells import CellSpec, get_cell, render_pointwise_functions
+
+__all__ = [
+    "clear_runners",
+    "compile_pointwise",
+    "fallback_forward_layer",
+    "hg_index",
+    "pointwise_source",
+    "run_fallback",
+    "stage_layout",
+    "stage_products",
+    "stage_rows",
+]
+
+POINTWISE_KERNEL = "prnn_fallback_pointwise"
+BETWEEN_KERNEL = "prnn_fallback_between"
+THREADS = 256  # per block of the pointwise kernels; one thread per (batch row, hidden unit)
+RUNNER_CACHE_SIZE = 16
+"""CUDA-graph runners kept (least recently used first out). Each holds static
+buffers of its shape (xw alone is T*B*G*H floats), so the cache is bounded."""
+_INDEX_LIMIT = 2**31  # the kernels index one step's (B, G*H) gates with int
+
+
+# ----------------------------------------------------------------------------
+# Source
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def stage_layout(cell: str | CellSpec) -> tuple[tuple[int, int], ...]:
+    """(first gate, gate count) of each stage; rows ``first*H .. (first+count)*H``
+    of W_hh are the stage's one GEMM.
+
+    Raises ValueError for a cell whose stages this path cannot run.
+    """
+    spec = get_cell(cell)
+    layout = []
+    for stage in spec.stages:
+        first = spec.gates.index(stage[0])
+        if tuple(spec.gates[first : first + len(stage)]) != tuple(stage):
+            # One GEMM per stage needs the stage's rows of W_hh to be one slice.
+            raise ValueError(f"cell {spec.name}: the fallback needs each stage's gates consecutive in W_hh's rows, "
+                             f"got stage {stage} of gates {spec.gates}")
+        layout.append((first, len(stage)))
+    if len(layout) > 2:
+        # prnn_between(k) renders only between_stages[k]; a third stage's
+        # statements could read names assigned by the block before.
+        raise ValueError(f"cell {spec.name}: the fallback runs at most 2 stages, got {len(layout)}")
+    return tuple(layout)
+
+
+def hg_index(cell: str | CellSpec, gate: int, b: int, j: int, hidden: int, batch: int) -> int:
+    """Where the stage GEMMs leave gate ``gate``'s product for batch row ``b``,
+    unit ``j``: stage k's (B, count*H) output starts at element B*H*first.
+    The kernels' generated ``prnn_hg_index`` is rendered from these terms."""
+    for first, count in stage_layout(cell):
+        if first <= gate < first + count:
+            return batch * hidden * first + b * count * hidden + (gate - first) * hidden + j
+    raise ValueError(f"gate: expected 0..{get_cell(cell).num_gates - 1}, got {gate}")
+
+
+def stage_rows(cell: str | CellSpec, hidden: int) -> list[slice]:
+    """Per stage, its rows of W_hh and b_hh."""
+    return [slice(first * hidden, (first + count) * hidden) for first, count in stage_layout(cell)]
+
+
+def stage_products(cell: str | CellSpec, hg: Any, batch: int, hidden: int) -> list[Any]:
+    """Per stage, the (B, count*H) view of the flat product buffer ``hg`` its
+    GEMM writes: the layout :func:`hg_index` describes."""
+    return [hg[batch * hidden * first : batch * hidden * (first + count)].view(batch, count * hidden)
+            for first, count in stage_layout(cell)]
+
+
+def _render_hg_index(spec: CellSpec) -> str:
+    terms = []
+    for first, count in stage_layout(spec):
+        for gate in range(first, first + count):
+            terms.append((gate, f"B * H * {first} + b * ({count} * H) + {gate - first} * H + j"))
+    body = " : ".join(f"gate == {g} ? {expr}" for g, expr in terms[:-1])
+    body = (body + " : " if body else "") + terms[-1][1]
+    # Called with a compile-time gate (an unrolled loop), so the chain folds away.
+    return ("__device__ __forceinline__ int prnn_hg_index(int gate, int b, int j, int H, int B) {\n"
+            f"    return {body};\n}}")
+
+
+def _check_dtype(dtype: str) -> str:
+    if dtype not in persistent.DTYPES:
+        raise ValueError(f"dtype: expected one of {persistent.DTYPES}, got {dtype!r}")
+    return dtype
+
+
+def pointwise_source(cell: str | CellSpec, dtype: str) -> str:
+    """The complete CUDA source of ``cell``'s pointwise kernels in ``dtype``:
+    defines, ``common.cuh``, the generated cell math, ``kernels/pointwise.cu``."""
+    spec = get_cell(cell)
+    _check_dtype(dtype)
+    defines = {
+        "PRNN_G": spec.num_gates,
+        "PRNN_HAS_C": int(spec.has_cell_state),
+        "PRNN_STAGES": len(stage_layout(spec)),
+        "PRNN_IO_T": persistent._DEVICE_TYPES[dtype],
+        "PRNN_THREADS": THREADS,
+    }
+    prelude = [f"// fallback pointwise kernels: cell {spec.name}, dtype {dtype}"]
+    prelude += [f"#define {k} {v}" for k, v in defines.items()]
+    source = jit.read_source("pointwise.cu")
+    # The generated functions call prnn_sigmoid etc. from common.cuh, which
+    # read_source puts first, and are called by the kernels after the marker.
+    marker = "// ---- kernels ----"
+    head, _, body = source.partition(marker)
+    if not body:
+        raise RuntimeError(f"pointwise.cu lost its {marker!r} line")
+    generated = [_render_hg_index(spec), render_pointwise_functions(spec)]
+    return "\n".join(prelude) + "\n" + head + "\n".join(generated) + "\n" + marker + body
+
+
+@functools.lru_cache(maxsize=64)
+def compile_pointwise(cell: str | CellSpec, dtype: str, arch: str | None = None) -> jit.CompiledBinary:
+    """NVRTC-compile (disk-cached) ``cell``'s pointwise kernels in ``dtype``;
+    ``arch=None`` is the current device's."""
+    spec = get_cell(cell)
+    name = "pointwise_" + re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name) + "_" + _check_dtype(dtype)
+    return jit.compile_source(name, pointwise_source(spec, dtype), arch=arch)
+
+
+# ----------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+    pointwise: jit.LoadedKernel
+    between: jit.LoadedKernel | None
+    launch: Any  # LaunchConfig covering batch * hidden threads
+
+
+@functools.lru_cache(maxsize=256)
+def _kernels(spec: CellSpec, dtype: str, device: int, threads: int) -> _Kernels:
+    """Loaded kernels and launch configuration, once per (cell, dtype, device, B*H)."""
+    binary = compile_pointwise(spec, dtype)
+    pointwise = jit.get_kernel(binary, POINTWISE_KERNEL)
+    between = jit.get_kernel(binary, BETWEEN_KERNEL) if spec.num_stages > 1 else None
+    return _Kernels(pointwise, between, pointwise.config(-(-threads // THREADS), THREADS))
+
+
+@dataclasses.dataclass
+class _Work:
+    """Per-run scratch: fp32 states, the stage products, the staged operand."""
+
+    h: Any  # (B, H) fp32
+    c: Any | None  # (B, H) fp32, cells with a cell state
+    hg: Any  # (B*G*H,) fp32 stage products, laid out as hg_index says
+    operand: Any | None  # (B, H) layer dtype: the second stage's A matrix
+    bias: Any | None  # (G*H,) fp32 copy of a 16-bit b_hh
+
+    @classmethod
+    def allocate(cls, spec: CellSpec, batch: int, hidden: int, dtype: Any, device: Any) -> _Work:
+        import torch
+
+        def f32(*shape: int) -> Any:
+            # zeros, not empty: the between-stage kernel loads (and drops)
+            # later stages' products, which must not be uninitialised reads.
+            return torch.zeros(shape, dtype=torch.float32, device=device)
+
+        G = spec.num_gates
+        return cls(
+            h=f32(batch, hidden),
+            c=f32(batch, hidden) if spec.has_cell_state else None,
+            hg=f32(batch * G * hidden),
+            operand=torch.zeros(batch, hidden, dtype=dtype, device=device) if spec.num_stages > 1 else None,
+            bias=f32(G * hidden) if dtype != torch.float32 else None,
+        )
+
+
+def _run_steps(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any, h0: Any, c0: Any | None,
+               work: _Work, out: Any, h_n: Any, c_n: Any | None) -> None:
+    """Every step of one layer on the current stream: per step, one GEMM per
+    stage and one pointwise kernel per stage. Eager, or under capture."""
+    import numpy as np
+    import torch
+
+    T, B, GH = xw.shape
+    H = GH // spec.num_gates
+    work.h.copy_(h0)
+    if spec.has_cell_state:
+        work.c.copy_(c0)
+    if work.bias is not None:
+        work.bias.copy_(b_hh)  # exact: a 16-bit value is an fp32 value
+        bias = work.bias
+    else:
+        bias = b_hh
+    # The addmm bias must be fp32 for an fp32 output from 16-bit operands
+    # (as in persistent.input_projection); fp32 accumulation either way.
+    gemm_kwargs = {} if w_hh.dtype == torch.float32 else {"out_dtype": torch.float32}
+    stages = [(bias[rows], w_hh[rows].t(), product)
+              for rows, product in zip(stage_rows(spec, H), stage_products(spec, work.hg, B, H))]
+
+    ptr = np.uint64
+    n_h, n_b = np.int32(H), np.int32(B)
+    xw_ptr, xw_step = xw.data_ptr(), B * GH * xw.element_size()
+    out_ptr, out_step = out.data_ptr(), B * H * out.element_size()
+    h_ptr, hg_ptr = ptr(work.h.data_ptr()), ptr(work.hg.data_ptr())
+    c_ptr = ptr(work.c.data_ptr() if work.c is not None else 0)
+    for t in range(T):
+        xw_t = ptr(xw_ptr + t * xw_step)
+        operand = h0 if t == 0 else out[t - 1]
+        for k, (stage_bias, weight, product) in enumerate(stages):
+            if k:
+                jit.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr, ptr(work.operand.data_ptr()),
+                           np.int32(k - 1), n_h, n_b)
+                operand = work.operand
+            torch.addmm(stage_bias, operand, weight, out=product, **gemm_kwargs)
+        jit.launch(kernels.pointwise, kernels.launch, xw_t, hg_ptr, h_ptr, c_ptr, ptr(out_ptr + t * out_step),
+                   n_h, n_b)
+    h_n.copy_(out[T - 1])
+    if spec.has_cell_state:
+        c_n.copy_(work.c)  # rounds to nearest, like the kernels' cvt.rn
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: Any) -> Any:
+    """One warm-up stream per device, reused by every runner."""
+    import torch
+
+    return torch.cuda.Stream(device)
+
+
+class _GraphRunner:
+    """Static buffers of one shape and a CUDA graph of its T-step loop.
+
+    The graph holds the device pointers it was captured with: the static
+    buffers, and the caller's W_hh and b_hh, which it reads when replayed (so
+    in-place weight updates are seen). That is why runners are keyed on the
+    weights' addresses: a call with weights elsewhere gets its own runner.
+    The runner keeps no reference to the weights, so it never keeps them
+    alive; a runner whose weights were freed is only replayed for a call whose
+    weights live at the same addresses, with the same shape and dtype.
+    """
+
+    def __init__(self, spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any, h0: Any) -> None:
+        import torch
+
+        T, B, _ = xw.shape
+        H = h0.shape[1]
+        dev, dtype = xw.device, h0.dtype
+        self.spec = spec
+        self.xw = torch.zeros_like(xw)
+        self.h0 = torch.zeros_like(h0)
+        self.c0 = torch.zeros_like(h0) if spec.has_cell_state else None
+        self.out = torch.zeros(T, B, H, dtype=dtype, device=dev)
+        self.h_n = torch.zeros_like(h0)
+        self.c_n = torch.zeros_like(h0) if spec.has_cell_state else None
+        work = _Work.allocate(spec, B, H, dtype, dev)
+
+        def steps() -> None:
+            _run_steps(spec, kernels, self.xw, w_hh, b_hh, self.h0, self.c0, work, self.out, self.h_n, self.c_n)
+
+        # Warm up on a side stream first, as torch's CUDA-graph notes ask:
+        # lazy initialisation (cuBLAS handles and workspaces) must not happen
+        # inside the capture. Then capture, on torch's capture stream.
+        side = _side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            steps()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            steps()
+        self._work = work  # the graph reads and writes it; it lives as long as the graph
+
+    def __call__(self, xw: Any, h0: Any, c0: Any | None, out: Any | None, h_n: Any | None,
+                 c_n: Any | None) -> tuple[Any, Any, Any | None]:
+        self.xw.copy_(xw)
+        self.h0.copy_(h0)
+        if self.spec.has_cell_state:
+            self.c0.copy_(c0)
+        self.graph.replay()
+
+        # Fresh tensors for the caller: the static buffers are overwritten by
+        # the next replay.
+        def result(static: Any, given: Any | None) -> Any:
+            return static.clone() if given is None else given.copy_(static)
+
+        return (result(self.out, out), result(self.h_n, h_n),
+                result(self.c_n, c_n) if self.spec.has_cell_state else None)
+
+
+_RUNNERS: collections.OrderedDict[tuple, _GraphRunner] = collections.OrderedDict()
+
+
+def _runner(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any, h0: Any) -> _GraphRunner:
+    import torch
+
+    T, B, _ = xw.shape
+    # The stream too: a runner's static buffers are used in stream order, so
+    # two streams sharing one could overwrite each other's inputs.
+    key = (spec, w_hh.shape[1], T, B, w_hh.dtype, xw.device, torch.cuda.current_stream().cuda_stream,
+           w_hh.data_ptr(), b_hh.data_ptr())
+    runner = _RUNNERS.get(key)
+    if runner is not None:
+        _RUNNERS.move_to_end(key)
+        return runner
+    runner = _RUNNERS[key] = _GraphRunner(spec, kernels, xw, w_hh, b_hh, h0)
+    if len(_RUNNERS) > RUNNER_CACHE_SIZE:
+        # A replay of the evicted graph may still be running; let it finish
+        # before its graph and buffers go back to the allocator.
+        torch.cuda.synchronize(xw.device)
+        _RUNNERS.popitem(last=False)
+    return runner
+
+
+def clear_runners() -> None:
+    """Drop every cached CUDA-graph runner (and its buffers)."""
+    import torch
+
+    if _RUNNERS and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _RUNNERS.clear()
+
+
+def run_fallback(
+    cell: str | CellSpec,
+    xw: Any,
+    w_hh: Any,
+    b_hh: Any,
+    h0: Any,
+    c0: Any | None,
+    *,
+    out: Any | None = None,
+    h_n: Any | None = None,
+    c_n: Any | None = None,
+    graph: bool = True,
+) -> tuple[Any, Any, Any | None]:
+    """Run the recurrence on precomputed input projections, non-persistently.
+
+    Args:
+        cell: a name in :data:`persistrnn.cells.CELLS`, or a CellSpec.
+        xw: (T, B, G*H) float32 CUDA tensor, ``x @ W_ih^T + b_ih``.
+        w_hh: (G*H, H); its dtype (float32, float16 or bfloat16) is the
+            layer's. b_hh: (G*H,); h0, c0: (B, H); all of the layer's dtype.
+            c0 is None for cells without a cell state.
+        out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
+        graph: replay the step loop as a CUDA graph, captured on the first
+            call of each shape (and weights' addresses) and cached. False runs
+            the loop eagerly. Inside a caller's own capture the loop always
+            runs eagerly, and so becomes part of the caller's graph. The
+            graph reads W_hh and b_hh where they live, so in-place weight
+            updates are seen; weights at other addresses (another layer of
+            the same shape) get a graph of their own.
+
+    Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None); with a graph,
+    fresh tensors unless destinations were given.
+    """
+    import torch
+
+    spec = get_cell(cell)
+    stage_layout(spec)
+    G = spec.num_gates
+    if not isinstance(w_hh, torch.Tensor):
+        raise TypeError(f"w_hh: expected a torch.Tensor, got {type(w_hh).__name__}")
+    dtypes = tuple(getattr(torch, d) for d in persistent.DTYPES)
+    if w_hh.dtype not in dtypes:
+        raise TypeError(f"w_hh: expected the layer's dtype, one of {', '.join(map(str, dtypes))}, got {w_hh.dtype}")
+    if w_hh.dim() != 2 or w_hh.shape[0] != G * w_hh.shape[1]:
+        raise ValueError(f"w_hh: expected shape ({G} * H, H) for cell {spec.name}, got {tuple(w_hh.shape)}")
+    dtype, H = w_hh.dtype, w_hh.shape[1]
+    if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
+        raise ValueError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
+                         f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
+    T, B = xw.shape[0], xw.shape[1]
+    if spec.has_cell_state and c0 is None:
+        raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
+    if not spec.has_cell_state and c0 is not None:
+        raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
+    if not spec.has_cell_state and c_n is not None:
+        raise ValueError(f"cell {spec.name} has no cell state: expected c_n=None, got a tensor")
+    check = persistent.check_tensor
+    check("xw", xw, (T, B, G * H), xw.device, torch.float32)
+    check("w_hh", w_hh, (G * H, H), xw.device, dtype)
+    check("b_hh", b_hh, (G * H,), xw.device, dtype)
+    check("h0", h0, (B, H), xw.device, dtype)
+    if spec.has_cell_state:
+        check("c0", c0, (B, H), xw.device, dtype)
+    if T < 1 or B < 1 or H < 1:
+        raise ValueError(f"expected at least one step, sequence and hidden unit, got xw of shape {tuple(xw.shape)} "
+                         f"and w_hh of shape {tuple(w_hh.shape)}")
+    if B * G * H >= _INDEX_LIMIT:
+        raise ValueError(f"expected batch * {G} * hidden below 2**31 (the kernels' int indices), got {B * G * H}")
+    for name, given, shape in (("out", out, (T, B, H)), ("h_n", h_n, (B, H)), ("c_n", c_n, (B, H))):
+        if given is not None:
+            check(name, given, shape, xw.device, dtype)
+
+    kernels = _kernels(spec, persistent.DTYPES[dtypes.index(dtype)], xw.device.index, B * H)
+    if graph and not torch.cuda.is_current_stream_capturing():
+        return _runner(spec, kernels, xw, w_hh, b_hh, h0)(xw, h0, c0, out, h_n, c_n)
+
+    out = torch.empty(T, B, H, dtype=dtype, device=xw.device) if out is None else out
+    h_n = torch.empty(B, H, dtype=dtype, device=xw.device) if h_n is None else h_n
+    if spec.has_cell_state and c_n is None:
+        c_n = torch.empty(B, H, dtype=dtype, device=xw.device)
+    work = _Work.allocate(spec, B, H, dtype, xw.device)
+    _run_steps(spec, kernels, xw, w_hh, b_hh, h0, c0, work, out, h_n, c_n)
+    return out, h_n, (c_n if spec.has_cell_state else None)
+
+
+def fallback_forward_layer(
+    cell: str | CellSpec,
+    x: Any,
+    w_ih: Any,
+    w_hh: Any,
+    b_ih: Any,
+    b_hh: Any,
+    h0: Any,
+    c0: Any | None = None,
+    *,
+    graph: bool = True,
+) -> tuple[Any, Any, Any | None]:
+    """One layer, one direction: :func:`persistent.input_projection`, then
+    :func:`run_fallback`. ``x`` is (T, B, I) of the layer's dtype."""
+    return run_fallback(cell, persistent.input_projection(x, w_ih, b_ih), w_hh, b_hh, h0, c0, graph=graph)
