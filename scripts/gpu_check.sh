@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: every test (GPU ones included), compute-sanitizer
-# over each kernel family, the demo, then the benchmarks. Full logs and JSON go
-# under $OUT (default ./gpu_check_out); a short summary is printed last. Runs
-# from a checkout with no install and no network: PYTHONPATH points at the
-# repository. Where the copy has no .git, set PERSISTRNN_COMMIT so that results
-# name their commit. BENCH_ARGS narrows the recurrence benchmark (e.g.
-# "--case lstm:256:1").
+# over each kernel family, the demo, the planner's calibration, tuning and
+# model-accuracy runs, then the benchmarks. Full logs and JSON go under $OUT
+# (default ./gpu_check_out); a short summary is printed last. Runs from a
+# checkout with no install and no network: PYTHONPATH points at the repository.
+#
+#   STAGES       which stages run, in this order (default: all of them):
+#                tests sanitize demo calibrate tune accuracy sync recurrence
+#   PYTEST_ARGS  narrows the tests (default: the whole suite)
+#   ACCURACY_ARGS, BENCH_ARGS  narrow model-accuracy and the recurrence bench
+#   PERSISTRNN_COMMIT  names the commit where the copy has no .git
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -13,29 +17,89 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy sync recurrence}
+declare -A RC
+SUMMARY=()
 
-nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
-$PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 3
-tests_rc=${PIPESTATUS[0]}
-san_rc=0
-for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 $PY scripts/sanitize_recurrence.py >"$OUT/sanitizer-$tool.log" 2>&1
-    rc=$?; [ $rc -ne 0 ] && san_rc=$rc
-done
-$PY -m persistrnn >"$OUT/demo.log" 2>&1
-demo_rc=$?
-$PY -m persistrnn.bench sync --json "$OUT/sync.json" --markdown "$OUT/sync.md" >"$OUT/bench_sync.log" 2>&1
-sync_rc=$?
-$PY -m persistrnn.bench recurrence ${BENCH_ARGS:-} --json "$OUT/recurrence.json" --markdown "$OUT/recurrence.md" \
-    >"$OUT/bench_recurrence.log" 2>&1
-rec_rc=$?
+stage_tests() {
+    $PY -m pytest ${PYTEST_ARGS:-tests} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 3
+    RC[tests]=${PIPESTATUS[0]}
+    SUMMARY+=("tests: exit ${RC[tests]}: $(tail -n 1 "$OUT/tests.log")")
+}
+
+stage_sanitize() {
+    RC[sanitize]=0
+    for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 $PY scripts/sanitize_recurrence.py \
+            >"$OUT/sanitizer-$tool.log" 2>&1 || RC[sanitize]=$?
+        SUMMARY+=("sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|FAIL' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')")
+    done
+}
+
+stage_demo() {
+    $PY -m persistrnn >"$OUT/demo.log" 2>&1
+    RC[demo]=$?
+    SUMMARY+=("demo: exit ${RC[demo]}" "$(cat "$OUT/demo.log")")
+}
+
+# The cost model's micro-benchmarks, measured afresh on this GPU.
+stage_calibrate() {
+    $PY - "$OUT/calibration.json" >"$OUT/calibrate.log" 2>&1 <<'EOF'
+import sys, time
+from persistrnn.plan import model
+t0 = time.perf_counter()
+cal = model.calibration(progress=False, refresh=True)
+open(sys.argv[1], "w").write(cal.to_json())
+print(f"calibration of {cal.device}: {time.perf_counter() - t0:.1f} s")
+EOF
+    RC[calibrate]=$?
+    SUMMARY+=("calibrate: exit ${RC[calibrate]}: $(tail -n 1 "$OUT/calibrate.log")")
+}
+
+# First-call tuning cost for new shapes (K=5), then the same in a new process,
+# which must reuse the cached choice.
+stage_tune() {
+    RC[tune]=0
+    for args in "--cell lstm --input-size 256 --hidden-size 256 --batch 1 8" \
+                "--cell gru --input-size 1024 --hidden-size 1024 --batch 20" \
+                "--cell lstm --input-size 128 --hidden-size 128 --layers 3 --batch 1 10" \
+                "--cell lstm --input-size 256 --hidden-size 256 --dtype bfloat16 --batch 8" \
+                "--cell lstm --input-size 1024 --hidden-size 4096 --batch 1"; do
+        for pass in first cached; do
+            echo "## $pass: tune $args" >>"$OUT/tune.log"
+            $PY -m persistrnn tune $args >>"$OUT/tune.log" 2>&1 || RC[tune]=$?
+        done
+    done
+    $PY -m persistrnn explain --cell lstm --input-size 256 --hidden-size 256 --batch 1 >>"$OUT/tune.log" 2>&1 || RC[tune]=$?
+    SUMMARY+=("tune: exit ${RC[tune]}" "$(grep -E '^##|tuning took|: (persistent|fallback|cudnn)' "$OUT/tune.log")")
+}
+
+stage_accuracy() {
+    $PY -m persistrnn.bench model-accuracy ${ACCURACY_ARGS:-} --json "$OUT/model-accuracy.json" \
+        --markdown "$OUT/model-accuracy.md" >"$OUT/bench_accuracy.log" 2>&1
+    RC[accuracy]=$?
+    SUMMARY+=("model-accuracy: exit ${RC[accuracy]}" "$(cat "$OUT/model-accuracy.md" 2>/dev/null || tail -n 20 "$OUT/bench_accuracy.log")")
+}
+
+stage_sync() {
+    $PY -m persistrnn.bench sync --json "$OUT/sync.json" --markdown "$OUT/sync.md" >"$OUT/bench_sync.log" 2>&1
+    RC[sync]=$?
+    SUMMARY+=("bench sync: exit ${RC[sync]}")
+}
+
+stage_recurrence() {
+    $PY -m persistrnn.bench recurrence ${BENCH_ARGS:-} --json "$OUT/recurrence.json" --markdown "$OUT/recurrence.md" \
+        >"$OUT/bench_recurrence.log" 2>&1
+    RC[recurrence]=$?
+    SUMMARY+=("bench recurrence: exit ${RC[recurrence]}" "$(cat "$OUT/recurrence.md" 2>/dev/null || tail -n 30 "$OUT/bench_recurrence.log")")
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader >"$OUT/nvidia-smi.txt" 2>&1
+for stage in $STAGES; do "stage_$stage"; done
 
 echo
-echo "==== summary (commit ${PERSISTRNN_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}) ===="
-echo "tests: exit $tests_rc: $(tail -n 1 "$OUT/tests.log")"
-for tool in memcheck racecheck; do echo "sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|FAIL' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"; done
-echo "demo: exit $demo_rc"; cat "$OUT/demo.log"
-echo "bench sync: exit $sync_rc"
-echo "bench recurrence: exit $rec_rc"
-if [ -f "$OUT/recurrence.md" ]; then cat "$OUT/recurrence.md"; else tail -n 30 "$OUT/bench_recurrence.log"; fi
-[ "$tests_rc" -eq 0 ] && [ "$san_rc" -eq 0 ] && [ "$demo_rc" -eq 0 ] && [ "$sync_rc" -eq 0 ] && [ "$rec_rc" -eq 0 ]
+echo "==== summary (commit ${PERSISTRNN_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}, $(cat "$OUT/nvidia-smi.txt")) ===="
+printf '%s\n' "${SUMMARY[@]}"
+status=0
+for stage in $STAGES; do [ "${RC[$stage]}" -eq 0 ] || status=1; done
+exit $status
