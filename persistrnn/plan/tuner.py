@@ -259,9 +259,10 @@ class _Workload:
         kind = getattr(torch.nn, CUDNN_CELLS[s.cell])
         extra = {"nonlinearity": s.cell.removeprefix("rnn_")} if kind is torch.nn.RNN else {}
         module = kind(s.input_size, s.hidden_size, s.num_layers, **extra).to("cuda", getattr(torch, s.dtype))
+        torch_names = {"w_ih": "weight_ih", "w_hh": "weight_hh", "b_ih": "bias_ih", "b_hh": "bias_hh"}
         for l, p in enumerate(self.layers):
             for name, value in p.items():
-                getattr(module, f"{name}_l{l}").data.copy_(value)
+                getattr(module, f"{torch_names[name]}_l{l}").data.copy_(value)
         hx = self.h0.expand(s.num_layers, -1, -1).contiguous()
         if self.c0 is not None:
             hx = (hx, self.c0.expand(s.num_layers, -1, -1).contiguous())
