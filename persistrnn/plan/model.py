@@ -43,10 +43,10 @@ WARPS_PER_SCHEDULER = (1, 2, 4, 8)  # blocks of 128-1024 threads
 BENCH_ROWS = (1, 2, 4, 8)  # rows per work group (and mma m-tiles per warp) the benches run
 BENCH_TILES = (1, 2, 4, 8)
 BENCH_GROUPS = (2, 8, 32)
-BENCH_CHUNKS = (2, 8)  # two chunk counts separate the per-chunk cost from the fixed part
+BENCH_CHUNKS = (4, 16)  # two chunk counts separate the per-chunk cost from the fixed part
 MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A fragments fit in registers)
 BENCH_ITERATIONS = 2000
-CALIBRATION_FORMAT = 2
+CALIBRATION_FORMAT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +149,6 @@ def _entry(table: dict[str, float], w: int, rows: int, *rest: int) -> float:
     raise KeyError(f"calibration has no entry for {_key(w, rows, *rest)}")
 
 
-def _nearest(options: list[int], x: float) -> int:
-    return min(options, key=lambda o: abs(math.log2(o) - math.log2(x)))
-
-
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """Predicted µs per time step of one configuration, by term, summed over
@@ -220,13 +216,15 @@ class CostModel:
         if config.sync == "single":
             return 0.0
         if config.sync == "cluster":
-            measured_threads = sorted({int(k.split(",")[0]) for k in self.cal.cluster_exchange})
-            threads = _nearest(measured_threads, config.threads)
-            by_floats = {}
-            for f in sorted({int(k.split(",")[1]) for k in self.cal.cluster_exchange}):
-                by_cluster = _table(self.cal.cluster_exchange, (threads, f))
-                by_floats[f] = _interp_log2(by_cluster, config.blocks, False)
-            return _interp_linear(by_floats, floats)
+            # Every thread pushes and waits: interpolate in log2(threads)
+            # between the block sizes the sync bench ran.
+            by_threads = {}
+            for threads in sorted({int(k.split(",")[0]) for k in self.cal.cluster_exchange}):
+                by_floats = {}
+                for f in sorted({int(k.split(",")[1]) for k in self.cal.cluster_exchange}):
+                    by_floats[f] = _interp_log2(_table(self.cal.cluster_exchange, (threads, f)), config.blocks, False)
+                by_threads[threads] = _interp_linear(by_floats, floats)
+            return _interp_log2(by_threads, config.threads, False)
         barrier = _table(self.cal.grid_barrier, ())
         full = self.facts.sm_count
         # The bench reads H floats back with 256 threads, one float each per
@@ -341,7 +339,8 @@ def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
     def per_iteration_ns(program: tuple, kernel: str, threads: int, shared: int) -> float | None:
         """ns per iteration, or None where the block cannot run (registers or shared memory)."""
         k = jit.get_kernel(binaries[program], kernel)
-        if shared > jit.device_facts().shared_per_block_optin or k.max_resident_blocks(threads, shared) < 1:
+        if (shared > jit.device_facts().shared_per_block_optin or k.max_resident_blocks(threads, shared) < 1
+                or k.resources.uses_local_memory):  # a spilled bench would time local memory, not the product
             return None
         config = k.config(1, threads, shared=shared)
         return 1e3 * per_iteration_us(lambda n: jit.launch(k, config, *jit.kernel_args(inputs, sink, n)),
