@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import jit, persistent, reference
 from ..cells import get_cell
-from .timing import time_cuda_ms
+from .timing import capture_graph, time_cuda_ms
 
 ROTATE = 4
 TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
@@ -117,20 +117,6 @@ def _per_call_ms(fn, cfg: RecurrenceBenchConfig) -> float:
     return time_cuda_ms(many, warmup=cfg.warmup, repeats=cfg.repeats) / cfg.calls
 
 
-def _graph(fn):
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture: compile, load, allocate
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenchConfig) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -164,7 +150,7 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
                                                 h0_gpu, c0_gpu, check=check)
             out, _, _ = fwd(check=True)  # timed calls skip the status read: it synchronises
             err = _rel(as_f64(out), ref_out)
-            graphs = [_graph(lambda i=i, fwd=fwd: fwd(i)) for i in range(ROTATE)]
+            graphs = [capture_graph(lambda i=i, fwd=fwd: fwd(i)) for i in range(ROTATE)]
             k = iter(range(10**9))
             ms = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
             timings.append((ms, config, err, fwd))
@@ -204,7 +190,7 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
                 k = iter(range(10**9))
                 result[f"cudnn_{prefix}eager_ms"] = _per_call_ms(lambda: module(x_gpu[next(k) % ROTATE], hx), cfg)
                 if tf32:
-                    graphs = [_graph(lambda i=i: module(x_gpu[i], hx)) for i in range(ROTATE)]
+                    graphs = [capture_graph(lambda i=i: module(x_gpu[i], hx)) for i in range(ROTATE)]
                     k = iter(range(10**9))
                     result["cudnn_graph_ms"] = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
             finally:
