@@ -64,6 +64,7 @@ stage_tune() {
                 "--cell gru --input-size 1024 --hidden-size 1024 --batch 20" \
                 "--cell lstm --input-size 128 --hidden-size 128 --layers 3 --batch 1 10" \
                 "--cell lstm --input-size 256 --hidden-size 256 --dtype bfloat16 --batch 8" \
+                "--cell gru_reset_before --input-size 256 --hidden-size 256 --batch 1" \
                 "--cell lstm --input-size 1024 --hidden-size 4096 --batch 1"; do
         for pass in first cached; do
             echo "## $pass: tune $args" >>"$OUT/tune.log"
