@@ -263,6 +263,7 @@ class _Workload:
         for l, p in enumerate(self.layers):
             for name, value in p.items():
                 getattr(module, f"{torch_names[name]}_l{l}").data.copy_(value)
+        module.flatten_parameters()  # cuDNN's single weight buffer, as a served module has it
         hx = self.h0.expand(s.num_layers, -1, -1).contiguous()
         if self.c0 is not None:
             hx = (hx, self.c0.expand(s.num_layers, -1, -1).contiguous())
