@@ -282,11 +282,15 @@ def _compile_numpy(expr: str) -> CodeType:
     return compile(render_numpy_expression(expr), f"<expression {expr!r}>", "eval")
 
 
-def evaluate(statements: Iterable[tuple[str, str]], env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run statements in order with numpy; return ``env`` extended by their results."""
+def evaluate(statements: Iterable[tuple[str, str]], env: Mapping[str, np.ndarray],
+             functions: Mapping[str, Callable] = NUMPY_FUNCTIONS) -> dict[str, np.ndarray]:
+    """Run statements in order; return ``env`` extended by their results.
+
+    ``functions`` implements the expression language's functions: numpy's by
+    default, torch's to run a cell on tensors (with autograd)."""
     namespace = dict(env)
     # No builtins: a validated expression needs nothing but the three functions.
-    functions = {"__builtins__": {}, **NUMPY_FUNCTIONS}
+    functions = {"__builtins__": {}, **functions}
     for name, expr in statements:
         _check_identifier(name, "statement name")
         namespace[name] = eval(_compile_numpy(expr), functions, namespace)
@@ -357,8 +361,10 @@ class CellSpec:
         c: np.ndarray | None,
         w_hh: np.ndarray,
         b_hh: np.ndarray | None,
+        functions: Mapping[str, Callable] = NUMPY_FUNCTIONS,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """One time step with numpy, running this spec's stages and statements.
+        """One time step, running this spec's stages and statements: with numpy,
+        or on torch tensors given torch's ``functions``.
 
         Args:
             x_proj: ``x @ w_ih.T + b_ih``, shape (batch, num_gates * hidden).
@@ -378,12 +384,12 @@ class CellSpec:
             env[f"x_{gate}"] = x_proj[:, self.gate_rows(gate, hidden)]
         for k, (stage, operand) in enumerate(zip(self.stages, self.stage_operands)):
             if k > 0:
-                env = evaluate(self.between_stages[k - 1], env)
+                env = evaluate(self.between_stages[k - 1], env, functions)
             for gate in stage:
                 rows = self.gate_rows(gate, hidden)
                 product = env[operand] @ w_hh[rows].T
                 env[f"h_{gate}"] = product if b_hh is None else product + b_hh[rows]
-        env = evaluate(self.pointwise, env)
+        env = evaluate(self.pointwise, env, functions)
         return env["h_new"], env.get("c_new")
 
     def _validate(self) -> None:

@@ -1,0 +1,381 @@
+"""Drop-in ``torch.nn`` recurrent modules that run on persistent kernels.
+
+``persistrnn.LSTM``, ``GRU`` and ``RNN`` are the torch modules themselves
+(subclasses): the same constructor arguments, parameter names and shapes,
+``state_dict``, and outputs. Only ``forward`` differs, and only where it can:
+
+* a CUDA input in fp32, fp16 or bf16 that needs no gradient (``torch.no_grad``,
+  ``inference_mode``, or parameters and input that do not require grad) runs
+  the path the planner chose for this shape and batch
+  (:func:`persistrnn.plan.plan`): persistent kernels, the non-persistent
+  fallback, or cuDNN where cuDNN measured faster;
+* everything else runs torch's own implementation: a CPU input, a
+  ``PackedSequence``, ``proj_size``, dropout between layers in training mode,
+  and (with a one-time warning) a call that needs gradients.
+
+``GRU(reset_after=False)`` is the canonical GRU (Cho et al.; ONNX
+``linear_before_reset=0``): ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``.
+Its parameters have torch's GRU names and shapes (gates r, z, n in that row
+order); torch has no such cell, so its CPU and gradient path is this
+package's own (:func:`torch_forward`, autograd through torch ops).
+
+Bad inputs raise :class:`InputShapeError` (a ``ValueError``) or
+:class:`InputTypeError` (a ``TypeError``) in torch's wording; both are also
+``RuntimeError``s, which torch raises, so code written against torch still
+catches them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from . import persistent
+from .cells import CellSpec, get_cell
+
+__all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
+           "torch_forward"]
+
+TORCH_FUNCTIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu}
+"""The cell expression language's functions on tensors (autograd included)."""
+
+
+class InputShapeError(ValueError, RuntimeError):
+    """A wrong rank, feature size, batch or state shape (torch raises RuntimeError)."""
+
+
+class InputTypeError(TypeError, RuntimeError):
+    """A wrong dtype (torch raises RuntimeError)."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def torch_forward(spec: CellSpec, module: torch.nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
+    """Any cell with torch ops, step by step (autograd through it): the
+    reset-before GRU's path where no kernel runs. ``x`` is (T, B, I), ``hx``
+    (layers * directions, B, H) (a pair for cells with a cell state)."""
+    D = 2 if module.bidirectional else 1
+    h_all, c_all = hx if spec.has_cell_state else (hx, None)
+    layer_input, h_n, c_n = x, [], []
+    for layer in range(module.num_layers):
+        outputs = []
+        for d in range(D):
+            p = _layer_params(module, layer, d)
+            h = h_all[layer * D + d]
+            c = None if c_all is None else c_all[layer * D + d]
+            xw = layer_input @ p["w_ih"].T + p["b_ih"]
+            steps = range(x.shape[0] - 1, -1, -1) if d else range(x.shape[0])
+            out = [None] * x.shape[0]
+            for t in steps:
+                h, c = spec.step_reference(xw[t], h, c, p["w_hh"], p["b_hh"], TORCH_FUNCTIONS)
+                out[t] = h
+            outputs.append(torch.stack(out))
+            h_n.append(h)
+            c_n.append(c)
+        layer_input = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
+        if module.training and module.dropout > 0 and layer < module.num_layers - 1:
+            layer_input = torch.nn.functional.dropout(layer_input, module.dropout, training=True)
+    state = torch.stack(h_n)
+    return layer_input, ((state, torch.stack(c_n)) if spec.has_cell_state else state)
+
+
+def _layer_params(module: torch.nn.RNNBase, layer: int, direction: int) -> dict[str, torch.Tensor]:
+    suffix = f"_l{layer}" + ("_reverse" if direction else "")
+    w_ih = getattr(module, "weight_ih" + suffix)
+    p = {"w_ih": w_ih, "w_hh": getattr(module, "weight_hh" + suffix)}
+    if module.bias:
+        p["b_ih"], p["b_hh"] = getattr(module, "bias_ih" + suffix), getattr(module, "bias_hh" + suffix)
+    else:  # the kernels always add a bias: zeros of the right size
+        p["b_ih"] = p["b_hh"] = w_ih.new_zeros(w_ih.shape[0])
+    return p
+
+
+class _Persistent:
+    """The persistent forward shared by the three modules (a mixin before the torch class)."""
+
+    cell: str
+
+    def _init_persistent(self) -> None:
+        self._plans: dict[tuple, Any] = {}
+
+    @property
+    def spec(self) -> CellSpec:
+        return get_cell(self.cell)
+
+    # ---- which path ---------------------------------------------------------
+
+    def _needs_torch(self, input: Any) -> str | None:
+        """Why this call runs torch's implementation (None: ours may run)."""
+        if input.device.type != "cuda":
+            return "a CPU input"
+        if getattr(self, "proj_size", 0):
+            return "proj_size"
+        if self.training and self.dropout > 0 and self.num_layers > 1:
+            return "dropout between layers in training mode"
+        if str(input.dtype).removeprefix("torch.") not in persistent.DTYPES:
+            return None  # let the checks below name the dtype
+        if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self.parameters())):
+            _warn_once(f"grad-{type(self).__name__}",
+                       f"persistrnn.{type(self).__name__}: this call needs gradients, which the persistent kernels "
+                       "do not compute yet; it runs torch's implementation (wrap inference in torch.no_grad() or "
+                       "torch.inference_mode() for the persistent path)")
+            return "gradients"
+        return None
+
+    def _torch_forward(self, input: Any, hx: Any) -> Any:
+        if self.cell == "gru_reset_before":
+            return _canonical_gru_torch_forward(self, input, hx)
+        return super().forward(input, hx)  # type: ignore[misc]
+
+    def forward(self, input: Any, hx: Any = None) -> Any:  # noqa: D401 - torch's signature
+        if isinstance(input, PackedSequence):
+            return self._torch_forward(input, hx)
+        x, states, unbatched = self._normalise(input, hx)  # every path gets the same checks and errors
+        if self._needs_torch(input) is not None:
+            return self._torch_forward(input, hx)
+        chosen = self.plan_for(x.shape[1])
+        if chosen.path == "cudnn":  # measured faster than ours for this shape and batch
+            return self._torch_forward(input, hx)
+        out, state = self._run(chosen, x, states)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out = out.squeeze(1)
+            state = tuple(s.squeeze(1) for s in state) if isinstance(state, tuple) else state.squeeze(1)
+        return out, state
+
+    # ---- checks in torch's wording ------------------------------------------
+
+    def _normalise(self, input: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any, bool]:
+        """(x as (T, B, I), hx as (L*D, B, H) tensors, whether the input was unbatched)."""
+        name = type(self).__name__
+        if not isinstance(input, torch.Tensor):
+            raise InputTypeError(f"{name}: expected input to be a Tensor or PackedSequence, got {type(input).__name__}")
+        if input.dim() not in (2, 3):
+            raise InputShapeError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+        unbatched = input.dim() == 2
+        if unbatched:
+            input = input.unsqueeze(0 if self.batch_first else 1)
+        x = input.transpose(0, 1) if self.batch_first else input
+        D = 2 if self.bidirectional else 1
+        B = x.shape[1]
+        pairs = self.spec.has_cell_state
+        if hx is None:
+            zeros = x.new_zeros(self.num_layers * D, B, self.hidden_size)
+            real = getattr(self, "proj_size", 0) or self.hidden_size
+            hx = (x.new_zeros(self.num_layers * D, B, real), zeros) if pairs else zeros
+        else:
+            states = hx if pairs else (hx,)
+            if pairs and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+                raise InputShapeError(f"{name}: expected hx to be a tuple (h_0, c_0), got {type(hx).__name__}")
+            want = 2 if unbatched else 3
+            for s in states:
+                if not isinstance(s, torch.Tensor):
+                    raise InputTypeError(f"{name}: expected hx to hold tensors, got {type(s).__name__}")
+                if s.dim() != want:
+                    kind = "unbatched 2-D" if unbatched else "batched 3-D"
+                    raise InputShapeError(f"For {kind} input, hx" + (" and cx" if pairs else "")
+                                          + f" should also be {want}-D but got {s.dim()}-D tensor" + ("s" if pairs else ""))
+            if unbatched:
+                states = tuple(s.unsqueeze(1) for s in states)
+            hx = states if pairs else states[0]
+        try:
+            self.check_forward_args(input, hx, None)  # torch's own checks and messages, in the module's layout
+        except (RuntimeError, ValueError) as exc:
+            message = str(exc)
+            if "must have the type" in message or "dtype" in message:
+                raise InputTypeError(message) from None
+            raise InputShapeError(message) from None
+        weight = self.weight_hh_l0
+        if x.dtype != weight.dtype:
+            raise InputTypeError(f"input must have the type {weight.dtype}, got type {x.dtype}")
+        if x.device != weight.device:
+            raise InputShapeError(f"Input and parameter tensors are not at the same device, found input tensor at "
+                                  f"{x.device} and parameter tensor at {weight.device}")
+        for s in (hx if pairs else (hx,)):
+            if s.device != x.device or s.dtype != x.dtype:
+                raise InputTypeError(f"{name}: expected hx of dtype {x.dtype} on {x.device}, got {s.dtype} on {s.device}")
+        if x.shape[0] < 1 or B < 1:
+            raise InputShapeError(f"{name}: expected at least one step and one sequence, got input of shape "
+                                  f"{tuple(input.shape)}")
+        return x, hx, unbatched
+
+    # ---- running ----------------------------------------------------------------
+
+    def plan_for(self, batch: int) -> Any:
+        """The plan this module runs ``batch`` sequences with on the current GPU
+        (tuned on first use, then from the cache; untuned inside a CUDA-graph
+        capture, where nothing may be timed)."""
+        from . import plan as planner
+
+        key = (torch.cuda.current_device(), planner.space.batch_bucket(batch))
+        if key not in self._plans:
+            shape = planner.ModelShape(self.cell, self.input_size, self.hidden_size, self.num_layers,
+                                       str(self.weight_hh_l0.dtype).removeprefix("torch."))
+            capturing = torch.cuda.is_current_stream_capturing()
+            self._plans[key] = planner.plan(shape, batch, tune=not capturing)
+        return self._plans[key]
+
+    def _run(self, chosen: Any, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
+        from . import fallback
+
+        pairs = self.spec.has_cell_state
+        h_all, c_all = hx if pairs else (hx, None)
+        D = 2 if self.bidirectional else 1
+        layer_input, h_n, c_n = x.contiguous(), [], []
+        for layer in range(self.num_layers):
+            outputs = []
+            for d in range(D):
+                p = _layer_params(self, layer, d)
+                seq = layer_input.flip(0) if d else layer_input
+                h0 = h_all[layer * D + d].contiguous()
+                c0 = c_all[layer * D + d].contiguous() if pairs else None
+                xw = persistent.input_projection(seq, p["w_ih"], p["b_ih"])
+                if chosen.path == "persistent":
+                    out, h, c = persistent.run_recurrence(chosen.config, xw, p["w_hh"], p["b_hh"], h0, c0)
+                else:
+                    out, h, c = fallback.run_fallback(self.cell, xw, p["w_hh"], p["b_hh"], h0, c0)
+                outputs.append(out.flip(0) if d else out)
+                h_n.append(h)
+                c_n.append(c)
+            layer_input = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
+        state = torch.stack(h_n)
+        return layer_input, ((state, torch.stack(c_n)) if pairs else state)
+
+    def stream(self, batch_size: int) -> "StreamSession":
+        """A streaming session over ``batch_size`` sequences (see :class:`StreamSession`)."""
+        return StreamSession(self, batch_size)
+
+
+def _canonical_gru_torch_forward(module: "GRU", input: Any, hx: Any) -> Any:
+    if isinstance(input, PackedSequence):
+        raise NotImplementedError("GRU(reset_after=False) does not take a PackedSequence yet; pass padded input "
+                                  "(variable lengths for this cell come with the kernels' length support)")
+    x, hx, unbatched = module._normalise(input, hx)
+    out, state = torch_forward(module.spec, module, x, hx)
+    if module.batch_first:
+        out = out.transpose(0, 1)
+    if unbatched:
+        out, state = out.squeeze(1), state.squeeze(1)
+    return out, state
+
+
+class LSTM(_Persistent, torch.nn.LSTM):
+    """``torch.nn.LSTM`` with a persistent-kernel forward (see the module docstring)."""
+
+    cell = "lstm"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_persistent()
+
+
+class GRU(_Persistent, torch.nn.GRU):
+    """``torch.nn.GRU`` with a persistent-kernel forward. ``reset_after=False``
+    selects the canonical GRU (reset gate applied before the recurrent
+    product), with the same parameter names and shapes."""
+
+    def __init__(self, *args: Any, reset_after: bool = True, **kwargs: Any) -> None:
+        if not isinstance(reset_after, bool):
+            raise TypeError(f"reset_after: expected a bool, got {type(reset_after).__name__}")
+        super().__init__(*args, **kwargs)
+        self.reset_after = reset_after
+        self.cell = "gru" if reset_after else "gru_reset_before"
+        self._init_persistent()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.reset_after else ", reset_after=False")
+
+
+class RNN(_Persistent, torch.nn.RNN):
+    """``torch.nn.RNN`` (tanh or relu) with a persistent-kernel forward."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cell = f"rnn_{self.nonlinearity}"
+        self._init_persistent()
+
+
+class StreamSession:
+    """Runs a model on a stream of chunks, keeping the states on the GPU between calls.
+
+    ``session(x_chunk)`` runs a chunk of any length (1 included) and returns
+    its output; the concatenated outputs of the chunks equal one call on the
+    whole sequence. ``session.reset(idx)`` clears the states of the chosen
+    batch rows (all rows when ``idx`` is None), e.g. when a new utterance
+    starts in that slot. The states are ``session.state``.
+    """
+
+    def __init__(self, module: _Persistent, batch_size: int) -> None:
+        if module.bidirectional:
+            raise ValueError("stream: expected a unidirectional model, got bidirectional=True (the reverse "
+                             "direction needs the whole sequence)")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"stream: expected a positive int batch_size, got {batch_size!r}")
+        self.module = module
+        self.batch_size = batch_size
+        weight = module.weight_hh_l0
+        zeros = weight.new_zeros(module.num_layers, batch_size, module.hidden_size)
+        self.state: Any = (zeros, zeros.clone()) if module.spec.has_cell_state else zeros
+
+    def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
+        if not isinstance(chunk, torch.Tensor) or chunk.dim() != 3:
+            raise InputShapeError(f"stream: expected a 3-D chunk, got "
+                                  f"{chunk.dim() if isinstance(chunk, torch.Tensor) else type(chunk).__name__}"
+                                  f"{'-D' if isinstance(chunk, torch.Tensor) else ''}")
+        batch = chunk.shape[0] if self.module.batch_first else chunk.shape[1]
+        if batch != self.batch_size:
+            raise InputShapeError(f"stream: expected a chunk of batch {self.batch_size}, got {batch}")
+        out, self.state = self.module(chunk, self.state)
+        return out
+
+    def reset(self, idx: Any = None) -> None:
+        """Zero the states of batch rows ``idx`` (an int, a sequence, a mask or a slice; None: all)."""
+        rows = slice(None) if idx is None else idx
+        for s in (self.state if isinstance(self.state, tuple) else (self.state,)):
+            s[:, rows] = 0
+
+
+_CLASSES = {torch.nn.LSTM: LSTM, torch.nn.GRU: GRU, torch.nn.RNN: RNN}
+
+
+def from_torch(module: torch.nn.RNNBase) -> torch.nn.Module:
+    """The persistrnn module equal to a ``torch.nn.LSTM``/``GRU``/``RNN``: same
+    arguments, same parameters (shared, not copied), same device and dtype."""
+    cls = _CLASSES.get(type(module))
+    if cls is None:
+        raise TypeError(f"from_torch: expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
+    kwargs = dict(input_size=module.input_size, hidden_size=module.hidden_size, num_layers=module.num_layers,
+                  bias=module.bias, batch_first=module.batch_first, dropout=module.dropout,
+                  bidirectional=module.bidirectional)
+    if cls is LSTM:
+        kwargs["proj_size"] = module.proj_size
+    if cls is RNN:
+        kwargs["nonlinearity"] = module.nonlinearity
+    with torch.device("meta"):
+        new = cls(**kwargs)
+    for name, param in module.named_parameters():
+        setattr(new, name, param)  # the same Parameter objects: training the one trains the other
+    new._flat_weights = [getattr(new, n) for n in new._flat_weights_names]
+    new.train(module.training)
+    return new
+
+
+def convert(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every ``torch.nn.LSTM``/``GRU``/``RNN`` inside ``model`` (or
+    ``model`` itself) with its persistrnn module, in place; returns the model."""
+    if type(model) in _CLASSES:
+        return from_torch(model)
+    for name, child in model.named_children():
+        setattr(model, name, convert(child))
+    return model

@@ -1,0 +1,292 @@
+"""Drop-in modules: conformance with torch.nn (CPU), the canonical GRU's own
+path against the float64 reference, streaming, errors, and (GPU) agreement
+of the persistent path with the float64 reference and with cuDNN."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import persistrnn
+from persistrnn import nn as pnn
+from persistrnn import reference
+from helpers import rel
+
+
+def _matrix(n, seed):
+    """Random constructor options over every torch argument."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        kind = rng.choice(["LSTM", "GRU", "RNN"])
+        kw = dict(input_size=rng.choice([1, 5, 16]), hidden_size=rng.choice([3, 8, 33]),
+                  num_layers=rng.choice([1, 2, 3]), bias=rng.random() < 0.8, batch_first=rng.random() < 0.5,
+                  dropout=rng.choice([0.0, 0.0, 0.3]), bidirectional=rng.random() < 0.4)
+        if kind == "LSTM" and rng.random() < 0.3:
+            kw["proj_size"] = rng.choice([1, 2])
+        if kind == "RNN":
+            kw["nonlinearity"] = rng.choice(["tanh", "relu"])
+        yield kind, kw
+
+
+MATRIX = list(_matrix(24, seed=5))
+
+
+def _pair(kind, kw, seed=0):
+    torch.manual_seed(seed)
+    ours = getattr(persistrnn, kind)(**kw)
+    theirs = getattr(torch.nn, kind)(**kw)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def _input(module, T, B, dtype=torch.float32, device="cpu", gen=None):
+    shape = (B, T, module.input_size) if module.batch_first else (T, B, module.input_size)
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("kind,kw", MATRIX)
+def test_parameters_match_torch_names_and_shapes(kind, kw):
+    ours, theirs = _pair(kind, kw)
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in theirs.named_parameters()]
+    assert isinstance(ours, getattr(torch.nn, kind))
+
+
+@pytest.mark.parametrize("kind,kw", MATRIX)
+def test_state_dict_round_trips_both_ways(kind, kw):
+    ours, theirs = _pair(kind, kw)
+    torch.manual_seed(1)
+    other = getattr(torch.nn, kind)(**kw)
+    ours.load_state_dict(other.state_dict())
+    for (n, a), (_, b) in zip(ours.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), n
+    theirs.load_state_dict(ours.state_dict())
+
+
+@pytest.mark.parametrize("kind,kw", MATRIX)
+def test_cpu_forward_has_torchs_structure_and_values(kind, kw):
+    ours, theirs = _pair(kind, kw)
+    ours.eval(), theirs.eval()
+    x = _input(ours, 4, 3)
+    with torch.no_grad():
+        got, want = ours(x), theirs(x)
+        assert torch.equal(got[0], want[0])
+        if kind == "LSTM":
+            assert torch.equal(got[1][0], want[1][0]) and torch.equal(got[1][1], want[1][1])
+        else:
+            assert torch.equal(got[1], want[1])
+        unbatched = x[0] if ours.batch_first else x[:, 0]
+        assert torch.equal(ours(unbatched)[0], theirs(unbatched)[0])
+
+
+def _reference_canonical_gru(module, x, h0):
+    """float64 reference of a canonical GRU module (x in the module's layout)."""
+    params = reference.params_from_torch(module)
+    out, h_n = reference.rnn_forward("gru_reset_before", x.double().numpy(), params,
+                                     num_layers=module.num_layers, bidirectional=module.bidirectional,
+                                     batch_first=module.batch_first,
+                                     hx=None if h0 is None else h0.double().numpy())
+    return out, h_n
+
+
+@pytest.mark.parametrize("layers,bidirectional,batch_first,bias,with_h0",
+                         list(itertools.product([1, 2], [False, True], [False, True], [True, False], [False, True]))[::3])
+def test_canonical_gru_matches_the_float64_reference(layers, bidirectional, batch_first, bias, with_h0):
+    torch.manual_seed(3)
+    gru = persistrnn.GRU(6, 9, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias,
+                         reset_after=False).double()
+    x = _input(gru, 5, 4, dtype=torch.float64)
+    D = 2 if bidirectional else 1
+    h0 = torch.randn(layers * D, 4, 9, dtype=torch.float64) if with_h0 else None
+    with torch.no_grad():
+        out, h_n = gru(x, h0)
+    want_out, want_h = _reference_canonical_gru(gru, x, h0)
+    assert rel(out.numpy(), want_out) < 1e-12 and rel(h_n.numpy(), want_h) < 1e-12
+
+
+def test_canonical_gru_differs_from_torchs_gru_and_has_gradients():
+    torch.manual_seed(4)
+    canonical = persistrnn.GRU(3, 4, reset_after=False).double()
+    after = torch.nn.GRU(3, 4).double()
+    after.load_state_dict(canonical.state_dict())
+    x = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
+    assert not torch.allclose(canonical(x)[0], after(x)[0])
+    assert torch.autograd.gradcheck(lambda x: canonical(x)[0], (x,))
+    assert "reset_after=False" in repr(canonical)
+
+
+@pytest.mark.parametrize("kind,kw", [("LSTM", dict(input_size=4, hidden_size=5, num_layers=2)),
+                                     ("GRU", dict(input_size=4, hidden_size=5, batch_first=True, reset_after=False)),
+                                     ("RNN", dict(input_size=4, hidden_size=5, nonlinearity="relu"))])
+def test_stream_chunks_equal_one_call(kind, kw):
+    torch.manual_seed(5)
+    model = getattr(persistrnn, kind)(**kw).eval()
+    x = _input(model, 11, 3)
+    with torch.no_grad():
+        whole, _ = model(x)
+        session = model.stream(3)
+        parts, start = [], 0
+        for length in (1, 3, 1, 6):
+            chunk = x[:, start:start + length] if model.batch_first else x[start:start + length]
+            parts.append(session(chunk))
+            start += length
+    got = torch.cat(parts, dim=1 if model.batch_first else 0)
+    assert torch.allclose(got, whole, atol=1e-6, rtol=0)
+
+
+def test_stream_reset_clears_chosen_rows_only():
+    torch.manual_seed(6)
+    model = persistrnn.LSTM(3, 4).eval()
+    session = model.stream(3)
+    with torch.no_grad():
+        session(torch.randn(5, 3, 3))
+        h, c = (s.clone() for s in session.state)
+        session.reset([1])
+    assert torch.equal(session.state[0][:, 1], torch.zeros(1, 4)) and torch.equal(session.state[1][:, 1], torch.zeros(1, 4))
+    assert torch.equal(session.state[0][:, 0], h[:, 0]) and torch.equal(session.state[1][:, 2], c[:, 2])
+    with torch.no_grad():  # a reset row restarts: its output equals a fresh run's
+        x = torch.randn(2, 3, 3)
+        out = session(x)
+        fresh, _ = model(x[:, 1:2])
+    assert torch.allclose(out[:, 1:2], fresh, atol=1e-6, rtol=0)
+
+
+def test_stream_refuses_bidirectional_and_wrong_batches():
+    model = persistrnn.GRU(3, 4, bidirectional=True)
+    with pytest.raises(ValueError, match="unidirectional"):
+        model.stream(2)
+    session = persistrnn.GRU(3, 4).stream(2)
+    with pytest.raises(ValueError, match="batch 2, got 3"):
+        session(torch.randn(5, 3, 3))
+    with pytest.raises(ValueError, match="batch_size"):
+        persistrnn.LSTM(3, 4).stream(0)
+
+
+@pytest.mark.parametrize("make_input,hx,error,match", [
+    (lambda: torch.randn(2, 3, 4, 5), None, ValueError, "Expected input to be 2D or 3D, got 4D"),
+    (lambda: torch.randn(5, 3, 7), None, ValueError, "input_size. Expected 4, got 7"),
+    (lambda: torch.randn(5, 3, 4, dtype=torch.float64), None, TypeError, "dtype"),
+    (lambda: torch.randn(5, 3, 4), (torch.zeros(1, 2, 6), torch.zeros(1, 2, 6)), ValueError, r"Expected hidden\[0\] size \(1, 3, 6\)"),
+    (lambda: torch.randn(5, 3, 4), (torch.zeros(3, 6), torch.zeros(3, 6)), ValueError, "3-D"),
+    (lambda: torch.randn(5, 3, 4), torch.zeros(1, 3, 6), ValueError, "tuple"),
+    (lambda: [1, 2, 3], None, TypeError, "Tensor or PackedSequence, got list"),
+])
+def test_bad_inputs_raise_value_or_type_errors_in_torchs_wording(make_input, hx, error, match):
+    model = persistrnn.LSTM(4, 6)
+    with pytest.raises(error, match=match) as caught:
+        model(make_input(), hx)
+    assert isinstance(caught.value, RuntimeError) or not isinstance(caught.value, (pnn.InputShapeError,
+                                                                                   pnn.InputTypeError))
+
+
+def test_from_torch_shares_parameters_and_convert_swaps_nested_modules():
+    inner = torch.nn.LSTM(3, 4, num_layers=2, batch_first=True, dropout=0.1, proj_size=2)
+    ours = persistrnn.from_torch(inner)
+    assert type(ours) is persistrnn.LSTM and ours.proj_size == 2 and ours.dropout == 0.1 and ours.batch_first
+    assert ours.weight_hh_l1 is inner.weight_hh_l1
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.GRU(3, 3),
+                                                                           torch.nn.RNN(3, 3, nonlinearity="relu")))
+    assert persistrnn.convert(model) is model
+    assert type(model[1][0]) is persistrnn.GRU and type(model[1][1]) is persistrnn.RNN
+    assert model[1][1].cell == "rnn_relu"
+    with pytest.raises(TypeError, match="LSTM, GRU or RNN"):
+        persistrnn.from_torch(torch.nn.Linear(2, 2))
+
+
+def test_gradients_fall_back_to_torch_with_one_warning():
+    pnn._warned.clear()
+    model = persistrnn.LSTM(3, 4)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    out, _ = model(x)  # CPU: torch's implementation, no warning needed
+    out.sum().backward()
+    assert x.grad is not None
+
+
+# ---- GPU -------------------------------------------------------------------------
+
+
+def _gpu_matrix(n, seed):
+    rng = random.Random(seed)
+    for _ in range(n):
+        kind = rng.choice(["LSTM", "GRU", "GRU_canonical", "RNN"])
+        kw = dict(input_size=rng.choice([7, 32, 64]), hidden_size=rng.choice([33, 64, 128, 256]),
+                  num_layers=rng.choice([1, 2]), bias=rng.random() < 0.8, batch_first=rng.random() < 0.5,
+                  bidirectional=rng.random() < 0.4)
+        if kind == "RNN":
+            kw["nonlinearity"] = rng.choice(["tanh", "relu"])
+        yield kind, kw, rng.choice([1, 3, 8]), rng.choice([1, 5, 20]), rng.random() < 0.5
+
+
+GPU_MATRIX = list(_gpu_matrix(20, seed=11))
+
+
+@pytest.fixture
+def untuned(monkeypatch):
+    """Plans from the cost model alone: quick, and always a kernel path (a
+    tuned plan may send a shape to cuDNN, which these tests do not test)."""
+    from persistrnn import plan as planner
+
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda shape, batch, tune=True, **kw: real(shape, batch, tune=False, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,kw,batch,steps,with_state", GPU_MATRIX)
+def test_gpu_forward_matches_float64_reference_and_cudnn(untuned, kind, kw, batch, steps, with_state):
+    torch.manual_seed(hash((kind, batch, steps)) % 2**31)
+    canonical = kind == "GRU_canonical"
+    model = (persistrnn.GRU(**kw, reset_after=False) if canonical else getattr(persistrnn, kind)(**kw)).cuda().eval()
+    cell = model.cell
+    D = 2 if model.bidirectional else 1
+    x = _input(model, steps, batch, device="cuda")
+    hx = None
+    if with_state:
+        h0 = torch.randn(model.num_layers * D, batch, model.hidden_size, device="cuda") * 0.5
+        hx = (h0, torch.randn_like(h0) * 0.5) if cell == "lstm" else h0
+    with torch.no_grad():
+        out, state = model(x, hx)
+    params = reference.params_from_torch(model)
+    f64 = lambda t: t.double().cpu().numpy()  # noqa: E731
+    ref_hx = None if hx is None else ((f64(hx[0]), f64(hx[1])) if cell == "lstm" else f64(hx))
+    want_out, want_state = reference.rnn_forward(cell, f64(x), params, num_layers=model.num_layers,
+                                                 bidirectional=model.bidirectional, batch_first=model.batch_first,
+                                                 hx=ref_hx)
+    err = rel(f64(out), want_out)
+    h = state[0] if cell == "lstm" else state
+    want_h = want_state[0] if cell == "lstm" else want_state
+    assert out.shape == torch.Size(want_out.shape) and h.shape == torch.Size(want_h.shape)
+    assert err < 1e-5 and rel(f64(h), want_h) < 1e-5
+    if not canonical:
+        torch_model = getattr(torch.nn, kind)(**kw).cuda().eval()
+        torch_model.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            cudnn_err = rel(f64(torch_model(x, hx)[0]), want_out)
+        # cuDNN's own error (TF32 may be on), or the fp32 floor of 1e-6 where cuDNN is more exact
+        assert err <= max(cudnn_err, 1e-6), (err, cudnn_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_gpu_stream_chunks_equal_one_call(untuned, kind):
+    torch.manual_seed(7)
+    model = getattr(persistrnn, kind)(16, 128, num_layers=2).cuda().eval()
+    x = torch.randn(12, 1, 16, device="cuda")
+    with torch.no_grad():
+        whole, _ = model(x)
+        session = model.stream(1)
+        parts = [session(x[t:t + 1]) for t in range(12)]
+    assert torch.allclose(torch.cat(parts), whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_device_and_grad_paths(untuned):
+    model = persistrnn.LSTM(8, 16).cuda()
+    with pytest.raises(ValueError, match="same device"):
+        model(torch.randn(3, 2, 8))
+    pnn._warned.clear()
+    x = torch.randn(3, 2, 8, device="cuda", requires_grad=True)
+    with pytest.warns(UserWarning, match="gradients"):
+        out, _ = model(x)
+    out.sum().backward()
+    assert x.grad is not None
