@@ -8,6 +8,7 @@ SUITES = {
     "sync": "persistrnn.bench.sync",
     "recurrence": "persistrnn.bench.recurrence",
     "model-accuracy": "persistrnn.bench.model_accuracy",
+    "models": "persistrnn.bench.models",
 }
 
 
