@@ -232,6 +232,10 @@ class _Persistent:
         pairs = self.spec.has_cell_state
         h_all, c_all = hx if pairs else (hx, None)
         D = 2 if self.bidirectional else 1
+        # A kernel that gave up (a peer never arrived) leaves a status word;
+        # reading it synchronises, so it is read once, after the last layer,
+        # and never inside a CUDA-graph capture.
+        check_last = not torch.cuda.is_current_stream_capturing()
         layer_input, h_n, c_n = x.contiguous(), [], []
         for layer in range(self.num_layers):
             outputs = []
@@ -242,7 +246,9 @@ class _Persistent:
                 c0 = c_all[layer * D + d].contiguous() if pairs else None
                 xw = persistent.input_projection(seq, p["w_ih"], p["b_ih"])
                 if chosen.path == "persistent":
-                    out, h, c = persistent.run_recurrence(chosen.config, xw, p["w_hh"], p["b_hh"], h0, c0)
+                    last = layer == self.num_layers - 1 and d == D - 1
+                    out, h, c = persistent.run_recurrence(chosen.config, xw, p["w_hh"], p["b_hh"], h0, c0,
+                                                          check=check_last and last)
                 else:
                     out, h, c = fallback.run_fallback(self.cell, xw, p["w_hh"], p["b_hh"], h0, c0)
                 outputs.append(out.flip(0) if d else out)
