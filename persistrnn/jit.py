@@ -623,6 +623,24 @@ def launch(
     _core_launch(_wrapped_stream(stream.cuda_stream), config, kernel.kernel, *args)
 
 
+def capture_graph(fn: Callable[[], None], stream: Any = None) -> Any:
+    """A ``torch.cuda.CUDAGraph`` of ``fn()``, captured on ``stream`` (a new
+    side stream by default). ``fn`` runs once first on that stream, outside
+    the capture, so compilation, module loads and allocations stay out of the
+    graph."""
+    import torch
+
+    stream = stream or torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph
+
+
 def kernel_args(*values: Any) -> tuple[Any, ...]:
     """C-type launch arguments: tensors become pointers, ints int32, floats float32."""
     import numpy as np

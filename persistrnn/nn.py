@@ -27,13 +27,14 @@ catches them.
 
 from __future__ import annotations
 
+import collections
 import warnings
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import persistent
+from . import jit, persistent
 from .cells import CellSpec, get_cell
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
@@ -107,6 +108,7 @@ class _Persistent:
 
     def _init_persistent(self) -> None:
         self._plans: dict[tuple, Any] = {}
+        self._graphs: collections.OrderedDict[tuple, _GraphedForward] = collections.OrderedDict()
 
     @property
     def spec(self) -> CellSpec:
@@ -146,7 +148,10 @@ class _Persistent:
         chosen = self.plan_for(x.shape[1])
         if chosen.path == "cudnn":  # measured faster than ours for this shape and batch
             return self._torch_forward(input, hx)
-        out, state = self._run(chosen, x, states)
+        if torch.cuda.is_current_stream_capturing():  # the caller's graph takes our launches
+            out, state = self._run(chosen, x, states)
+        else:
+            out, state = self._graphed(chosen, x, states)(x, states)
         if self.batch_first:
             out = out.transpose(0, 1)
         if unbatched:
@@ -258,9 +263,75 @@ class _Persistent:
         state = torch.stack(h_n)
         return layer_input, ((state, torch.stack(c_n)) if pairs else state)
 
+    def _graphed(self, chosen: Any, x: torch.Tensor, hx: Any) -> "_GraphedForward":
+        """This shape's captured forward (captured on first use, least recently used dropped)."""
+        key = (x.shape, x.dtype, x.device, chosen.path, chosen.config,
+               tuple(p.data_ptr() for p in self.parameters()))
+        graphed = self._graphs.get(key)
+        if graphed is None:
+            graphed = _GraphedForward(self, chosen, x, hx)
+            self._graphs[key] = graphed
+            if len(self._graphs) > GRAPHS_PER_MODULE:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return graphed
+
     def stream(self, batch_size: int) -> "StreamSession":
         """A streaming session over ``batch_size`` sequences (see :class:`StreamSession`)."""
         return StreamSession(self, batch_size)
+
+
+GRAPHS_PER_MODULE = 8
+"""Input shapes whose whole forward a module keeps captured (each holds its own buffers)."""
+
+
+class _GraphedForward:
+    """A module's whole forward at one input shape, captured as a CUDA graph.
+
+    Called eagerly, a small model's forward is bound by Python issue time
+    (measured on the H100: 0.19 ms per call of a 1-layer LSTM 128 at one step,
+    0.87 ms for a 3-layer LSTM 128 whose device work is 0.25 ms); a replay is
+    a handful of launches. The graph reads the parameters where they live, so
+    in-place updates are seen; parameters at new addresses get a new graph
+    (their addresses are in the key).
+
+    A kernel that gave up (a peer block never arrived) leaves a status word.
+    Reading it synchronises, so the graph copies it to pinned host memory and
+    the next call reads that copy without waiting: a failure raises one call
+    late, and never hangs (the kernel's waits are bounded).
+    """
+
+    def __init__(self, module: _Persistent, chosen: Any, x: torch.Tensor, hx: Any) -> None:
+        self.module = module
+        self.x = x.clone()
+        self.states = tuple(s.clone() for s in (hx if isinstance(hx, tuple) else (hx,)))
+        stream = torch.cuda.Stream(device=x.device)
+        self.where = (x.device.index, stream.cuda_stream)
+        self.device_status = persistent.status_word(*self.where)
+        self.host_status = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._host_view = self.host_status.numpy()
+        self.result: Any = None
+
+        def body() -> None:
+            hx_in = self.states if isinstance(hx, tuple) else self.states[0]
+            self.result = module._run(chosen, self.x, hx_in)
+            self.host_status.copy_(self.device_status, non_blocking=True)
+
+        self.graph = jit.capture_graph(body, stream)
+
+    def __call__(self, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
+        if self._host_view[0]:
+            torch.cuda.synchronize(self.x.device)
+            self._host_view[0] = 0
+            persistent.check_launches(*self.where)  # raises, and clears the word and the barrier counters
+        self.x.copy_(x)
+        for dst, src in zip(self.states, hx if isinstance(hx, tuple) else (hx,)):
+            dst.copy_(src)
+        self.graph.replay()
+        out, state = self.result
+        state = tuple(s.clone() for s in state) if isinstance(state, tuple) else state.clone()
+        return out.clone(), state
 
 
 def _canonical_gru_torch_forward(module: "GRU", input: Any, hx: Any) -> Any:

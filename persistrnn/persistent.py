@@ -420,6 +420,12 @@ def _buffers(device: int, stream: int) -> _DeviceBuffers:
     )
 
 
+def status_word(device: int, stream: int) -> Any:
+    """The int32 word where this package's kernels launched on ``stream``
+    report a failure (0: none); :func:`persistrnn.jit.check_status` reads it."""
+    return _buffers(device, stream).status
+
+
 def run_recurrence(
     config: KernelConfig,
     xw: Any,
@@ -508,12 +514,20 @@ def run_recurrence(
             ),
         )
     if check:
-        try:
-            jit.check_status(buffers.status, KERNEL_NAME)
-        except jit.KernelLaunchError:
-            buffers.counters.zero_()
-            raise
+        check_launches(xw.device.index, torch.cuda.current_stream().cuda_stream)
     return out, h_n, (c_n if spec.has_cell_state else None)
+
+
+def check_launches(device: int, stream: int) -> None:
+    """Raise :class:`persistrnn.jit.KernelLaunchError` if a kernel launched on
+    ``stream`` reported a failure (synchronises); the grid barrier's counters
+    are reset then, so the next launch starts clean."""
+    buffers = _buffers(device, stream)
+    try:
+        jit.check_status(buffers.status, KERNEL_NAME)
+    except jit.KernelLaunchError:
+        buffers.counters.zero_()
+        raise
 
 
 @functools.lru_cache(maxsize=None)

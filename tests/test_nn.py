@@ -290,3 +290,30 @@ def test_gpu_bad_device_and_grad_paths(untuned):
         out, _ = model(x)
     out.sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_forward_sees_new_inputs_and_weights(untuned):
+    import copy
+
+    torch.manual_seed(8)
+    model = persistrnn.GRU(16, 64, num_layers=2).cuda().eval()
+
+    def check():
+        x = torch.randn(7, 2, 16, device="cuda")
+        twin = copy.deepcopy(model).cpu()  # torch's CPU implementation, fp32
+        with torch.no_grad():
+            out, h = model(x)
+            want_out, want_h = twin(x.cpu())
+        assert rel(out.cpu().numpy(), want_out.numpy()) < 1e-5 and rel(h.cpu().numpy(), want_h.numpy()) < 1e-5
+
+    check()
+    check()  # the same shape: a replay, with new inputs
+    assert len(model._graphs) == 1
+    with torch.no_grad():
+        model.weight_hh_l1.mul_(0.5)  # in place: the captured graph reads it
+    check()
+    assert len(model._graphs) == 1
+    model.weight_hh_l0 = torch.nn.Parameter(model.weight_hh_l0.detach() * 1.5)  # a new tensor: a new graph
+    check()
+    assert len(model._graphs) == 2

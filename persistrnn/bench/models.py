@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .timing import capture_graph, time_cuda_ms
+from ..jit import capture_graph
+from .timing import time_cuda_ms
 
 BATCHES = (1, 5, 10, 20, 40)
 

@@ -30,7 +30,8 @@ from typing import Any
 
 from .. import jit, persistent, reference
 from ..cells import get_cell
-from .timing import capture_graph, time_cuda_ms
+from ..jit import capture_graph
+from .timing import time_cuda_ms
 
 ROTATE = 4
 TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}

@@ -45,20 +45,3 @@ def per_iteration_us(run_with: Callable[[int], None], iterations: int, *, warmup
     times = {n: time_cuda_ms(lambda n=n: run_with(n), warmup=warmup, repeats=repeats, setup=setup)
              for n in (short, long)}
     return (times[long] - times[short]) * 1e3 / (long - short)
-
-
-def capture_graph(fn: Callable[[], None]):
-    """A ``torch.cuda.CUDAGraph`` of ``fn()``. ``fn`` runs once first on a side
-    stream, outside the capture, so compilation, module loads and allocations
-    stay out of the graph."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph

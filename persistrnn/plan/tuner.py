@@ -283,9 +283,9 @@ def time_forward_ms(run, *, calls: int = 3, warmup: int = 2, repeats: int = 5) -
     and would hide their differences (measured: 0.175 ms per eager call of
     an H=256 LSTM whose kernel takes 0.094 ms). Every candidate, cuDNN
     included, is timed the same way."""
-    from ..bench.timing import capture_graph, time_cuda_ms
+    from ..bench.timing import time_cuda_ms
 
-    graph = capture_graph(run)
+    graph = jit.capture_graph(run)
 
     def many() -> None:
         for _ in range(calls):
