@@ -109,6 +109,15 @@ class _Persistent:
     def _init_persistent(self) -> None:
         self._plans: dict[tuple, Any] = {}
         self._graphs: collections.OrderedDict[tuple, _GraphedForward] = collections.OrderedDict()
+        self._checked: set[tuple] = set()
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the per-device caches behind (a CUDA graph
+        cannot be copied, and a copy's parameters live elsewhere)."""
+        state = super().__getstate__()  # type: ignore[misc]
+        state = dict(state)
+        state["_plans"], state["_graphs"], state["_checked"] = {}, collections.OrderedDict(), set()
+        return state
 
     @property
     def spec(self) -> CellSpec:
@@ -194,6 +203,16 @@ class _Persistent:
             if unbatched:
                 states = tuple(s.unsqueeze(1) for s in states)
             hx = states if pairs else states[0]
+        weight = self.weight_hh_l0
+        signature = (input.shape, input.dtype, input.device, weight.dtype, weight.device,
+                     tuple((s.shape, s.dtype, s.device) for s in (hx if pairs else (hx,))))
+        if signature not in self._checked:  # the checks cost more than a replay: once per signature
+            self._check(name, input, x, hx, pairs, B)
+            self._checked.add(signature)
+        return x, hx, unbatched
+
+    def _check(self, name: str, input: torch.Tensor, x: torch.Tensor, hx: Any, pairs: bool, B: int) -> None:
+        """torch's checks (its wording, as ValueError/TypeError), then ours."""
         try:
             self.check_forward_args(input, hx, None)  # torch's own checks and messages, in the module's layout
         except (RuntimeError, ValueError) as exc:
@@ -213,7 +232,6 @@ class _Persistent:
         if x.shape[0] < 1 or B < 1:
             raise InputShapeError(f"{name}: expected at least one step and one sequence, got input of shape "
                                   f"{tuple(input.shape)}")
-        return x, hx, unbatched
 
     # ---- running ----------------------------------------------------------------
 

@@ -317,3 +317,27 @@ def test_gpu_replayed_forward_sees_new_inputs_and_weights(untuned):
     model.weight_hh_l0 = torch.nn.Parameter(model.weight_hh_l0.detach() * 1.5)  # a new tensor: a new graph
     check()
     assert len(model._graphs) == 2
+
+
+def test_copies_and_pickles_leave_the_caches_behind():
+    import copy
+    import pickle
+
+    model = persistrnn.LSTM(3, 4)
+    model._graphs["stale"] = object()  # stands for a captured graph, which cannot be copied
+    model._plans["stale"] = object()
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(clone) is persistrnn.LSTM and not clone._graphs and not clone._plans
+        assert torch.equal(clone.weight_hh_l0, model.weight_hh_l0)
+    assert "stale" in model._graphs
+
+
+def test_checks_still_run_for_a_new_signature_after_a_good_call():
+    model = persistrnn.GRU(4, 6).eval()
+    with torch.no_grad():
+        model(torch.randn(5, 3, 4))
+        model(torch.randn(5, 3, 4))  # the same signature: checked once
+        with pytest.raises(ValueError, match=r"Expected hidden size \(1, 3, 6\), got \[1, 2, 6\]"):
+            model(torch.randn(5, 3, 4), torch.zeros(1, 2, 6))
+        with pytest.raises(TypeError, match="dtype"):
+            model(torch.randn(5, 3, 4, dtype=torch.float64))
