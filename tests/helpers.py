@@ -62,3 +62,19 @@ def reference_forward(cell, params, x, h0, c0):
     if spec.has_cell_state:
         return out, state[0][0], state[1][0]
     return out, state[0], None
+
+
+def linear_cell(**changes):
+    """A one-gate cell outside the registry (h_new = x_a + h_a unless changed):
+    tests of code that must follow a spec's statements, not a known cell."""
+    fields = dict(
+        name="linear",
+        gates=("a",),
+        has_cell_state=False,
+        stages=(("a",),),
+        stage_operands=("h",),
+        between_stages=(),
+        pointwise=(("h_new", "x_a + h_a"),),
+    )
+    fields.update(changes)
+    return cells.CellSpec(**fields)

@@ -28,6 +28,7 @@ from persistrnn.cells import (
     render_cuda_expression,
     render_numpy_expression,
 )
+from helpers import linear_cell
 
 # ---- registry ---------------------------------------------------------------
 
@@ -277,22 +278,10 @@ def test_step_reference_lstm_matches_formula():
 # ---- spec validation --------------------------------------------------------
 
 
-def _linear(**changes) -> CellSpec:
-    fields = dict(
-        name="linear",
-        gates=("a",),
-        has_cell_state=False,
-        stages=(("a",),),
-        stage_operands=("h",),
-        between_stages=(),
-        pointwise=(("h_new", "x_a + h_a"),),
-    )
-    fields.update(changes)
-    return CellSpec(**fields)
 
 
 def test_spec_accepts_plain_pairs_and_stores_statements():
-    assert _linear().pointwise == (Statement("h_new", "x_a + h_a"),)
+    assert linear_cell().pointwise == (Statement("h_new", "x_a + h_a"),)
 
 
 @pytest.mark.parametrize(
@@ -321,7 +310,7 @@ def test_spec_accepts_plain_pairs_and_stores_statements():
 )
 def test_spec_rejects(changes: dict, fragments: list[str]):
     with pytest.raises(ValueError) as info:
-        _linear(**changes)
+        linear_cell(**changes)
     for fragment in fragments:
         assert fragment in str(info.value)
 
@@ -333,11 +322,11 @@ def test_spec_later_stage_may_only_use_earlier_names():
         stage_operands=("h", "s"),
         pointwise=(("h_new", "h_a + h_b + x_b"),),
     )
-    _linear(**two_stage, between_stages=((("s", "sigmoid(h_a) * h"),),))
+    linear_cell(**two_stage, between_stages=((("s", "sigmoid(h_a) * h"),),))
     with pytest.raises(ValueError, match=r"got undefined \['h_b'\]"):
-        _linear(**two_stage, between_stages=((("s", "h_b * h"),),))
+        linear_cell(**two_stage, between_stages=((("s", "h_b * h"),),))
     with pytest.raises(ValueError, match="got 's'"):
-        _linear(**two_stage, between_stages=((("t", "h"),),))
+        linear_cell(**two_stage, between_stages=((("t", "h"),),))
 
 
 def test_spec_is_frozen():

@@ -18,6 +18,7 @@ from persistrnn.reference import (
     params_from_torch,
     rnn_forward,
 )
+from helpers import linear_cell
 
 TORCH_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 TOLERANCE = 1e-10
@@ -336,15 +337,7 @@ def test_torch_helpers_reject_non_rnn_module():
 
 def test_reference_runs_the_spec_statements():
     # A cell outside the registry: the reference must follow its statements.
-    linear = CellSpec(
-        name="linear",
-        gates=("a",),
-        has_cell_state=False,
-        stages=(("a",),),
-        stage_operands=("h",),
-        between_stages=(),
-        pointwise=(Statement("h_new", "0.5 * (x_a + h_a)"),),
-    )
+    linear = linear_cell(pointwise=(Statement("h_new", "0.5 * (x_a + h_a)"),))
     rng = np.random.default_rng(3)
     x = nonzero_uniform(rng, (4, 2, 3))
     params = [[{key: nonzero_uniform(rng, shape) for key, shape in param_shapes(linear, 3, 5)[0][0].items()}]]
