@@ -278,8 +278,6 @@ def test_step_reference_lstm_matches_formula():
 # ---- spec validation --------------------------------------------------------
 
 
-
-
 def test_spec_accepts_plain_pairs_and_stores_statements():
     assert linear_cell().pointwise == (Statement("h_new", "x_a + h_a"),)
 
