@@ -134,7 +134,7 @@ class _Persistent:
         if self.training and self.dropout > 0 and self.num_layers > 1:
             return "dropout between layers in training mode"
         if str(input.dtype).removeprefix("torch.") not in persistent.DTYPES:
-            return None  # let the checks below name the dtype
+            return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
         if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self.parameters())):
             _warn_once(f"grad-{type(self).__name__}",
                        f"persistrnn.{type(self).__name__}: this call needs gradients, which the persistent kernels "

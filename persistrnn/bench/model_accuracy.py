@@ -30,7 +30,7 @@ from typing import Any
 from .. import jit, persistent
 from ..cells import get_cell
 from ..plan import model as cost
-from ..plan import space
+from ..plan import space, tuner
 from ..progress import track
 from .timing import time_cuda_ms
 
@@ -57,14 +57,6 @@ def _sample(ranked: list[tuple[float, persistent.KernelConfig]], cfg: AccuracyCo
     return [c for i, c in enumerate(configs) if i in chosen or i < 2 * cfg.top]  # top (and spares for spills)
 
 
-def _compiles(config: persistent.KernelConfig) -> bool:
-    try:
-        persistent.compile_config(config)
-        return True
-    except persistent.ConfigError:
-        return False
-
-
 def run_case(cell: str, hidden: int, batch: int, cfg: AccuracyConfig, model: cost.CostModel,
              progress: bool) -> dict[str, Any]:
     import numpy as np
@@ -77,7 +69,7 @@ def run_case(cell: str, hidden: int, batch: int, cfg: AccuracyConfig, model: cos
     rng = np.random.default_rng([cfg.seed, hidden, batch, len(cell)])
     chosen = _sample(ranked, cfg, rng)
     t0 = time.perf_counter()
-    ok = jit.map_in_threads(_compiles, chosen)
+    ok = jit.map_in_threads(tuner.compiles, chosen)
     compile_s = time.perf_counter() - t0
     compiled = [c for c, good in zip(chosen, ok) if good]
 

@@ -193,12 +193,13 @@ def compile_top(ranked: list[tuple[float, KernelConfig]], k: int) -> list[tuple[
         # Twice what is missing per round: a few spill under some NVRTC versions.
         batch = ranked[start : start + 2 * (k - len(kept))]
         start += len(batch)
-        results = jit.map_in_threads(_compiles, [c for _, c in batch])
+        results = jit.map_in_threads(compiles, [c for _, c in batch])
         kept += [item for item, ok in zip(batch, results) if ok]
     return kept[:k]
 
 
-def _compiles(config: KernelConfig) -> bool:
+def compiles(config: KernelConfig) -> bool:
+    """Whether ``config`` compiles (disk-cached) without spilling under this NVRTC."""
     try:
         persistent.compile_config(config)
         return True
