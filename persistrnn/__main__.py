@@ -88,6 +88,7 @@ def _plan_parser(command: str):
     p.add_argument("--hidden-size", type=int, required=True)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--bidirectional", action="store_true")
     p.add_argument("--batch", type=int, nargs="+", required=True, help="one or more batch sizes")
     if command == "tune":
         p.add_argument("--k", type=int, default=DEFAULT_K, help="configurations to compile and time")
@@ -102,7 +103,8 @@ def _plan_command(command: str, argv: list[str]) -> int:
 
     args = _plan_parser(command).parse_args(argv)
     try:
-        shape = plan.ModelShape(args.cell, args.input_size, args.hidden_size, args.layers, args.dtype)
+        shape = plan.ModelShape(args.cell, args.input_size, args.hidden_size, args.layers, args.dtype,
+                                args.bidirectional)
         for batch in args.batch:
             if command == "tune":
                 print(plan.tune(shape, batch, k=args.k, steps=args.steps, refresh=args.refresh).describe())

@@ -683,6 +683,8 @@ _STATUS_MESSAGES = {
     1: "a grid barrier timed out waiting for other blocks: not all blocks were resident "
     "(another process may hold SMs), or a block failed",
     2: "a cluster exchange timed out waiting for its peers' data",
+    3: "a layer timed out waiting for the previous layer's outputs: the blocks of the layer before it were not "
+    "resident (another process may hold SMs), or that layer failed",
 }
 
 

@@ -243,8 +243,7 @@ class _Persistent:
 
         key = (torch.cuda.current_device(), planner.space.batch_bucket(batch))
         if key not in self._plans:
-            shape = planner.ModelShape(self.cell, self.input_size, self.hidden_size, self.num_layers,
-                                       str(self.weight_hh_l0.dtype).removeprefix("torch."))
+            shape = planner.shape_of(self)
             capturing = torch.cuda.is_current_stream_capturing()
             self._plans[key] = planner.plan(shape, batch, tune=not capturing)
         return self._plans[key]
@@ -255,25 +254,24 @@ class _Persistent:
         pairs = self.spec.has_cell_state
         h_all, c_all = hx if pairs else (hx, None)
         D = 2 if self.bidirectional else 1
-        # A kernel that gave up (a peer never arrived) leaves a status word;
-        # reading it synchronises, so it is read once, after the last layer,
-        # and never inside a CUDA-graph capture.
-        check_last = not torch.cuda.is_current_stream_capturing()
+        layers = [[_layer_params(self, layer, d) for d in range(D)] for layer in range(self.num_layers)]
+        if chosen.path == "persistent":
+            # A kernel that gave up (a peer never arrived) leaves a status word;
+            # reading it synchronises, so it is read once, after the last
+            # launch, and never inside a CUDA-graph capture.
+            out, h_n, c_n = persistent.forward_model(chosen.config, layers, x.contiguous(), h_all, c_all,
+                                                     check=not torch.cuda.is_current_stream_capturing())
+            return out, ((h_n, c_n) if pairs else h_n)
         layer_input, h_n, c_n = x.contiguous(), [], []
         for layer in range(self.num_layers):
             outputs = []
             for d in range(D):
-                p = _layer_params(self, layer, d)
+                p = layers[layer][d]
                 seq = layer_input.flip(0) if d else layer_input
                 h0 = h_all[layer * D + d].contiguous()
                 c0 = c_all[layer * D + d].contiguous() if pairs else None
                 xw = persistent.input_projection(seq, p["w_ih"], p["b_ih"])
-                if chosen.path == "persistent":
-                    last = layer == self.num_layers - 1 and d == D - 1
-                    out, h, c = persistent.run_recurrence(chosen.config, xw, p["w_hh"], p["b_hh"], h0, c0,
-                                                          check=check_last and last)
-                else:
-                    out, h, c = fallback.run_fallback(self.cell, xw, p["w_hh"], p["b_hh"], h0, c0)
+                out, h, c = fallback.run_fallback(self.cell, xw, p["w_hh"], p["b_hh"], h0, c0)
                 outputs.append(out.flip(0) if d else out)
                 h_n.append(h)
                 c_n.append(c)

@@ -35,6 +35,9 @@ MMA_TILE = 16  # rows and columns of one m16n8k16 A fragment
 MMA_BATCH = 8  # batch columns of one B fragment
 
 KERNEL_NAME = "prnn_recurrence"
+MAX_INSTANCES = 8
+"""Most recurrences (layers or directions) one launch runs; each has its own
+pointer parameters, chosen by a select chain that stays in registers."""
 MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
 WARP = 32
 # Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
@@ -79,6 +82,15 @@ class KernelConfig:
             U_r is split by columns and every block's partial sums travel
             with its h slice (GRNN Fig. 7b). ``single`` or ``cluster`` sync,
             ffma, prefetch_steps >= 2.
+        instances: independent recurrences in one launch (up to
+            :data:`MAX_INSTANCES`), each on its own ``blocks`` blocks: the
+            two directions of a bidirectional layer, or the layers of a
+            pipeline. ``single`` or ``cluster`` sync.
+        pipeline: the instances are consecutive layers of one model, fused:
+            instance i also computes instance i + 1's input projections from
+            its outputs, one step after it made them, and instance i + 1 runs
+            behind it (``ffma``, not ``one_sync``; every layer's input size is
+            ``hidden_size``).
     """
 
     cell: str
@@ -94,10 +106,13 @@ class KernelConfig:
     math: str = "ffma"
     k_split: int = 1
     one_sync: bool = False
+    instances: int = 1
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
-        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile", "prefetch_steps", "k_split"):
+        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile", "prefetch_steps", "k_split",
+                     "instances"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"KernelConfig.{name}: expected an int, got {type(value).__name__}")
@@ -115,6 +130,7 @@ class KernelConfig:
             raise ConfigError(f"KernelConfig.sync: expected one of {SYNC_MODES}, got {self.sync!r}")
         if self.one_sync:
             self._check_one_sync()
+        self._check_instances()
         if self.sync == "single" and self.blocks != 1:
             raise ConfigError(f"KernelConfig.blocks: sync 'single' runs 1 block, got {self.blocks}")
         if self.sync == "cluster" and not 2 <= self.blocks <= MAX_CLUSTER:
@@ -175,6 +191,20 @@ class KernelConfig:
             raise ConfigError(f"KernelConfig.one_sync: the partial sums need the next step's projections, "
                               f"expected prefetch_steps >= 2, got {self.prefetch_steps}")
 
+    def _check_instances(self) -> None:
+        if self.instances > MAX_INSTANCES:
+            raise ConfigError(f"KernelConfig.instances: expected 1..{MAX_INSTANCES}, got {self.instances}")
+        if self.instances > 1 and self.sync == "grid":
+            raise ConfigError(f"KernelConfig.instances: {self.instances} instances need sync 'single' or 'cluster' "
+                              "(the grid barrier spans the whole launch), got 'grid'")
+        if not self.pipeline:
+            return
+        if self.instances < 2:
+            raise ConfigError(f"KernelConfig.pipeline: expected at least 2 instances (layers), got {self.instances}")
+        if self.math != "ffma" or self.one_sync:
+            raise ConfigError(f"KernelConfig.pipeline: expected math 'ffma' without one_sync, got math "
+                              f"{self.math!r}, one_sync {self.one_sync}")
+
     # ---- derived sizes ------------------------------------------------------
 
     @property
@@ -228,6 +258,12 @@ class KernelConfig:
         """Rows of ``stage`` each work group produces (the tile height)."""
         return math.ceil(self.stage_rows(stage) / self.work_groups)
 
+    @property
+    def next_rows_per_group(self) -> int:
+        """(pipeline) Rows of the next layer's W_ih each work group multiplies:
+        every gate of the block's units."""
+        return math.ceil(self.spec.num_gates * self.units_per_block / self.work_groups) if self.pipeline else 0
+
     # mma: a warp holds m_tiles_per_warp(s) x k_tiles_per_warp A fragments.
 
     @property
@@ -273,6 +309,7 @@ class KernelConfig:
         if self.math == "mma":  # a fragment is 4 registers of two 16-bit values
             return sum(4 * self.m_tiles_per_warp(s) * self.k_tiles_per_warp for s in stages)
         return (sum(self.rows_per_group(s) * self.register_k for s in stages)
+                + self.next_rows_per_group * self.register_k
                 + self.column_rows_per_group * self.column_chunks)
 
     @property
@@ -282,8 +319,12 @@ class KernelConfig:
         if self.math == "mma":  # two accumulator fragments per tile, two B registers
             acc = max(8 * self.m_tiles_per_warp(s) for s in stages) + 2
         else:
-            acc = max(self.rows_per_group(s) * self.batch_tile for s in stages) + self.batch_tile
-        return self.register_weights + acc + REGISTER_OVERHEAD
+            acc = max([self.rows_per_group(s) * self.batch_tile for s in stages]
+                      + [self.next_rows_per_group * self.batch_tile]) + self.batch_tile
+        # Several instances: each parameter is chosen at run time, so the
+        # pointers live in registers (two each) instead of parameter space.
+        pointers = 2 * len(_instance_fields(self)) if self.instances > 1 else 0
+        return self.register_weights + acc + REGISTER_OVERHEAD + pointers
 
     @property
     def bias_floats(self) -> int:
@@ -292,7 +333,13 @@ class KernelConfig:
 
     @property
     def shared_weight_floats(self) -> int:
-        return sum(self.rows_per_group(s) * self.shared_k_chunks * self.threads for s in range(self.spec.num_stages))
+        """Weights that live in shared memory (the recurrent stages', then the next layer's)."""
+        rows = sum(self.rows_per_group(s) for s in range(self.spec.num_stages))
+        return rows * self.shared_k_chunks * self.threads
+
+    @property
+    def next_shared_weight_floats(self) -> int:
+        return self.next_rows_per_group * self.shared_k_chunks * self.threads
 
     def shared_bytes(self, batch: int) -> int:
         """Dynamic shared memory of one block for ``batch`` sequences."""
@@ -302,7 +349,14 @@ class KernelConfig:
         floats = 2 * self.padded_hidden * bp + self.k_split * g * u * bp + xw + (u * bp if self.spec.has_cell_state else 0)
         if self.one_sync:  # double-buffered partial sums of every block, and r * h
             floats += 2 * self.blocks * self.partial_rows * bp + self.padded_hidden * bp
+        if self.pipeline:  # the next layer's b_ih and shared weights
+            floats += self.bias_floats + self.next_shared_weight_floats
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
+
+    def pipe_floats(self, steps: int, batch: int) -> int:
+        """(pipeline) The global buffer of the next layers' projections."""
+        per_step = self.blocks * self.spec.num_gates * self.units_per_block * self.batch_stride(batch)
+        return (self.instances - 1) * steps * per_step if self.pipeline else 0
 
     def max_batch(self, shared_limit: int) -> int:
         """Most sequences one launch holds within ``shared_limit`` bytes per block (0: none)."""
@@ -319,6 +373,32 @@ class KernelConfig:
 
 
 _DEVICE_TYPES = {"float32": "float", "float16": "prnn_f16", "bfloat16": "prnn_bf16"}
+
+
+def _instance_fields(config: KernelConfig) -> list[tuple[str, str]]:
+    """(C type, name) of each per-instance kernel parameter, in order."""
+    io = _DEVICE_TYPES[config.dtype]
+    fields = [("const float*", "xw"), (f"const {io}*", "w_hh"), (f"const {io}*", "b_hh"), (f"const {io}*", "h0"),
+              (f"const {io}*", "c0"), (f"{io}*", "out"), (f"{io}*", "h_n"), (f"{io}*", "c_n"), ("int", "reverse")]
+    if config.pipeline:
+        fields += [(f"const {io}*", "w_next"), (f"const {io}*", "b_next")]
+    return fields
+
+
+def _instance_params(config: KernelConfig) -> str:
+    return ", ".join(f"{ctype} {name}_{i}" for i in range(config.instances) for ctype, name in _instance_fields(config))
+
+
+def _select_instance(config: KernelConfig) -> str:
+    """This block's instance's parameters as plain names (a select chain:
+    an indexed array of parameters would live in local memory)."""
+    statements = []
+    for ctype, name in _instance_fields(config):
+        chain = f"{name}_{config.instances - 1}"
+        for i in range(config.instances - 2, -1, -1):
+            chain = f"inst == {i} ? {name}_{i} : {chain}"
+        statements.append(f"{ctype} const {name} = {chain};")
+    return " ".join(statements)
 
 
 def render_source(config: KernelConfig) -> str:
@@ -351,6 +431,12 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_PROWS": config.partial_rows,
         "PRNN_BIAS_FLOATS": config.bias_floats,
         "PRNN_XW_DEPTH": config.prefetch_steps,
+        "PRNN_INSTANCES": config.instances,
+        "PRNN_PIPELINE": int(config.pipeline),
+        "PRNN_N_RPW": max(config.next_rows_per_group, 1),
+        "PRNN_N_KREG": config.register_k,
+        "PRNN_INSTANCE_PARAMS": _instance_params(config),
+        "PRNN_SELECT_INSTANCE": _select_instance(config),
     }
     first_gates = []
     for s, stage in enumerate(config.stages):
@@ -404,7 +490,7 @@ def compile_config(config: KernelConfig, arch: str | None = None) -> jit.Compile
 @dataclasses.dataclass
 class _DeviceBuffers:
     status: Any  # int32[1]
-    counters: Any  # uint32[2] as int32, grid barrier arrivals and exits
+    counters: Any  # uint32[2 + MAX_INSTANCES] as int32: grid-barrier arrivals, exits, each instance's progress
     exchange: Any  # float32 grid-mode h buffer, grown on demand
 
 
@@ -415,7 +501,7 @@ def _buffers(device: int, stream: int) -> _DeviceBuffers:
     dev = torch.device("cuda", device)
     return _DeviceBuffers(
         torch.zeros(1, dtype=torch.int32, device=dev),
-        torch.zeros(2, dtype=torch.int32, device=dev),
+        torch.zeros(2 + MAX_INSTANCES, dtype=torch.int32, device=dev),
         torch.empty(0, dtype=torch.float32, device=dev),
     )
 
@@ -424,6 +510,79 @@ def status_word(device: int, stream: int) -> Any:
     """The int32 word where this package's kernels launched on ``stream``
     report a failure (0: none); :func:`persistrnn.jit.check_status` reads it."""
     return _buffers(device, stream).status
+
+
+@dataclasses.dataclass
+class Instance:
+    """One recurrence of a launch (see :func:`run_instances`).
+
+    xw: (T, B, G*H) float32 input projections (None for a pipeline's later
+    layers, which get theirs from the layer before). w_hh (G*H, H), b_hh
+    (G*H,), h0, c0, h_n, c_n (B, H): the layer's dtype, contiguous. out:
+    (T, B, out_row), of which this instance writes columns
+    [out_column, out_column + H); None writes no output. w_next, b_next: the
+    next layer's W_ih (G*H, H) and b_ih (pipeline, all but the last).
+    """
+
+    xw: Any
+    w_hh: Any
+    b_hh: Any
+    h0: Any
+    c0: Any
+    out: Any
+    h_n: Any
+    c_n: Any
+    reverse: bool = False
+    out_column: int = 0
+    w_next: Any = None
+    b_next: Any = None
+
+
+def _address(t: Any, offset: int = 0) -> Any:
+    import numpy as np
+
+    return np.uint64(0 if t is None else t.data_ptr() + offset * t.element_size())
+
+
+def run_instances(config: KernelConfig, instances: list[Instance], steps: int, batch: int, *,
+                  check: bool = True) -> None:
+    """Launch ``config`` over ``instances`` (``config.instances`` of them).
+
+    Batches larger than one launch holds run as consecutive launches. The
+    tensors are taken as they are (the callers made them); :func:`run_recurrence`
+    is the checked single-recurrence entry.
+    """
+    import torch
+
+    if len(instances) != config.instances:
+        raise ValueError(f"expected {config.instances} instances for {config}, got {len(instances)}")
+    device = instances[0].w_hh.device
+    stream = torch.cuda.current_stream().cuda_stream
+    H, GH = config.hidden_size, config.spec.num_gates * config.hidden_size
+    out_row = next((i.out.shape[2] for i in instances if i.out is not None), H)
+    per_launch = batch_per_launch(config, device.index)
+    buffers = _buffers(device.index, stream)
+    for b0 in range(0, batch, per_launch):
+        nb = min(per_launch, batch - b0)
+        kernel, launch_config = _prepared_launch(config, device.index, nb)
+        if config.sync == "grid":
+            need = 2 * config.padded_hidden * config.batch_stride(nb)
+            if buffers.exchange.numel() < need:  # zeros: the kernel reads rows it never writes
+                buffers.exchange = torch.zeros(need, dtype=torch.float32, device=device)
+        pipe = torch.empty(config.pipe_floats(steps, nb), dtype=torch.float32, device=device) if config.pipeline else None
+        args = []
+        for i in instances:
+            c0 = i.c0 if i.c0 is not None else i.h0
+            c_n = i.c_n if i.c_n is not None else i.h_n
+            args += [_address(i.xw, b0 * GH), _address(i.w_hh), _address(i.b_hh), _address(i.h0, b0 * H),
+                     _address(c0, b0 * H), _address(i.out, b0 * out_row + i.out_column), _address(i.h_n, b0 * H),
+                     _address(c_n, b0 * H), int(i.reverse)]
+            if config.pipeline:
+                args += [_address(i.w_next), _address(i.b_next)]
+        args += [buffers.exchange, buffers.counters, _address(pipe), steps, nb, batch, out_row, buffers.status]
+        jit.launch(kernel, launch_config, *jit.kernel_args(*args))
+    if check:
+        check_launches(device.index, stream)
 
 
 def run_recurrence(
@@ -437,6 +596,7 @@ def run_recurrence(
     out: Any | None = None,
     h_n: Any | None = None,
     c_n: Any | None = None,
+    reverse: bool = False,
     check: bool = True,
 ) -> tuple[Any, Any, Any | None]:
     """Run the recurrence on precomputed input projections.
@@ -445,6 +605,8 @@ def run_recurrence(
         xw: (T, B, G*H) float32 CUDA tensor, ``x @ W_ih^T + b_ih``.
         w_hh: (G*H, H); b_hh: (G*H,); h0, c0: (B, H); all of ``config.dtype``.
         out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
+        reverse: run the steps from the last to the first (out[t] is still
+            the output at position t).
         check: synchronise and raise if the kernel reported a failure.
 
     Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None).
@@ -452,6 +614,9 @@ def run_recurrence(
     """
     import torch
 
+    if config.instances != 1:
+        raise ConfigError(f"run_recurrence runs one recurrence; {config} has {config.instances} instances "
+                          "(run_instances runs those)")
     spec = config.spec
     H, G = config.hidden_size, spec.num_gates
     if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
@@ -472,8 +637,6 @@ def run_recurrence(
     if T < 1 or B < 1:
         raise ValueError(f"expected at least one step and one sequence, got xw of shape {tuple(xw.shape)}")
 
-    per_launch = batch_per_launch(config, xw.device.index)
-
     def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
         if given is None:
             return torch.empty(shape, dtype=dtype, device=xw.device)
@@ -482,40 +645,9 @@ def run_recurrence(
 
     out = destination("out", out, (T, B, H))
     h_n = destination("h_n", h_n, (B, H))
-    c_n = destination("c_n", c_n, (B, H)) if spec.has_cell_state else h_n
-    c0_arg = c0 if spec.has_cell_state else h0
-    buffers = _buffers(xw.device.index, torch.cuda.current_stream().cuda_stream)
-
-    for b0 in range(0, B, per_launch):
-        nb = min(per_launch, B - b0)
-        kernel, launch_config = _prepared_launch(config, xw.device.index, nb)
-        if config.sync == "grid":
-            need = 2 * config.padded_hidden * config.batch_stride(nb)
-            if buffers.exchange.numel() < need:  # zeros: the kernel reads rows it never writes
-                buffers.exchange = torch.zeros(need, dtype=torch.float32, device=xw.device)
-        jit.launch(
-            kernel,
-            launch_config,
-            *jit.kernel_args(
-                xw[:, b0:],
-                w_hh,
-                b_hh,
-                h0[b0:],
-                c0_arg[b0:],
-                out[:, b0:],
-                h_n[b0:],
-                c_n[b0:],
-                buffers.exchange,
-                buffers.counters,
-                T,
-                nb,
-                B,
-                buffers.status,
-            ),
-        )
-    if check:
-        check_launches(xw.device.index, torch.cuda.current_stream().cuda_stream)
-    return out, h_n, (c_n if spec.has_cell_state else None)
+    c_n = destination("c_n", c_n, (B, H)) if spec.has_cell_state else None
+    run_instances(config, [Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n, reverse)], T, B, check=check)
+    return out, h_n, c_n
 
 
 def check_launches(device: int, stream: int) -> None:
@@ -552,9 +684,9 @@ def _prepared_launch(config: KernelConfig, device: int, batch: int) -> tuple[jit
 
 def _launch_config(kernel: jit.LoadedKernel, config: KernelConfig, shared: int) -> Any:
     if config.sync == "single":
-        return kernel.config(1, config.threads, shared=shared)
+        return kernel.config(config.instances, config.threads, shared=shared)
     if config.sync == "cluster":
-        return kernel.config(config.blocks, config.threads, shared=shared, cluster=config.blocks)
+        return kernel.config(config.blocks * config.instances, config.threads, shared=shared, cluster=config.blocks)
     return kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
 
 
@@ -612,6 +744,65 @@ def forward_layer(
     ``x`` is (T, B, I) of ``config.dtype``; the rest as in :func:`run_recurrence`.
     """
     return run_recurrence(config, input_projection(x, w_ih, b_ih), w_hh, b_hh, h0, c0, check=check)
+
+
+def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: Any, h0: Any, c0: Any | None, *,
+                  check: bool = True) -> tuple[Any, Any, Any | None]:
+    """A whole model on ``config``: every layer and direction.
+
+    ``layers[l][d]`` holds the tensors ``w_ih``, ``w_hh``, ``b_ih``, ``b_hh``
+    of layer l, direction d (1: reverse); ``x`` is (T, B, I); ``h0``, ``c0``
+    are (L*D, B, H). Returns (output (T, B, D*H), h_n, c_n (L*D, B, H)).
+
+    A pipeline configuration runs all layers in one launch; one with two
+    instances runs a bidirectional layer's directions in one launch;
+    otherwise each layer and direction is a launch of its own. The reverse
+    direction runs its steps backwards in the kernel (no flipped copies).
+    """
+    import torch
+
+    L, D = len(layers), len(layers[0])
+    T, B, _ = x.shape
+    H = config.hidden_size
+    has_c = config.spec.has_cell_state
+    h0 = h0.contiguous()
+    c0 = c0.contiguous() if has_c else None
+    h_n = torch.empty_like(h0)
+    c_n = torch.empty_like(c0) if has_c else None
+
+    def instance(l: int, d: int, xw: Any, out: Any) -> Instance:
+        i = l * D + d
+        p = layers[l][d]
+        return Instance(xw, p["w_hh"], p["b_hh"], h0[i], c0[i] if has_c else None, out, h_n[i],
+                        c_n[i] if has_c else None, reverse=d == 1, out_column=d * H)
+
+    if config.pipeline:
+        if D != 1 or config.instances != L:
+            raise ConfigError(f"{config} runs {config.instances} layers of one direction; the model has {L} "
+                              f"layer(s) of {D} direction(s)")
+        out = torch.empty(T, B, H, dtype=x.dtype, device=x.device)
+        first = layers[0][0]
+        instances = [instance(l, 0, input_projection(x, first["w_ih"], first["b_ih"]) if l == 0 else None,
+                              out if l == L - 1 else None) for l in range(L)]
+        for l in range(L - 1):
+            instances[l].w_next, instances[l].b_next = layers[l + 1][0]["w_ih"], layers[l + 1][0]["b_ih"]
+        run_instances(config, instances, T, B, check=check)
+        return out, h_n, c_n
+    if config.instances not in (1, D):
+        raise ConfigError(f"{config} runs {config.instances} recurrences at once; the model has {D} direction(s)")
+    layer_input = x
+    for l in range(L):
+        out = torch.empty(T, B, D * H, dtype=x.dtype, device=x.device)
+        group = [instance(l, d, input_projection(layer_input, layers[l][d]["w_ih"], layers[l][d]["b_ih"]), out)
+                 for d in range(D)]
+        last = l == L - 1
+        if config.instances == D:
+            run_instances(config, group, T, B, check=check and last)
+        else:
+            for d, one in enumerate(group):
+                run_instances(config, [one], T, B, check=check and last and d == D - 1)
+        layer_input = out
+    return layer_input, h_n, c_n
 
 
 # ----------------------------------------------------------------------------

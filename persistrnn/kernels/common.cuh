@@ -9,6 +9,7 @@ typedef unsigned long long prnn_u64;
 #define PRNN_STATUS_OK 0
 #define PRNN_STATUS_GRID_BARRIER_TIMEOUT 1
 #define PRNN_STATUS_CLUSTER_WAIT_TIMEOUT 2
+#define PRNN_STATUS_PIPELINE_WAIT_TIMEOUT 3
 
 // Every spin loop gives up after this long and reports, so a kernel whose
 // blocks are not all resident fails instead of hanging. 2 s is ~10^6 steps of
@@ -52,26 +53,27 @@ __device__ __forceinline__ void prnn_grid_arrive(prnn_u32* counter) {
     if (threadIdx.x == 0) prnn_red_release_gpu_add(counter, 1u);
 }
 
+// Wait until *counter reaches target (acquire), by one thread; bounded like
+// every spin loop, and quick to give up once another block has failed.
+__device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_u32 target, int* status, int code) {
+    if (prnn_ld_acquire_gpu(counter) >= target) return true;
+    const prnn_u64 start = prnn_globaltimer();
+    prnn_u32 polls = 0;
+    while (prnn_ld_acquire_gpu(counter) < target) {
+        if (++polls % PRNN_POLLS_PER_CLOCK_READ == 0 &&
+            (prnn_failed(status) || prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS)) {
+            prnn_fail(status, code);
+            return false;
+        }
+    }
+    return true;
+}
+
 // Returns false (and sets *status) if the other blocks did not arrive within
 // the timeout.
 __device__ __forceinline__ bool prnn_grid_wait(prnn_u32* counter, prnn_u32 target, int* status) {
     __shared__ int arrived;
-    if (threadIdx.x == 0) {
-        int ok = 1;
-        if (prnn_ld_acquire_gpu(counter) < target) {
-            const prnn_u64 start = prnn_globaltimer();
-            prnn_u32 polls = 0;
-            while (prnn_ld_acquire_gpu(counter) < target) {
-                if (++polls % PRNN_POLLS_PER_CLOCK_READ == 0 &&
-                    (prnn_failed(status) || prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS)) {
-                    prnn_fail(status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
-                    ok = 0;
-                    break;
-                }
-            }
-        }
-        arrived = ok;
-    }
+    if (threadIdx.x == 0) arrived = prnn_wait_counter(counter, target, status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
     __syncthreads();
     return arrived;
 }
@@ -181,6 +183,13 @@ __device__ __forceinline__ void prnn_st_async_v4(prnn_u32 remote_addr, float4 v,
 // 4 bytes, bypassing registers; completes with the group it is committed in.
 __device__ __forceinline__ void prnn_cp_async_4(void* smem_dst, const void* global_src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(prnn_smem_addr(smem_dst)), "l"(global_src)
+                 : "memory");
+}
+
+// 16 bytes through L2 only (.cg): data another SM wrote during this launch
+// must not be served from a stale L1 line.
+__device__ __forceinline__ void prnn_cp_async_16_cg(void* smem_dst, const void* global_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(prnn_smem_addr(smem_dst)), "l"(global_src)
                  : "memory");
 }
 

@@ -39,8 +39,27 @@
 // one vector load. Exchange e (stage s of step t is e = t * STAGES + s) lands
 // in buffer e & 1; the initial state is exchange -1, buffer 1.
 //
+// Instances (PRNN_INSTANCES > 1): one launch runs several independent
+// recurrences on disjoint blocks (sync 'single': a block each; 'cluster': a
+// cluster each), each with its own pointers (the generated PRNN_INSTANCE_*
+// parameters), e.g. the two directions of a bidirectional layer. A reverse
+// instance runs its sequence from the last step to the first.
+//
+// PRNN_PIPELINE: the instances are consecutive layers, fused. Instance i
+// also multiplies the next layer's input weights by its own new h (one step
+// late, beside its own product on the same operand), adds b_ih, and writes
+// the result to `pipe` in the next instance's shared-memory slot layout
+// [T][NB][G*U][BP], then counts the step in progress[i] (release). Instance
+// i + 1 prefetches its projections from there instead of xw, once all NB
+// producer blocks counted the step (acquire). So layer l runs step t while
+// layer l + 1 runs step t - DEPTH - 1: L layers take about
+// T + (L - 1) * (DEPTH + 1) steps instead of L * T. A producer never waits
+// for its consumer (pipe holds every step), so the fused launch cannot
+// deadlock even if its instances are not all resident at once.
+//
 // Configuration macros come from persistrnn/persistent.py (KernelConfig),
-// together with the cell's generated pointwise functions.
+// together with the cell's generated pointwise functions and the instance
+// parameter lists.
 
 #define PRNN_NWG (PRNN_THREADS / PRNN_WGS)
 
@@ -55,6 +74,8 @@ struct prnn_smem_layout {
     float* w;       // weights that do not fit in registers
     float* part;    // one-sync: [2][NB][PROWS][BP] every block's partial sums of U_r h (+ x_r + b_r)
     float* rh;      // one-sync: [KPAD][BP] r * h for every unit
+    float* bias_next;  // pipeline: [G][U] b_ih of the next layer's rows
+    float* w_next;     // pipeline: the next layer's input weights that do not fit in registers
 };
 
 __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
@@ -67,6 +88,8 @@ __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     L.w = L.bias + PRNN_BIAS_FLOATS;
     L.part = L.w + PRNN_SHARED_W_FLOATS;
     L.rh = L.part + (PRNN_ONE_SYNC ? 2 * PRNN_NB * PRNN_PROWS * BP : 0);
+    L.bias_next = L.rh + (PRNN_ONE_SYNC ? PRNN_KPAD * BP : 0);
+    L.w_next = L.bias_next + (PRNN_PIPELINE ? PRNN_BIAS_FLOATS : 0);
     return L;
 }
 
@@ -90,17 +113,18 @@ __device__ __forceinline__ void prnn_stage_matmul(const float (&w)[RPW][KREG > 0
     });
 }
 
-// Registers (and shared overflow) of one stage's weights for this thread.
-template <int STAGE, int NG, int RPW, int KREG>
-__device__ __forceinline__ void prnn_load_stage_weights(const io_t* __restrict__ w_hh,
-                                                        float (&w)[RPW][KREG > 0 ? KREG : 1], float* w_shared,
-                                                        int blk, int wg, int lane) {
+// Registers (and shared overflow) of this thread's rows of NG consecutive
+// gates from `first_gate` (one stage's, or the next layer's input weights).
+template <int NG, int RPW, int KREG>
+__device__ __forceinline__ void prnn_load_row_weights(const io_t* __restrict__ w_hh, int first_gate,
+                                                      float (&w)[RPW][KREG > 0 ? KREG : 1], float* w_shared,
+                                                      int blk, int wg, int lane) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         const int row = wg + r * PRNN_NWG;
         const int unit = blk * PRNN_U + row % PRNN_U;
         const bool valid = row < NG * PRNN_U && unit < PRNN_H;
-        const int grow = valid ? prnn_stage_gate(STAGE, row / PRNN_U) * PRNN_H + unit : 0;
+        const int grow = valid ? (first_gate + row / PRNN_U) * PRNN_H + unit : 0;
 #pragma unroll
         for (int j = 0; j < PRNN_KPT; ++j) {
             const int k = lane + j * PRNN_WGS;
@@ -203,10 +227,11 @@ __device__ __forceinline__ prnn_walk prnn_make_walk(int columns) {
     for (int row = (walk).row0, b = (walk).b0; row < (rows);                                    \
          row += (walk).drow, b += (walk).db, row += b >= (B) ? 1 : 0, b -= b >= (B) ? (B) : 0)
 
-// xw[t][b][g*H + u] for this block's units -> xs[g][u][b], asynchronously.
-__device__ __forceinline__ void prnn_prefetch_xw(const float* __restrict__ xw, float* xs, int t, int B, int BP,
+// xw[p][b][g*H + u] for this block's units -> slot t of xs, [g][u][b],
+// asynchronously (p: the sequence position step t reads).
+__device__ __forceinline__ void prnn_prefetch_xw(const float* __restrict__ xw, float* xs, int t, int p, int B, int BP,
                                                  long long step_stride, int blk, prnn_walk walk) {
-    const float* src = xw + t * step_stride;
+    const float* src = xw + p * step_stride;
     xs += (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
     PRNN_FOR_PAIRS(walk, PRNN_G * PRNN_U, B, gu, b) {
         const int u = gu % PRNN_U, g = gu / PRNN_U, unit = blk * PRNN_U + u;
@@ -231,6 +256,28 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
     }
 }
 
+#if PRNN_PIPELINE
+// Step t's projections from the previous layer's producer blocks:
+// pipe[t][blk] (already in the slot layout) -> slot t of xs. Warp 0 waits
+// for every producer block's count of step t, then copies 16 bytes a lane.
+__device__ __forceinline__ void prnn_prefetch_pipe(const float* __restrict__ pipe, const prnn_u32* progress, float* xs,
+                                                   int t, int BP, int blk, int* status) {
+    const int floats = PRNN_G * PRNN_U * BP;  // a multiple of 4: U % 4 == 0 or BP % 4 == 0
+    if (threadIdx.x < 32) {
+        int ready = 1;
+        if (threadIdx.x == 0)
+            ready = prnn_wait_counter(progress, (prnn_u32)(PRNN_NB * (t + 1)), status,
+                                      PRNN_STATUS_PIPELINE_WAIT_TIMEOUT);
+        if (__shfl_sync(PRNN_FULL_MASK, ready, 0)) {
+            const float* src = pipe + ((long long)t * PRNN_NB + blk) * floats;
+            float* dst = xs + (t % (PRNN_XW_DEPTH + 1)) * floats;
+            for (int q = threadIdx.x * 4; q < floats; q += 32 * 4) prnn_cp_async_16_cg(dst + q, src + q);
+        }
+    }
+    prnn_cp_async_commit();
+}
+#endif
+
 #if PRNN_SYNC == 1
 // `vectors` float4s at `mine` into the same place in every peer's shared
 // memory, completing on the peers' `bar`. One (peer, vector) pair per thread
@@ -248,18 +295,20 @@ __device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* 
 }
 #endif
 
+// Per instance i, as PRNN_INSTANCE_PARAMS lists them (suffix _i):
+//   xw      [T][ld][G*H] input projection incl. b_ih, fp32 (unused by a pipeline consumer)
+//   w_hh    [G*H][H], b_hh [G*H]
+//   h0, c0  [ld][H] (c0: cells with a cell state)
+//   out     [T][ld][out_row], this instance's H columns (null: not written)
+//   h_n, c_n [ld][H]
+//   reverse 1: run positions T-1 .. 0
+//   w_next  [G*H][H], b_next [G*H]: the next layer's W_ih, b_ih (pipeline; null for the last)
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
-prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection incl. b_ih, fp32
-                const io_t* __restrict__ w_hh,   // [G*H][H]
-                const io_t* __restrict__ b_hh,   // [G*H]
-                const io_t* __restrict__ h0,     // [ld][H]
-                const io_t* __restrict__ c0,     // [ld][H] (cells with a cell state)
-                io_t* __restrict__ out,          // [T][ld][H]
-                io_t* __restrict__ h_n,          // [ld][H]
-                io_t* __restrict__ c_n,          // [ld][H]
+prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
-                prnn_u32* __restrict__ counters, // grid mode: barrier arrivals, exits
-                int T, int B, int ld, int* __restrict__ status) {
+                prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
+                float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
+                int T, int B, int ld, int out_row, int* __restrict__ status) {
     extern __shared__ __align__(16) float smem[];
     const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN + PRNN_BP_PAD;
     const int Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
@@ -267,14 +316,34 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
     const int tid = threadIdx.x, wg = tid / PRNN_WGS, lane = tid % PRNN_WGS;  // a warp under PRNN_MMA
 #if PRNN_SYNC == 1
     const int blk = (int)prnn_cluster_rank();
+    const int inst = blockIdx.x / PRNN_NB;
     __shared__ prnn_u64 bars[2];
 #elif PRNN_SYNC == 2
     const int blk = blockIdx.x;
+    const int inst = 0;
 #else
     const int blk = 0;
+    const int inst = blockIdx.x;
 #endif
+    PRNN_SELECT_INSTANCE  // this instance's pointers: xw, w_hh, ..., reverse (and w_next, b_next)
     const long long step_stride = (long long)ld * PRNN_G * PRNN_H;
+    const long long out_step = (long long)ld * out_row;
     const prnn_walk walk = prnn_make_walk(B);
+#if PRNN_PIPELINE
+    const bool produces = inst + 1 < PRNN_INSTANCES;  // computes the next layer's projections
+    const bool consumes = inst > 0;                   // reads its projections from the previous layer
+    const long long pipe_stride = (long long)T * PRNN_NB * PRNN_G * PRNN_U * BP;  // one producer's steps
+    float* pipe_out = pipe + inst * pipe_stride;
+    const float* pipe_in = pipe + (inst - 1) * pipe_stride;
+    prnn_u32* progress = counters + 2;
+#define PRNN_PREFETCH(t)                                                                                \
+    if (consumes)                                                                                       \
+        prnn_prefetch_pipe(pipe_in, progress + inst - 1, L.xw, t, BP, blk, status);                     \
+    else                                                                                                \
+        prnn_prefetch_xw(xw, L.xw, t, reverse ? T - 1 - (t) : (t), B, BP, step_stride, blk, walk)
+#else
+#define PRNN_PREFETCH(t) prnn_prefetch_xw(xw, L.xw, t, reverse ? T - 1 - (t) : (t), B, BP, step_stride, blk, walk)
+#endif
 
     // A step is shorter than a global load's latency, so the projections are
     // fetched DEPTH steps ahead (one step ahead measured ~1.2 us per step, the
@@ -284,10 +353,11 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
     // then costs no time on the step's critical path.
 #pragma unroll
     for (int t = 0; t < PRNN_XW_DEPTH; ++t)
-        if (t < T)
-            prnn_prefetch_xw(xw, L.xw, t, B, BP, step_stride, blk, walk);
-        else
+        if (t < T) {
+            PRNN_PREFETCH(t);
+        } else {
             prnn_cp_async_commit();
+        }
 
 #if PRNN_MMA
     prnn_u32 w0[PRNN_S0_MTW][PRNN_KTW][4];
@@ -300,15 +370,41 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
 #else
     float w0[PRNN_S0_RPW][PRNN_S0_KREG > 0 ? PRNN_S0_KREG : 1];
     float* w0_shared = L.w + tid;
-    prnn_load_stage_weights<0, PRNN_S0_NG, PRNN_S0_RPW, PRNN_S0_KREG>(w_hh, w0, w0_shared, blk, wg, lane);
+    prnn_load_row_weights<PRNN_S0_NG, PRNN_S0_RPW, PRNN_S0_KREG>(w_hh, prnn_stage_gate(0, 0), w0, w0_shared, blk, wg,
+                                                                 lane);
 #define PRNN_STAGE_PRODUCT(s)                                                                              \
     prnn_stage_matmul<s, PRNN_S##s##_NG, PRNN_S##s##_RPW, PRNN_S##s##_KREG>(w##s, w##s##_shared, operand, L.gates, \
                                                                            wg, lane, BP, Bc)
 #if PRNN_STAGES > 1
     float w1[PRNN_S1_RPW][PRNN_S1_KREG > 0 ? PRNN_S1_KREG : 1];
     float* w1_shared = w0_shared + (PRNN_KPT - PRNN_S0_KREG) * PRNN_S0_RPW * PRNN_THREADS;
-    prnn_load_stage_weights<1, PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w_hh, w1, w1_shared, blk, wg, lane);
+    prnn_load_row_weights<PRNN_S1_NG, PRNN_S1_RPW, PRNN_S1_KREG>(w_hh, prnn_stage_gate(1, 0), w1, w1_shared, blk, wg,
+                                                                 lane);
 #endif
+#endif
+#if PRNN_PIPELINE
+    // The next layer's W_ih rows of this block's units, every gate (G*U rows),
+    // and its b_ih; the last instance has none.
+    float wn[PRNN_N_RPW][PRNN_N_KREG > 0 ? PRNN_N_KREG : 1];
+    float* wn_shared = L.w_next + tid;
+    if (produces) {
+        prnn_load_row_weights<PRNN_G, PRNN_N_RPW, PRNN_N_KREG>(w_next, 0, wn, wn_shared, blk, wg, lane);
+        for (int i = tid; i < PRNN_G * PRNN_U; i += PRNN_THREADS) {
+            const int unit = blk * PRNN_U + i % PRNN_U;
+            L.bias_next[i] = unit < PRNN_H ? prnn_to_float(b_next[(i / PRNN_U) * PRNN_H + unit]) : 0.0f;
+        }
+    }
+    const int next_rows = (PRNN_G * PRNN_U - wg + PRNN_NWG - 1) / PRNN_NWG;  // this group's valid rows
+    // The next layer's projections of position p from h_p (complete in
+    // `operand`) into pipe_out[p][blk]; the caller counts them in
+    // progress[inst] once the block's stores are done.
+    auto next_layer_product = [&](const float* operand, int p) {
+        float* dst = pipe_out + ((long long)p * PRNN_NB + blk) * PRNN_G * PRNN_U * BP + wg * BP;
+        prnn_group_product<PRNN_N_RPW, PRNN_KPT, PRNN_N_KREG>(
+            wn, wn_shared, operand, lane, BP, Bc, next_rows, [&](int r, int b, float v) {
+                __stcg(dst + r * PRNN_NWG * BP + b, v + L.bias_next[wg + r * PRNN_NWG]);
+            });
+    };
 #endif
 #if PRNN_ONE_SYNC
     // U_r[:, this block's units] (r is gate 0): rows wg, wg + NWG, ...; columns
@@ -441,10 +537,18 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
                 PRNN_STAGE_PRODUCT(1);
 #endif
 #endif
+#if PRNN_PIPELINE
+            // h_{t-1} is stage 0's operand: the next layer's input at t - 1.
+            const bool forwards = produces && stage == 0 && t > 0;
+            if (forwards) next_layer_product(operand, t - 1);
+#endif
             // Groups for steps 0 .. t + DEPTH - 1 are committed: this step's
             // has landed once at most DEPTH - 1 remain in flight.
             if (stage == PRNN_FIRST_STAGE) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
             __syncthreads();
+#if PRNN_PIPELINE
+            if (forwards && tid == 0) prnn_red_release_gpu_add(progress + inst, 1u);  // after the block's stores
+#endif
 
             // Pointwise: one (unit, batch column) per thread and pass.
             const bool last_stage = stage == PRNN_STAGES - 1;
@@ -475,7 +579,8 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
 #else
                     prnn_pointwise(xg, hg, h, value);
 #endif
-                    out[((long long)t * ld + b) * PRNN_H + unit] = prnn_from_float<io_t>(value);
+                    if (out) out[(reverse ? T - 1 - t : t) * out_step + (long long)b * out_row + unit] =
+                                 prnn_from_float<io_t>(value);
                     if (t == T - 1) h_n[(long long)b * PRNN_H + unit] = prnn_from_float<io_t>(value);
                 }
 #if PRNN_SYNC == 2
@@ -488,12 +593,13 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
             // While the exchange is in flight: the projections of step
             // t + DEPTH, into the slot step t - 1 read (the exchange's
             // __syncthreads orders that read before these writes).
-#define PRNN_PREFETCH_AHEAD()                                                                \
-    if (last_stage) {                                                                        \
-        if (t + PRNN_XW_DEPTH < T)                                                           \
-            prnn_prefetch_xw(xw, L.xw, t + PRNN_XW_DEPTH, B, BP, step_stride, blk, walk);  \
-        else                                                                                 \
-            prnn_cp_async_commit();                                                          \
+#define PRNN_PREFETCH_AHEAD()                 \
+    if (last_stage) {                         \
+        if (t + PRNN_XW_DEPTH < T) {          \
+            PRNN_PREFETCH(t + PRNN_XW_DEPTH); \
+        } else {                              \
+            prnn_cp_async_commit();           \
+        }                                     \
     }
             // One-sync: the partial sums for r at step t + 1 travel with this
             // exchange; they need step t + 1's x_r (this thread's copies
@@ -546,16 +652,27 @@ prnn_recurrence(const float* __restrict__ xw,  // [T][ld][G*H] input projection 
             if (!ok) break;
         }
     }
+#if PRNN_PIPELINE
+    // The next layer's input at the last position, from h_{T-1}.
+    if (ok && produces) {
+        next_layer_product(L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP, T - 1);
+        __syncthreads();
+        if (tid == 0) prnn_red_release_gpu_add(progress + inst, 1u);
+    }
+#endif
     prnn_cp_async_wait<0>();
 #if PRNN_SYNC == 1
     prnn_cluster_sync();  // no block leaves while a peer may still write its shared memory
-#elif PRNN_SYNC == 2
+#endif
+#if PRNN_SYNC == 2 || PRNN_PIPELINE
     // The last block out resets the counters: every block has passed every
-    // barrier by then, so the next launch (or graph replay) starts from zero.
+    // barrier and read every count by then, so the next launch (or graph
+    // replay) starts from zero.
     __syncthreads();
-    if (tid == 0 && atomicAdd(&counters[1], 1u) == PRNN_NB - 1) {
+    if (tid == 0 && atomicAdd(&counters[1], 1u) == PRNN_NB * PRNN_INSTANCES - 1) {
         counters[0] = 0;
         counters[1] = 0;
+        for (int i = 0; i < PRNN_INSTANCES; ++i) counters[2 + i] = 0;
         __threadfence();
     }
 #endif

@@ -33,8 +33,8 @@ def explain(model: Any, batch: int, *, top: int = 5, file: TextIO | None = None)
     """Print the plan for ``model`` at ``batch`` (the tuned choice if one is
     cached, else the cost model's) and the model's ``top`` ranked
     configurations with their predicted cost by term. Returns the plan."""
-    from .. import jit
     from . import model as cost, space
+    from .tuner import ranked_configs
 
     out = file or sys.stdout
     shape = _shape(model)
@@ -42,7 +42,7 @@ def explain(model: Any, batch: int, *, top: int = 5, file: TextIO | None = None)
     print(chosen.describe(), file=out)
     cm = cost.cost_model(progress=False)
     bucket = space.batch_bucket(batch)
-    ranked = cm.rank(space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, jit.device_facts()), bucket)
+    ranked = ranked_configs(shape, bucket, cm)
     if ranked:
         print(f"  cost model, top {min(top, len(ranked))} of {len(ranked)} configurations "
               f"(µs per step: product + pointwise + barriers + exchange):", file=out)

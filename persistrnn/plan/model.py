@@ -247,6 +247,15 @@ class CostModel:
             total = cost if total is None else total + cost
         return total
 
+    def _rows_ns(self, config: KernelConfig, w: int, rows: int, per_launch: int) -> float:
+        """ns of an FFMA product of ``rows`` rows per work group over the batch:
+        the register chunks, plus the shared ones."""
+        tile, group = config.batch_tile, config.group_size
+        ns = self._product_ns(w, rows, tile, group, config.register_k, False)
+        if config.shared_k_chunks:
+            ns += self._product_ns(w, rows, tile, group, config.shared_k_chunks, True)
+        return math.ceil(per_launch / tile) * ns
+
     def _launch_cost(self, config: KernelConfig, per_launch: int) -> StepCost:
         w = max(1, config.threads // WARP // SCHEDULERS_PER_SM)
         spec = config.spec
@@ -257,13 +266,9 @@ class CostModel:
                 sequential = config.m_tiles_per_warp(s) * config.k_tiles_per_warp * math.ceil(per_launch / 8)
                 product += sequential * self._mma_ns(w, config.m_tiles_per_warp(s))
                 continue
-            chunks = math.ceil(per_launch / config.batch_tile)
-            rows = config.rows_per_group(s)
-            product += chunks * (self._product_ns(w, rows, config.batch_tile, config.group_size, config.register_k,
-                                                  False)
-                                 + (self._product_ns(w, rows, config.batch_tile, config.group_size,
-                                                     config.shared_k_chunks, True)
-                                    if config.shared_k_chunks else 0.0))
+            product += self._rows_ns(config, w, config.rows_per_group(s), per_launch)
+        if config.pipeline:  # the next layer's input product, on the same operand
+            product += self._rows_ns(config, w, config.next_rows_per_group, per_launch)
         elements = config.units_per_block * per_launch
         passes = math.ceil(elements / config.threads)
         # A pass is latency-bound with few elements: it costs what the bench

@@ -86,8 +86,10 @@ def _mappings(dtype: str, threads: int, batch: int, k_per_thread) -> Iterator[di
                            k_split=k_split)
 
 
-def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: DeviceFacts) -> Iterator[KernelConfig]:
-    """Every well-formed configuration for the layer (before pruning)."""
+def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: DeviceFacts, *, instances: int = 1,
+                    pipeline: bool = False) -> Iterator[KernelConfig]:
+    """Every well-formed configuration for the layer (before pruning), each
+    running ``instances`` recurrences per launch (a ``pipeline`` of layers)."""
     one_sync_options = (False, True) if cell == "gru_reset_before" else (False,)
     for sync, blocks in block_counts(hidden_size, facts.sm_count):
         for threads in THREADS:
@@ -97,7 +99,8 @@ def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: 
                 for one_sync in one_sync_options:
                     try:
                         yield KernelConfig(cell, hidden_size, sync, blocks, threads, prefetch_steps=PREFETCH_STEPS,
-                                           dtype=dtype, one_sync=one_sync, **mapping)
+                                           dtype=dtype, one_sync=one_sync, instances=instances, pipeline=pipeline,
+                                           **mapping)
                     except ConfigError:
                         continue
 
@@ -132,8 +135,9 @@ def prune(config: KernelConfig, batch: int, facts: DeviceFacts) -> str | None:
     if config.max_batch(facts.shared_per_block_optin) < 1:
         return (f"needs {config.shared_bytes(config.batch_align)} bytes of shared memory per block, "
                 f"the device allows {facts.shared_per_block_optin}")
-    if config.sync != "single" and config.blocks > facts.sm_count:
-        return f"needs {config.blocks} co-resident blocks of one SM each, the device has {facts.sm_count} SMs"
+    if config.blocks * config.instances > facts.sm_count:
+        return (f"needs {config.blocks * config.instances} co-resident blocks of one SM each, the device has "
+                f"{facts.sm_count} SMs")
     if config.threads > facts.max_threads_per_sm:
         return f"{config.threads} threads exceed the {facts.max_threads_per_sm} an SM holds"
     idle = idle_fraction(config)
@@ -142,7 +146,9 @@ def prune(config: KernelConfig, batch: int, facts: DeviceFacts) -> str | None:
     return None
 
 
-def pruned_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: DeviceFacts) -> list[KernelConfig]:
+def pruned_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: DeviceFacts, *, instances: int = 1,
+                 pipeline: bool = False) -> list[KernelConfig]:
     """The configurations :func:`prune` keeps, in enumeration order."""
-    return [c for c in enumerate_space(cell, hidden_size, batch, dtype, facts) if prune(c, batch, facts) is None]
+    return [c for c in enumerate_space(cell, hidden_size, batch, dtype, facts, instances=instances, pipeline=pipeline)
+            if prune(c, batch, facts) is None]
 

@@ -33,12 +33,14 @@ from . import model as cost
 from . import space
 
 PATHS = ("persistent", "fallback", "cudnn")
-"""persistent: one launch per layer (this package's kernels); fallback: the
-non-persistent path (:mod:`persistrnn.fallback`); cudnn: torch's own module."""
+"""persistent: this package's kernels (all layers fused in one launch, both
+directions of a layer in one launch, or a launch per layer and direction, as
+the configuration says); fallback: the non-persistent path
+(:mod:`persistrnn.fallback`); cudnn: torch's own module."""
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,7 @@ class ModelShape:
     hidden_size: int
     num_layers: int = 1
     dtype: str = "float32"
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         get_cell(self.cell)  # raises for an unknown cell
@@ -59,9 +62,15 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{name}: expected a positive int, got {value!r}")
         if self.dtype not in persistent.DTYPES:
             raise ValueError(f"ModelShape.dtype: expected one of {persistent.DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.bidirectional, bool):
+            raise ValueError(f"ModelShape.bidirectional: expected a bool, got {self.bidirectional!r}")
+
+    @property
+    def directions(self) -> int:
+        return 2 if self.bidirectional else 1
 
     def layer_input(self, layer: int) -> int:
-        return self.input_size if layer == 0 else self.hidden_size
+        return self.input_size if layer == 0 else self.directions * self.hidden_size
 
 
 def shape_of(module: Any) -> ModelShape:
@@ -79,7 +88,8 @@ def shape_of(module: Any) -> ModelShape:
     if getattr(module, "proj_size", 0):
         raise ValueError(f"proj_size={module.proj_size}: the persistent kernels run LSTMs without projections")
     dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
-    return ModelShape(cell, module.input_size, module.hidden_size, module.num_layers, dtype)
+    return ModelShape(cell, module.input_size, module.hidden_size, module.num_layers, dtype,
+                      bool(module.bidirectional))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +130,8 @@ class Plan:
 
     def describe(self) -> str:
         s = self.shape
-        lines = [f"{s.cell} input {s.input_size}, hidden {s.hidden_size}, {s.num_layers} layer(s), {s.dtype}, "
+        lines = [f"{s.cell} input {s.input_size}, hidden {s.hidden_size}, {s.num_layers} layer(s)"
+                 f"{', bidirectional' if s.bidirectional else ''}, {s.dtype}, "
                  f"batch bucket {self.batch_bucket}: {self.path} ({self.source})",
                  f"  why: {self.reason}"]
         if self.config is not None:
@@ -129,7 +140,7 @@ class Plan:
                          f"{c.group_size}, batch tile {c.batch_tile}, {c.units_per_block} units per block, "
                          f"{c.register_k} register / {c.shared_k_chunks} shared chunks per lane, math {c.math}"
                          + (f", k_split {c.k_split}" if c.math == "mma" else "")
-                         + (", one sync" if c.one_sync else ""))
+                         + (", one sync" if c.one_sync else "") + _layout(c))
         if self.predicted_us is not None:
             lines.append(f"  predicted: {self.predicted_us:.2f} µs per step")
         for label, ms in sorted(self.measured_ms.items(), key=lambda kv: kv[1]):
@@ -179,10 +190,37 @@ def store_plan(key: dict[str, Any], plan: Plan) -> None:
 # ----------------------------------------------------------------------------
 
 
-def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel) -> list[tuple[float, KernelConfig]]:
-    """The pruned space, cheapest predicted first."""
-    configs = space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts)
-    return model.rank(configs, bucket)
+def layouts(shape: ModelShape) -> list[dict[str, Any]]:
+    """How the model's recurrences can share launches: always one launch per
+    layer and direction; also both directions of a layer at once
+    (bidirectional), or all layers fused in a pipeline (unidirectional, up to
+    :data:`persistrnn.persistent.MAX_INSTANCES` layers)."""
+    out: list[dict[str, Any]] = [{}]
+    if shape.bidirectional:
+        out.append(dict(instances=2))
+    elif 2 <= shape.num_layers <= persistent.MAX_INSTANCES:
+        out.append(dict(instances=shape.num_layers, pipeline=True))
+    return out
+
+
+def forward_steps(config: KernelConfig, shape: ModelShape, steps: int) -> int:
+    """Steps a forward of ``steps`` time steps costs on ``config``, one after
+    another: a pipeline's last layer starts prefetch_steps + 1 steps after the
+    layer before it."""
+    if config.pipeline:
+        return steps + (shape.num_layers - 1) * (config.prefetch_steps + 1)
+    return shape.num_layers * steps * (shape.directions // config.instances)
+
+
+def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
+                   steps: int = DEFAULT_STEPS) -> list[tuple[float, KernelConfig]]:
+    """(predicted µs per step, config) over every layout's pruned space,
+    cheapest predicted forward of ``steps`` steps first."""
+    configs = [c for layout in layouts(shape)
+               for c in space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts, **layout)]
+    ranked = model.rank(configs, bucket)
+    ranked.sort(key=lambda item: item[0] * forward_steps(item[1], shape, steps))  # stable: ties keep model order
+    return ranked
 
 
 def compile_top(ranked: list[tuple[float, KernelConfig]], k: int) -> list[tuple[float, KernelConfig]]:
@@ -229,28 +267,34 @@ class _Workload:
         def rand(*size):
             return ((torch.rand(*size, device=dev, generator=gen) * 2 - 1) * scale).to(dtype)
 
-        self.layers = [dict(w_ih=rand(G * H, shape.layer_input(l)), w_hh=rand(G * H, H), b_ih=rand(G * H),
-                            b_hh=rand(G * H)) for l in range(shape.num_layers)]
+        self.layers = [[dict(w_ih=rand(G * H, shape.layer_input(l)), w_hh=rand(G * H, H), b_ih=rand(G * H),
+                             b_hh=rand(G * H)) for _ in range(shape.directions)] for l in range(shape.num_layers)]
         self.x = rand(steps, batch, shape.input_size) / scale
-        self.h0 = rand(batch, H)
-        self.c0 = rand(batch, H) if spec.has_cell_state else None
+        states = shape.num_layers * shape.directions
+        self.h0 = rand(states, batch, H)
+        self.c0 = rand(states, batch, H) if spec.has_cell_state else None
 
     def persistent(self, config: KernelConfig):
         def run() -> None:
-            x = self.x
-            for p in self.layers:
-                x, _, _ = persistent.forward_layer(config, x, p["w_ih"], p["w_hh"], p["b_ih"], p["b_hh"], self.h0,
-                                                   self.c0, check=False)
+            persistent.forward_model(config, self.layers, self.x, self.h0, self.c0, check=False)
         return run
 
     def fallback(self):
+        import torch
+
         from .. import fallback
 
         def run() -> None:
             x = self.x
-            for p in self.layers:
-                xw = persistent.input_projection(x, p["w_ih"], p["b_ih"])
-                x, _, _ = fallback.run_fallback(self.shape.cell, xw, p["w_hh"], p["b_hh"], self.h0, self.c0)
+            for l, directions in enumerate(self.layers):
+                outputs = []
+                for d, p in enumerate(directions):
+                    i = l * len(directions) + d
+                    xw = persistent.input_projection(x.flip(0) if d else x, p["w_ih"], p["b_ih"])
+                    out, _, _ = fallback.run_fallback(self.shape.cell, xw, p["w_hh"], p["b_hh"], self.h0[i],
+                                                      None if self.c0 is None else self.c0[i])
+                    outputs.append(out.flip(0) if d else out)
+                x = torch.cat(outputs, dim=2)
         return run
 
     def cudnn(self):
@@ -259,15 +303,15 @@ class _Workload:
         s = self.shape
         kind = getattr(torch.nn, CUDNN_CELLS[s.cell])
         extra = {"nonlinearity": s.cell.removeprefix("rnn_")} if kind is torch.nn.RNN else {}
-        module = kind(s.input_size, s.hidden_size, s.num_layers, **extra).to("cuda", getattr(torch, s.dtype))
+        module = kind(s.input_size, s.hidden_size, s.num_layers, bidirectional=s.bidirectional,
+                      **extra).to("cuda", getattr(torch, s.dtype))
         torch_names = {"w_ih": "weight_ih", "w_hh": "weight_hh", "b_ih": "bias_ih", "b_hh": "bias_hh"}
-        for l, p in enumerate(self.layers):
-            for name, value in p.items():
-                getattr(module, f"{torch_names[name]}_l{l}").data.copy_(value)
+        for l, directions in enumerate(self.layers):
+            for d, p in enumerate(directions):
+                for name, value in p.items():
+                    getattr(module, f"{torch_names[name]}_l{l}{'_reverse' if d else ''}").data.copy_(value)
         module.flatten_parameters()  # cuDNN's single weight buffer, as a served module has it
-        hx = self.h0.expand(s.num_layers, -1, -1).contiguous()
-        if self.c0 is not None:
-            hx = (hx, self.c0.expand(s.num_layers, -1, -1).contiguous())
+        hx = self.h0 if self.c0 is None else (self.h0, self.c0)
 
         def run() -> None:
             with torch.no_grad():
@@ -295,9 +339,16 @@ def time_forward_ms(run, *, calls: int = 3, warmup: int = 2, repeats: int = 5) -
     return time_cuda_ms(many, warmup=warmup, repeats=repeats) / calls
 
 
+def _layout(c: KernelConfig) -> str:
+    if c.pipeline:
+        return f", {c.instances} layers fused"
+    return f", {c.instances} directions at once" if c.instances > 1 else ""
+
+
 def _config_label(c: KernelConfig) -> str:
     return (f"persistent {c.sync}x{c.blocks} t{c.threads} g{c.group_size} bt{c.batch_tile} sk{c.shared_k_chunks}"
-            f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else ""))
+            f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else "")
+            + (f" pipeline{c.instances}" if c.pipeline else f" x{c.instances}" if c.instances > 1 else ""))
 
 
 # ----------------------------------------------------------------------------
@@ -321,7 +372,7 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
             return cached
     started = time.perf_counter()
     model = cost.cost_model(progress=progress)
-    ranked = ranked_configs(shape, bucket, model)
+    ranked = ranked_configs(shape, bucket, model, steps)
     if not tune:
         top = compile_top(ranked, 1)
         if not top:

@@ -1,0 +1,274 @@
+"""Several recurrences in one launch: the layers of a pipeline, the two
+directions of a bidirectional layer, and the reverse direction. Configurations,
+sm_90 builds and the planner's layouts on the CPU; agreement with the float64
+reference on a GPU."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import random_layer, rel, tolerance
+
+from persistrnn import cells, jit, persistent, reference
+from persistrnn.persistent import ConfigError, KernelConfig
+from persistrnn.plan import model as cost
+from persistrnn.plan import space, tuner
+
+ROOT = Path(__file__).resolve().parents[1]
+CELL_NAMES = tuple(cells.CELLS)
+
+# ---- configurations (CPU) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(instances=0), "expected >= 1, got 0"),
+        (dict(instances=persistent.MAX_INSTANCES + 1), f"expected 1..{persistent.MAX_INSTANCES}"),
+        (dict(instances=2, sync="grid", blocks=4), "need sync 'single' or 'cluster'"),
+        (dict(pipeline=True), "expected at least 2 instances"),
+        (dict(instances=2, pipeline=True, dtype="float16", math="mma", group_size=32, batch_tile=8),
+         "expected math 'ffma' without one_sync"),
+        (dict(cell="gru_reset_before", instances=2, pipeline=True, one_sync=True), "without one_sync"),
+    ],
+)
+def test_invalid_instance_configs_name_what_was_expected(kwargs, message):
+    base = dict(cell="lstm", hidden_size=64, sync="cluster", blocks=4)
+    with pytest.raises(ConfigError, match=message):
+        KernelConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_a_pipeline_holds_the_next_layers_weights_beside_its_own(cell):
+    one = KernelConfig(cell, 96, "cluster", 4, 128, 8, 2, shared_k_chunks=3)
+    fused = KernelConfig(cell, 96, "cluster", 4, 128, 8, 2, shared_k_chunks=3, instances=3, pipeline=True)
+    g, u = one.spec.num_gates, one.units_per_block
+    assert fused.next_rows_per_group * fused.work_groups >= g * u
+    assert fused.register_weights == one.register_weights + fused.next_rows_per_group * one.register_k
+    # shared: the next layer's overflow weights and its b_ih
+    extra = fused.next_rows_per_group * 3 * fused.threads + fused.bias_floats
+    assert fused.shared_bytes(5) == one.shared_bytes(5) + 4 * extra
+    assert fused.pipe_floats(7, 5) == 2 * 7 * 4 * g * u * one.batch_stride(5)
+    assert one.pipe_floats(7, 5) == 0
+    # directions at once change nothing per block
+    both = KernelConfig(cell, 96, "cluster", 4, 128, 8, 2, shared_k_chunks=3, instances=2)
+    assert both.shared_bytes(5) == one.shared_bytes(5) and both.register_weights == one.register_weights
+
+
+def test_rendered_source_selects_each_instances_parameters():
+    cfg = KernelConfig("gru", 64, "single", 1, instances=3, pipeline=True)
+    source = persistent.render_source(cfg)
+    for name in ("xw", "w_hh", "out", "reverse", "w_next", "b_next"):
+        for i in range(3):
+            assert f"{name}_{i}" in source
+    assert "inst == 0 ? w_next_0 : inst == 1 ? w_next_1 : w_next_2" in source
+    both = persistent.render_source(KernelConfig("gru", 64, "single", 1, instances=2))
+    params = next(line for line in both.splitlines() if line.startswith("#define PRNN_INSTANCE_PARAMS"))
+    assert "reverse_1" in params and "w_next" not in params
+
+
+COMPILE_SAMPLE = [
+    KernelConfig(cell, hidden, sync, blocks, threads, group, tile, shared_k_chunks=shared, dtype=dtype,
+                 instances=instances, pipeline=pipeline)
+    for cell in CELL_NAMES
+    for hidden, sync, blocks, threads, group, tile, shared, dtype, instances, pipeline in [
+        (128, "cluster", 8, 256, 8, 1, 0, "float32", 3, True),
+        (48, "single", 1, 256, 8, 1, 0, "float32", 4, True),
+        (256, "cluster", 16, 256, 8, 1, 0, "bfloat16", 2, True),
+        (64, "single", 1, 256, 8, 2, 4, "float16", persistent.MAX_INSTANCES, True),
+        (256, "cluster", 8, 512, 8, 4, 0, "float32", 2, False),
+        (33, "single", 1, 128, 4, 1, 0, "float32", 2, False),
+    ]
+]
+
+
+def _gpu_configs():
+    pipelines = [KernelConfig(c[0], c[3], c[5], c[6], c[7], c[8], c[9], shared_k_chunks=c[10], dtype=c[1],
+                              instances=c[4], pipeline=True) for c in PIPELINE_CASES]
+    directions = [KernelConfig(c[0], c[3], c[5], c[6], c[7], c[8], 1, dtype=c[1], instances=c[9])
+                  for c in BIDIRECTIONAL_CASES]
+    return pipelines + directions
+
+
+@pytest.mark.parametrize("config", COMPILE_SAMPLE, ids=str)
+def test_fused_kernels_compile_for_sm90_without_local_memory(config):
+    res = persistent.compile_config(config, arch="sm_90").kernel_resources(persistent.KERNEL_NAME)
+    assert not res.uses_local_memory, res
+    assert res.registers <= persistent.MAX_REGISTERS_PER_THREAD
+
+
+# ---- planner layouts (CPU) --------------------------------------------------
+
+
+H100 = jit.DeviceFacts(**json.loads((ROOT / "docs/results/sync-h100.json").read_text())["device"])
+
+
+def test_layouts_follow_the_model():
+    assert tuner.layouts(tuner.ModelShape("lstm", 8, 16)) == [{}]
+    assert tuner.layouts(tuner.ModelShape("lstm", 8, 16, 3)) == [{}, dict(instances=3, pipeline=True)]
+    assert tuner.layouts(tuner.ModelShape("lstm", 8, 16, 3, bidirectional=True)) == [{}, dict(instances=2)]
+    assert tuner.layouts(tuner.ModelShape("lstm", 8, 16, persistent.MAX_INSTANCES + 1)) == [{}]
+
+
+def test_forward_steps_count_the_pipeline_fill_and_sequential_directions():
+    shape = tuner.ModelShape("lstm", 8, 64, 3)
+    per_layer = KernelConfig("lstm", 64, "cluster", 4)
+    fused = KernelConfig("lstm", 64, "cluster", 4, instances=3, pipeline=True)
+    assert tuner.forward_steps(per_layer, shape, 100) == 300
+    assert tuner.forward_steps(fused, shape, 100) == 100 + 2 * (fused.prefetch_steps + 1)
+    bi = tuner.ModelShape("lstm", 8, 64, 2, bidirectional=True)
+    assert tuner.forward_steps(per_layer, bi, 10) == 40
+    assert tuner.forward_steps(KernelConfig("lstm", 64, "cluster", 4, instances=2), bi, 10) == 20
+
+
+def test_ranking_weighs_each_layout_by_its_steps_per_forward():
+    cal = cost.Calibration.from_json((ROOT / "docs/results/calibration-h100.json").read_text())
+    model = cost.CostModel(cal, H100)
+    shape = tuner.ModelShape("lstm", 128, 128, 3)
+    ranked = tuner.ranked_configs(shape, 1, model, steps=100)
+    layouts = {(c.instances, c.pipeline) for _, c in ranked}
+    assert layouts == {(1, False), (3, True)}
+    totals = [us * tuner.forward_steps(c, shape, 100) for us, c in ranked]
+    assert totals == sorted(totals)
+    # every fused configuration fits the SMs with all its layers
+    assert all(c.blocks * c.instances <= H100.sm_count for _, c in ranked)
+
+
+def test_prune_counts_every_instances_blocks():
+    import dataclasses
+
+    cfg = KernelConfig("rnn_tanh", 64, "cluster", 16, 128, 8, 1, instances=persistent.MAX_INSTANCES, pipeline=True)
+    assert space.prune(cfg, 1, dataclasses.replace(H100, sm_count=100)) == (
+        "needs 128 co-resident blocks of one SM each, the device has 100 SMs")
+
+
+def test_shape_of_reads_bidirectional():
+    import torch
+
+    assert tuner.shape_of(torch.nn.GRU(4, 8, 2, bidirectional=True)).bidirectional
+    assert not tuner.shape_of(torch.nn.GRU(4, 8, 2)).bidirectional
+
+
+# ---- against the float64 reference (GPU) ----------------------------------
+
+
+def _model_case(cell, dtype, input_size, hidden, layers, directions, batch, steps, seed):
+    """Random model rounded to ``dtype``: (layers[l][d] torch dicts, x, h0, c0, float64 reference)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    spec = cells.get_cell(cell)
+    dt = getattr(torch, dtype)
+    params, torch_layers = [], []
+    for l in range(layers):
+        size = input_size if l == 0 else directions * hidden
+        drawn = [random_layer(cell, size, hidden, batch, steps, rng)[0] for _ in range(directions)]
+        torch_layers.append([{k: torch.tensor(v, dtype=dt, device="cuda") for k, v in p.items()} for p in drawn])
+        params.append([{k: v.double().cpu().numpy() for k, v in p.items()} for p in torch_layers[-1]])
+    states = layers * directions
+    x = torch.tensor(rng.standard_normal((steps, batch, input_size)), dtype=dt, device="cuda")
+    h0 = torch.tensor(rng.standard_normal((states, batch, hidden)) * 0.5, dtype=dt, device="cuda")
+    c0 = torch.tensor(rng.standard_normal((states, batch, hidden)) * 0.5, dtype=dt, device="cuda")
+
+    def f64(t):
+        return t.double().cpu().numpy()
+
+    hx = (f64(h0), f64(c0)) if spec.has_cell_state else f64(h0)
+    ref = reference.rnn_forward(cell, f64(x), params, num_layers=layers, bidirectional=directions == 2, hx=hx)
+    return torch_layers, x, h0, c0 if spec.has_cell_state else None, ref
+
+
+def _check(config, cell, dtype, input_size, layers, directions, batch, steps):
+    import torch
+
+    seed = hash((str(config), batch, steps)) % 2**32  # fresh per run; printed on failure
+    torch_layers, x, h0, c0, (ref_out, ref_state) = _model_case(cell, dtype, input_size, config.hidden_size,
+                                                                layers, directions, batch, steps, seed)
+    # Poison: NaN blocks of the outputs' sizes, freed, so that the caching
+    # allocator hands them back for the outputs; an element the kernel never
+    # writes stays NaN and fails the comparison.
+    H, D = config.hidden_size, directions
+    poison = [torch.full(shape, float("nan"), dtype=x.dtype, device="cuda")
+              for shape in ((steps, batch, D * H), h0.shape, h0.shape)]
+    del poison
+    out, h_n, c_n = persistent.forward_model(config, torch_layers, x, h0, c0)
+    errors = {"output": rel(out.double().cpu().numpy(), ref_out)}
+    if c_n is not None:
+        errors["h_n"] = rel(h_n.double().cpu().numpy(), ref_state[0])
+        errors["c_n"] = rel(c_n.double().cpu().numpy(), ref_state[1])
+    else:
+        errors["h_n"] = rel(h_n.double().cpu().numpy(), ref_state)
+    assert all(e <= tolerance(dtype) for e in errors.values()), (seed, errors)
+
+
+PIPELINE_CASES = [
+    # (cell, dtype, input, hidden, layers, sync, blocks, threads, group, tile, shared, batch, steps)
+    ("lstm", "float32", 128, 128, 3, "cluster", 8, 256, 8, 1, 0, 1, 100),
+    ("lstm", "float32", 256, 256, 2, "cluster", 16, 256, 8, 1, 0, 5, 20),
+    ("lstm", "float32", 37, 48, 4, "single", 1, 256, 8, 1, 0, 3, 9),
+    ("gru", "float32", 20, 64, 2, "cluster", 4, 128, 8, 4, 4, 17, 3),
+    ("gru", "bfloat16", 64, 96, 3, "cluster", 4, 128, 8, 2, 0, 8, 12),
+    ("gru_reset_before", "float32", 33, 72, 2, "cluster", 4, 128, 4, 1, 0, 2, 6),
+    ("rnn_tanh", "float16", 16, 64, persistent.MAX_INSTANCES, "single", 1, 128, 8, 2, 4, 4, 30),
+    ("rnn_relu", "float32", 8, 48, 3, "cluster", 2, 128, 8, 1, 0, 1, 1),  # T=1: only the tail forwards
+    ("lstm", "float32", 8, 64, 2, "cluster", 4, 128, 8, 1, 0, 1, 2),  # T < prefetch steps
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fused_layers_match_float64_reference(case):
+    cell, dtype, input_size, hidden, layers, sync, blocks, threads, group, tile, shared, batch, steps = case
+    config = KernelConfig(cell, hidden, sync, blocks, threads, group, tile, shared_k_chunks=shared, dtype=dtype,
+                          instances=layers, pipeline=True)
+    _check(config, cell, dtype, input_size, layers, 1, batch, steps)
+
+
+BIDIRECTIONAL_CASES = [
+    # (cell, dtype, input, hidden, layers, sync, blocks, threads, group, instances, batch, steps)
+    ("lstm", "float32", 256, 256, 2, "cluster", 16, 256, 8, 2, 8, 100),
+    ("gru", "float32", 30, 100, 1, "single", 1, 512, 16, 2, 3, 7),
+    ("gru_reset_before", "bfloat16", 16, 64, 2, "cluster", 4, 128, 8, 1, 5, 9),  # directions one after another
+    ("rnn_tanh", "float32", 7, 33, 3, "cluster", 3, 128, 8, 2, 1, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BIDIRECTIONAL_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_both_directions_match_float64_reference(case):
+    cell, dtype, input_size, hidden, layers, sync, blocks, threads, group, instances, batch, steps = case
+    config = KernelConfig(cell, hidden, sync, blocks, threads, group, 1, dtype=dtype, instances=instances)
+    _check(config, cell, dtype, input_size, layers, 2, batch, steps)
+
+
+@pytest.mark.gpu
+def test_fused_layers_split_a_large_batch_across_launches():
+    config = KernelConfig("gru", 128, "cluster", 8, 256, 8, 8, instances=2, pipeline=True)
+    per_launch = config.max_batch(jit.device_facts().shared_per_block_optin)
+    _check(config, "gru", "float32", 40, 2, 1, per_launch + 3, 4)
+
+
+@pytest.mark.gpu
+def test_fused_layers_replay_in_a_graph_with_reset_progress_counts():
+    import torch
+
+    config = KernelConfig("lstm", 64, "cluster", 4, 128, 8, 1, instances=3, pipeline=True)
+    torch_layers, x, h0, c0, (ref_out, _) = _model_case("lstm", "float32", 24, 64, 3, 1, 2, 25, seed=3)
+    result = {}
+
+    def run():
+        result["out"] = persistent.forward_model(config, torch_layers, x, h0, c0, check=False)[0]
+
+    graph = jit.capture_graph(run)
+    for _ in range(3):  # every replay starts from progress counts the last one reset
+        result["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(result["out"].double().cpu().numpy(), ref_out) <= 1e-5
+    persistent.check_launches(x.device.index, torch.cuda.current_stream().cuda_stream)
+
+
+@pytest.mark.parametrize("config", _gpu_configs(), ids=str)
+def test_every_gpu_case_compiles_for_sm90_without_local_memory(config):
+    test_fused_kernels_compile_for_sm90_without_local_memory(config)
