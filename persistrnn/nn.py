@@ -110,6 +110,7 @@ class _Persistent:
         self._plans: dict[tuple, Any] = {}
         self._graphs: collections.OrderedDict[tuple, _GraphedForward] = collections.OrderedDict()
         self._checked: set[tuple] = set()
+        self._zeros: dict[tuple, torch.Tensor] = {}
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the per-device caches behind (a CUDA graph
@@ -117,6 +118,7 @@ class _Persistent:
         state = super().__getstate__()  # type: ignore[misc]
         state = dict(state)
         state["_plans"], state["_graphs"], state["_checked"] = {}, collections.OrderedDict(), set()
+        state["_zeros"] = {}
         return state
 
     @property
@@ -135,7 +137,7 @@ class _Persistent:
             return "dropout between layers in training mode"
         if str(input.dtype).removeprefix("torch.") not in persistent.DTYPES:
             return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
-        if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self._flat_weights)):
             _warn_once(f"grad-{type(self).__name__}",
                        f"persistrnn.{type(self).__name__}: this call needs gradients, which the persistent kernels "
                        "do not compute yet; it runs torch's implementation (wrap inference in torch.no_grad() or "
@@ -168,6 +170,16 @@ class _Persistent:
             state = tuple(s.squeeze(1) for s in state) if isinstance(state, tuple) else state.squeeze(1)
         return out, state
 
+    def _zero_state(self, x: torch.Tensor, size: int) -> torch.Tensor:
+        """Zeros (L*D, B, size) like ``x``, made once per shape: the paths that
+        take them only read them, and a call without hx then allocates nothing."""
+        shape = (self.num_layers * (2 if self.bidirectional else 1), x.shape[1], size)
+        key = (shape, x.dtype, x.device)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = x.new_zeros(shape)
+        return zeros
+
     # ---- checks in torch's wording ------------------------------------------
 
     def _normalise(self, input: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any, bool]:
@@ -185,9 +197,9 @@ class _Persistent:
         B = x.shape[1]
         pairs = self.spec.has_cell_state
         if hx is None:
-            zeros = x.new_zeros(self.num_layers * D, B, self.hidden_size)
             real = getattr(self, "proj_size", 0) or self.hidden_size
-            hx = (x.new_zeros(self.num_layers * D, B, real), zeros) if pairs else zeros
+            zeros = self._zero_state(x, self.hidden_size)
+            hx = (self._zero_state(x, real), zeros) if pairs else zeros
         else:
             states = hx if pairs else (hx,)
             if pairs and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
@@ -282,7 +294,7 @@ class _Persistent:
     def _graphed(self, chosen: Any, x: torch.Tensor, hx: Any) -> "_GraphedForward":
         """This shape's captured forward (captured on first use, least recently used dropped)."""
         key = (x.shape, x.dtype, x.device, chosen.path, chosen.config,
-               tuple(p.data_ptr() for p in self.parameters()))
+               tuple(p.data_ptr() for p in self._flat_weights))  # torch keeps this list current
         graphed = self._graphs.get(key)
         if graphed is None:
             graphed = _GraphedForward(self, chosen, x, hx)

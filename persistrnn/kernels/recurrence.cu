@@ -546,9 +546,6 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
             // has landed once at most DEPTH - 1 remain in flight.
             if (stage == PRNN_FIRST_STAGE) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
             __syncthreads();
-#if PRNN_PIPELINE
-            if (forwards && tid == 0) prnn_red_release_gpu_add(progress + inst, 1u);  // after the block's stores
-#endif
 
             // Pointwise: one (unit, batch column) per thread and pass.
             const bool last_stage = stage == PRNN_STAGES - 1;
@@ -593,8 +590,18 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
             // While the exchange is in flight: the projections of step
             // t + DEPTH, into the slot step t - 1 read (the exchange's
             // __syncthreads orders that read before these writes).
+// A producer counts the next layer's projections it stored this step here,
+// in the exchange's shadow: the release waits for the block's stores to
+// reach L2, which right after the product cost every step ~0.8 us.
+#if PRNN_PIPELINE
+#define PRNN_RELEASE_FORWARDED() \
+    if (produces && t > 0 && tid == 0) prnn_red_release_gpu_add(progress + inst, 1u);
+#else
+#define PRNN_RELEASE_FORWARDED()
+#endif
 #define PRNN_PREFETCH_AHEAD()                 \
     if (last_stage) {                         \
+        PRNN_RELEASE_FORWARDED()              \
         if (t + PRNN_XW_DEPTH < T) {          \
             PRNN_PREFETCH(t + PRNN_XW_DEPTH); \
         } else {                              \
