@@ -38,6 +38,10 @@ KERNEL_NAME = "prnn_recurrence"
 MAX_INSTANCES = 8
 """Most recurrences (layers or directions) one launch runs; each has its own
 pointer parameters, chosen by a select chain that stays in registers."""
+PIPELINE_RELEASE_EVERY = 4
+"""A pipeline's producer counts its forwarded steps in groups of this many: a
+count is a GPU-scope release, which every step cost ~0.25 µs per step; a
+consumer then runs up to this many steps further behind."""
 MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
 WARP = 32
 # Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
@@ -433,6 +437,7 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_XW_DEPTH": config.prefetch_steps,
         "PRNN_INSTANCES": config.instances,
         "PRNN_PIPELINE": int(config.pipeline),
+        "PRNN_RELEASE_EVERY": PIPELINE_RELEASE_EVERY,
         "PRNN_N_RPW": max(config.next_rows_per_group, 1),
         "PRNN_N_KREG": config.register_k,
         "PRNN_INSTANCE_PARAMS": _instance_params(config),

@@ -116,7 +116,8 @@ def test_forward_steps_count_the_pipeline_fill_and_sequential_directions():
     per_layer = KernelConfig("lstm", 64, "cluster", 4)
     fused = KernelConfig("lstm", 64, "cluster", 4, instances=3, pipeline=True)
     assert tuner.forward_steps(per_layer, shape, 100) == 300
-    assert tuner.forward_steps(fused, shape, 100) == 100 + 2 * (fused.prefetch_steps + 1)
+    assert tuner.forward_steps(fused, shape, 100) == 100 + 2 * (fused.prefetch_steps
+                                                                 + persistent.PIPELINE_RELEASE_EVERY)
     bi = tuner.ModelShape("lstm", 8, 64, 2, bidirectional=True)
     assert tuner.forward_steps(per_layer, bi, 10) == 40
     assert tuner.forward_steps(KernelConfig("lstm", 64, "cluster", 4, instances=2), bi, 10) == 20

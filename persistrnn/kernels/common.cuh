@@ -55,11 +55,13 @@ __device__ __forceinline__ void prnn_grid_arrive(prnn_u32* counter) {
 
 // Wait until *counter reaches target (acquire), by one thread; bounded like
 // every spin loop, and quick to give up once another block has failed.
-__device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_u32 target, int* status, int code) {
-    if (prnn_ld_acquire_gpu(counter) >= target) return true;
+// *seen gets the count read last.
+__device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_u32 target, int* status, int code,
+                                                  prnn_u32* seen) {
+    if ((*seen = prnn_ld_acquire_gpu(counter)) >= target) return true;
     const prnn_u64 start = prnn_globaltimer();
     prnn_u32 polls = 0;
-    while (prnn_ld_acquire_gpu(counter) < target) {
+    while ((*seen = prnn_ld_acquire_gpu(counter)) < target) {
         if (++polls % PRNN_POLLS_PER_CLOCK_READ == 0 &&
             (prnn_failed(status) || prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS)) {
             prnn_fail(status, code);
@@ -73,7 +75,9 @@ __device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_
 // the timeout.
 __device__ __forceinline__ bool prnn_grid_wait(prnn_u32* counter, prnn_u32 target, int* status) {
     __shared__ int arrived;
-    if (threadIdx.x == 0) arrived = prnn_wait_counter(counter, target, status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
+    prnn_u32 seen;
+    if (threadIdx.x == 0)
+        arrived = prnn_wait_counter(counter, target, status, PRNN_STATUS_GRID_BARRIER_TIMEOUT, &seen);
     __syncthreads();
     return arrived;
 }

@@ -49,11 +49,12 @@
 // also multiplies the next layer's input weights by its own new h (one step
 // late, beside its own product on the same operand), adds b_ih, and writes
 // the result to `pipe` in the next instance's shared-memory slot layout
-// [T][NB][G*U][BP], then counts the step in progress[i] (release). Instance
-// i + 1 prefetches its projections from there instead of xw, once all NB
-// producer blocks counted the step (acquire). So layer l runs step t while
-// layer l + 1 runs step t - DEPTH - 1: L layers take about
-// T + (L - 1) * (DEPTH + 1) steps instead of L * T. A producer never waits
+// [T][NB][G*U][BP], then counts the steps in progress[i] (release, every
+// RELEASE_EVERY steps). Instance i + 1 prefetches its projections from there
+// instead of xw, once all NB producer blocks counted the step (acquire). So
+// layer l + 1 runs up to DEPTH + RELEASE_EVERY steps behind layer l: L layers
+// take about T + (L - 1) * (DEPTH + RELEASE_EVERY) steps instead of L * T.
+// A producer never waits
 // for its consumer (pipe holds every step), so the fused launch cannot
 // deadlock even if its instances are not all resident at once.
 //
@@ -260,14 +261,17 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
 // Step t's projections from the previous layer's producer blocks:
 // pipe[t][blk] (already in the slot layout) -> slot t of xs. Warp 0 waits
 // for every producer block's count of step t, then copies 16 bytes a lane.
+// Thread 0 keeps the count it saw last in *seen and reads the counter again
+// only when that is not enough: an acquire is an L2 round trip, and each one
+// on every step measured ~0.4 us per step.
 __device__ __forceinline__ void prnn_prefetch_pipe(const float* __restrict__ pipe, const prnn_u32* progress, float* xs,
-                                                   int t, int BP, int blk, int* status) {
+                                                   int t, int BP, int blk, int* status, prnn_u32* seen) {
     const int floats = PRNN_G * PRNN_U * BP;  // a multiple of 4: U % 4 == 0 or BP % 4 == 0
     if (threadIdx.x < 32) {
         int ready = 1;
-        if (threadIdx.x == 0)
-            ready = prnn_wait_counter(progress, (prnn_u32)(PRNN_NB * (t + 1)), status,
-                                      PRNN_STATUS_PIPELINE_WAIT_TIMEOUT);
+        const prnn_u32 target = (prnn_u32)(PRNN_NB * (t + 1));
+        if (threadIdx.x == 0 && *seen < target)
+            ready = prnn_wait_counter(progress, target, status, PRNN_STATUS_PIPELINE_WAIT_TIMEOUT, seen);
         if (__shfl_sync(PRNN_FULL_MASK, ready, 0)) {
             const float* src = pipe + ((long long)t * PRNN_NB + blk) * floats;
             float* dst = xs + (t % (PRNN_XW_DEPTH + 1)) * floats;
@@ -336,9 +340,10 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     float* pipe_out = pipe + inst * pipe_stride;
     const float* pipe_in = pipe + (inst - 1) * pipe_stride;
     prnn_u32* progress = counters + 2;
+    prnn_u32 seen_progress = 0;  // thread 0 of a consumer: the producer's count it read last
 #define PRNN_PREFETCH(t)                                                                                \
     if (consumes)                                                                                       \
-        prnn_prefetch_pipe(pipe_in, progress + inst - 1, L.xw, t, BP, blk, status);                     \
+        prnn_prefetch_pipe(pipe_in, progress + inst - 1, L.xw, t, BP, blk, status, &seen_progress);     \
     else                                                                                                \
         prnn_prefetch_xw(xw, L.xw, t, reverse ? T - 1 - (t) : (t), B, BP, step_stride, blk, walk)
 #else
@@ -590,12 +595,14 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
             // While the exchange is in flight: the projections of step
             // t + DEPTH, into the slot step t - 1 read (the exchange's
             // __syncthreads orders that read before these writes).
-// A producer counts the next layer's projections it stored this step here,
-// in the exchange's shadow: the release waits for the block's stores to
-// reach L2, which right after the product cost every step ~0.8 us.
+// A producer counts the next layer's projections it stored here, in the
+// exchange's shadow, and only every PRNN_RELEASE_EVERY steps: the release
+// waits for the block's stores to reach L2 (one every step measured ~0.25 us
+// per step of a 3-layer pipeline).
 #if PRNN_PIPELINE
-#define PRNN_RELEASE_FORWARDED() \
-    if (produces && t > 0 && tid == 0) prnn_red_release_gpu_add(progress + inst, 1u);
+#define PRNN_RELEASE_FORWARDED()                                                         \
+    if (produces && t > 0 && t % PRNN_RELEASE_EVERY == 0 && tid == 0)                    \
+        prnn_red_release_gpu_add(progress + inst, PRNN_RELEASE_EVERY);
 #else
 #define PRNN_RELEASE_FORWARDED()
 #endif
@@ -664,7 +671,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     if (ok && produces) {
         next_layer_product(L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP, T - 1);
         __syncthreads();
-        if (tid == 0) prnn_red_release_gpu_add(progress + inst, 1u);
+        if (tid == 0) prnn_red_release_gpu_add(progress + inst, T - (T - 1) / PRNN_RELEASE_EVERY * PRNN_RELEASE_EVERY);
     }
 #endif
     prnn_cp_async_wait<0>();

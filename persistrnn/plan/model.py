@@ -43,6 +43,7 @@ WARPS_PER_SCHEDULER = (1, 2, 4, 8)  # blocks of 128-1024 threads
 BENCH_ROWS = (1, 2, 4, 8)  # rows per work group (and mma m-tiles per warp) the benches run
 BENCH_TILES = (1, 2, 4, 8)
 BENCH_GROUPS = (2, 8, 32)
+MEASURE_ATTEMPTS = 5
 BENCH_CHUNKS = (4, 16)  # two chunk counts separate the per-chunk cost from the fixed part
 MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A fragments fit in registers)
 BENCH_ITERATIONS = 2000
@@ -348,8 +349,15 @@ def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
                 or k.resources.uses_local_memory):  # a spilled bench would time local memory, not the product
             return None
         config = k.config(1, threads, shared=shared)
-        return 1e3 * per_iteration_us(lambda n: jit.launch(k, config, *jit.kernel_args(inputs, sink, n)),
-                                      BENCH_ITERATIONS, warmup=1, repeats=5)
+        # A difference of two timings: a clock that ramps up between them
+        # (an idle H100 sat at 345 MHz) can leave it <= 0. Measure again.
+        for _ in range(MEASURE_ATTEMPTS):
+            ns = 1e3 * per_iteration_us(lambda n: jit.launch(k, config, *jit.kernel_args(inputs, sink, n)),
+                                        BENCH_ITERATIONS, warmup=1, repeats=5)
+            if ns > 0:
+                return ns
+        raise RuntimeError(f"{kernel}: {MEASURE_ATTEMPTS} timings in a row gave no positive time per iteration "
+                           "(the GPU's clock kept changing); calibrate again on an idle GPU")
 
     def mma_per_op(times: dict[int, float | None], per: int) -> float | None:
         """ns per mma from times at two k-tile counts (``per`` m tiles each)."""

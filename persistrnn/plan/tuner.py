@@ -205,10 +205,10 @@ def layouts(shape: ModelShape) -> list[dict[str, Any]]:
 
 def forward_steps(config: KernelConfig, shape: ModelShape, steps: int) -> int:
     """Steps a forward of ``steps`` time steps costs on ``config``, one after
-    another: a pipeline's last layer starts prefetch_steps + 1 steps after the
-    layer before it."""
+    another: in a pipeline, each layer runs up to prefetch_steps +
+    PIPELINE_RELEASE_EVERY steps behind the layer before it."""
     if config.pipeline:
-        return steps + (shape.num_layers - 1) * (config.prefetch_steps + 1)
+        return steps + (shape.num_layers - 1) * (config.prefetch_steps + persistent.PIPELINE_RELEASE_EVERY)
     return shape.num_layers * steps * (shape.directions // config.instances)
 
 
