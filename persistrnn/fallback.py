@@ -467,3 +467,28 @@ def fallback_forward_layer(
     """One layer, one direction: :func:`persistent.input_projection`, then
     :func:`run_fallback`. ``x`` is (T, B, I) of the layer's dtype."""
     return run_fallback(cell, persistent.input_projection(x, w_ih, b_ih), w_hh, b_hh, h0, c0, graph=graph)
+
+
+def forward_model(cell: str | CellSpec, layers: list[list[dict[str, Any]]], x: Any, h0: Any,
+                  c0: Any | None) -> tuple[Any, Any, Any | None]:
+    """A whole model on the fallback, with the arguments and results of
+    :func:`persistrnn.persistent.forward_model`. A reverse direction runs on
+    the flipped sequence."""
+    import torch
+
+    spec = get_cell(cell) if isinstance(cell, str) else cell
+    D = len(layers[0])
+    layer_input, h_n, c_n = x, [], []
+    for l, directions in enumerate(layers):
+        outputs = []
+        for d, p in enumerate(directions):
+            i = l * D + d
+            seq = layer_input.flip(0) if d else layer_input
+            xw = persistent.input_projection(seq, p["w_ih"], p["b_ih"])
+            out, h, c = run_fallback(spec, xw, p["w_hh"], p["b_hh"], h0[i].contiguous(),
+                                     c0[i].contiguous() if spec.has_cell_state else None)
+            outputs.append(out.flip(0) if d else out)
+            h_n.append(h)
+            c_n.append(c)
+        layer_input = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
+    return layer_input, torch.stack(h_n), (torch.stack(c_n) if spec.has_cell_state else None)

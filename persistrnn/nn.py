@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import jit, persistent
+from . import jit, ops, persistent
 from .cells import CellSpec, get_cell
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
@@ -67,11 +67,12 @@ def torch_forward(spec: CellSpec, module: torch.nn.RNNBase, x: torch.Tensor, hx:
     (layers * directions, B, H) (a pair for cells with a cell state)."""
     D = 2 if module.bidirectional else 1
     h_all, c_all = hx if spec.has_cell_state else (hx, None)
+    layers = _layers(module)
     layer_input, h_n, c_n = x, [], []
     for layer in range(module.num_layers):
         outputs = []
         for d in range(D):
-            p = _layer_params(module, layer, d)
+            p = layers[layer][d]
             h = h_all[layer * D + d]
             c = None if c_all is None else c_all[layer * D + d]
             xw = layer_input @ p["w_ih"].T + p["b_ih"]
@@ -90,15 +91,9 @@ def torch_forward(spec: CellSpec, module: torch.nn.RNNBase, x: torch.Tensor, hx:
     return layer_input, ((state, torch.stack(c_n)) if spec.has_cell_state else state)
 
 
-def _layer_params(module: torch.nn.RNNBase, layer: int, direction: int) -> dict[str, torch.Tensor]:
-    suffix = f"_l{layer}" + ("_reverse" if direction else "")
-    w_ih = getattr(module, "weight_ih" + suffix)
-    p = {"w_ih": w_ih, "w_hh": getattr(module, "weight_hh" + suffix)}
-    if module.bias:
-        p["b_ih"], p["b_hh"] = getattr(module, "bias_ih" + suffix), getattr(module, "bias_hh" + suffix)
-    else:  # the kernels always add a bias: zeros of the right size
-        p["b_ih"] = p["b_hh"] = w_ih.new_zeros(w_ih.shape[0])
-    return p
+def _layers(module: torch.nn.RNNBase) -> list[list[dict[str, torch.Tensor]]]:
+    """The module's parameters as ``layers[l][d]`` dicts (zeros for absent biases)."""
+    return ops.layer_params(module._flat_weights, module.num_layers, 2 if module.bidirectional else 1, module.bias)
 
 
 class _Persistent:
@@ -151,6 +146,8 @@ class _Persistent:
         return super().forward(input, hx)  # type: ignore[misc]
 
     def forward(self, input: Any, hx: Any = None) -> Any:  # noqa: D401 - torch's signature
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(input, hx)
         if isinstance(input, PackedSequence):
             return self._torch_forward(input, hx)
         x, states, unbatched = self._normalise(input, hx)  # every path gets the same checks and errors
@@ -179,6 +176,38 @@ class _Persistent:
         if zeros is None:
             zeros = self._zeros[key] = x.new_zeros(shape)
         return zeros
+
+    def _compiled_forward(self, input: Any, hx: Any) -> Any:
+        """The forward as ``torch.compile`` traces it: torch's checks, then one
+        ``torch.ops.persistrnn.forward`` call (no Python state that would
+        break the graph: no plan or capture caches, which the operator keeps)."""
+        if (isinstance(input, PackedSequence) or input.device.type != "cuda" or getattr(self, "proj_size", 0)
+                or (self.training and self.dropout > 0 and self.num_layers > 1)
+                or input.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                or (torch.is_grad_enabled() and (input.requires_grad
+                                                 or any(p.requires_grad for p in self._flat_weights)))):
+            return self._torch_forward(input, hx)  # traced as torch's own module
+        self.check_forward_args(input, hx, None)
+        pairs = self.spec.has_cell_state
+        unbatched = input.dim() == 2
+        x = input.unsqueeze(0 if self.batch_first else 1) if unbatched else input
+        x = x.transpose(0, 1) if self.batch_first else x
+        D = 2 if self.bidirectional else 1
+        shape = (self.num_layers * D, x.shape[1], self.hidden_size)
+        if hx is None:
+            states = (x.new_zeros(shape), x.new_zeros(shape)) if pairs else (x.new_zeros(shape),)
+        else:
+            states = tuple(hx) if pairs else (hx,)
+            if unbatched:
+                states = tuple(s.unsqueeze(1) for s in states)
+        out, h_n, c_n = torch.ops.persistrnn.forward(x.contiguous(), states[0], states[1] if pairs else None,
+                                                     list(self._flat_weights), self.cell, self.num_layers,
+                                                     self.bidirectional, self.bias)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out, h_n, c_n = out.squeeze(1), h_n.squeeze(1), (c_n.squeeze(1) if pairs else c_n)
+        return out, ((h_n, c_n) if pairs else h_n)
 
     # ---- checks in torch's wording ------------------------------------------
 
@@ -261,35 +290,14 @@ class _Persistent:
         return self._plans[key]
 
     def _run(self, chosen: Any, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
-        from . import fallback
-
         pairs = self.spec.has_cell_state
         h_all, c_all = hx if pairs else (hx, None)
-        D = 2 if self.bidirectional else 1
-        layers = [[_layer_params(self, layer, d) for d in range(D)] for layer in range(self.num_layers)]
-        if chosen.path == "persistent":
-            # A kernel that gave up (a peer never arrived) leaves a status word;
-            # reading it synchronises, so it is read once, after the last
-            # launch, and never inside a CUDA-graph capture.
-            out, h_n, c_n = persistent.forward_model(chosen.config, layers, x.contiguous(), h_all, c_all,
-                                                     check=not torch.cuda.is_current_stream_capturing())
-            return out, ((h_n, c_n) if pairs else h_n)
-        layer_input, h_n, c_n = x.contiguous(), [], []
-        for layer in range(self.num_layers):
-            outputs = []
-            for d in range(D):
-                p = layers[layer][d]
-                seq = layer_input.flip(0) if d else layer_input
-                h0 = h_all[layer * D + d].contiguous()
-                c0 = c_all[layer * D + d].contiguous() if pairs else None
-                xw = persistent.input_projection(seq, p["w_ih"], p["b_ih"])
-                out, h, c = fallback.run_fallback(self.cell, xw, p["w_hh"], p["b_hh"], h0, c0)
-                outputs.append(out.flip(0) if d else out)
-                h_n.append(h)
-                c_n.append(c)
-            layer_input = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
-        state = torch.stack(h_n)
-        return layer_input, ((state, torch.stack(c_n)) if pairs else state)
+        # A kernel that gave up (a peer never arrived) leaves a status word;
+        # reading it synchronises, so it is never read inside a CUDA-graph
+        # capture (the captured forward copies it out instead).
+        out, h_n, c_n = ops.run_plan(chosen, self.cell, _layers(self), x.contiguous(), h_all, c_all,
+                                     check=not torch.cuda.is_current_stream_capturing())
+        return out, ((h_n, c_n) if pairs else h_n)
 
     def _graphed(self, chosen: Any, x: torch.Tensor, hx: Any) -> "_GraphedForward":
         """This shape's captured forward (captured on first use, least recently used dropped)."""

@@ -34,3 +34,15 @@ def isolated_cache(tmp_path, monkeypatch):
     """A fresh, empty kernel cache for tests that inspect cache behaviour."""
     monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture
+def untuned(monkeypatch):
+    """Plans from the cost model alone: quick, and always a kernel path (a
+    tuned plan may send a shape to cuDNN, which these tests do not test)."""
+    from persistrnn import ops
+    from persistrnn import plan as planner
+
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda shape, batch, tune=True, **kw: real(shape, batch, tune=False, **kw))
+    monkeypatch.setattr(ops, "_PLANS", {})  # the operator's plans, looked up afresh

@@ -219,16 +219,6 @@ def _gpu_matrix(n, seed):
 GPU_MATRIX = list(_gpu_matrix(20, seed=11))
 
 
-@pytest.fixture
-def untuned(monkeypatch):
-    """Plans from the cost model alone: quick, and always a kernel path (a
-    tuned plan may send a shape to cuDNN, which these tests do not test)."""
-    from persistrnn import plan as planner
-
-    real = planner.plan
-    monkeypatch.setattr(planner, "plan", lambda shape, batch, tune=True, **kw: real(shape, batch, tune=False, **kw))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,kw,batch,steps,with_state", GPU_MATRIX)
 def test_gpu_forward_matches_float64_reference_and_cudnn(untuned, kind, kw, batch, steps, with_state):

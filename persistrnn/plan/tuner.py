@@ -280,21 +280,10 @@ class _Workload:
         return run
 
     def fallback(self):
-        import torch
-
         from .. import fallback
 
         def run() -> None:
-            x = self.x
-            for l, directions in enumerate(self.layers):
-                outputs = []
-                for d, p in enumerate(directions):
-                    i = l * len(directions) + d
-                    xw = persistent.input_projection(x.flip(0) if d else x, p["w_ih"], p["b_ih"])
-                    out, _, _ = fallback.run_fallback(self.shape.cell, xw, p["w_hh"], p["b_hh"], self.h0[i],
-                                                      None if self.c0 is None else self.c0[i])
-                    outputs.append(out.flip(0) if d else out)
-                x = torch.cat(outputs, dim=2)
+            fallback.forward_model(self.shape.cell, self.layers, self.x, self.h0, self.c0)
         return run
 
     def cudnn(self):

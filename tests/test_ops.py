@@ -1,0 +1,137 @@
+"""``torch.ops.persistrnn.forward`` and ``torch.compile`` of persistrnn
+modules: parameter order and fake shapes on the CPU; agreement, operator
+checks and graph breaks on a GPU."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import persistrnn
+from persistrnn import ops
+
+MODULES = [
+    (persistrnn.LSTM, "lstm", {}),
+    (persistrnn.GRU, "gru", {}),
+    (persistrnn.GRU, "gru_reset_before", dict(reset_after=False)),
+    (persistrnn.RNN, "rnn_tanh", {}),
+    (persistrnn.RNN, "rnn_relu", dict(nonlinearity="relu")),
+]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_layer_params_follow_torchs_flat_weight_order(bias, bidirectional):
+    m = persistrnn.GRU(5, 7, num_layers=3, bias=bias, bidirectional=bidirectional)
+    D = 2 if bidirectional else 1
+    layers = ops.layer_params(m._flat_weights, 3, D, bias)
+    for l in range(3):
+        for d in range(D):
+            suffix = f"_l{l}" + ("_reverse" if d else "")
+            p = layers[l][d]
+            assert p["w_ih"] is getattr(m, "weight_ih" + suffix)
+            assert p["w_hh"] is getattr(m, "weight_hh" + suffix)
+            if bias:
+                assert p["b_ih"] is getattr(m, "bias_ih" + suffix)
+                assert p["b_hh"] is getattr(m, "bias_hh" + suffix)
+            else:
+                assert p["b_ih"].shape == (21,) and not p["b_ih"].any() and not p["b_hh"].any()
+    with pytest.raises(ValueError, match=f"expected {3 * D * (4 if bias else 2)} weights .* got "
+                                         f"{3 * D * (4 if bias else 2) + 1}"):
+        ops.layer_params(m._flat_weights + [m._flat_weights[0]], 3, D, bias)
+
+
+@pytest.mark.parametrize("cls, cell, kwargs", MODULES, ids=[c for _, c, _ in MODULES])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_fake_forward_has_torchs_output_shapes(cls, cell, kwargs, bidirectional):
+    m = cls(6, 10, num_layers=2, bidirectional=bidirectional, **kwargs)
+    D = 2 if bidirectional else 1
+    with torch.no_grad():
+        want_out, want_state = m(torch.randn(7, 3, 6))  # torch's own on the CPU
+    has_c = cell == "lstm"
+    with FakeTensorMode():
+        x = torch.empty(7, 3, 6, device="cuda")
+        h0 = torch.empty(2 * D, 3, 10, device="cuda")
+        c0 = torch.empty(2 * D, 3, 10, device="cuda") if has_c else None
+        weights = [torch.empty(w.shape, device="cuda") for w in m._flat_weights]
+        out, h_n, c_n = torch.ops.persistrnn.forward(x, h0, c0, weights, cell, 2, bidirectional, True)
+        assert out.shape == want_out.shape and out.device.type == "cuda"
+        if has_c:
+            assert (h_n.shape, c_n.shape) == (want_state[0].shape, want_state[1].shape)
+        else:
+            assert h_n.shape == want_state.shape and c_n.numel() == 0
+
+
+def test_fake_forward_refuses_an_unknown_cell():
+    with FakeTensorMode(), pytest.raises(ValueError, match="cell"):
+        torch.ops.persistrnn.forward(torch.empty(2, 1, 3, device="cuda"), torch.empty(1, 1, 4, device="cuda"), None,
+                                     [], "transformer", 1, False, True)
+
+
+def test_compiling_a_model_on_the_cpu_runs_torchs_implementation():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), persistrnn.GRU(8, 16, batch_first=True)).eval()
+    x = torch.randn(3, 5, 4)
+    with torch.no_grad():
+        want = model(x)[0]
+        got = torch.compile(model, backend="eager")(x)[0]
+    torch.testing.assert_close(got, want)
+
+
+# ---- on a GPU -----------------------------------------------------------------
+
+
+class Classifier(torch.nn.Module):
+    """Embedding-like projection, a persistrnn recurrent layer, a linear head."""
+
+    def __init__(self, rnn: torch.nn.Module) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(12, rnn.input_size)
+        self.rnn = rnn
+        self.head = torch.nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.proj(x))
+        return self.head(out[:, -1])
+
+
+GPU_MODELS = [
+    (persistrnn.LSTM, dict(num_layers=2)),
+    (persistrnn.GRU, dict(bidirectional=True)),
+    (persistrnn.GRU, dict(reset_after=False)),
+    (persistrnn.RNN, dict(num_layers=3, nonlinearity="relu")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls, kwargs", GPU_MODELS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_torch_compile_matches_eager_without_graph_breaks(cls, kwargs, untuned):
+    torch.manual_seed(1)
+    model = Classifier(cls(16, 32, batch_first=True, **kwargs)).cuda().eval()
+    x = torch.randn(4, 9, 12, device="cuda")
+    with torch.no_grad():
+        want = model(x)
+        explanation = torch._dynamo.explain(model)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+        got = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell, bidirectional", [("lstm", False), ("gru", True), ("rnn_tanh", False)])
+def test_operator_passes_torchs_operator_checks(cell, bidirectional, untuned):
+    torch.manual_seed(2)
+    D = 2 if bidirectional else 1
+    kind = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN}[cell]
+    m = kind(8, 24, num_layers=2, bidirectional=bidirectional).cuda()
+    x = torch.randn(6, 3, 8, device="cuda")
+    h0 = torch.randn(2 * D, 3, 24, device="cuda")
+    c0 = torch.randn(2 * D, 3, 24, device="cuda") if cell == "lstm" else None
+    weights = [w.detach() for w in m._flat_weights]
+    args = (x, h0, c0, weights, cell, 2, bidirectional, True)
+    torch.library.opcheck(torch.ops.persistrnn.forward, args)
+    out, h_n, c_n = torch.ops.persistrnn.forward(*args)
+    with torch.no_grad():
+        want_out, want_state = m(x, (h0, c0) if c0 is not None else h0)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(h_n, want_state[0] if c0 is not None else want_state, rtol=1e-4, atol=1e-5)
