@@ -356,6 +356,10 @@ class _GraphedForward:
 
         self.graph = jit.capture_graph(body, stream)
 
+    # Where Dynamo runs a module's forward eagerly (it breaks the graph at
+    # torch's RNN classes unless torch._dynamo.config.allow_rnn is set), the
+    # replay is opaque to it: a host read and a graph launch, not traceable.
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
         if self._host_view[0]:
             torch.cuda.synchronize(self.x.device)

@@ -108,12 +108,25 @@ def test_torch_compile_matches_eager_without_graph_breaks(cls, kwargs, untuned):
     torch.manual_seed(1)
     model = Classifier(cls(16, 32, batch_first=True, **kwargs)).cuda().eval()
     x = torch.randn(4, 9, 12, device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
         want = model(x)
         explanation = torch._dynamo.explain(model)(x)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         assert explanation.graph_count == 1
+        torch._dynamo.reset()
         got = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_torch_compile_without_torchs_rnn_switch_breaks_the_graph_but_agrees(untuned):
+    torch.manual_seed(3)
+    model = Classifier(persistrnn.LSTM(16, 32, batch_first=True)).cuda().eval()
+    x = torch.randn(2, 5, 12, device="cuda")
+    with torch.no_grad():
+        want = model(x)
+        torch._dynamo.reset()
+        got = torch.compile(model)(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
