@@ -187,11 +187,10 @@ class _Persistent:
                 or (torch.is_grad_enabled() and (input.requires_grad
                                                  or any(p.requires_grad for p in self._flat_weights)))):
             return self._torch_forward(input, hx)  # traced as torch's own module
-        self.check_forward_args(input, hx, None)
         pairs = self.spec.has_cell_state
         unbatched = input.dim() == 2
-        x = input.unsqueeze(0 if self.batch_first else 1) if unbatched else input
-        x = x.transpose(0, 1) if self.batch_first else x
+        batched = input.unsqueeze(0 if self.batch_first else 1) if unbatched else input
+        x = batched.transpose(0, 1) if self.batch_first else batched
         D = 2 if self.bidirectional else 1
         shape = (self.num_layers * D, x.shape[1], self.hidden_size)
         if hx is None:
@@ -200,6 +199,7 @@ class _Persistent:
             states = tuple(hx) if pairs else (hx,)
             if unbatched:
                 states = tuple(s.unsqueeze(1) for s in states)
+        self.check_forward_args(batched, states if pairs else states[0], None)  # torch's checks and messages
         out, h_n, c_n = torch.ops.persistrnn.forward(x.contiguous(), states[0], states[1] if pairs else None,
                                                      list(self._flat_weights), self.cell, self.num_layers,
                                                      self.bidirectional, self.bias)
