@@ -338,10 +338,15 @@ class _GraphedForward:
     late, and never hangs (the kernel's waits are bounded).
     """
 
-    def __init__(self, module: _Persistent, chosen: Any, x: torch.Tensor, hx: Any) -> None:
+    def __init__(self, module: _Persistent, chosen: Any, x: torch.Tensor, hx: Any, *, carry: bool = False) -> None:
+        """``carry``: ``hx`` are buffers the graph reads its initial states
+        from and writes its final states back to (a streaming session's);
+        otherwise the graph has copies of its own."""
         self.module = module
         self.x = x.clone()
-        self.states = tuple(s.clone() for s in (hx if isinstance(hx, tuple) else (hx,)))
+        self.carry = carry
+        given = hx if isinstance(hx, tuple) else (hx,)
+        self.states = given if carry else tuple(s.clone() for s in given)
         stream = torch.cuda.Stream(device=x.device)
         self.where = (x.device.index, stream.cuda_stream)
         self.device_status = persistent.status_word(*self.where)
@@ -352,19 +357,38 @@ class _GraphedForward:
         def body() -> None:
             hx_in = self.states if isinstance(hx, tuple) else self.states[0]
             self.result = module._run(chosen, self.x, hx_in)
+            if carry:
+                out_states = self.result[1] if isinstance(hx, tuple) else (self.result[1],)
+                for dst, src in zip(self.states, out_states):
+                    dst.copy_(src)
             self.host_status.copy_(self.device_status, non_blocking=True)
 
+        # capture_graph runs the body once before capturing it; carried
+        # states must come out of that run as they went in.
+        saved = tuple(s.clone() for s in self.states) if carry else ()
         self.graph = jit.capture_graph(body, stream)
+        for dst, src in zip(self.states if carry else (), saved):
+            dst.copy_(src)
 
     # Where Dynamo runs a module's forward eagerly (it breaks the graph at
     # torch's RNN classes unless torch._dynamo.config.allow_rnn is set), the
     # replay is opaque to it: a host read and a graph launch, not traceable.
-    @torch.compiler.disable
-    def __call__(self, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
+    def _raise_on_failure(self) -> None:
         if self._host_view[0]:
             torch.cuda.synchronize(self.x.device)
             self._host_view[0] = 0
             persistent.check_launches(*self.where)  # raises, and clears the word and the barrier counters
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """(carry) The output for ``x``; the states advance in place."""
+        self._raise_on_failure()
+        self.x.copy_(x)
+        self.graph.replay()
+        return self.result[0].clone()
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
+        self._raise_on_failure()
         self.x.copy_(x)
         for dst, src in zip(self.states, hx if isinstance(hx, tuple) else (hx,)):
             dst.copy_(src)
@@ -430,7 +454,14 @@ class StreamSession:
     its output; the concatenated outputs of the chunks equal one call on the
     whole sequence. ``session.reset(idx)`` clears the states of the chosen
     batch rows (all rows when ``idx`` is None), e.g. when a new utterance
-    starts in that slot. The states are ``session.state``.
+    starts in that slot. The states are ``session.state``, updated in place.
+
+    Where the module's own kernels run the chunk, each chunk shape's forward
+    is captured once with the session's state buffers as its initial and
+    final states, so a call is a copy in, a replay and a copy out (a module
+    call would also copy the states in and out, and check its arguments).
+    Elsewhere (CPU, cuDNN's plan, a call needing gradients) the chunk runs
+    through the module.
     """
 
     def __init__(self, module: _Persistent, batch_size: int) -> None:
@@ -443,23 +474,58 @@ class StreamSession:
         self.batch_size = batch_size
         weight = module.weight_hh_l0
         zeros = weight.new_zeros(module.num_layers, batch_size, module.hidden_size)
-        self.state: Any = (zeros, zeros.clone()) if module.spec.has_cell_state else zeros
+        self._buffers = (zeros, zeros.clone()) if module.spec.has_cell_state else (zeros,)
+        self._graphs: dict[tuple, _GraphedForward] = {}
+
+    @property
+    def state(self) -> Any:
+        return self._buffers if self.module.spec.has_cell_state else self._buffers[0]
 
     def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
         if not isinstance(chunk, torch.Tensor) or chunk.dim() != 3:
             raise InputShapeError(f"stream: expected a 3-D chunk, got "
                                   f"{chunk.dim() if isinstance(chunk, torch.Tensor) else type(chunk).__name__}"
                                   f"{'-D' if isinstance(chunk, torch.Tensor) else ''}")
-        batch = chunk.shape[0] if self.module.batch_first else chunk.shape[1]
+        module = self.module
+        batch = chunk.shape[0] if module.batch_first else chunk.shape[1]
         if batch != self.batch_size:
             raise InputShapeError(f"stream: expected a chunk of batch {self.batch_size}, got {batch}")
-        out, self.state = self.module(chunk, self.state)
-        return out
+        graphed = self._graph_for(chunk)
+        if graphed is None:
+            out, state = module(chunk, self.state)
+            for dst, src in zip(self._buffers, state if isinstance(state, tuple) else (state,)):
+                dst.copy_(src)
+            return out
+        out = graphed.step(chunk.transpose(0, 1) if module.batch_first else chunk)
+        return out.transpose(0, 1) if module.batch_first else out
+
+    def _graph_for(self, chunk: torch.Tensor) -> "_GraphedForward | None":
+        """This chunk shape's captured forward on the session's buffers, or
+        None where the chunk runs through the module instead."""
+        module = self.module
+        if chunk.device.type != "cuda":
+            return None
+        weights = module._flat_weights
+        key = (chunk.shape, chunk.dtype, chunk.device, tuple(w.data_ptr() for w in weights))
+        if torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled() and (
+                chunk.requires_grad or any(w.requires_grad for w in weights)):
+            return None
+        graphed = self._graphs.get(key)
+        if graphed is not None:
+            return graphed
+        x, _, _ = module._normalise(chunk, self.state)  # the module's checks and errors
+        if module._needs_torch(chunk) is not None:
+            return None
+        chosen = module.plan_for(x.shape[1])
+        if chosen.path == "cudnn":
+            return None
+        graphed = self._graphs[key] = _GraphedForward(module, chosen, x, self.state, carry=True)
+        return graphed
 
     def reset(self, idx: Any = None) -> None:
         """Zero the states of batch rows ``idx`` (an int, a sequence, a mask or a slice; None: all)."""
         rows = slice(None) if idx is None else idx
-        for s in (self.state if isinstance(self.state, tuple) else (self.state,)):
+        for s in self._buffers:
             s[:, rows] = 0
 
 

@@ -340,3 +340,26 @@ def test_gpu_float64_model_runs_torchs_implementation():
     x = torch.randn(4, 2, 5, device="cuda", dtype=torch.float64)
     with torch.no_grad():
         assert torch.equal(model(x)[0], twin(x)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_stream_session_replays_on_its_own_state_buffers(untuned):
+    torch.manual_seed(8)
+    model = persistrnn.LSTM(8, 64, num_layers=2, batch_first=True).cuda().eval()
+    x = torch.randn(3, 10, 8, device="cuda")
+    with torch.no_grad():
+        whole, (h, c) = model(x)
+        session = model.stream(3)
+        parts = [session(x[:, a:b]) for a, b in ((0, 1), (1, 4), (4, 5), (5, 10))]
+        assert len(session._graphs) == 3  # one captured forward per chunk length: 1, 3, 5
+        assert torch.allclose(torch.cat(parts, 1), whole, atol=1e-6, rtol=0)
+        assert torch.allclose(session.state[0], h, atol=1e-6, rtol=0)
+        assert torch.allclose(session.state[1], c, atol=1e-6, rtol=0)
+        session.reset([0])
+        out = session(x[:, :2])
+        fresh, _ = model(x[0:1, :2])
+        assert torch.allclose(out[0:1], fresh, atol=1e-6, rtol=0)
+        model.weight_hh_l1.mul_(0.5)  # in place: the captured forwards read it where it lives
+        session.reset()
+        halved, _ = model(x[:, :1])
+        assert torch.allclose(session(x[:, :1]), halved, atol=1e-6, rtol=0)
