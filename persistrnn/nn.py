@@ -8,10 +8,12 @@
   ``inference_mode``, or parameters and input that do not require grad) runs
   the path the planner chose for this shape and batch
   (:func:`persistrnn.plan.plan`): persistent kernels, the non-persistent
-  fallback, or cuDNN where cuDNN measured faster;
+  fallback, or cuDNN where cuDNN measured faster; a ``PackedSequence`` runs
+  the persistent kernels with each sequence's length where the plan is
+  persistent;
 * everything else runs torch's own implementation: a CPU input, a
-  ``PackedSequence``, ``proj_size``, dropout between layers in training mode,
-  and (with a one-time warning) a call that needs gradients.
+  ``PackedSequence`` on another plan, ``proj_size``, dropout between layers
+  in training mode, and (with a one-time warning) a call that needs gradients.
 
 ``GRU(reset_after=False)`` is the canonical GRU (Cho et al.; ONNX
 ``linear_before_reset=0``): ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``.
@@ -149,7 +151,7 @@ class _Persistent:
         if torch.compiler.is_compiling():
             return self._compiled_forward(input, hx)
         if isinstance(input, PackedSequence):
-            return self._torch_forward(input, hx)
+            return self._packed_forward(input, hx)
         x, states, unbatched = self._normalise(input, hx)  # every path gets the same checks and errors
         if self._needs_torch(input) is not None:
             return self._torch_forward(input, hx)
@@ -176,6 +178,21 @@ class _Persistent:
         if zeros is None:
             zeros = self._zeros[key] = x.new_zeros(shape)
         return zeros
+
+    def _packed_forward(self, packed: PackedSequence, hx: Any) -> Any:
+        """A PackedSequence on the kernels: padded in the batch's own order,
+        run with each sequence's length, packed again in the input's order
+        (hx and the final states are in the batch's own order, as torch's)."""
+        padded, lengths = torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first=self.batch_first)
+        x, states, _ = self._normalise(padded, hx)
+        chosen = None if self._needs_torch(padded) is not None else self.plan_for(x.shape[1])
+        if chosen is None or chosen.path != "persistent":
+            return self._torch_forward(packed, hx)
+        out, state = self._run(chosen, x, states, lengths.to(x.device, torch.int32))
+        if packed.sorted_indices is not None:
+            out, lengths = out.index_select(1, packed.sorted_indices), lengths[packed.sorted_indices.cpu()]
+        data = torch.nn.utils.rnn.pack_padded_sequence(out, lengths).data
+        return PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices), state
 
     def _compiled_forward(self, input: Any, hx: Any) -> Any:
         """The forward as ``torch.compile`` traces it: torch's checks, then one
@@ -289,14 +306,14 @@ class _Persistent:
             self._plans[key] = planner.plan(shape, batch, tune=not capturing)
         return self._plans[key]
 
-    def _run(self, chosen: Any, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
+    def _run(self, chosen: Any, x: torch.Tensor, hx: Any, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         pairs = self.spec.has_cell_state
         h_all, c_all = hx if pairs else (hx, None)
         # A kernel that gave up (a peer never arrived) leaves a status word;
         # reading it synchronises, so it is never read inside a CUDA-graph
         # capture (the captured forward copies it out instead).
         out, h_n, c_n = ops.run_plan(chosen, self.cell, _layers(self), x.contiguous(), h_all, c_all,
-                                     check=not torch.cuda.is_current_stream_capturing())
+                                     check=not torch.cuda.is_current_stream_capturing(), lengths=lengths)
         return out, ((h_n, c_n) if pairs else h_n)
 
     def _graphed(self, chosen: Any, x: torch.Tensor, hx: Any) -> "_GraphedForward":
@@ -400,8 +417,9 @@ class _GraphedForward:
 
 def _canonical_gru_torch_forward(module: "GRU", input: Any, hx: Any) -> Any:
     if isinstance(input, PackedSequence):
-        raise NotImplementedError("GRU(reset_after=False) does not take a PackedSequence yet; pass padded input "
-                                  "(variable lengths for this cell come with the kernels' length support)")
+        raise NotImplementedError("GRU(reset_after=False) takes a PackedSequence only where the persistent kernels "
+                                  "run it (a CUDA call without gradients whose plan is persistent); pass padded "
+                                  "input here")
     x, hx, unbatched = module._normalise(input, hx)
     out, state = torch_forward(module.spec, module, x, hx)
     if module.batch_first:

@@ -51,13 +51,16 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
 
 
 def run_plan(chosen: Any, cell: str, layers: list[list[dict[str, torch.Tensor]]], x: torch.Tensor,
-             h0: torch.Tensor, c0: torch.Tensor | None, *, check: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor | None]:
+             h0: torch.Tensor, c0: torch.Tensor | None, *, check: bool,
+             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(output (T, B, D*H), h_n, c_n (L*D, B, H)) of the model on the plan's
     persistent or fallback path; ``check`` reads the kernels' status word
-    afterwards (it synchronises)."""
+    afterwards (it synchronises). ``lengths`` (int32 on the GPU, one per
+    sequence) runs variable lengths, on the persistent path only."""
     if chosen.path == "persistent":
-        return persistent.forward_model(chosen.config, layers, x, h0, c0, check=check)
+        return persistent.forward_model(chosen.config, layers, x, h0, c0, lengths=lengths, check=check)
+    if lengths is not None:
+        raise ValueError(f"variable lengths run on the persistent path, got a {chosen.path!r} plan")
     if chosen.path == "fallback":
         return fallback.forward_model(cell, layers, x, h0, c0)
     raise ValueError(f"run_plan runs the persistent and fallback paths, got {chosen.path!r}")

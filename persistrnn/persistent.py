@@ -550,8 +550,12 @@ def _address(t: Any, offset: int = 0) -> Any:
 
 
 def run_instances(config: KernelConfig, instances: list[Instance], steps: int, batch: int, *,
-                  check: bool = True) -> None:
+                  lengths: Any = None, check: bool = True) -> None:
     """Launch ``config`` over ``instances`` (``config.instances`` of them).
+
+    ``lengths``: an int32 CUDA tensor (batch,) of each sequence's steps, 1 to
+    ``steps``; past its length a sequence keeps its state and its outputs are
+    zero (a reverse instance starts at its last step). None: all ``steps``.
 
     Batches larger than one launch holds run as consecutive launches. The
     tensors are taken as they are (the callers made them); :func:`run_recurrence`
@@ -584,7 +588,8 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
                      _address(c_n, b0 * H), int(i.reverse)]
             if config.pipeline:
                 args += [_address(i.w_next), _address(i.b_next)]
-        args += [buffers.exchange, buffers.counters, _address(pipe), steps, nb, batch, out_row, buffers.status]
+        args += [buffers.exchange, buffers.counters, _address(pipe), _address(lengths, b0), steps, nb, batch, out_row,
+                 buffers.status]
         jit.launch(kernel, launch_config, *jit.kernel_args(*args))
     if check:
         check_launches(device.index, stream)
@@ -602,6 +607,7 @@ def run_recurrence(
     h_n: Any | None = None,
     c_n: Any | None = None,
     reverse: bool = False,
+    lengths: Any = None,
     check: bool = True,
 ) -> tuple[Any, Any, Any | None]:
     """Run the recurrence on precomputed input projections.
@@ -612,6 +618,7 @@ def run_recurrence(
         out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
         reverse: run the steps from the last to the first (out[t] is still
             the output at position t).
+        lengths: int32 (B,) steps of each sequence, as in :func:`run_instances`.
         check: synchronise and raise if the kernel reported a failure.
 
     Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None).
@@ -651,7 +658,10 @@ def run_recurrence(
     out = destination("out", out, (T, B, H))
     h_n = destination("h_n", h_n, (B, H))
     c_n = destination("c_n", c_n, (B, H)) if spec.has_cell_state else None
-    run_instances(config, [Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n, reverse)], T, B, check=check)
+    if lengths is not None:
+        check_tensor("lengths", lengths, (B,), xw.device, torch.int32)
+    run_instances(config, [Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n, reverse)], T, B, lengths=lengths,
+                  check=check)
     return out, h_n, c_n
 
 
@@ -752,12 +762,13 @@ def forward_layer(
 
 
 def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: Any, h0: Any, c0: Any | None, *,
-                  check: bool = True) -> tuple[Any, Any, Any | None]:
+                  lengths: Any = None, check: bool = True) -> tuple[Any, Any, Any | None]:
     """A whole model on ``config``: every layer and direction.
 
     ``layers[l][d]`` holds the tensors ``w_ih``, ``w_hh``, ``b_ih``, ``b_hh``
     of layer l, direction d (1: reverse); ``x`` is (T, B, I); ``h0``, ``c0``
-    are (L*D, B, H). Returns (output (T, B, D*H), h_n, c_n (L*D, B, H)).
+    are (L*D, B, H); ``lengths`` as in :func:`run_instances`. Returns
+    (output (T, B, D*H), h_n, c_n (L*D, B, H)).
 
     A pipeline configuration runs all layers in one launch; one with two
     instances runs a bidirectional layer's directions in one launch;
@@ -791,7 +802,7 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
                               out if l == L - 1 else None) for l in range(L)]
         for l in range(L - 1):
             instances[l].w_next, instances[l].b_next = layers[l + 1][0]["w_ih"], layers[l + 1][0]["b_ih"]
-        run_instances(config, instances, T, B, check=check)
+        run_instances(config, instances, T, B, lengths=lengths, check=check)
         return out, h_n, c_n
     if config.instances not in (1, D):
         raise ConfigError(f"{config} runs {config.instances} recurrences at once; the model has {D} direction(s)")
@@ -802,10 +813,10 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
                  for d in range(D)]
         last = l == L - 1
         if config.instances == D:
-            run_instances(config, group, T, B, check=check and last)
+            run_instances(config, group, T, B, lengths=lengths, check=check and last)
         else:
             for d, one in enumerate(group):
-                run_instances(config, [one], T, B, check=check and last and d == D - 1)
+                run_instances(config, [one], T, B, lengths=lengths, check=check and last and d == D - 1)
         layer_input = out
     return layer_input, h_n, c_n
 

@@ -273,3 +273,44 @@ def test_fused_layers_replay_in_a_graph_with_reset_progress_counts():
 @pytest.mark.parametrize("config", _gpu_configs(), ids=str)
 def test_every_gpu_case_compiles_for_sm90_without_local_memory(config):
     test_fused_kernels_compile_for_sm90_without_local_memory(config)
+
+
+LENGTH_CASES = [
+    # (cell, dtype, layers, directions, config kwargs, lengths)
+    ("lstm", "float32", 2, 2, dict(sync="cluster", blocks=4, instances=2), [5, 1, 9, 3]),
+    ("gru", "float32", 3, 1, dict(sync="cluster", blocks=4, instances=3, pipeline=True), [2, 9, 9, 7, 1]),
+    ("gru_reset_before", "bfloat16", 1, 2, dict(sync="single", blocks=1), [4, 9, 6]),
+    ("rnn_relu", "float32", 2, 1, dict(sync="cluster", blocks=2), [9]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LENGTH_CASES, ids=lambda c: f"{c[0]}-{c[1]}-L{c[2]}-D{c[3]}")
+def test_variable_lengths_match_float64_reference(case):
+    import torch
+
+    cell, dtype, layers, directions, kwargs, lengths = case
+    config = KernelConfig(cell, 48, threads=128, group_size=8, dtype=dtype, **kwargs)
+    T, B = max(lengths), len(lengths)
+    seed = hash((str(config), tuple(lengths))) % 2**32
+    torch_layers, x, h0, c0, _ = _model_case(cell, dtype, 11, 48, layers, directions, B, T, seed)
+    spec = cells.get_cell(cell)
+
+    def f64(t):
+        return t.double().cpu().numpy()
+
+    params = [[{k: f64(v) for k, v in p.items()} for p in layer] for layer in torch_layers]
+    hx = (f64(h0), f64(c0)) if spec.has_cell_state else f64(h0)
+    ref_out, ref_state = reference.rnn_forward(cell, f64(x), params, num_layers=layers,
+                                               bidirectional=directions == 2, hx=hx, lengths=lengths)
+    dev_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, h_n, c_n = persistent.forward_model(config, torch_layers, x, h0, c0, lengths=dev_lengths)
+    for b, n in enumerate(lengths):  # outputs past a sequence's end are exactly zero
+        assert not out[n:, b].any()
+    errors = {"output": rel(out.double().cpu().numpy(), ref_out)}
+    if spec.has_cell_state:
+        errors["h_n"], errors["c_n"] = (rel(h_n.double().cpu().numpy(), ref_state[0]),
+                                        rel(c_n.double().cpu().numpy(), ref_state[1]))
+    else:
+        errors["h_n"] = rel(h_n.double().cpu().numpy(), ref_state)
+    assert all(e <= tolerance(dtype) for e in errors.values()), (seed, errors)

@@ -2,6 +2,7 @@
 path against the float64 reference, streaming, errors, and (GPU) agreement
 of the persistent path with the float64 reference and with cuDNN."""
 
+import copy
 import itertools
 import random
 
@@ -363,3 +364,41 @@ def test_gpu_stream_session_replays_on_its_own_state_buffers(untuned):
         session.reset()
         halved, _ = model(x[:, :1])
         assert torch.allclose(session(x[:, :1]), halved, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,kw", [("LSTM", dict(num_layers=2, bidirectional=True)),
+                                     ("GRU", dict(num_layers=3, batch_first=True)),
+                                     ("GRU", dict(reset_after=False, bidirectional=True)),
+                                     ("RNN", dict(nonlinearity="relu"))])
+def test_gpu_packed_sequences_run_the_kernels_and_match_float64(untuned, kind, kw):
+    from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
+
+    torch.manual_seed(9)
+    model = getattr(persistrnn, kind)(6, 40, **kw).cuda().eval()
+    lengths = [3, 8, 1, 5, 8]  # unsorted
+    seqs = [torch.randn(n, 6, device="cuda") for n in lengths]
+    packed = pack_sequence(seqs, enforce_sorted=False)
+    D = 2 if model.bidirectional else 1
+    h0 = torch.randn(model.num_layers * D, len(lengths), 40, device="cuda")
+    hx = (h0, torch.randn_like(h0)) if kind == "LSTM" else h0
+    with torch.no_grad():
+        out, state = model(packed, hx)
+    assert isinstance(out, torch.nn.utils.rnn.PackedSequence)
+    assert torch.equal(out.batch_sizes, packed.batch_sizes) and torch.equal(out.sorted_indices, packed.sorted_indices)
+    # float64 reference: the same module on the CPU (the canonical GRU's own torch path takes padded input)
+    ref = copy.deepcopy(model).to("cpu", torch.float64)
+    padded, _ = pad_packed_sequence(out, batch_first=model.batch_first)
+    hx64 = tuple(s.cpu().double() for s in hx) if isinstance(hx, tuple) else hx.cpu().double()
+    with torch.no_grad():
+        for b, n in enumerate(lengths):  # one sequence at a time: its own length, no padding
+            seq = seqs[b].cpu().double().unsqueeze(0 if model.batch_first else 1)
+            h_b = tuple(s[:, b:b + 1] for s in hx64) if isinstance(hx64, tuple) else hx64[:, b:b + 1]
+            want, want_state = ref(seq, h_b)
+            got = padded[b, :n] if model.batch_first else padded[:n, b]
+            assert rel(got.unsqueeze(0 if model.batch_first else 1).double().cpu().numpy(), want.numpy()) <= 1e-5
+            got_h = state[0][:, b:b + 1] if isinstance(state, tuple) else state[:, b:b + 1]
+            want_h = want_state[0] if isinstance(want_state, tuple) else want_state
+            assert rel(got_h.double().cpu().numpy(), want_h.numpy()) <= 1e-5
+            rest = padded[b, n:] if model.batch_first else padded[n:, b]
+            assert not rest.any()

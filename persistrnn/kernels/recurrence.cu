@@ -228,14 +228,23 @@ __device__ __forceinline__ prnn_walk prnn_make_walk(int columns) {
     for (int row = (walk).row0, b = (walk).b0; row < (rows);                                    \
          row += (walk).drow, b += (walk).db, row += b >= (B) ? 1 : 0, b -= b >= (B) ? (B) : 0)
 
-// xw[p][b][g*H + u] for this block's units -> slot t of xs, [g][u][b],
-// asynchronously (p: the sequence position step t reads).
-__device__ __forceinline__ void prnn_prefetch_xw(const float* __restrict__ xw, float* xs, int t, int p, int B, int BP,
+// The sequence position column b reads at step t: t, or for a reverse
+// instance its last valid position first (len - 1 - t). A step at or past
+// the column's length (it keeps its state) reads position t.
+__device__ __forceinline__ int prnn_position(int t, int b, bool reverse, const int* __restrict__ lengths, int T) {
+    const int len = lengths ? __ldg(lengths + b) : T;
+    return reverse && t < len ? len - 1 - t : t;
+}
+
+// xw[position][b][g*H + u] for this block's units -> slot t of xs,
+// [g][u][b], asynchronously.
+__device__ __forceinline__ void prnn_prefetch_xw(const float* __restrict__ xw, float* xs, int t, bool reverse,
+                                                 const int* __restrict__ lengths, int T, int B, int BP,
                                                  long long step_stride, int blk, prnn_walk walk) {
-    const float* src = xw + p * step_stride;
     xs += (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
     PRNN_FOR_PAIRS(walk, PRNN_G * PRNN_U, B, gu, b) {
         const int u = gu % PRNN_U, g = gu / PRNN_U, unit = blk * PRNN_U + u;
+        const float* src = xw + prnn_position(t, b, reverse, lengths, T) * step_stride;
         if (unit < PRNN_H) prnn_cp_async_4(xs + gu * BP + b, src + (long long)b * PRNN_G * PRNN_H + g * PRNN_H + unit);
     }
     prnn_cp_async_commit();
@@ -312,6 +321,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
+                const int* __restrict__ lengths, // [B] steps of each sequence, 1..T (null: all T)
                 int T, int B, int ld, int out_row, int* __restrict__ status) {
     extern __shared__ __align__(16) float smem[];
     const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN + PRNN_BP_PAD;
@@ -345,9 +355,9 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     if (consumes)                                                                                       \
         prnn_prefetch_pipe(pipe_in, progress + inst - 1, L.xw, t, BP, blk, status, &seen_progress);     \
     else                                                                                                \
-        prnn_prefetch_xw(xw, L.xw, t, reverse ? T - 1 - (t) : (t), B, BP, step_stride, blk, walk)
+        prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk)
 #else
-#define PRNN_PREFETCH(t) prnn_prefetch_xw(xw, L.xw, t, reverse ? T - 1 - (t) : (t), B, BP, step_stride, blk, walk)
+#define PRNN_PREFETCH(t) prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk)
 #endif
 
     // A step is shorter than a global load's latency, so the projections are
@@ -573,16 +583,21 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 } else
 #endif
                 {
+                    // Past its length a column keeps its state and outputs
+                    // zeros, as torch does for a packed sequence.
+                    const int len = lengths ? __ldg(lengths + b) : T;
 #if PRNN_HAS_C
                     float c_new;
                     prnn_pointwise(xg, hg, h, L.c[u * BP + b], value, c_new);
+                    if (t >= len) c_new = L.c[u * BP + b];
                     L.c[u * BP + b] = c_new;
                     if (t == T - 1) c_n[(long long)b * PRNN_H + unit] = prnn_from_float<io_t>(c_new);
 #else
                     prnn_pointwise(xg, hg, h, value);
 #endif
-                    if (out) out[(reverse ? T - 1 - t : t) * out_step + (long long)b * out_row + unit] =
-                                 prnn_from_float<io_t>(value);
+                    if (t >= len) value = h;
+                    if (out) out[prnn_position(t, b, reverse, lengths, T) * out_step + (long long)b * out_row + unit] =
+                                 prnn_from_float<io_t>(t < len ? value : 0.0f);
                     if (t == T - 1) h_n[(long long)b * PRNN_H + unit] = prnn_from_float<io_t>(value);
                 }
 #if PRNN_SYNC == 2
