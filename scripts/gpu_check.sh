@@ -6,7 +6,7 @@
 # checkout with no install and no network: PYTHONPATH points at the repository.
 #
 #   STAGES       which stages run, in this order (default: all of them):
-#                tests sanitize demo calibrate tune accuracy models sync recurrence
+#                tests sanitize demo calibrate tune accuracy models grnn sync recurrence
 #   PYTEST_ARGS  narrows the tests (default: the whole suite)
 #   ACCURACY_ARGS, BENCH_ARGS  narrow model-accuracy and the recurrence bench
 #   PERSISTRNN_COMMIT  names the commit where the copy has no .git
@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy models sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy models grnn sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -86,6 +86,13 @@ stage_models() {
     $PY -m persistrnn.bench models --json "$OUT/models.json" --markdown "$OUT/models.md" >"$OUT/bench_models.log" 2>&1
     RC[models]=$?
     SUMMARY+=("bench models: exit ${RC[models]}" "$(cat "$OUT/models.md" 2>/dev/null || tail -n 30 "$OUT/bench_models.log")")
+}
+
+stage_grnn() {
+    $PY -m persistrnn bench grnn-table --json "$OUT/grnn-table.json" --csv "$OUT/grnn-table.csv" \
+        --markdown "$OUT/grnn-table.md" --plot "$OUT/grnn-table.png" >"$OUT/bench_grnn.log" 2>&1
+    RC[grnn]=$?
+    SUMMARY+=("bench grnn-table: exit ${RC[grnn]}" "$(cat "$OUT/grnn-table.md" 2>/dev/null || tail -n 30 "$OUT/bench_grnn.log")")
 }
 
 stage_sync() {

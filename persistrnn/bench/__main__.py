@@ -9,6 +9,7 @@ SUITES = {
     "recurrence": "persistrnn.bench.recurrence",
     "model-accuracy": "persistrnn.bench.model_accuracy",
     "models": "persistrnn.bench.models",
+    "grnn-table": "persistrnn.bench.grnn_table",
 }
 
 
