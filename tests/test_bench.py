@@ -111,8 +111,12 @@ def test_grnn_table_runs_a_small_grid_end_to_end(tmp_path):
     assert len(result["cases"]) == 4
     for case in result["cases"]:
         rows = {r["provider"]: r for r in case["rows"]}
-        assert rows["persistrnn"]["status"] == "ok" and rows["persistrnn"]["rel_error"] <= 1e-5
-        assert rows["persistrnn"]["graph_ms"] > 0 and rows["torch-cpu"]["rel_error"] <= 1e-5
+        ours = rows["persistrnn"]
+        assert ours["status"] == "ok" and ours["graph_ms"] > 0 and rows["torch-cpu"]["rel_error"] <= 1e-5
+        if ours["note"].startswith("plan cudnn"):  # torch's own numbers, TF32 included where torch allows it
+            assert ours["rel_error"] <= 1.5 * max(1e-5, rows["cudnn (TF32 allowed)"]["rel_error"])
+        else:
+            assert ours["rel_error"] <= 1e-5
         if case["cell"] == "lstm":
             assert rows["cudnn (TF32 off)"]["rel_error"] <= 1e-5 and rows["cudnn (TF32 off)"]["graph_ms"] > 0
         else:
