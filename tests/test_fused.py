@@ -91,6 +91,16 @@ def _gpu_configs():
     return pipelines + directions
 
 
+COMPILE_SAMPLE += [KernelConfig(cell, 96, "cluster", 4, 128, 8, 1, instances=2, lengths=True) for cell in CELL_NAMES]
+COMPILE_SAMPLE += [KernelConfig("lstm", 128, "cluster", 8, 256, 8, 1, instances=3, pipeline=True, lengths=True)]
+
+
+def test_lengths_are_a_compiled_variant():
+    without = persistent.render_source(KernelConfig("lstm", 64, "single", 1))
+    with_lengths = persistent.render_source(KernelConfig("lstm", 64, "single", 1, lengths=True))
+    assert "#define PRNN_LENGTHS 0" in without and "#define PRNN_LENGTHS 1" in with_lengths
+
+
 @pytest.mark.parametrize("config", COMPILE_SAMPLE, ids=str)
 def test_fused_kernels_compile_for_sm90_without_local_memory(config):
     res = persistent.compile_config(config, arch="sm_90").kernel_resources(persistent.KERNEL_NAME)

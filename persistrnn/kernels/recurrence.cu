@@ -231,8 +231,18 @@ __device__ __forceinline__ prnn_walk prnn_make_walk(int columns) {
 // The sequence position column b reads at step t: t, or for a reverse
 // instance its last valid position first (len - 1 - t). A step at or past
 // the column's length (it keeps its state) reads position t.
+// Steps of column b: its length where PRNN_LENGTHS compiled them in, else T
+// (a constant then, so launches without lengths carry none of their code).
+__device__ __forceinline__ int prnn_length(const int* __restrict__ lengths, int b, int T) {
+#if PRNN_LENGTHS
+    return __ldg(lengths + b);
+#else
+    return T;
+#endif
+}
+
 __device__ __forceinline__ int prnn_position(int t, int b, bool reverse, const int* __restrict__ lengths, int T) {
-    const int len = lengths ? __ldg(lengths + b) : T;
+    const int len = prnn_length(lengths, b, T);
     return reverse && t < len ? len - 1 - t : t;
 }
 
@@ -585,7 +595,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 {
                     // Past its length a column keeps its state and outputs
                     // zeros, as torch does for a packed sequence.
-                    const int len = lengths ? __ldg(lengths + b) : T;
+                    const int len = prnn_length(lengths, b, T);
 #if PRNN_HAS_C
                     float c_new;
                     prnn_pointwise(xg, hg, h, L.c[u * BP + b], value, c_new);
