@@ -361,7 +361,6 @@ class _GraphedForward:
         otherwise the graph has copies of its own."""
         self.module = module
         self.x = x.clone()
-        self.carry = carry
         given = hx if isinstance(hx, tuple) else (hx,)
         self.states = given if carry else tuple(s.clone() for s in given)
         stream = torch.cuda.Stream(device=x.device)

@@ -22,10 +22,6 @@ import torch
 from . import fallback, persistent
 from .cells import get_cell
 
-CUDNN_FUNCTIONS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_relu"}
-"""Our cells that torch's own (cuDNN) functions run, by their ``torch._VF`` name."""
-
-
 def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
                  has_biases: bool) -> list[list[dict[str, torch.Tensor]]]:
     """torch's flat weight list (per layer and direction: W_ih, W_hh, then
@@ -97,8 +93,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], weigh
     chosen = _plan(cell, x, hidden, num_layers, bidirectional)
     if chosen.path == "cudnn":
         hx = (h0, c0) if c0 is not None else h0
-        result = getattr(torch._VF, CUDNN_FUNCTIONS[cell])(x, hx, weights, has_biases, num_layers, 0.0, False,
-                                                            bidirectional, False)
+        # torch's function for each cell the planner times cuDNN for has the cell's name
+        result = getattr(torch._VF, cell)(x, hx, weights, has_biases, num_layers, 0.0, False, bidirectional, False)
         out, h_n = result[0], result[1]
         c_n = result[2] if c0 is not None else h0.new_empty(0)
         return out, h_n, c_n

@@ -667,7 +667,7 @@ def run_recurrence(
     h_n = destination("h_n", h_n, (B, H))
     c_n = destination("c_n", c_n, (B, H)) if spec.has_cell_state else None
     if lengths is not None:
-        check_tensor("lengths", lengths, (B,), xw.device, torch.int32)
+        check_lengths(lengths, T, B, xw.device)
     run_instances(config, [Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n, reverse)], T, B, lengths=lengths,
                   check=check)
     return out, h_n, c_n
@@ -733,6 +733,20 @@ def check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any, dtype: 
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
+def check_lengths(lengths: Any, steps: int, batch: int, device: Any) -> None:
+    """Raise unless ``lengths`` is an int32 tensor (batch,) on ``device`` with
+    every length in 1..steps: a reverse instance starts at its length - 1, so
+    a length past ``steps`` would read and write outside the tensors. Reads
+    the extremes back (synchronises)."""
+    import torch
+
+    check_tensor("lengths", lengths, (batch,), device, torch.int32)
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < 1 or high > steps:
+        raise ValueError(f"lengths: expected every length in 1..{steps} (the steps of the input), "
+                         f"got lengths from {low} to {high}")
+
+
 def input_projection(x: Any, w_ih: Any, b_ih: Any) -> Any:
     """``x @ W_ih^T + b_ih`` for every step at once: (T, B, I) -> (T, B, G*H) float32.
 
@@ -787,6 +801,8 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
 
     L, D = len(layers), len(layers[0])
     T, B, _ = x.shape
+    if lengths is not None:
+        check_lengths(lengths, T, B, x.device)
     H = config.hidden_size
     has_c = config.spec.has_cell_state
     h0 = h0.contiguous()

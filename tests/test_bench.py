@@ -80,6 +80,14 @@ def test_an_uninstalled_peer_is_reported_absent():
     assert (row.status, row.ms) == ("absent", None) and "not installed" in row.note
 
 
+def test_an_installed_peer_the_suite_does_not_drive_is_reported_not_run():
+    row = grnn_table._optional_provider("json", "json-peer")  # installed everywhere
+    assert (row.status, row.ms) == ("not run", None) and "does not drive it yet" in row.note
+    case = _case("lstm", 64, 1, 0.1, 0.2, 0.5, 1.0, 4.0)
+    case["rows"].append(row.__dict__)
+    assert "json-peer: not run (json is installed" in grnn_table.format_table({"cases": [case]})
+
+
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
     import builtins
 

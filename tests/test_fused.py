@@ -324,3 +324,18 @@ def test_variable_lengths_match_float64_reference(case):
     else:
         errors["h_n"] = rel(h_n.double().cpu().numpy(), ref_state)
     assert all(e <= tolerance(dtype) for e in errors.values()), (seed, errors)
+
+
+@pytest.mark.gpu
+def test_lengths_outside_the_steps_are_refused_before_launch():
+    import torch
+
+    config = KernelConfig("gru", 48, "single", 1, 128, 8, 1, instances=2)
+    torch_layers, x, h0, c0, _ = _model_case("gru", "float32", 5, 48, 1, 2, 3, 6, seed=4)
+    for bad, message in (([0, 6, 6], "from 0 to 6"), ([7, 1, 2], "from 1 to 7")):
+        lengths = torch.tensor(bad, dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match=f"lengths: expected every length in 1..6 .*got lengths {message}"):
+            persistent.forward_model(config, torch_layers, x, h0, c0, lengths=lengths)
+    with pytest.raises(TypeError, match="lengths: expected dtype torch.int32, got torch.int64"):
+        persistent.forward_model(config, torch_layers, x, h0, c0, lengths=torch.ones(3, dtype=torch.int64,
+                                                                                     device="cuda"))

@@ -27,6 +27,7 @@ kept beside its times.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import dataclasses
 import io
@@ -66,7 +67,7 @@ class Row:
     """One provider on one case: times in ms (None: not measured) and why not."""
 
     provider: str
-    status: str = "ok"  # ok, absent, failed, no peer
+    status: str = "ok"  # ok, absent, not run, failed, no peer
     ms: float | None = None
     graph_ms: float | None = None
     end_to_end_ms: float | None = None
@@ -90,8 +91,6 @@ def _modules(cell: str, hidden: int):
 
 def _reference(module: Any, x: Any) -> Any:
     """The module's output in float64 on the CPU."""
-    import copy
-
     import torch
 
     ref = copy.deepcopy(module).to("cpu", torch.float64)
@@ -200,8 +199,6 @@ def run_case(cell: str, hidden: int, batch: int, cfg: TableConfig) -> dict[str, 
 
         def cpu_row() -> Row:
             module = ours if theirs is None else theirs
-            import copy
-
             cpu = copy.deepcopy(module).cpu()
             threads = torch.get_num_threads()
             torch.set_num_threads(os.cpu_count() or threads)
@@ -224,7 +221,7 @@ def _optional_provider(module: str, label: str) -> Row:
 
     if importlib.util.find_spec(module) is None:
         return Row(label, "absent", note=f"{module} is not installed")
-    return Row(label, "failed", note=f"{module} is installed, but this suite does not drive it yet")
+    return Row(label, "not run", note=f"{module} is installed, but this suite does not drive it yet")
 
 
 def run(cfg: TableConfig | None = None, progress: bool = True) -> dict[str, Any]:
@@ -285,7 +282,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"| {_fmt(ours['end_to_end_ms'])} | {_sci(ours['rel_error'])} "
             f"| {ours['note'].split(';')[0].removeprefix('plan ')} |")
     others = sorted({f"{r['provider']}: {r['status']} ({r['note']})" for c in result["cases"] for r in c["rows"]
-                     if r["status"] in ("absent", "failed") and r["provider"] != "persistrnn"})
+                     if r["status"] in ("absent", "not run", "failed") and r["provider"] != "persistrnn"})
     if others:
         lines += ["", "Providers not timed: " + "; ".join(others) + "."]
     return "\n".join(lines)
