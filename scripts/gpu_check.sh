@@ -6,9 +6,10 @@
 # checkout with no install and no network: PYTHONPATH points at the repository.
 #
 #   STAGES       which stages run, in this order (default: all of them):
-#                tests sanitize demo calibrate tune accuracy models grnn sync recurrence
+#                tests sanitize demo calibrate tune accuracy grnn models scaling dtypes targets
+#                sync recurrence (models is the real-models suite)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite)
-#   ACCURACY_ARGS, BENCH_ARGS  narrow model-accuracy and the recurrence bench
+#   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
 #   PERSISTRNN_COMMIT  names the commit where the copy has no .git
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy models grnn sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models scaling dtypes targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -82,17 +83,34 @@ stage_accuracy() {
     SUMMARY+=("model-accuracy: exit ${RC[accuracy]}" "$(cat "$OUT/model-accuracy.md" 2>/dev/null || tail -n 20 "$OUT/bench_accuracy.log")")
 }
 
-stage_models() {
-    $PY -m persistrnn.bench models --json "$OUT/models.json" --markdown "$OUT/models.md" >"$OUT/bench_models.log" 2>&1
-    RC[models]=$?
-    SUMMARY+=("bench models: exit ${RC[models]}" "$(cat "$OUT/models.md" 2>/dev/null || tail -n 30 "$OUT/bench_models.log")")
+# The comparison suites (persistrnn beside cuDNN, the CPU and ONNX Runtime),
+# then the speed targets judged over all of their results.
+compare_suite() {
+    local suite=$1 stage=$2
+    shift 2
+    $PY -m persistrnn bench "$suite" --no-progress "$@" --json "$OUT/$suite.json" --csv "$OUT/$suite.csv" \
+        --markdown "$OUT/$suite.md" --plot "$OUT/$suite.png" >"$OUT/bench_$suite.log" 2>&1
+    RC[$stage]=$?
+    if [ -f "$OUT/$suite.md" ]; then
+        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model/,/^$/p' "$OUT/$suite.md" | cut -c1-160)")
+    else
+        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(tail -n 30 "$OUT/bench_$suite.log")")
+    fi
 }
 
-stage_grnn() {
-    $PY -m persistrnn bench grnn-table --json "$OUT/grnn-table.json" --csv "$OUT/grnn-table.csv" \
-        --markdown "$OUT/grnn-table.md" --plot "$OUT/grnn-table.png" >"$OUT/bench_grnn.log" 2>&1
-    RC[grnn]=$?
-    SUMMARY+=("bench grnn-table: exit ${RC[grnn]}" "$(cat "$OUT/grnn-table.md" 2>/dev/null || tail -n 30 "$OUT/bench_grnn.log")")
+stage_grnn() { compare_suite grnn-table grnn; }
+stage_models() { compare_suite real-models models; }
+stage_scaling() { compare_suite scaling scaling; }
+stage_dtypes() { compare_suite dtypes dtypes ${DTYPES_ARGS:-}; }
+
+stage_targets() {
+    local results=()
+    for suite in grnn-table real-models scaling dtypes; do
+        [ -f "$OUT/$suite.json" ] && results+=("$OUT/$suite.json")
+    done
+    $PY -m persistrnn bench targets "${results[@]}" --markdown "$OUT/targets.md" >"$OUT/bench_targets.log" 2>&1
+    RC[targets]=$?
+    SUMMARY+=("bench targets: exit ${RC[targets]}" "$(cat "$OUT/bench_targets.log")")
 }
 
 stage_sync() {

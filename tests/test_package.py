@@ -52,5 +52,8 @@ def test_bench_without_gpu_fails_clearly():
     out = _run_module("persistrnn.bench", "sync", "--steps", "100")
     assert out.returncode == 2
     assert "torch.cuda.is_available() is False" in out.stderr
+    out = _run_module("persistrnn.bench", "grnn-table", "--hidden", "64")
+    assert out.returncode == 2
+    assert "torch.cuda.is_available() is False" in out.stderr
     out = _run_module("persistrnn.bench", "nosuch")
-    assert out.returncode == 2 and "expected one of: sync" in out.stderr
+    assert out.returncode == 2 and "expected one of: grnn-table" in out.stderr

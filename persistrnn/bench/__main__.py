@@ -1,15 +1,17 @@
-"""``python -m persistrnn.bench <suite> [options]``."""
+"""``python -m persistrnn.bench <suite> [options]`` (also ``python -m persistrnn bench <suite>``)."""
 
 from __future__ import annotations
 
 import sys
 
+COMPARISONS = ("grnn-table", "real-models", "scaling", "dtypes")
+"""The suites of :mod:`persistrnn.bench.compare`: persistrnn beside its peers."""
 SUITES = {
+    **{name: "persistrnn.bench.compare" for name in COMPARISONS},
+    "targets": "persistrnn.bench.targets",
     "sync": "persistrnn.bench.sync",
     "recurrence": "persistrnn.bench.recurrence",
     "model-accuracy": "persistrnn.bench.model_accuracy",
-    "models": "persistrnn.bench.models",
-    "grnn-table": "persistrnn.bench.grnn_table",
 }
 
 
@@ -18,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m persistrnn.bench <suite> [options]\nsuites: {', '.join(SUITES)}")
+        print(f"usage: python -m persistrnn bench <suite> [options]\nsuites: {', '.join(SUITES)}")
         return 0 if argv else 2
     suite, rest = argv[0], argv[1:]
     if suite not in SUITES:
@@ -26,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ..jit import GPUUnavailableError
 
+    module = importlib.import_module(SUITES[suite])
     try:
-        return importlib.import_module(SUITES[suite]).main(rest)
+        return module.main(suite, rest) if suite in COMPARISONS else module.main(rest)
     except GPUUnavailableError as exc:
         print(f"bench {suite}: {exc}", file=sys.stderr)
         return 2
