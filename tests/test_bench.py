@@ -21,11 +21,12 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def _case(model, cell, hidden, batch, ours_graph, ours_eager, cudnn_graph, cudnn_eager, cpu, *, layers=1,
-          bidirectional=False, dtype="float32", steps=100, ours_status="ok", first=2.0, plan="persistent"):
+          bidirectional=False, dtype="float32", steps=100, ours_status="ok", first=2.0, tuned=True, plan="persistent"):
     def scaled(v, k):
         return None if v is None else v * k
 
-    rows = [Row("persistrnn", ours_status, ours_eager, ours_graph, scaled(ours_eager, 2), 3e-7, first, plan)]
+    rows = [Row("persistrnn", ours_status, ours_eager, ours_graph, scaled(ours_eager, 2), 3e-7, first_call_s=first,
+                tuned=tuned, plan=plan)]
     if ours_status != "ok":
         rows[0] = Row("persistrnn", "failed", note="KernelLaunchError: no room")
     if dtype == "float32":
@@ -116,7 +117,7 @@ def test_table_ratios_are_peer_over_ours_with_the_best_cudnn_setting():
     assert lstm[6:8] == ["0.500 / 0.750", "1.000 / 1.500"]  # TF32 allowed / off
     # the faster cuDNN setting: 0.5 / 0.1 and 1.0 / 0.2; the CPU 4.0 / 0.2; ONNX Runtime 2.0 / 0.2
     assert lstm[10:14] == ["5.00×", "5.00×", "20.00×", "10.00×"]
-    assert lstm[16:] == ["persistent", "2.0"]
+    assert lstm[16:] == ["persistent", "2.0 (tuned)"]
     assert "0.50×" in _line(table, "| GRU 64")  # ours slower than cuDNN graph: a ratio below 1, not hidden
     half = _line(table, "| LSTM 256 | fp16")
     assert half[6:10] == ["0.140", "0.300", "—", "—"] and half[10] == "3.50×"
@@ -258,7 +259,7 @@ def test_targets_apply_only_to_their_cases_and_unmeasured_ones_are_listed():
     unmeasured = [r for r in rows if r["status"] == "not measured"]
     assert any(r["target"].startswith("char-RNN") for r in unmeasured)
     first = rows[-1]
-    assert first["target"].startswith("first call") and first["status"] == "met" and "over 3 cases" in first["measured"]
+    assert first["target"].startswith("first call") and first["status"] == "met" and "over the 3 first calls that tuned" in first["measured"]
     assert "not measured" not in targets.format_targets([RESULT])
     assert "| not measured |" in targets.format_targets([RESULT], measured_only=False)
 
@@ -269,6 +270,16 @@ def test_a_miss_carries_its_cause_and_a_slow_first_call_is_a_miss():
     small = next(r for r in rows if r["target"].startswith("LSTM H=64"))
     assert small["status"] == "missed" and "small-H persistent kernel" in small["cause"]
     assert rows[-1]["status"] == "missed" and "42.0 s" in rows[-1]["measured"]
+
+
+def test_first_calls_that_found_a_cached_plan_do_not_count():
+    cached = {**RESULT, "cases": [_case("LSTM 64", "lstm", 64, 3, 0.1, 0.2, 0.5, 1.0, 4.0, first=0.01, tuned=False),
+                                  _case("LSTM 64", "lstm", 64, 9, 0.1, 0.2, 0.5, 1.0, 4.0, first=3.0)]}
+    assert "3.0–3.0 s over the 1 first calls that tuned" in targets.evaluate([cached])[-1]["measured"]
+    cached["cases"].pop()
+    first = targets.evaluate([cached])[-1]
+    assert first["status"] == "not measured" and "found its plan in the cache" in first["measured"]
+    assert "0.0 (cached plan)" in compare.format_table(cached)
 
 
 def test_targets_cli_refuses_a_file_that_is_not_a_suite_result(tmp_path, capsys):
@@ -306,6 +317,7 @@ def _run(tmp_path, suite, *args):
 def _check_ours(rows, tolerance):
     ours = rows["persistrnn"]
     assert ours["status"] == "ok" and ours["graph_ms"] > 0 and ours["first_call_s"] > 0
+    assert isinstance(ours["tuned"], bool)
     if ours["plan"] == "cudnn":  # torch's own numbers, TF32 included where torch allows it
         cudnn = max(r["rel_error"] for p, r in rows.items() if p.startswith("cudnn") and r["status"] == "ok")
         assert ours["rel_error"] <= 1.5 * max(tolerance, cudnn)

@@ -99,6 +99,7 @@ class Row:
     end_to_end_ms: float | None = None
     rel_error: float | None = None
     first_call_s: float | None = None
+    tuned: bool | None = None  # whether the first call tuned (True) or found its plan in the cache
     plan: str = ""
     note: str = ""
 
@@ -300,7 +301,9 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
             ours(inputs[0])
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            return timed("persistrnn", lambda x: ours(x)[0], first_call_s=first, plan=ours.plan_for(case.batch).path)
+            chosen = ours.plan_for(case.batch)
+            return timed("persistrnn", lambda x: ours(x)[0], first_call_s=first, tuned=chosen.source == "tuned",
+                         plan=chosen.path)
 
         rows.append(_guard("persistrnn", persistrnn_row))
         for tf32 in ((True, False) if fp32 else (None,)):
@@ -458,6 +461,12 @@ def _cudnn_cell(case: dict[str, Any], key: str) -> str:
     return " / ".join(_fmt(r[key]) for r in rows) if rows else "—"
 
 
+def _first_call(ours: dict[str, Any]) -> str:
+    if ours["first_call_s"] is None:
+        return "—"
+    return f"{ours['first_call_s']:.1f}" + {True: " (tuned)", False: " (cached plan)"}.get(ours.get("tuned"), "")
+
+
 def format_table(result: dict[str, Any]) -> str:
     """One line per case: ours (graph and eager), each peer, and peer over ours (> 1: ours is faster)."""
     lines = ["| model | dtype | T | batch | ours graph ms | ours eager ms | cuDNN graph ms | cuDNN eager ms "
@@ -478,7 +487,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"| {_fmt(rows.get('onnxruntime-cpu', {}).get('ms'), 2)} "
             f"| {_x(sp['cuDNN graph'])} | {_x(sp['cuDNN eager'])} | {_x(sp['CPU'])} | {_x(sp['ONNX Runtime'])} "
             f"| {_fmt(ours['end_to_end_ms'])} | {_sci(ours['rel_error'])} | {ours['plan']} "
-            f"| {_fmt(ours['first_call_s'], 1)} |")
+            f"| {_first_call(ours)} |")
     notes = ["", "cuDNN columns: in fp32, TF32 allowed / TF32 off; in fp16 and bf16, one setting. Ratios are a "
              "peer's time over ours (above 1: ours is faster), against cuDNN's faster setting; the CPU peers "
              "against our eager time."]
