@@ -182,6 +182,19 @@ def test_plots_are_written_for_every_suite(tmp_path):
             assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_earlier_run_is_written_again_from_its_json_without_a_gpu(tmp_path, capsys):
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(RESULT))
+    out = tmp_path / "again"
+    assert compare.main("grnn-table", ["--from-json", str(saved), "--markdown", f"{out}.md", "--csv", f"{out}.csv"]) == 0
+    assert "| LSTM 256 | fp32 | 100 | 1 | 0.100 |" in Path(f"{out}.md").read_text()
+    assert len(list(csv.DictReader(io.StringIO(Path(f"{out}.csv").read_text())))) == 3 * 6 + 5
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        compare.main("dtypes", ["--from-json", str(saved)])
+    assert "expected a dtypes result, got 'grnn-table'" in capsys.readouterr().err
+
+
 def test_plots_without_matplotlib_say_so(tmp_path, monkeypatch):
     import builtins
 

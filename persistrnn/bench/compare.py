@@ -528,12 +528,12 @@ def _pyplot() -> Any:
 
 
 NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install matplotlib)"
-PLOTTED = (("persistrnn", "graph_ms", "-o"), ("cudnn", "graph_ms", "--s"), ("torch-cpu", "ms", ":^"),
+PLOTTED = (("persistrnn", "graph_ms", "-o"), ("cudnn (faster setting)", "graph_ms", "--s"), ("torch-cpu", "ms", ":^"),
            ("onnxruntime-cpu", "ms", ":v"))
 
 
 def _series_value(case: dict[str, Any], provider: str, key: str) -> float | None:
-    if provider == "cudnn":
+    if provider.startswith("cudnn"):
         return best_cudnn(case, key)
     return providers(case).get(provider, {}).get(key)
 
@@ -586,23 +586,28 @@ def plot_speedup(result: dict[str, Any], suite: Suite, path: Path) -> str:
     plt = _pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    cases = [c for c in result["cases"] if providers(c)["persistrnn"]["status"] == "ok"]
+    peers = ("cuDNN graph", "cuDNN eager")
+    ran = [c for c in result["cases"] if providers(c)["persistrnn"]["status"] == "ok"]
+    cases = [c for c in ran if any(speedups(c)[peer] is not None for peer in peers)]
     if not cases:
-        return "plots skipped: no case where persistrnn ran"
+        return "plots skipped: no case with both persistrnn and cuDNN times"
     labels = [f"{c['model']} {DTYPE_NAMES[c['dtype']]} T={c['steps']} B={c['batch']}" for c in cases]
-    bars = {peer: [speedups(c)[peer] for c in cases] for peer in ("cuDNN graph", "cuDNN eager")}
-    bars = {peer: v for peer, v in bars.items() if any(x is not None for x in v)}
-    fig, ax = plt.subplots(figsize=(min(24.0, max(8.0, 0.14 * len(cases) * max(1, len(bars)))), 5))
-    width = 0.8 / max(1, len(bars))
+    bars = {peer: [speedups(c)[peer] for c in cases] for peer in peers}
+    fig, ax = plt.subplots(figsize=(min(24.0, max(8.0, 0.3 * len(cases))), 5.5))
+    width = 0.8 / len(bars)
     for k, (peer, values) in enumerate(bars.items()):
         xs = [i + (k - (len(bars) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
         ax.bar(xs, [v for v in values if v is not None], width, label=f"vs {peer}")
     ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")  # before the formatters: setting the scale replaces them
     ax.yaxis.set_major_formatter("{x:g}×")
     ax.yaxis.set_minor_formatter("{x:g}×")
+    ax.tick_params(axis="y", which="minor", labelsize=6)
     ax.set_xticks(range(len(cases)), labels, rotation=90, fontsize=6)
-    ax.set(yscale="log", ylabel="peer time / persistrnn time (above 1: persistrnn faster)",
-           title=f"{suite.title}: speed-up ({result['environment'].get('gpu', 'GPU')})")
+    left_out = len(ran) - len(cases)
+    ax.set(ylabel="cuDNN time / ours (above 1: ours faster)",
+           title=f"{suite.title}: speed-up over cuDNN's faster setting\n{result['environment'].get('gpu', 'GPU')}"
+           + (f"; {left_out} cases without a cuDNN peer are in the table only" if left_out else ""))
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -627,6 +632,17 @@ _AXES = {
 }
 
 
+def _load(path: Path, suite: Suite, p: argparse.ArgumentParser) -> dict[str, Any]:
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        p.error(f"--from-json {path}: could not read it ({exc})")
+    if not isinstance(result, dict) or result.get("suite") != suite.name or "cases" not in result:
+        got = result.get("suite") if isinstance(result, dict) else type(result).__name__
+        p.error(f"--from-json {path}: expected a {suite.name} result, got {got!r}")
+    return result
+
+
 def main(suite_name: str, argv: list[str] | None = None) -> int:
     suite = SUITES[suite_name]
     p = argparse.ArgumentParser(prog=f"python -m persistrnn bench {suite.name}", description=__doc__,
@@ -641,6 +657,8 @@ def main(suite_name: str, argv: list[str] | None = None) -> int:
     p.add_argument("--no-refcheck", dest="refcheck", action="store_false")
     p.add_argument("--no-end-to-end", dest="end_to_end", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--from-json", type=Path, help="write the table, files and plots of an earlier run's --json "
+                                                  "instead of running (no GPU needed)")
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error(f"--repeats: the method takes the median of at least 5 timings, got {args.repeats}")
@@ -648,17 +666,21 @@ def main(suite_name: str, argv: list[str] | None = None) -> int:
         values = getattr(args, axis, None) or []
         if any(v < 1 for v in values):
             p.error(f"--{axis}: expected positive integers, got {values}")
-    from ..jit import require_gpu
+    if args.from_json:
+        result = _load(args.from_json, suite, p)
+    else:
+        from ..jit import require_gpu
 
-    require_gpu()
-    cases = suite.build(**{a: tuple(getattr(args, a)) for a in suite.axes if getattr(args, a) is not None})
-    settings = Settings(repeats=args.repeats, refcheck=args.refcheck, end_to_end=args.end_to_end)
-    def save(result: dict[str, Any]) -> None:
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
+        require_gpu()
+        cases = suite.build(**{a: tuple(getattr(args, a)) for a in suite.axes if getattr(args, a) is not None})
+        settings = Settings(repeats=args.repeats, refcheck=args.refcheck, end_to_end=args.end_to_end)
 
-    result = run(suite, cases, settings, progress=args.progress, after_case=save)
-    save(result)
+        def save(result: dict[str, Any]) -> None:
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+
+        result = run(suite, cases, settings, progress=args.progress, after_case=save)
+        save(result)
     if args.csv:
         args.csv.write_text(to_csv(result))
     if args.markdown:
