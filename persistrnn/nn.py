@@ -8,7 +8,8 @@
   ``inference_mode``, or parameters and input that do not require grad) runs
   the path the planner chose for this shape and batch
   (:func:`persistrnn.plan.plan`): persistent kernels, the non-persistent
-  fallback, or cuDNN where cuDNN measured faster; a ``PackedSequence`` runs
+  fallback, or cuDNN where cuDNN measured faster (torch's own function,
+  replayed from the same per-shape CUDA graph); a ``PackedSequence`` runs
   the persistent kernels with each sequence's length where the plan is
   persistent;
 * everything else runs torch's own implementation: a CPU input, a
@@ -156,8 +157,6 @@ class _Persistent:
         if self._needs_torch(input) is not None:
             return self._torch_forward(input, hx)
         chosen = self.plan_for(x.shape[1])
-        if chosen.path == "cudnn":  # measured faster than ours for this shape and batch
-            return self._torch_forward(input, hx)
         if torch.cuda.is_current_stream_capturing():  # the caller's graph takes our launches
             out, state = self._run(chosen, x, states)
         else:
@@ -309,6 +308,10 @@ class _Persistent:
     def _run(self, chosen: Any, x: torch.Tensor, hx: Any, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         pairs = self.spec.has_cell_state
         h_all, c_all = hx if pairs else (hx, None)
+        if chosen.path == "cudnn":  # measured faster than ours for this shape and batch
+            out, h_n, c_n = ops.cudnn_forward(self.cell, x, h_all, c_all, self._flat_weights, self.bias,
+                                              self.num_layers, self.bidirectional)
+            return out, ((h_n, c_n) if pairs else h_n)
         # A kernel that gave up (a peer never arrived) leaves a status word;
         # reading it synchronises, so it is never read inside a CUDA-graph
         # capture (the captured forward copies it out instead).
@@ -318,7 +321,7 @@ class _Persistent:
 
     def _graphed(self, chosen: Any, x: torch.Tensor, hx: Any) -> "_GraphedForward":
         """This shape's captured forward (captured on first use, least recently used dropped)."""
-        key = (x.shape, x.dtype, x.device, chosen.path, chosen.config,
+        key = (x.shape, x.dtype, x.device, chosen.path, chosen.config, _cudnn_settings(),
                tuple(p.data_ptr() for p in self._flat_weights))  # torch keeps this list current
         graphed = self._graphs.get(key)
         if graphed is None:
@@ -333,6 +336,11 @@ class _Persistent:
     def stream(self, batch_size: int) -> "StreamSession":
         """A streaming session over ``batch_size`` sequences (see :class:`StreamSession`)."""
         return StreamSession(self, batch_size)
+
+
+def _cudnn_settings() -> tuple[bool, bool]:
+    """What a captured cuDNN call fixed at capture time: a graph is kept per setting."""
+    return torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32
 
 
 GRAPHS_PER_MODULE = 8
@@ -473,12 +481,12 @@ class StreamSession:
     batch rows (all rows when ``idx`` is None), e.g. when a new utterance
     starts in that slot. The states are ``session.state``, updated in place.
 
-    Where the module's own kernels run the chunk, each chunk shape's forward
+    On the GPU, each chunk shape's forward (on whichever path the plan chose)
     is captured once with the session's state buffers as its initial and
     final states, so a call is a copy in, a replay and a copy out (a module
     call would also copy the states in and out, and check its arguments).
-    Elsewhere (CPU, cuDNN's plan, a call needing gradients) the chunk runs
-    through the module.
+    Elsewhere (CPU, a call needing gradients) the chunk runs through the
+    module.
     """
 
     def __init__(self, module: _Persistent, batch_size: int) -> None:
@@ -523,7 +531,7 @@ class StreamSession:
         if chunk.device.type != "cuda":
             return None
         weights = module._flat_weights
-        key = (chunk.shape, chunk.dtype, chunk.device, tuple(w.data_ptr() for w in weights))
+        key = (chunk.shape, chunk.dtype, chunk.device, _cudnn_settings(), tuple(w.data_ptr() for w in weights))
         if torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled() and (
                 chunk.requires_grad or any(w.requires_grad for w in weights)):
             return None
@@ -534,8 +542,6 @@ class StreamSession:
         if module._needs_torch(chunk) is not None:
             return None
         chosen = module.plan_for(x.shape[1])
-        if chosen.path == "cudnn":
-            return None
         graphed = self._graphs[key] = _GraphedForward(module, chosen, x, self.state, carry=True)
         return graphed
 

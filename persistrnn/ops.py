@@ -62,6 +62,17 @@ def run_plan(chosen: Any, cell: str, layers: list[list[dict[str, torch.Tensor]]]
     raise ValueError(f"run_plan runs the persistent and fallback paths, got {chosen.path!r}")
 
 
+def cudnn_forward(cell: str, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],
+                  has_biases: bool, num_layers: int, bidirectional: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(output, h_n, c_n or None) from torch's own RNN function (cuDNN on a
+    CUDA tensor), time-major, inference (no dropout): the numbers torch gives."""
+    hx = (h0, c0) if c0 is not None else h0
+    # torch's function for each cell the planner times cuDNN for has the cell's name
+    result = getattr(torch._VF, cell)(x, hx, weights, has_biases, num_layers, 0.0, False, bidirectional, False)
+    return result[0], result[1], (result[2] if c0 is not None else None)
+
+
 _PLANS: dict[tuple, Any] = {}
 
 
@@ -92,12 +103,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], weigh
     hidden = h0.shape[2]
     chosen = _plan(cell, x, hidden, num_layers, bidirectional)
     if chosen.path == "cudnn":
-        hx = (h0, c0) if c0 is not None else h0
-        # torch's function for each cell the planner times cuDNN for has the cell's name
-        result = getattr(torch._VF, cell)(x, hx, weights, has_biases, num_layers, 0.0, False, bidirectional, False)
-        out, h_n = result[0], result[1]
-        c_n = result[2] if c0 is not None else h0.new_empty(0)
-        return out, h_n, c_n
+        out, h_n, c_n = cudnn_forward(cell, x, h0, c0, weights, has_biases, num_layers, bidirectional)
+        return out, h_n, (c_n if c_n is not None else h0.new_empty(0))
     layers = layer_params(weights, num_layers, 2 if bidirectional else 1, has_biases)
     out, h_n, c_n = run_plan(chosen, cell, layers, x.contiguous(), h0, c0,
                              check=not torch.cuda.is_current_stream_capturing())

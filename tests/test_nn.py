@@ -366,6 +366,61 @@ def test_gpu_stream_session_replays_on_its_own_state_buffers(untuned):
         assert torch.allclose(session(x[:, :1]), halved, atol=1e-6, rtol=0)
 
 
+def _cudnn_plan(module, monkeypatch):
+    """Make ``module`` run the cuDNN plan, as the planner picks where cuDNN measured faster."""
+    from persistrnn import plan as planner
+
+    shape = planner.shape_of(module)
+    monkeypatch.setattr(module, "plan_for", lambda batch: planner.Plan(shape, batch, "cudnn", None, "tuned", "test"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,kw", [("LSTM", dict(num_layers=2, bidirectional=True)),
+                                     ("GRU", dict(num_layers=3, batch_first=True)),
+                                     ("RNN", dict(nonlinearity="tanh", bias=False))])
+def test_gpu_cudnn_plan_replays_torchs_own_numbers_from_a_graph(monkeypatch, kind, kw):
+    torch.manual_seed(12)
+    theirs = getattr(torch.nn, kind)(7, 48, **kw).cuda().eval()
+    ours = persistrnn.from_torch(theirs)
+    _cudnn_plan(ours, monkeypatch)
+    x = torch.randn(9, 3, 7, device="cuda")
+    D = 2 if theirs.bidirectional else 1
+    h0 = torch.randn(theirs.num_layers * D, 3, 48, device="cuda")
+    hx = (h0, torch.randn_like(h0)) if kind == "LSTM" else h0
+
+    def same(a, b):
+        a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+        return all(torch.equal(p, q) for p, q in zip(a, b))
+
+    with torch.no_grad():
+        for _ in range(2):  # the capture, then a replay
+            (out, state), (want, want_state) = ours(x, hx), theirs(x, hx)
+            assert same(out, want) and same(state, want_state)  # bit for bit: the same cuDNN call
+        assert len(ours._graphs) == 1
+        theirs.weight_hh_l0.mul_(0.5)  # in place: the graph reads the parameters where they live
+        assert same(ours(x, hx)[0], theirs(x, hx)[0])
+        previous = torch.backends.cudnn.allow_tf32
+        try:
+            torch.backends.cudnn.allow_tf32 = not previous  # fixed at capture: a graph per setting
+            assert same(ours(x, hx)[0], theirs(x, hx)[0]) and len(ours._graphs) == 2
+        finally:
+            torch.backends.cudnn.allow_tf32 = previous
+
+
+@pytest.mark.gpu
+def test_gpu_stream_session_replays_a_cudnn_plan(monkeypatch):
+    torch.manual_seed(13)
+    model = persistrnn.LSTM(8, 64, num_layers=2).cuda().eval()
+    _cudnn_plan(model, monkeypatch)
+    x = torch.randn(6, 2, 8, device="cuda")
+    with torch.no_grad():
+        whole = torch.nn.LSTM.forward(model, x)[0]  # torch's own forward on the same parameters
+        session = model.stream(2)
+        parts = [session(x[a:b]) for a, b in ((0, 1), (1, 4), (4, 5), (5, 6))]
+    assert len(session._graphs) == 2  # chunk lengths 1 and 3, replayed on the session's buffers
+    assert torch.allclose(torch.cat(parts), whole, atol=1e-6, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,kw", [("LSTM", dict(num_layers=2, bidirectional=True)),
                                      ("GRU", dict(num_layers=3, batch_first=True)),
