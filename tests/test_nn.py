@@ -383,7 +383,7 @@ def test_gpu_cudnn_plan_replays_torchs_own_numbers_from_a_graph(monkeypatch, kin
     theirs = getattr(torch.nn, kind)(7, 48, **kw).cuda().eval()
     ours = persistrnn.from_torch(theirs)
     _cudnn_plan(ours, monkeypatch)
-    x = torch.randn(9, 3, 7, device="cuda")
+    x = torch.randn(3, 9, 7, device="cuda") if theirs.batch_first else torch.randn(9, 3, 7, device="cuda")
     D = 2 if theirs.bidirectional else 1
     h0 = torch.randn(theirs.num_layers * D, 3, 48, device="cuda")
     hx = (h0, torch.randn_like(h0)) if kind == "LSTM" else h0
