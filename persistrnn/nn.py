@@ -308,15 +308,13 @@ class _Persistent:
     def _run(self, chosen: Any, x: torch.Tensor, hx: Any, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         pairs = self.spec.has_cell_state
         h_all, c_all = hx if pairs else (hx, None)
-        if chosen.path == "cudnn":  # measured faster than ours for this shape and batch
-            out, h_n, c_n = ops.cudnn_forward(self.cell, x, h_all, c_all, self._flat_weights, self.bias,
-                                              self.num_layers, self.bidirectional)
-            return out, ((h_n, c_n) if pairs else h_n)
         # A kernel that gave up (a peer never arrived) leaves a status word;
         # reading it synchronises, so it is never read inside a CUDA-graph
         # capture (the captured forward copies it out instead).
-        out, h_n, c_n = ops.run_plan(chosen, self.cell, _layers(self), x.contiguous(), h_all, c_all,
-                                     check=not torch.cuda.is_current_stream_capturing(), lengths=lengths)
+        out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h_all, c_all,
+                                     num_layers=self.num_layers, bidirectional=self.bidirectional,
+                                     has_biases=self.bias, check=not torch.cuda.is_current_stream_capturing(),
+                                     lengths=lengths)
         return out, ((h_n, c_n) if pairs else h_n)
 
     def _graphed(self, chosen: Any, x: torch.Tensor, hx: Any) -> "_GraphedForward":

@@ -1,9 +1,9 @@
 """A whole recurrent model's forward, as a function of tensors and as a torch
 operator.
 
-:func:`run_plan` runs a model's layers (``layers[l][d]``: the tensors of
-layer l, direction d) on a :class:`~persistrnn.plan.Plan`: the persistent
-kernels, the fallback, or cuDNN through torch. The modules of
+:func:`run_plan` runs a model, from torch's flat weight list, on a
+:class:`~persistrnn.plan.Plan`: the persistent kernels, the fallback, or
+cuDNN through torch's own RNN function. The modules of
 :mod:`persistrnn.nn` call it, eagerly and inside their captured graphs.
 
 ``torch.ops.persistrnn.forward`` wraps the same call as a custom operator with
@@ -46,31 +46,28 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
     return layers
 
 
-def run_plan(chosen: Any, cell: str, layers: list[list[dict[str, torch.Tensor]]], x: torch.Tensor,
-             h0: torch.Tensor, c0: torch.Tensor | None, *, check: bool,
+def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor,
+             c0: torch.Tensor | None, *, num_layers: int, bidirectional: bool, has_biases: bool, check: bool,
              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(output (T, B, D*H), h_n, c_n (L*D, B, H)) of the model on the plan's
-    persistent or fallback path; ``check`` reads the kernels' status word
-    afterwards (it synchronises). ``lengths`` (int32 on the GPU, one per
-    sequence) runs variable lengths, on the persistent path only."""
-    if chosen.path == "persistent":
-        return persistent.forward_model(chosen.config, layers, x, h0, c0, lengths=lengths, check=check)
-    if lengths is not None:
+    """(output (T, B, D*H), h_n, c_n or None (L*D, B, H)) of the model on the
+    plan's path: the persistent kernels, the fallback, or torch's own RNN
+    function (cuDNN), from torch's flat weight list, time-major, inference.
+    ``check`` reads the kernels' status word afterwards (it synchronises).
+    ``lengths`` (int32 on the GPU, one per sequence) runs variable lengths, on
+    the persistent path only."""
+    if lengths is not None and chosen.path != "persistent":
         raise ValueError(f"variable lengths run on the persistent path, got a {chosen.path!r} plan")
+    if chosen.path == "cudnn":
+        hx = (h0, c0) if c0 is not None else h0
+        # torch's function for each cell the planner times cuDNN for has the cell's name
+        result = getattr(torch._VF, cell)(x, hx, weights, has_biases, num_layers, 0.0, False, bidirectional, False)
+        return result[0], result[1], (result[2] if c0 is not None else None)
+    layers = layer_params(weights, num_layers, 2 if bidirectional else 1, has_biases)
+    if chosen.path == "persistent":
+        return persistent.forward_model(chosen.config, layers, x.contiguous(), h0, c0, lengths=lengths, check=check)
     if chosen.path == "fallback":
-        return fallback.forward_model(cell, layers, x, h0, c0)
-    raise ValueError(f"run_plan runs the persistent and fallback paths, got {chosen.path!r}")
-
-
-def cudnn_forward(cell: str, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],
-                  has_biases: bool, num_layers: int, bidirectional: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(output, h_n, c_n or None) from torch's own RNN function (cuDNN on a
-    CUDA tensor), time-major, inference (no dropout): the numbers torch gives."""
-    hx = (h0, c0) if c0 is not None else h0
-    # torch's function for each cell the planner times cuDNN for has the cell's name
-    result = getattr(torch._VF, cell)(x, hx, weights, has_biases, num_layers, 0.0, False, bidirectional, False)
-    return result[0], result[1], (result[2] if c0 is not None else None)
+        return fallback.forward_model(cell, layers, x.contiguous(), h0, c0)
+    raise ValueError(f"run_plan: expected a persistent, fallback or cudnn plan, got {chosen.path!r}")
 
 
 _PLANS: dict[tuple, Any] = {}
@@ -102,12 +99,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], weigh
         raise ValueError(f"persistrnn::forward: expected CUDA tensors, got x on {x.device}")
     hidden = h0.shape[2]
     chosen = _plan(cell, x, hidden, num_layers, bidirectional)
-    if chosen.path == "cudnn":
-        out, h_n, c_n = cudnn_forward(cell, x, h0, c0, weights, has_biases, num_layers, bidirectional)
-        return out, h_n, (c_n if c_n is not None else h0.new_empty(0))
-    layers = layer_params(weights, num_layers, 2 if bidirectional else 1, has_biases)
-    out, h_n, c_n = run_plan(chosen, cell, layers, x.contiguous(), h0, c0,
-                             check=not torch.cuda.is_current_stream_capturing())
+    out, h_n, c_n = run_plan(chosen, cell, weights, x, h0, c0, num_layers=num_layers, bidirectional=bidirectional,
+                             has_biases=has_biases, check=not torch.cuda.is_current_stream_capturing())
     return out, h_n, (c_n if c_n is not None else h0.new_empty(0))
 
 

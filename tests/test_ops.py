@@ -44,6 +44,42 @@ def test_layer_params_follow_torchs_flat_weight_order(bias, bidirectional):
         ops.layer_params(m._flat_weights + [m._flat_weights[0]], 3, D, bias)
 
 
+def _plan(path):
+    from persistrnn import plan as planner
+
+    return planner.Plan(planner.ModelShape("lstm", 6, 10), 1, path, None, "tuned", "test")
+
+
+@pytest.mark.parametrize("cls, cell, kwargs", [m for m in MODULES if m[1] != "gru_reset_before"],
+                         ids=[c for _, c, _ in MODULES if c != "gru_reset_before"])
+@pytest.mark.parametrize("bidirectional,bias", [(False, True), (True, False)])
+def test_run_plan_on_a_cudnn_plan_gives_torchs_numbers(cls, cell, kwargs, bidirectional, bias):
+    # torch's RNN function runs on the CPU too: the cuDNN branch is checked against torch's module
+    torch.manual_seed(3)
+    m = cls(6, 10, num_layers=2, bidirectional=bidirectional, bias=bias, **kwargs)
+    D = 2 if bidirectional else 1
+    x, h0 = torch.randn(7, 3, 6), torch.randn(2 * D, 3, 10)
+    c0 = torch.randn_like(h0) if cell == "lstm" else None
+    with torch.no_grad():
+        want_out, want_state = m(x, (h0, c0) if c0 is not None else h0)
+        out, h_n, c_n = ops.run_plan(_plan("cudnn"), cell, m._flat_weights, x, h0, c0, num_layers=2,
+                                     bidirectional=bidirectional, has_biases=bias, check=False)
+    assert torch.equal(out, want_out)
+    assert torch.equal(h_n, want_state[0] if c0 is not None else want_state)
+    assert (c_n is None) == (c0 is None) and (c0 is None or torch.equal(c_n, want_state[1]))
+
+
+def test_run_plan_refuses_lengths_off_the_persistent_path_and_unknown_paths():
+    m = persistrnn.LSTM(6, 10)
+    x, h0 = torch.randn(4, 2, 6), torch.randn(1, 2, 10)
+    kwargs = dict(num_layers=1, bidirectional=False, has_biases=True, check=False)
+    for path in ("cudnn", "fallback"):
+        with pytest.raises(ValueError, match=f"variable lengths run on the persistent path, got a '{path}' plan"):
+            ops.run_plan(_plan(path), "lstm", m._flat_weights, x, h0, h0, lengths=torch.tensor([4, 2]), **kwargs)
+    with pytest.raises(ValueError, match="expected a persistent, fallback or cudnn plan, got 'elsewhere'"):
+        ops.run_plan(_plan("elsewhere"), "lstm", m._flat_weights, x, h0, h0, **kwargs)
+
+
 @pytest.mark.parametrize("cls, cell, kwargs", MODULES, ids=[c for _, c, _ in MODULES])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_fake_forward_has_torchs_output_shapes(cls, cell, kwargs, bidirectional):

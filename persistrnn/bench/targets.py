@@ -40,7 +40,7 @@ class Target:
     cause: str = ""
 
 
-def _fp32_one_layer(cell: str, hidden: int, batch: Any, dtype: Any = "float32") -> tuple[tuple[str, Any], ...]:
+def _one_layer(cell: str, hidden: int, batch: Any, dtype: Any = "float32") -> tuple[tuple[str, Any], ...]:
     return (("cell", cell), ("hidden", hidden), ("input", hidden), ("layers", 1), ("bidirectional", False),
             ("dtype", dtype), ("steps", 100), ("batch", batch))
 
@@ -50,28 +50,28 @@ MODULES = "drop-in modules"
 PHASES = ("About 0.9 µs per step against a 0.33 µs cluster sync floor: a step is a chain of block-wide phases "
           "(product, pointwise, exchange), each paying its latency (perf-notes §9).")
 TARGETS = (
-    Target("LSTM H=256, batch 1: ≤ 0.06 ms and ≥ 15× cuDNN eager", KERNEL, _fp32_one_layer("lstm", 256, 1),
+    Target("LSTM H=256, batch 1: ≤ 0.06 ms and ≥ 15× cuDNN eager", KERNEL, _one_layer("lstm", 256, 1),
            max_ms=0.06, min_speedup=15, cause=PHASES),
-    Target("LSTM H=256, batch 10 / 20: ≤ 0.12 ms and ≥ 8× cuDNN eager", KERNEL, _fp32_one_layer("lstm", 256, (10, 20)),
+    Target("LSTM H=256, batch 10 / 20: ≤ 0.12 ms and ≥ 8× cuDNN eager", KERNEL, _one_layer("lstm", 256, (10, 20)),
            max_ms=0.12, min_speedup=8,
            cause="The product grows with the batch on the same few SMs; at batch 20 the planner timed cuDNN as "
                  "faster than our top 5."),
-    Target("LSTM H=1024, batch 1: ≤ 0.25 ms", KERNEL, _fp32_one_layer("lstm", 1024, 1), max_ms=0.25,
+    Target("LSTM H=1024, batch 1: ≤ 0.25 ms", KERNEL, _one_layer("lstm", 1024, 1), max_ms=0.25,
            cause="The same per-step phase chain, on a 16-block cluster (perf-notes §9)."),
-    Target("LSTM H=1024, batch 20, fp32: ≤ 0.6 ms", KERNEL, _fp32_one_layer("lstm", 1024, 20), max_ms=0.6,
+    Target("LSTM H=1024, batch 20, fp32: ≤ 0.6 ms", KERNEL, _one_layer("lstm", 1024, 20), max_ms=0.6,
            cause="The weights need 64+ SMs (grid mode, an exchange through L2 each step), and cuDNN's GEMMs win."),
-    Target("LSTM H=1024, batch 20, bf16: ≤ 0.35 ms", KERNEL, _fp32_one_layer("lstm", 1024, 20, "bfloat16"),
+    Target("LSTM H=1024, batch 20, bf16: ≤ 0.35 ms", KERNEL, _one_layer("lstm", 1024, 20, "bfloat16"),
            max_ms=0.35,
            cause="mma tiles at batch 20 leave most of each 8-column tile idle (perf-notes §9)."),
-    Target("LSTM H=64, batch 1–20: ≤ 0.04 ms", KERNEL, _fp32_one_layer("lstm", 64, tuple(range(1, 21))),
+    Target("LSTM H=64, batch 1–20: ≤ 0.04 ms", KERNEL, _one_layer("lstm", 64, tuple(range(1, 21))),
            max_ms=0.04,
            cause="cuDNN's small-H persistent kernel runs at 0.056 ms and the planner picks it: our kernels "
                  "measured 0.073 ms and above."),
     Target("LSTM fp16/bf16, H=256, batch 8 and 16: ≤ 0.05 ms", KERNEL,
-           _fp32_one_layer("lstm", 256, (8, 16), ("float16", "bfloat16")), max_ms=0.05,
+           _one_layer("lstm", 256, (8, 16), ("float16", "bfloat16")), max_ms=0.05,
            cause="The same phase chain; the 16-bit product saves little at these sizes (perf-notes §9)."),
     Target("LSTM fp16/bf16, H=1024, batch 8 and 16: ≤ 0.15 ms", KERNEL,
-           _fp32_one_layer("lstm", 1024, (8, 16), ("float16", "bfloat16")), max_ms=0.15,
+           _one_layer("lstm", 1024, (8, 16), ("float16", "bfloat16")), max_ms=0.15,
            cause="As at batch 20: mma tiles idle at small batch, and the phase chain per step."),
     Target("char-RNN (3-layer LSTM 128, T=100), batch 1/5/10/20/40: ≤ 0.10 ms", MODULES,
            (("model", "char-RNN"), ("dtype", "float32")), max_ms=0.10,
