@@ -1,15 +1,17 @@
 """persistrnn: recurrent networks on NVIDIA GPUs with persistent kernels.
 
 Importing the package needs no GPU; the first use of a kernel does, and says
-so clearly (:class:`persistrnn.jit.GPUUnavailableError`) when there is none.
+so clearly (:class:`persistrnn.errors.GPUUnavailableError`) when there is none.
+Every error the package raises derives from :class:`persistrnn.errors.PersistRNNError`.
 """
 
 __version__ = "0.1.0"
 
-from .jit import GPUUnavailableError, CompileError, KernelLaunchError  # noqa: E402
-
+from .errors import (CalibrationError, CompileError, ConfigError, GPUUnavailableError,  # noqa: E402
+                     InputShapeError, InputTypeError, KernelLaunchError, KernelTimeoutError, PersistRNNError, UnsupportedError)
 from .plan import ModelShape, Plan, explain, tune  # noqa: E402
 from .nn import GRU, LSTM, RNN, StreamSession, convert, from_torch  # noqa: E402
 
-__all__ = ["__version__", "GPUUnavailableError", "CompileError", "KernelLaunchError", "ModelShape", "Plan", "explain",
-           "tune", "LSTM", "GRU", "RNN", "StreamSession", "convert", "from_torch"]
+__all__ = ["__version__", "PersistRNNError", "GPUUnavailableError", "CompileError", "KernelLaunchError",
+           "KernelTimeoutError", "ConfigError", "CalibrationError", "InputShapeError", "InputTypeError", "UnsupportedError",
+           "ModelShape", "Plan", "explain", "tune", "LSTM", "GRU", "RNN", "StreamSession", "convert", "from_torch"]

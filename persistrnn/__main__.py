@@ -46,11 +46,11 @@ def _cpu_demo() -> int:
 def _gpu_demo() -> int:
     import torch
 
-    from . import jit
+    from . import runtime
     from .bench import sync
     from .bench.timing import time_cuda_ms
 
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     print(f"{facts.name}: {facts.sm_count} SMs, {facts.registers_per_sm // 1024}K registers and "
           f"{facts.shared_per_sm // 1024} KB shared memory per SM\n")
 
@@ -66,7 +66,7 @@ def _gpu_demo() -> int:
     state = torch.empty(H, device="cuda")
     cluster = 8
     cfg = k.config(cluster, sync.BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=cluster)
-    us = r.per_step_us("cluster_exchange_stasync", cfg, lambda s: jit.kernel_args(state, H, s, r.status))
+    us = r.per_step_us("cluster_exchange_stasync", cfg, lambda s: runtime.kernel_args(state, H, s, r.status))
     print(f"persistent kernel floor: exchanging h (H={H}) across a cluster of {cluster} blocks: {us:.2f} µs per step")
     print(f"\nThe synchronisation a persistent LSTM needs per step costs {cudnn_ms * 1e3 / T / us:.0f}x less than")
     print("a step of cuDNN here. Full table: python -m persistrnn.bench sync")
@@ -99,7 +99,7 @@ def _plan_parser(command: str):
 
 def _plan_command(command: str, argv: list[str]) -> int:
     from . import plan
-    from .jit import GPUUnavailableError
+    from .runtime import GPUUnavailableError
 
     args = _plan_parser(command).parse_args(argv)
     try:

@@ -22,9 +22,9 @@ It follows the cuDNN 5 recipe (``../shared/seeds/cudnn5-rnn-optimizations-blog.t
    extra stage, writing the next stage's operand), generated from the
    :class:`~persistrnn.cells.CellSpec` by the same renderer as the persistent
    kernel's (:func:`persistrnn.cells.render_pointwise_functions`);
-4. the T-step loop is captured once per shape in a CUDA graph and replayed,
-   so a call costs a few copies and one graph launch instead of 2T+ launches
-   from Python.
+4. the T-step loop runs eagerly here; the modules capture the whole forward
+   once per shape and stream (:mod:`persistrnn.ops`) and replay it, so a call
+   costs one graph launch instead of 2T+ launches from Python.
 
 The blog's streams (overlapping the input and recurrent GEMMs) are not needed:
 the input GEMM of every step runs before the loop. The layer wavefront is
@@ -39,17 +39,15 @@ Public API: :func:`run_fallback` (on precomputed ``xw``),
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import re
 from typing import Any
 
-from . import jit, persistent
+from . import runtime, persistent
 from .cells import CellSpec, get_cell, render_pointwise_functions
 
 __all__ = [
-    "clear_runners",
     "compile_pointwise",
     "fallback_forward_layer",
     "hg_index",
@@ -63,9 +61,6 @@ __all__ = [
 POINTWISE_KERNEL = "prnn_fallback_pointwise"
 BETWEEN_KERNEL = "prnn_fallback_between"
 THREADS = 256  # per block of the pointwise kernels; one thread per (batch row, hidden unit)
-RUNNER_CACHE_SIZE = 16
-"""CUDA-graph runners kept (least recently used first out). Each holds static
-buffers of its shape (xw alone is T*B*G*H floats), so the cache is bounded."""
 _INDEX_LIMIT = 2**31  # the kernels index one step's (B, G*H) gates with int
 
 
@@ -151,7 +146,7 @@ def pointwise_source(cell: str | CellSpec, dtype: str) -> str:
     }
     prelude = [f"// fallback pointwise kernels: cell {spec.name}, dtype {dtype}"]
     prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    source = jit.read_source("pointwise.cu")
+    source = runtime.read_source("pointwise.cu")
     # The generated functions call prnn_sigmoid etc. from common.cuh, which
     # read_source puts first, and are called by the kernels after the marker.
     marker = "// ---- kernels ----"
@@ -163,12 +158,12 @@ def pointwise_source(cell: str | CellSpec, dtype: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def compile_pointwise(cell: str | CellSpec, dtype: str, arch: str | None = None) -> jit.CompiledBinary:
+def compile_pointwise(cell: str | CellSpec, dtype: str, arch: str | None = None) -> runtime.CompiledBinary:
     """NVRTC-compile (disk-cached) ``cell``'s pointwise kernels in ``dtype``;
     ``arch=None`` is the current device's."""
     spec = get_cell(cell)
     name = "pointwise_" + re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name) + "_" + _check_dtype(dtype)
-    return jit.compile_source(name, pointwise_source(spec, dtype), arch=arch)
+    return runtime.compile_source(name, pointwise_source(spec, dtype), arch=arch)
 
 
 # ----------------------------------------------------------------------------
@@ -178,8 +173,8 @@ def compile_pointwise(cell: str | CellSpec, dtype: str, arch: str | None = None)
 
 @dataclasses.dataclass(frozen=True)
 class _Kernels:
-    pointwise: jit.LoadedKernel
-    between: jit.LoadedKernel | None
+    pointwise: runtime.LoadedKernel
+    between: runtime.LoadedKernel | None
     launch: Any  # LaunchConfig covering batch * hidden threads
 
 
@@ -187,8 +182,8 @@ class _Kernels:
 def _kernels(spec: CellSpec, dtype: str, device: int, threads: int) -> _Kernels:
     """Loaded kernels and launch configuration, once per (cell, dtype, device, B*H)."""
     binary = compile_pointwise(spec, dtype)
-    pointwise = jit.get_kernel(binary, POINTWISE_KERNEL)
-    between = jit.get_kernel(binary, BETWEEN_KERNEL) if spec.num_stages > 1 else None
+    pointwise = runtime.get_kernel(binary, POINTWISE_KERNEL)
+    between = runtime.get_kernel(binary, BETWEEN_KERNEL) if spec.num_stages > 1 else None
     return _Kernels(pointwise, between, pointwise.config(-(-threads // THREADS), THREADS))
 
 
@@ -255,116 +250,15 @@ def _run_steps(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any,
         operand = h0 if t == 0 else out[t - 1]
         for k, (stage_bias, weight, product) in enumerate(stages):
             if k:
-                jit.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr, ptr(work.operand.data_ptr()),
+                runtime.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr, ptr(work.operand.data_ptr()),
                            np.int32(k - 1), n_h, n_b)
                 operand = work.operand
             torch.addmm(stage_bias, operand, weight, out=product, **gemm_kwargs)
-        jit.launch(kernels.pointwise, kernels.launch, xw_t, hg_ptr, h_ptr, c_ptr, ptr(out_ptr + t * out_step),
+        runtime.launch(kernels.pointwise, kernels.launch, xw_t, hg_ptr, h_ptr, c_ptr, ptr(out_ptr + t * out_step),
                    n_h, n_b)
     h_n.copy_(out[T - 1])
     if spec.has_cell_state:
         c_n.copy_(work.c)  # rounds to nearest, like the kernels' cvt.rn
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: Any) -> Any:
-    """One warm-up stream per device, reused by every runner."""
-    import torch
-
-    return torch.cuda.Stream(device)
-
-
-class _GraphRunner:
-    """Static buffers of one shape and a CUDA graph of its T-step loop.
-
-    The graph holds the device pointers it was captured with: the static
-    buffers, and the caller's W_hh and b_hh, which it reads when replayed (so
-    in-place weight updates are seen). That is why runners are keyed on the
-    weights' addresses: a call with weights elsewhere gets its own runner.
-    The runner keeps no reference to the weights, so it never keeps them
-    alive; a runner whose weights were freed is only replayed for a call whose
-    weights live at the same addresses, with the same shape and dtype.
-    """
-
-    def __init__(self, spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any, h0: Any) -> None:
-        import torch
-
-        T, B, _ = xw.shape
-        H = h0.shape[1]
-        dev, dtype = xw.device, h0.dtype
-        self.spec = spec
-        self.xw = torch.zeros_like(xw)
-        self.h0 = torch.zeros_like(h0)
-        self.c0 = torch.zeros_like(h0) if spec.has_cell_state else None
-        self.out = torch.zeros(T, B, H, dtype=dtype, device=dev)
-        self.h_n = torch.zeros_like(h0)
-        self.c_n = torch.zeros_like(h0) if spec.has_cell_state else None
-        work = _Work.allocate(spec, B, H, dtype, dev)
-
-        def steps() -> None:
-            _run_steps(spec, kernels, self.xw, w_hh, b_hh, self.h0, self.c0, work, self.out, self.h_n, self.c_n)
-
-        # Warm up on a side stream first, as torch's CUDA-graph notes ask:
-        # lazy initialisation (cuBLAS handles and workspaces) must not happen
-        # inside the capture. Then capture, on torch's capture stream.
-        side = _side_stream(dev)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            steps()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            steps()
-        self._work = work  # the graph reads and writes it; it lives as long as the graph
-
-    def __call__(self, xw: Any, h0: Any, c0: Any | None, out: Any | None, h_n: Any | None,
-                 c_n: Any | None) -> tuple[Any, Any, Any | None]:
-        self.xw.copy_(xw)
-        self.h0.copy_(h0)
-        if self.spec.has_cell_state:
-            self.c0.copy_(c0)
-        self.graph.replay()
-
-        # Fresh tensors for the caller: the static buffers are overwritten by
-        # the next replay.
-        def result(static: Any, given: Any | None) -> Any:
-            return static.clone() if given is None else given.copy_(static)
-
-        return (result(self.out, out), result(self.h_n, h_n),
-                result(self.c_n, c_n) if self.spec.has_cell_state else None)
-
-
-_RUNNERS: collections.OrderedDict[tuple, _GraphRunner] = collections.OrderedDict()
-
-
-def _runner(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any, h0: Any) -> _GraphRunner:
-    import torch
-
-    T, B, _ = xw.shape
-    # The stream too: a runner's static buffers are used in stream order, so
-    # two streams sharing one could overwrite each other's inputs.
-    key = (spec, w_hh.shape[1], T, B, w_hh.dtype, xw.device, torch.cuda.current_stream().cuda_stream,
-           w_hh.data_ptr(), b_hh.data_ptr())
-    runner = _RUNNERS.get(key)
-    if runner is not None:
-        _RUNNERS.move_to_end(key)
-        return runner
-    runner = _RUNNERS[key] = _GraphRunner(spec, kernels, xw, w_hh, b_hh, h0)
-    if len(_RUNNERS) > RUNNER_CACHE_SIZE:
-        # A replay of the evicted graph may still be running; let it finish
-        # before its graph and buffers go back to the allocator.
-        torch.cuda.synchronize(xw.device)
-        _RUNNERS.popitem(last=False)
-    return runner
-
-
-def clear_runners() -> None:
-    """Drop every cached CUDA-graph runner (and its buffers)."""
-    import torch
-
-    if _RUNNERS and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    _RUNNERS.clear()
 
 
 def run_fallback(
@@ -378,7 +272,6 @@ def run_fallback(
     out: Any | None = None,
     h_n: Any | None = None,
     c_n: Any | None = None,
-    graph: bool = True,
 ) -> tuple[Any, Any, Any | None]:
     """Run the recurrence on precomputed input projections, non-persistently.
 
@@ -389,16 +282,12 @@ def run_fallback(
             layer's. b_hh: (G*H,); h0, c0: (B, H); all of the layer's dtype.
             c0 is None for cells without a cell state.
         out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
-        graph: replay the step loop as a CUDA graph, captured on the first
-            call of each shape (and weights' addresses) and cached. False runs
-            the loop eagerly. Inside a caller's own capture the loop always
-            runs eagerly, and so becomes part of the caller's graph. The
-            graph reads W_hh and b_hh where they live, so in-place weight
-            updates are seen; weights at other addresses (another layer of
-            the same shape) get a graph of their own.
 
-    Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None); with a graph,
-    fresh tensors unless destinations were given.
+    Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None), fresh
+    tensors unless destinations were given. The step loop launches 2T+
+    kernels from Python: the modules replay it from a CUDA graph
+    (:mod:`persistrnn.ops`), and inside a caller's capture it becomes part of
+    the caller's graph.
     """
     import torch
 
@@ -440,9 +329,6 @@ def run_fallback(
             check(name, given, shape, xw.device, dtype)
 
     kernels = _kernels(spec, persistent.DTYPES[dtypes.index(dtype)], xw.device.index, B * H)
-    if graph and not torch.cuda.is_current_stream_capturing():
-        return _runner(spec, kernels, xw, w_hh, b_hh, h0)(xw, h0, c0, out, h_n, c_n)
-
     out = torch.empty(T, B, H, dtype=dtype, device=xw.device) if out is None else out
     h_n = torch.empty(B, H, dtype=dtype, device=xw.device) if h_n is None else h_n
     if spec.has_cell_state and c_n is None:
@@ -461,12 +347,10 @@ def fallback_forward_layer(
     b_hh: Any,
     h0: Any,
     c0: Any | None = None,
-    *,
-    graph: bool = True,
 ) -> tuple[Any, Any, Any | None]:
     """One layer, one direction: :func:`persistent.input_projection`, then
     :func:`run_fallback`. ``x`` is (T, B, I) of the layer's dtype."""
-    return run_fallback(cell, persistent.input_projection(x, w_ih, b_ih), w_hh, b_hh, h0, c0, graph=graph)
+    return run_fallback(cell, persistent.input_projection(x, w_ih, b_ih), w_hh, b_hh, h0, c0)
 
 
 def forward_model(cell: str | CellSpec, layers: list[list[dict[str, Any]]], x: Any, h0: Any,

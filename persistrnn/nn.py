@@ -16,43 +16,44 @@
   ``PackedSequence`` on another plan, ``proj_size``, dropout between layers
   in training mode, and (with a one-time warning) a call that needs gradients.
 
+Every call is independent: any number of threads and streams may call one
+module at once, and each call gets its own answer (the captured forwards are
+kept per stream, and every launch owns its scratch; see
+:mod:`persistrnn.runtime.graphs`). Under CUDA ``torch.autocast`` a call runs
+and returns the autocast dtype, as torch's modules do. Batch 0 returns empty
+outputs. ``torch.compile`` traces a module into one ``torch.ops.persistrnn.forward``
+call; ``torch.jit.script`` is refused with :class:`~persistrnn.errors.UnsupportedError`.
+
 ``GRU(reset_after=False)`` is the canonical GRU (Cho et al.; ONNX
 ``linear_before_reset=0``): ``n = tanh(W_in x + b_in + W_hn (r * h) + b_hn)``.
 Its parameters have torch's GRU names and shapes (gates r, z, n in that row
 order); torch has no such cell, so its CPU and gradient path is this
 package's own (:func:`torch_forward`, autograd through torch ops).
 
-Bad inputs raise :class:`InputShapeError` (a ``ValueError``) or
-:class:`InputTypeError` (a ``TypeError``) in torch's wording; both are also
-``RuntimeError``s, which torch raises, so code written against torch still
-catches them.
+Bad inputs raise :class:`~persistrnn.errors.InputShapeError` (a
+``ValueError``: shapes, sizes, dtypes, devices) or
+:class:`~persistrnn.errors.InputTypeError` (a ``TypeError``: not a tensor) in
+torch's wording; both are also ``RuntimeError``s, which torch raises for some
+of the same inputs, so code written against torch still catches them.
 """
 
 from __future__ import annotations
 
-import collections
 import warnings
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import jit, ops, persistent
+from . import ops, persistent, runtime
 from .cells import CellSpec, get_cell
+from .errors import InputShapeError, InputTypeError, UnsupportedError
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
            "torch_forward"]
 
 TORCH_FUNCTIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu}
 """The cell expression language's functions on tensors (autograd included)."""
-
-
-class InputShapeError(ValueError, RuntimeError):
-    """A wrong rank, feature size, batch or state shape (torch raises RuntimeError)."""
-
-
-class InputTypeError(TypeError, RuntimeError):
-    """A wrong dtype (torch raises RuntimeError)."""
 
 
 _warned: set[str] = set()
@@ -105,41 +106,45 @@ class _Persistent:
     cell: str
 
     def _init_persistent(self) -> None:
-        self._plans: dict[tuple, Any] = {}
-        self._graphs: collections.OrderedDict[tuple, _GraphedForward] = collections.OrderedDict()
         self._checked: set[tuple] = set()
-        self._zeros: dict[tuple, torch.Tensor] = {}
+        self._shapes: dict[torch.dtype, Any] = {}
+        self._cast: tuple[tuple, list[torch.Tensor]] | None = None
 
     def __getstate__(self) -> dict:
-        """Copies and pickles leave the per-device caches behind (a CUDA graph
-        cannot be copied, and a copy's parameters live elsewhere)."""
-        state = super().__getstate__()  # type: ignore[misc]
-        state = dict(state)
-        state["_plans"], state["_graphs"], state["_checked"] = {}, collections.OrderedDict(), set()
-        state["_zeros"] = {}
+        """Copies and pickles leave the per-process caches behind (a copy's
+        parameters live elsewhere)."""
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        state["_checked"], state["_shapes"], state["_cast"] = set(), {}, None
         return state
+
+    def __prepare_scriptable__(self) -> Any:
+        raise UnsupportedError(f"torch.jit.script cannot compile persistrnn.{type(self).__name__}: its forward "
+                               "plans and launches kernels from Python. Use torch.compile(model) or "
+                               "torch.export.export(model, args), which run the persistent kernels")
 
     @property
     def spec(self) -> CellSpec:
         return get_cell(self.cell)
 
-    # ---- which path ---------------------------------------------------------
+    # ---- which path: the one rule ----------------------------------------------
 
-    def _needs_torch(self, input: Any) -> str | None:
-        """Why this call runs torch's implementation (None: ours may run)."""
+    def _torch_reason(self, input: torch.Tensor, *, warn: bool = True) -> str | None:
+        """Why this call runs torch's implementation (None: ours runs). The one
+        rule for every call: eager, packed, compiled and streaming."""
         if input.device.type != "cuda":
             return "a CPU input"
         if getattr(self, "proj_size", 0):
             return "proj_size"
         if self.training and self.dropout > 0 and self.num_layers > 1:
             return "dropout between layers in training mode"
-        if str(input.dtype).removeprefix("torch.") not in persistent.DTYPES:
+        if input.dtype not in _DTYPES:
             return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
         if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self._flat_weights)):
-            _warn_once(f"grad-{type(self).__name__}",
-                       f"persistrnn.{type(self).__name__}: this call needs gradients, which the persistent kernels "
-                       "do not compute yet; it runs torch's implementation (wrap inference in torch.no_grad() or "
-                       "torch.inference_mode() for the persistent path)")
+            if warn:
+                _warn_once(f"grad-{type(self).__name__}",
+                           f"persistrnn.{type(self).__name__}: this call needs gradients, which the persistent "
+                           "kernels do not compute yet; it runs torch's implementation (wrap inference in "
+                           "torch.no_grad() or torch.inference_mode() for the persistent path)")
             return "gradients"
         return None
 
@@ -148,35 +153,57 @@ class _Persistent:
             return _canonical_gru_torch_forward(self, input, hx)
         return super().forward(input, hx)  # type: ignore[misc]
 
+    def _shape(self, dtype: torch.dtype) -> Any:
+        shape = self._shapes.get(dtype)
+        if shape is None:
+            from .plan import ModelShape
+
+            shape = self._shapes[dtype] = ModelShape(self.cell, self.input_size, self.hidden_size, self.num_layers,
+                                                     str(dtype).removeprefix("torch."), bool(self.bidirectional))
+        return shape
+
+    def _weights_for(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The flat weights in ``dtype``: the parameters themselves, or (under
+        autocast) copies cast once and kept while the parameters are unchanged."""
+        weights = self._flat_weights
+        if weights[0].dtype == dtype:
+            return weights
+        key = (dtype, tuple((w.data_ptr(), w._version) for w in weights))
+        if self._cast is None or self._cast[0] != key:
+            self._cast = (key, [w.detach().to(dtype) for w in weights])
+        return self._cast[1]
+
     def forward(self, input: Any, hx: Any = None) -> Any:  # noqa: D401 - torch's signature
         if torch.compiler.is_compiling():
             return self._compiled_forward(input, hx)
         if isinstance(input, PackedSequence):
             return self._packed_forward(input, hx)
+        if isinstance(input, torch.Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda"):
+            input, hx = self._autocast_inputs(input, hx)
         x, states, unbatched = self._normalise(input, hx)  # every path gets the same checks and errors
-        if self._needs_torch(input) is not None:
+        if self._torch_reason(input) is not None:
             return self._torch_forward(input, hx)
-        chosen = self.plan_for(x.shape[1])
-        if torch.cuda.is_current_stream_capturing():  # the caller's graph takes our launches
-            out, state = self._run(chosen, x, states)
-        else:
-            out, state = self._graphed(chosen, x, states)(x, states)
-        if self.batch_first:
-            out = out.transpose(0, 1)
+        pairs = self.spec.has_cell_state
+        h0, c0 = (states if pairs else (states, None)) if states is not None else (None, None)
+        with torch.autocast("cuda", enabled=False):
+            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias)
         if unbatched:
-            out = out.squeeze(1)
-            state = tuple(s.squeeze(1) for s in state) if isinstance(state, tuple) else state.squeeze(1)
-        return out, state
+            out, h_n = out.squeeze(1), h_n.squeeze(1)
+            c_n = c_n.squeeze(1) if pairs else None
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        return out, ((h_n, c_n) if pairs else h_n)
 
-    def _zero_state(self, x: torch.Tensor, size: int) -> torch.Tensor:
-        """Zeros (L*D, B, size) like ``x``, made once per shape: the paths that
-        take them only read them, and a call without hx then allocates nothing."""
-        shape = (self.num_layers * (2 if self.bidirectional else 1), x.shape[1], size)
-        key = (shape, x.dtype, x.device)
-        zeros = self._zeros.get(key)
-        if zeros is None:
-            zeros = self._zeros[key] = x.new_zeros(shape)
-        return zeros
+    def _autocast_inputs(self, input: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
+        """torch's RNNs under CUDA autocast run (and return) the autocast dtype
+        when their input is floating point; so do ours."""
+        dtype = torch.get_autocast_dtype("cuda")
+        if not input.is_floating_point() or input.dtype == dtype:
+            return input, hx
+        cast = (lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+        if hx is not None:
+            hx = tuple(cast(s) for s in hx) if isinstance(hx, (tuple, list)) else cast(hx)
+        return cast(input), hx
 
     def _packed_forward(self, packed: PackedSequence, hx: Any) -> Any:
         """A PackedSequence on the kernels: padded in the batch's own order,
@@ -184,25 +211,34 @@ class _Persistent:
         (hx and the final states are in the batch's own order, as torch's)."""
         padded, lengths = torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first=self.batch_first)
         x, states, _ = self._normalise(padded, hx)
-        chosen = None if self._needs_torch(padded) is not None else self.plan_for(x.shape[1])
-        if chosen is None or chosen.path != "persistent":
+        if self._torch_reason(padded) is not None or padded.is_cuda and torch.is_autocast_enabled("cuda"):
             return self._torch_forward(packed, hx)
-        out, state = self._run(chosen, x, states, lengths.to(x.device, torch.int32))
+        chosen = self.plan_for(x.shape[1])
+        if chosen.path != "persistent":
+            return self._torch_forward(packed, hx)
+        runtime.raise_reported_failure(x.device.index)
+        pairs = self.spec.has_cell_state
+        if states is None:
+            zeros = x.new_zeros(self.num_layers * (2 if self.bidirectional else 1), x.shape[1], self.hidden_size)
+            states = (zeros, zeros) if pairs else zeros
+        h0, c0 = states if pairs else (states, None)
+        out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0, num_layers=self.num_layers,
+                                     bidirectional=self.bidirectional, has_biases=self.bias,
+                                     lengths=lengths.to(x.device, torch.int32))
         if packed.sorted_indices is not None:
             out, lengths = out.index_select(1, packed.sorted_indices), lengths[packed.sorted_indices.cpu()]
         data = torch.nn.utils.rnn.pack_padded_sequence(out, lengths).data
-        return PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices), state
+        packed_out = PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+        return packed_out, ((h_n, c_n) if pairs else h_n)
 
     def _compiled_forward(self, input: Any, hx: Any) -> Any:
         """The forward as ``torch.compile`` traces it: torch's checks, then one
         ``torch.ops.persistrnn.forward`` call (no Python state that would
-        break the graph: no plan or capture caches, which the operator keeps)."""
-        if (isinstance(input, PackedSequence) or input.device.type != "cuda" or getattr(self, "proj_size", 0)
-                or (self.training and self.dropout > 0 and self.num_layers > 1)
-                or input.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-                or (torch.is_grad_enabled() and (input.requires_grad
-                                                 or any(p.requires_grad for p in self._flat_weights)))):
+        break the graph; the operator keeps the plans and captured graphs)."""
+        if isinstance(input, PackedSequence) or self._torch_reason(input, warn=False) is not None:
             return self._torch_forward(input, hx)  # traced as torch's own module
+        if torch.is_autocast_enabled("cuda"):
+            input, hx = self._autocast_inputs(input, hx)
         pairs = self.spec.has_cell_state
         unbatched = input.dim() == 2
         batched = input.unsqueeze(0 if self.batch_first else 1) if unbatched else input
@@ -216,79 +252,94 @@ class _Persistent:
             if unbatched:
                 states = tuple(s.unsqueeze(1) for s in states)
         self.check_forward_args(batched, states if pairs else states[0], None)  # torch's checks and messages
+        weights = self._flat_weights
+        if weights[0].dtype != x.dtype:
+            weights = [w.to(x.dtype) for w in weights]
         out, h_n, c_n = torch.ops.persistrnn.forward(x.contiguous(), states[0], states[1] if pairs else None,
-                                                     list(self._flat_weights), self.cell, self.num_layers,
-                                                     self.bidirectional, self.bias)
-        if self.batch_first:
-            out = out.transpose(0, 1)
+                                                     list(weights), self.cell, self.num_layers, self.bidirectional,
+                                                     self.bias)
         if unbatched:
             out, h_n, c_n = out.squeeze(1), h_n.squeeze(1), (c_n.squeeze(1) if pairs else c_n)
+        elif self.batch_first:
+            out = out.transpose(0, 1)
         return out, ((h_n, c_n) if pairs else h_n)
 
     # ---- checks in torch's wording ------------------------------------------
 
-    def _normalise(self, input: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any, bool]:
-        """(x as (T, B, I), hx as (L*D, B, H) tensors, whether the input was unbatched)."""
-        name = type(self).__name__
+    def _normalise(self, input: Any, hx: Any) -> tuple[torch.Tensor, Any, bool]:
+        """(x as (T, B, I), hx as (L*D, B, H) tensors or None, whether the input was unbatched)."""
         if not isinstance(input, torch.Tensor):
-            raise InputTypeError(f"{name}: expected input to be a Tensor or PackedSequence, got {type(input).__name__}")
-        if input.dim() not in (2, 3):
-            raise InputShapeError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+            raise InputTypeError(f"{type(self).__name__}: expected input to be a Tensor or PackedSequence, "
+                                 f"got {type(input).__name__}")
         unbatched = input.dim() == 2
         if unbatched:
-            input = input.unsqueeze(0 if self.batch_first else 1)
-        x = input.transpose(0, 1) if self.batch_first else input
-        D = 2 if self.bidirectional else 1
-        B = x.shape[1]
-        pairs = self.spec.has_cell_state
-        if hx is None:
-            real = getattr(self, "proj_size", 0) or self.hidden_size
-            zeros = self._zero_state(x, self.hidden_size)
-            hx = (self._zero_state(x, real), zeros) if pairs else zeros
+            x = input.unsqueeze(1)  # (T, I) is time-major in both layouts
+        elif self.batch_first and input.dim() == 3:
+            x = input.transpose(0, 1)
         else:
-            states = hx if pairs else (hx,)
+            x = input
+        pairs = self.spec.has_cell_state
+        if hx is not None:
             if pairs and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
-                raise InputShapeError(f"{name}: expected hx to be a tuple (h_0, c_0), got {type(hx).__name__}")
-            want = 2 if unbatched else 3
+                raise InputShapeError(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), "
+                                      f"got {type(hx).__name__}")
+            states = tuple(hx) if pairs else (hx,)
             for s in states:
                 if not isinstance(s, torch.Tensor):
-                    raise InputTypeError(f"{name}: expected hx to hold tensors, got {type(s).__name__}")
-                if s.dim() != want:
-                    kind = "unbatched 2-D" if unbatched else "batched 3-D"
-                    raise InputShapeError(f"For {kind} input, hx" + (" and cx" if pairs else "")
-                                          + f" should also be {want}-D but got {s.dim()}-D tensor" + ("s" if pairs else ""))
-            if unbatched:
-                states = tuple(s.unsqueeze(1) for s in states)
-            hx = states if pairs else states[0]
-        weight = self.weight_hh_l0
+                    raise InputTypeError(f"{type(self).__name__}: expected hx to hold tensors, got {type(s).__name__}")
+        else:
+            states = ()
+        weight = self._flat_weights[0]
         signature = (input.shape, input.dtype, input.device, weight.dtype, weight.device,
-                     tuple((s.shape, s.dtype, s.device) for s in (hx if pairs else (hx,))))
+                     tuple((s.shape, s.dtype, s.device) for s in states))
         if signature not in self._checked:  # the checks cost more than a replay: once per signature
-            self._check(name, input, x, hx, pairs, B)
+            self._check(input, x, states, unbatched)
             self._checked.add(signature)
-        return x, hx, unbatched
+        if hx is None:
+            return x, None, unbatched
+        if unbatched:
+            states = tuple(s.unsqueeze(1) for s in states)
+        return x, (states if pairs else states[0]), unbatched
 
-    def _check(self, name: str, input: torch.Tensor, x: torch.Tensor, hx: Any, pairs: bool, B: int) -> None:
-        """torch's checks (its wording, as ValueError/TypeError), then ours."""
-        try:
-            self.check_forward_args(input, hx, None)  # torch's own checks and messages, in the module's layout
-        except (RuntimeError, ValueError) as exc:
-            message = str(exc)
-            if "must have the type" in message or "dtype" in message:
-                raise InputTypeError(message) from None
-            raise InputShapeError(message) from None
-        weight = self.weight_hh_l0
+    def _check(self, input: torch.Tensor, x: torch.Tensor, states: tuple, unbatched: bool) -> None:
+        """torch's checks in torch's wording (ValueError as torch raises it, its
+        RuntimeErrors as :class:`InputShapeError`, both), then ours."""
+        name = type(self).__name__
+        if input.dim() not in (2, 3):
+            raise InputShapeError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+        pairs = self.spec.has_cell_state
+        want = 2 if unbatched else 3
+        for s in states:
+            if s.dim() != want:
+                kind = "unbatched 2-D" if unbatched else "batched 3-D"
+                got = f"({', '.join(f'{t.dim()}-D' for t in states)}) tensors" if pairs else f"{s.dim()}-D tensor"
+                raise InputShapeError(f"For {kind} input, hx" + (" and cx" if pairs else "")
+                                      + f" should also be {want}-D but got {got}")
+        batched = input.unsqueeze(0 if self.batch_first else 1) if unbatched else input
+        check_states = tuple(s.unsqueeze(1) for s in states) if unbatched else states
+        if check_states:
+            try:
+                self.check_forward_args(batched, check_states if pairs else check_states[0], None)
+            except (RuntimeError, ValueError) as exc:  # torch's own checks and messages
+                raise InputShapeError(str(exc)) from None
+        else:
+            try:
+                self.check_input(batched, None)
+            except (RuntimeError, ValueError) as exc:
+                raise InputShapeError(str(exc)) from None
+        weight = self._flat_weights[0]
         if x.dtype != weight.dtype:
-            raise InputTypeError(f"input must have the type {weight.dtype}, got type {x.dtype}")
+            raise InputShapeError(f"RNN input dtype ({x.dtype}) does not match weight dtype ({weight.dtype}). "
+                                  f"Convert input: input.to({weight.dtype}), or convert model: model.to({x.dtype})")
         if x.device != weight.device:
             raise InputShapeError(f"Input and parameter tensors are not at the same device, found input tensor at "
                                   f"{x.device} and parameter tensor at {weight.device}")
-        for s in (hx if pairs else (hx,)):
+        for s in states:
             if s.device != x.device or s.dtype != x.dtype:
-                raise InputTypeError(f"{name}: expected hx of dtype {x.dtype} on {x.device}, got {s.dtype} on {s.device}")
-        if x.shape[0] < 1 or B < 1:
-            raise InputShapeError(f"{name}: expected at least one step and one sequence, got input of shape "
-                                  f"{tuple(input.shape)}")
+                raise InputShapeError(f"{name}: expected hx of dtype {x.dtype} on {x.device}, got {s.dtype} on "
+                                      f"{s.device}")
+        if x.shape[0] < 1:
+            raise InputShapeError(f"{name}: expected at least one step, got input of shape {tuple(input.shape)}")
 
     # ---- running ----------------------------------------------------------------
 
@@ -298,140 +349,28 @@ class _Persistent:
         capture, where nothing may be timed)."""
         from . import plan as planner
 
-        key = (torch.cuda.current_device(), planner.space.batch_bucket(batch))
-        if key not in self._plans:
-            shape = planner.shape_of(self)
-            capturing = torch.cuda.is_current_stream_capturing()
-            self._plans[key] = planner.plan(shape, batch, tune=not capturing)
-        return self._plans[key]
-
-    def _run(self, chosen: Any, x: torch.Tensor, hx: Any, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
-        pairs = self.spec.has_cell_state
-        h_all, c_all = hx if pairs else (hx, None)
-        # A kernel that gave up (a peer never arrived) leaves a status word;
-        # reading it synchronises, so it is never read inside a CUDA-graph
-        # capture (the captured forward copies it out instead).
-        out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h_all, c_all,
-                                     num_layers=self.num_layers, bidirectional=self.bidirectional,
-                                     has_biases=self.bias, check=not torch.cuda.is_current_stream_capturing(),
-                                     lengths=lengths)
-        return out, ((h_n, c_n) if pairs else h_n)
-
-    def _graphed(self, chosen: Any, x: torch.Tensor, hx: Any) -> "_GraphedForward":
-        """This shape's captured forward (captured on first use, least recently used dropped)."""
-        key = (x.shape, x.dtype, x.device, chosen.path, chosen.config, _cudnn_settings(),
-               tuple(p.data_ptr() for p in self._flat_weights))  # torch keeps this list current
-        graphed = self._graphs.get(key)
-        if graphed is None:
-            graphed = _GraphedForward(self, chosen, x, hx)
-            self._graphs[key] = graphed
-            if len(self._graphs) > GRAPHS_PER_MODULE:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
-        return graphed
+        return planner.cached_plan(self._shape(self._flat_weights[0].dtype), batch)
 
     def stream(self, batch_size: int) -> "StreamSession":
         """A streaming session over ``batch_size`` sequences (see :class:`StreamSession`)."""
         return StreamSession(self, batch_size)
 
 
-def _cudnn_settings() -> tuple[bool, bool]:
-    """What a captured cuDNN call fixed at capture time: a graph is kept per setting."""
-    return torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32
-
-
-GRAPHS_PER_MODULE = 8
-"""Input shapes whose whole forward a module keeps captured (each holds its own buffers)."""
-
-
-class _GraphedForward:
-    """A module's whole forward at one input shape, captured as a CUDA graph.
-
-    Called eagerly, a small model's forward is bound by Python issue time
-    (measured on the H100: 0.19 ms per call of a 1-layer LSTM 128 at one step,
-    0.87 ms for a 3-layer LSTM 128 whose device work is 0.25 ms); a replay is
-    a handful of launches. The graph reads the parameters where they live, so
-    in-place updates are seen; parameters at new addresses get a new graph
-    (their addresses are in the key).
-
-    A kernel that gave up (a peer block never arrived) leaves a status word.
-    Reading it synchronises, so the graph copies it to pinned host memory and
-    the next call reads that copy without waiting: a failure raises one call
-    late, and never hangs (the kernel's waits are bounded).
-    """
-
-    def __init__(self, module: _Persistent, chosen: Any, x: torch.Tensor, hx: Any, *, carry: bool = False) -> None:
-        """``carry``: ``hx`` are buffers the graph reads its initial states
-        from and writes its final states back to (a streaming session's);
-        otherwise the graph has copies of its own."""
-        self.module = module
-        self.x = x.clone()
-        given = hx if isinstance(hx, tuple) else (hx,)
-        self.states = given if carry else tuple(s.clone() for s in given)
-        stream = torch.cuda.Stream(device=x.device)
-        self.where = (x.device.index, stream.cuda_stream)
-        self.device_status = persistent.status_word(*self.where)
-        self.host_status = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self._host_view = self.host_status.numpy()
-        self.result: Any = None
-
-        def body() -> None:
-            hx_in = self.states if isinstance(hx, tuple) else self.states[0]
-            self.result = module._run(chosen, self.x, hx_in)
-            if carry:
-                out_states = self.result[1] if isinstance(hx, tuple) else (self.result[1],)
-                for dst, src in zip(self.states, out_states):
-                    dst.copy_(src)
-            self.host_status.copy_(self.device_status, non_blocking=True)
-
-        # capture_graph runs the body once before capturing it; carried
-        # states must come out of that run as they went in.
-        saved = tuple(s.clone() for s in self.states) if carry else ()
-        self.graph = jit.capture_graph(body, stream)
-        for dst, src in zip(self.states if carry else (), saved):
-            dst.copy_(src)
-
-    # Where Dynamo runs a module's forward eagerly (it breaks the graph at
-    # torch's RNN classes unless torch._dynamo.config.allow_rnn is set), the
-    # replay is opaque to it: a host read and a graph launch, not traceable.
-    def _raise_on_failure(self) -> None:
-        if self._host_view[0]:
-            torch.cuda.synchronize(self.x.device)
-            self._host_view[0] = 0
-            persistent.check_launches(*self.where)  # raises, and clears the word and the barrier counters
-
-    def step(self, x: torch.Tensor) -> torch.Tensor:
-        """(carry) The output for ``x``; the states advance in place."""
-        self._raise_on_failure()
-        self.x.copy_(x)
-        self.graph.replay()
-        return self.result[0].clone()
-
-    @torch.compiler.disable
-    def __call__(self, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
-        self._raise_on_failure()
-        self.x.copy_(x)
-        for dst, src in zip(self.states, hx if isinstance(hx, tuple) else (hx,)):
-            dst.copy_(src)
-        self.graph.replay()
-        out, state = self.result
-        state = tuple(s.clone() for s in state) if isinstance(state, tuple) else state.clone()
-        return out.clone(), state
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _canonical_gru_torch_forward(module: "GRU", input: Any, hx: Any) -> Any:
     if isinstance(input, PackedSequence):
-        raise NotImplementedError("GRU(reset_after=False) takes a PackedSequence only where the persistent kernels "
-                                  "run it (a CUDA call without gradients whose plan is persistent); pass padded "
-                                  "input here")
+        raise UnsupportedError("GRU(reset_after=False) takes a PackedSequence only where the persistent kernels "
+                               "run it (a CUDA call without gradients whose plan is persistent); pass padded "
+                               "input here")
     x, hx, unbatched = module._normalise(input, hx)
+    if hx is None:
+        hx = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
     out, state = torch_forward(module.spec, module, x, hx)
-    if module.batch_first:
-        out = out.transpose(0, 1)
     if unbatched:
-        out, state = out.squeeze(1), state.squeeze(1)
-    return out, state
+        return out.squeeze(1), state.squeeze(1)
+    return (out.transpose(0, 1) if module.batch_first else out), state
 
 
 class LSTM(_Persistent, torch.nn.LSTM):
@@ -480,12 +419,15 @@ class StreamSession:
     starts in that slot. The states are ``session.state``, updated in place.
 
     On the GPU, each chunk shape's forward (on whichever path the plan chose)
-    is captured once with the session's state buffers as its initial and
-    final states, so a call is a copy in, a replay and a copy out (a module
-    call would also copy the states in and out, and check its arguments).
-    Elsewhere (CPU, a call needing gradients) the chunk runs through the
-    module.
+    is captured once per stream, reading its initial states from the
+    session's buffers and writing its final states back to them, so a call is
+    a copy in, a replay and a copy out. Elsewhere (CPU, a call needing
+    gradients, inside a caller's capture) the chunk runs through the module.
+    Each session has its own buffers and graphs: sessions of one module may
+    run at the same time from any threads; one session's chunks are in order.
     """
+
+    GRAPHS = 8  # chunk shapes (per stream) a session keeps captured
 
     def __init__(self, module: _Persistent, batch_size: int) -> None:
         if module.bidirectional:
@@ -498,7 +440,7 @@ class StreamSession:
         weight = module.weight_hh_l0
         zeros = weight.new_zeros(module.num_layers, batch_size, module.hidden_size)
         self._buffers = (zeros, zeros.clone()) if module.spec.has_cell_state else (zeros,)
-        self._graphs: dict[tuple, _GraphedForward] = {}
+        self._graphs = runtime.GraphCache(self.GRAPHS)
 
     @property
     def state(self) -> Any:
@@ -513,35 +455,39 @@ class StreamSession:
         batch = chunk.shape[0] if module.batch_first else chunk.shape[1]
         if batch != self.batch_size:
             raise InputShapeError(f"stream: expected a chunk of batch {self.batch_size}, got {batch}")
-        graphed = self._graph_for(chunk)
-        if graphed is None:
+        x, _, _ = module._normalise(chunk, self.state)  # the module's checks and errors
+        if (module._torch_reason(chunk) is not None or torch.cuda.is_current_stream_capturing()
+                or torch.is_autocast_enabled("cuda")):
             out, state = module(chunk, self.state)
             for dst, src in zip(self._buffers, state if isinstance(state, tuple) else (state,)):
                 dst.copy_(src)
             return out
-        out = graphed.step(chunk.transpose(0, 1) if module.batch_first else chunk)
+        runtime.raise_reported_failure(x.device.index)
+        weights = module._flat_weights
+        chosen = module.plan_for(batch)
+        key = (x.shape, x.dtype, chosen.path, chosen.config, ops.cudnn_settings(), tuple(w.data_ptr() for w in weights))
+        out = self._graphs.get(key, lambda: self._capture(chosen, x))(x, *self._buffers)[0]
         return out.transpose(0, 1) if module.batch_first else out
 
-    def _graph_for(self, chunk: torch.Tensor) -> "_GraphedForward | None":
-        """This chunk shape's captured forward on the session's buffers, or
-        None where the chunk runs through the module instead."""
+    def _capture(self, chosen: Any, x: torch.Tensor) -> runtime.CapturedCall:
         module = self.module
-        if chunk.device.type != "cuda":
-            return None
-        weights = module._flat_weights
-        key = (chunk.shape, chunk.dtype, chunk.device, _cudnn_settings(), tuple(w.data_ptr() for w in weights))
-        if torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled() and (
-                chunk.requires_grad or any(w.requires_grad for w in weights)):
-            return None
-        graphed = self._graphs.get(key)
-        if graphed is not None:
-            return graphed
-        x, _, _ = module._normalise(chunk, self.state)  # the module's checks and errors
-        if module._needs_torch(chunk) is not None:
-            return None
-        chosen = module.plan_for(x.shape[1])
-        graphed = self._graphs[key] = _GraphedForward(module, chosen, x, self.state, carry=True)
-        return graphed
+        pairs = module.spec.has_cell_state
+
+        def run(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+            out, h_n, c_n = ops.run_plan(chosen, module.cell, module._flat_weights, x, h, c,
+                                         num_layers=module.num_layers, bidirectional=False, has_biases=module.bias)
+            h.copy_(h_n)
+            if pairs:
+                c.copy_(c_n)
+            return (out,)
+
+        # Capturing runs the body once before recording it; the carried
+        # states must come out of that run as they went in.
+        saved = [b.clone() for b in self._buffers]
+        captured = runtime.CapturedCall(run, (x, *self._buffers), copy_in=(True,) + (False,) * len(self._buffers))
+        for dst, src in zip(self._buffers, saved):
+            dst.copy_(src)
+        return captured
 
     def reset(self, idx: Any = None) -> None:
         """Zero the states of batch rows ``idx`` (an int, a sequence, a mask or a slice; None: all)."""

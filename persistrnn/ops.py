@@ -1,16 +1,21 @@
-"""A whole recurrent model's forward, as a function of tensors and as a torch
-operator.
+"""A whole recurrent model's forward on CUDA: one function for every path,
+its captured form, and the torch operator.
 
-:func:`run_plan` runs a model, from torch's flat weight list, on a
-:class:`~persistrnn.plan.Plan`: the persistent kernels, the fallback, or
-cuDNN through torch's own RNN function. The modules of
-:mod:`persistrnn.nn` call it, eagerly and inside their captured graphs.
+* :func:`run_plan` runs a model, from torch's flat weight list, on a
+  :class:`~persistrnn.plan.Plan`: the persistent kernels, the fallback, or
+  cuDNN through torch's own RNN function. Its launches go on torch's current
+  stream; inside a CUDA-graph capture they become part of that graph.
+* :func:`forward` is what a module call and the operator run: the plan from
+  the one plan cache, then a replay of the forward captured for this shape,
+  these weights and the current stream (:class:`persistrnn.runtime.GraphCache`),
+  or the launches themselves inside a caller's capture.
+* ``torch.ops.persistrnn.forward`` wraps :func:`forward` as a custom operator
+  with a fake (shape-only) implementation, so that ``torch.compile`` traces a
+  persistrnn module into one graph instead of breaking at our Python.
 
-``torch.ops.persistrnn.forward`` wraps the same call as a custom operator with
-a fake (shape-only) implementation, so that ``torch.compile`` traces a
-persistrnn module into one graph instead of breaking at our Python: the
-operator's arguments are plain tensors, torch's flat weight list and the
-model's sizes.
+Nothing here synchronises: a kernel that gave up waiting reports through the
+pinned report word, which the next call reads
+(:func:`persistrnn.runtime.raise_reported_failure`).
 """
 
 from __future__ import annotations
@@ -19,8 +24,13 @@ from typing import Any, Optional
 
 import torch
 
-from . import fallback, persistent
+from . import fallback, persistent, runtime
 from .cells import get_cell
+
+GRAPHS = runtime.GraphCache(capacity=64)
+"""Captured forwards of every module and operator call, one per (model, input
+shape, weights' addresses, plan, stream); each holds its own buffers."""
+
 
 def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
                  has_biases: bool) -> list[list[dict[str, torch.Tensor]]]:
@@ -32,10 +42,10 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
         raise ValueError(f"expected {num_layers * directions * per} weights for {num_layers} layer(s), "
                          f"{directions} direction(s), biases {has_biases}; got {len(weights)}")
     layers = []
-    for l in range(num_layers):
+    for layer in range(num_layers):
         directions_of_layer = []
         for d in range(directions):
-            w = weights[(l * directions + d) * per:(l * directions + d + 1) * per]
+            w = weights[(layer * directions + d) * per:(layer * directions + d + 1) * per]
             p = {"w_ih": w[0], "w_hh": w[1]}
             if has_biases:
                 p["b_ih"], p["b_hh"] = w[2], w[3]
@@ -47,12 +57,11 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
 
 
 def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor,
-             c0: torch.Tensor | None, *, num_layers: int, bidirectional: bool, has_biases: bool, check: bool,
+             c0: torch.Tensor | None, *, num_layers: int, bidirectional: bool, has_biases: bool,
              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(output (T, B, D*H), h_n, c_n or None (L*D, B, H)) of the model on the
     plan's path: the persistent kernels, the fallback, or torch's own RNN
     function (cuDNN), from torch's flat weight list, time-major, inference.
-    ``check`` reads the kernels' status word afterwards (it synchronises).
     ``lengths`` (int32 on the GPU, one per sequence) runs variable lengths, on
     the persistent path only."""
     if lengths is not None and chosen.path != "persistent":
@@ -64,47 +73,70 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
         return result[0], result[1], (result[2] if c0 is not None else None)
     layers = layer_params(weights, num_layers, 2 if bidirectional else 1, has_biases)
     if chosen.path == "persistent":
-        return persistent.forward_model(chosen.config, layers, x.contiguous(), h0, c0, lengths=lengths, check=check)
+        return persistent.forward_model(chosen.config, layers, x.contiguous(), h0, c0, lengths=lengths, check=False)
     if chosen.path == "fallback":
         return fallback.forward_model(cell, layers, x.contiguous(), h0, c0)
     raise ValueError(f"run_plan: expected a persistent, fallback or cudnn plan, got {chosen.path!r}")
 
 
-_PLANS: dict[tuple, Any] = {}
+def cudnn_settings() -> tuple[bool, bool]:
+    """What a captured cuDNN call fixed at capture time: a graph is kept per setting."""
+    return torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32
 
 
-def _plan(cell: str, x: torch.Tensor, hidden: int, num_layers: int, bidirectional: bool) -> Any:
-    """The plan for this model and batch on the current GPU, kept in memory
-    after its first lookup (tuned then, untuned inside a CUDA-graph capture)."""
+def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,
+            c0: torch.Tensor | None, has_biases: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A model's forward on CUDA (inference): ``shape`` a
+    :class:`persistrnn.plan.ModelShape`, torch's flat weight list, ``x``
+    (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros.
+    Returns fresh (output (T, B, D*H), h_n, c_n or None)."""
     from . import plan as planner
 
-    batch = x.shape[1]
-    key = (torch.cuda.current_device(), cell, x.shape[2], hidden, num_layers, bidirectional, x.dtype,
-           planner.space.batch_bucket(batch))
-    if key not in _PLANS:
-        shape = planner.ModelShape(cell, x.shape[2], hidden, num_layers, str(x.dtype).removeprefix("torch."),
-                                   bidirectional)
-        _PLANS[key] = planner.plan(shape, batch, tune=not torch.cuda.is_current_stream_capturing())
-    return _PLANS[key]
+    runtime.raise_reported_failure(x.device.index)
+    has_c = get_cell(shape.cell).has_cell_state
+    T, B = x.shape[0], x.shape[1]
+    states = (shape.num_layers * shape.directions, B, shape.hidden_size)
+    if B == 0:  # torch returns empty outputs and states
+        out = x.new_empty(T, 0, shape.directions * shape.hidden_size)
+        return out, x.new_empty(states), (x.new_empty(states) if has_c else None)
+    chosen = planner.cached_plan(shape, B)
+
+    def run(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if h0 is None:  # zeros made inside the capture: each replay writes them, no copy per call
+            h0 = x.new_zeros(states)
+            c0 = x.new_zeros(states) if has_c else None
+        out, h_n, c_n = run_plan(chosen, shape.cell, weights, x, h0, c0, num_layers=shape.num_layers,
+                                 bidirectional=shape.bidirectional, has_biases=has_biases)
+        return (out, h_n, c_n) if has_c else (out, h_n)
+
+    if torch.cuda.is_current_stream_capturing():  # the caller's graph takes our launches
+        result = run(x, h0, c0)
+    else:
+        key = (shape, has_biases, chosen.path, chosen.config, x.shape, x.dtype, h0 is None, cudnn_settings(),
+               tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
+        captured = GRAPHS.get(key, lambda: runtime.CapturedCall(run, (x, h0, c0)))
+        result = captured(x, h0, c0)
+    return result[0], result[1], (result[2] if has_c else None)
 
 
 @torch.library.custom_op("persistrnn::forward", mutates_args=())
-def forward(x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], weights: list[torch.Tensor], cell: str,
-            num_layers: int, bidirectional: bool, has_biases: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward_op(x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], weights: list[torch.Tensor],
+               cell: str, num_layers: int, bidirectional: bool,
+               has_biases: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A model's forward on CUDA: ``x`` (T, B, I) time-major, ``h0`` and
     ``c0`` (L*D, B, H) (``c0`` None for cells without a cell state), torch's
     flat weight list. Returns (output (T, B, D*H), h_n, c_n); c_n is empty for
     cells without a cell state (an operator returns tensors only)."""
+    from .plan import ModelShape
+
     if x.device.type != "cuda":
         raise ValueError(f"persistrnn::forward: expected CUDA tensors, got x on {x.device}")
-    hidden = h0.shape[2]
-    chosen = _plan(cell, x, hidden, num_layers, bidirectional)
-    out, h_n, c_n = run_plan(chosen, cell, weights, x, h0, c0, num_layers=num_layers, bidirectional=bidirectional,
-                             has_biases=has_biases, check=not torch.cuda.is_current_stream_capturing())
+    shape = ModelShape(cell, x.shape[2], h0.shape[2], num_layers, str(x.dtype).removeprefix("torch."), bidirectional)
+    out, h_n, c_n = forward(shape, weights, x, h0, c0, has_biases)
     return out, h_n, (c_n if c_n is not None else h0.new_empty(0))
 
 
-@forward.register_fake
+@forward_op.register_fake
 def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases):
     directions = 2 if bidirectional else 1
     out = x.new_empty(x.shape[0], x.shape[1], directions * h0.shape[2])

@@ -18,7 +18,8 @@ import functools
 import math
 from typing import Any
 
-from . import jit
+from . import runtime
+from .errors import ConfigError
 from .cells import CellSpec, get_cell, render_pointwise_functions
 
 SYNC_MODES = ("single", "cluster", "grid")
@@ -49,10 +50,6 @@ MAX_REGISTERS_PER_THREAD = 255
 # Registers a thread needs beside weights, accumulators and bias (indices,
 # pointers, loop state); fitted to ptxas reports of the sm_90 builds.
 REGISTER_OVERHEAD = 40
-
-
-class ConfigError(ValueError):
-    """A kernel configuration that is invalid, or does not fit the device."""
 
 
 def _pow2(n: int) -> bool:
@@ -458,7 +455,7 @@ def render_source(config: KernelConfig) -> str:
         first_gates.append(spec.gates.index(stage[0]))
     prelude = [f"// {config}"]
     prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    source = jit.read_source("recurrence.cu", includes=("common.cuh", "group_product.cuh"))
+    source = runtime.read_source("recurrence.cu", includes=("common.cuh", "group_product.cuh"))
     # The stage gate lookup and the cell's math go after common.cuh (which
     # defines prnn_sigmoid etc.) and before the kernel that calls them.
     generated = [
@@ -476,13 +473,13 @@ def render_source(config: KernelConfig) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def compile_config(config: KernelConfig, arch: str | None = None) -> jit.CompiledBinary:
+def compile_config(config: KernelConfig, arch: str | None = None) -> runtime.CompiledBinary:
     """Compile ``config`` (disk-cached) and check that it keeps weights on chip.
 
     Raises :class:`ConfigError` if ptxas put anything in local memory: a
     spilled weight array runs at DRAM speed and defeats the kernel.
     """
-    binary = jit.compile_source("recurrence", render_source(config), arch=arch)
+    binary = runtime.compile_source("recurrence", render_source(config), arch=arch)
     res = binary.kernel_resources(KERNEL_NAME)
     if res.uses_local_memory:
         raise ConfigError(
@@ -496,31 +493,6 @@ def compile_config(config: KernelConfig, arch: str | None = None) -> jit.Compile
 # ----------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _DeviceBuffers:
-    status: Any  # int32[1]
-    counters: Any  # uint32[2 + MAX_INSTANCES] as int32: grid-barrier arrivals, exits, each instance's progress
-    exchange: Any  # float32 grid-mode h buffer, grown on demand
-
-
-@functools.lru_cache(maxsize=None)
-def _buffers(device: int, stream: int) -> _DeviceBuffers:
-    import torch
-
-    dev = torch.device("cuda", device)
-    return _DeviceBuffers(
-        torch.zeros(1, dtype=torch.int32, device=dev),
-        torch.zeros(2 + MAX_INSTANCES, dtype=torch.int32, device=dev),
-        torch.empty(0, dtype=torch.float32, device=dev),
-    )
-
-
-def status_word(device: int, stream: int) -> Any:
-    """The int32 word where this package's kernels launched on ``stream``
-    report a failure (0: none); :func:`persistrnn.jit.check_status` reads it."""
-    return _buffers(device, stream).status
 
 
 @dataclasses.dataclass
@@ -567,6 +539,7 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     tensors are taken as they are (the callers made them); :func:`run_recurrence`
     is the checked single-recurrence entry.
     """
+    import numpy as np
     import torch
 
     if len(instances) != config.instances:
@@ -574,18 +547,18 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     if config.lengths != (lengths is not None):  # the variant compiled with (or without) the lengths code
         config = dataclasses.replace(config, lengths=lengths is not None)
     device = instances[0].w_hh.device
-    stream = torch.cuda.current_stream().cuda_stream
     H, GH = config.hidden_size, config.spec.num_gates * config.hidden_size
     out_row = next((i.out.shape[2] for i in instances if i.out is not None), H)
     per_launch = batch_per_launch(config, device.index)
-    buffers = _buffers(device.index, stream)
+    report = np.uint64(runtime.report_word(device.index))
+    timeout, abandon = np.uint64(runtime.wait_timeout_ns()), np.int32(runtime.failure_hook())
     for b0 in range(0, batch, per_launch):
         nb = min(per_launch, batch - b0)
         kernel, launch_config = _prepared_launch(config, device.index, nb)
-        if config.sync == "grid":
-            need = 2 * config.padded_hidden * config.batch_stride(nb)
-            if buffers.exchange.numel() < need:  # zeros: the kernel reads rows it never writes
-                buffers.exchange = torch.zeros(need, dtype=torch.float32, device=device)
+        # The launch's own status word, counters and (grid) exchange buffer;
+        # zeros, since the kernel reads exchange rows it never writes.
+        own = runtime.scratch(device, 2 * config.padded_hidden * config.batch_stride(nb)
+                              if config.sync == "grid" else 0)
         pipe = torch.empty(config.pipe_floats(steps, nb), dtype=torch.float32, device=device) if config.pipeline else None
         args = []
         for i in instances:
@@ -596,11 +569,11 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
                      _address(c_n, b0 * H), int(i.reverse)]
             if config.pipeline:
                 args += [_address(i.w_next), _address(i.b_next)]
-        args += [buffers.exchange, buffers.counters, _address(pipe), _address(lengths, b0), steps, nb, batch, out_row,
-                 buffers.status]
-        jit.launch(kernel, launch_config, *jit.kernel_args(*args))
+        args += [np.uint64(own.exchange), np.uint64(own.counters), _address(pipe), _address(lengths, b0), steps, nb,
+                 batch, out_row, np.uint64(own.status), report, timeout, abandon]
+        runtime.launch(kernel, launch_config, *runtime.kernel_args(*args))
     if check:
-        check_launches(device.index, stream)
+        runtime.raise_reported_failure(device.index, KERNEL_NAME, synchronize=True)
 
 
 def run_recurrence(
@@ -673,23 +646,11 @@ def run_recurrence(
     return out, h_n, c_n
 
 
-def check_launches(device: int, stream: int) -> None:
-    """Raise :class:`persistrnn.jit.KernelLaunchError` if a kernel launched on
-    ``stream`` reported a failure (synchronises); the grid barrier's counters
-    are reset then, so the next launch starts clean."""
-    buffers = _buffers(device, stream)
-    try:
-        jit.check_status(buffers.status, KERNEL_NAME)
-    except jit.KernelLaunchError:
-        buffers.counters.zero_()
-        raise
-
-
 @functools.lru_cache(maxsize=None)
 def batch_per_launch(config: KernelConfig, device: int) -> int:
     """Most sequences one launch of ``config`` holds on ``device``."""
-    kernel = jit.get_kernel(compile_config(config), KERNEL_NAME)
-    limit = jit.device_facts().shared_per_block_optin - kernel.resources.shared_bytes
+    kernel = runtime.get_kernel(compile_config(config), KERNEL_NAME)
+    limit = runtime.device_facts().shared_per_block_optin - kernel.resources.shared_bytes
     per_launch = config.max_batch(limit)
     if per_launch < 1:
         raise ConfigError(f"{config} needs {config.shared_bytes(1)} bytes of shared memory per block; "
@@ -698,14 +659,14 @@ def batch_per_launch(config: KernelConfig, device: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _prepared_launch(config: KernelConfig, device: int, batch: int) -> tuple[jit.LoadedKernel, Any]:
+def _prepared_launch(config: KernelConfig, device: int, batch: int) -> tuple[runtime.LoadedKernel, Any]:
     """The loaded kernel and checked launch configuration, once per (config, device, batch):
     the residency queries cost far more than a launch."""
-    kernel = jit.get_kernel(compile_config(config), KERNEL_NAME)
+    kernel = runtime.get_kernel(compile_config(config), KERNEL_NAME)
     return kernel, _launch_config(kernel, config, config.shared_bytes(batch))
 
 
-def _launch_config(kernel: jit.LoadedKernel, config: KernelConfig, shared: int) -> Any:
+def _launch_config(kernel: runtime.LoadedKernel, config: KernelConfig, shared: int) -> Any:
     if config.sync == "single":
         return kernel.config(config.instances, config.threads, shared=shared)
     if config.sync == "cluster":

@@ -157,7 +157,7 @@ def test_step_loop_with_emulated_kernels_matches_reference(cell, monkeypatch):
     c_n = torch.full((B, H), float("nan")) if spec.has_cell_state else None
     buffers = [b for b in (xw, work.h, work.c, work.hg, work.operand, out) if b is not None]
     kernels = _EmulatedKernels(spec, buffers)
-    monkeypatch.setattr(fallback.jit, "launch", kernels)
+    monkeypatch.setattr(fallback.runtime, "launch", kernels)
     fallback._run_steps(spec, kernels, xw, t["w_hh"], t["b_hh"], h0, c0 if spec.has_cell_state else None, work,
                         out, h_n, c_n)
     errors = _errors(spec, (out, h_n, c_n), ref)
@@ -193,7 +193,7 @@ def test_cpu_tensors_are_refused_naming_cuda():
     with pytest.raises(ValueError, match="xw: expected a CUDA tensor, got one on cpu"):
         fallback.run_fallback("lstm", xw, w, b, h0, c0)
     with pytest.raises(ValueError, match="xw: expected a CUDA tensor, got one on cpu"):
-        fallback.run_fallback("gru", *_cpu_layer("gru", dtype="bfloat16"), graph=False)
+        fallback.run_fallback("gru", *_cpu_layer("gru", dtype="bfloat16"))
 
 
 def test_wrong_dtypes_raise_type_errors():
@@ -248,7 +248,7 @@ def _errors(spec, result, ref):
     return errors
 
 
-def check_fallback(cell, dtype, hidden, batch, steps, seed, *, graph, input_size=None):
+def check_fallback(cell, dtype, hidden, batch, steps, seed, *, input_size=None):
     """Relative errors of one run_fallback (into NaN-poisoned destinations)
     against the float64 reference on the same rounded parameters."""
     rng = np.random.default_rng(seed)
@@ -258,25 +258,24 @@ def check_fallback(cell, dtype, hidden, batch, steps, seed, *, graph, input_size
     out, h_n, c_n = _poisoned(spec, steps, batch, hidden, dtype)
     xw = persistent.input_projection(x, t["w_ih"], t["b_ih"])
     result = fallback.run_fallback(cell, xw, t["w_hh"], t["b_hh"], h0, c0 if spec.has_cell_state else None,
-                                   out=out, h_n=h_n, c_n=c_n, graph=graph)
+                                   out=out, h_n=h_n, c_n=c_n)
     assert result[0] is out and result[1] is h_n and result[2] is c_n
     return _errors(spec, result, ref)
 
 
 # Odd sizes (37 units, 3 sequences: no block or warp is full) and the
-# smallest sequence at a round size; every cell x dtype x {graph, eager}.
+# smallest sequence at a round size; every cell x dtype.
 SIZES = [(37, 3, 7), (256, 1, 1)]
 GPU_CASES = [(cell, dtype, *size) for cell in CELL_NAMES for dtype in DTYPES for size in SIZES]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("cell, dtype, hidden, batch, steps", GPU_CASES,
                          ids=[f"{c}-{d}-H{h}-B{b}-T{t}" for c, d, h, b, t in GPU_CASES])
-def test_fallback_matches_float64_reference(cell, dtype, hidden, batch, steps, graph):
+def test_fallback_matches_float64_reference(cell, dtype, hidden, batch, steps):
     # A fresh seed per run (str hashes are salted per process); printed on failure.
-    seed = hash((cell, dtype, hidden, batch, steps, graph)) % 2**32
-    errors = check_fallback(cell, dtype, hidden, batch, steps, seed, graph=graph)
+    seed = hash((cell, dtype, hidden, batch, steps)) % 2**32
+    errors = check_fallback(cell, dtype, hidden, batch, steps, seed)
     assert all(e <= tolerance(dtype) for e in errors.values()), (seed, errors)
 
 
@@ -284,16 +283,17 @@ def test_fallback_matches_float64_reference(cell, dtype, hidden, batch, steps, g
 def test_lstm_whose_weights_do_not_fit_on_chip():
     # fp32 LSTM, H=4096: 256 MB of W_hh, which default_config refuses for the
     # persistent kernel (test_persistent); this path is what runs it.
-    for graph in (True, False):
-        seed = hash(("lstm-4096", graph)) % 2**32
-        errors = check_fallback("lstm", "float32", 4096, 2, 3, seed, graph=graph, input_size=64)
-        assert all(e <= tolerance("float32") for e in errors.values()), (graph, seed, errors)
+    seed = hash("lstm-4096") % 2**32
+    errors = check_fallback("lstm", "float32", 4096, 2, 3, seed, input_size=64)
+    assert all(e <= tolerance("float32") for e in errors.values()), (seed, errors)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELL_NAMES)
-def test_graph_replay_gives_the_answer_of_the_new_inputs_and_weights(cell, dtype):
+def test_captured_replay_gives_the_answer_of_the_new_inputs_and_weights(cell, dtype):
+    from persistrnn import runtime
+
     seed = hash((cell, dtype, "replay")) % 2**32
     rng = np.random.default_rng(seed)
     spec = cells.get_cell(cell)
@@ -301,14 +301,18 @@ def test_graph_replay_gives_the_answer_of_the_new_inputs_and_weights(cell, dtype
     t, x1, h1, c1 = rounded_layer(cell, dtype, H, H, B, T, rng)
     _, x2, h2, c2 = rounded_layer(cell, dtype, H, H, B, T, rng)  # new inputs for the same weights
 
-    def run(x, h0, c0):
-        return fallback.fallback_forward_layer(cell, x, t["w_ih"], t["w_hh"], t["b_ih"], t["b_hh"], h0,
-                                               c0 if spec.has_cell_state else None)
+    def layer(x, h0, c0):
+        out, h_n, c_n = fallback.fallback_forward_layer(cell, x, t["w_ih"], t["w_hh"], t["b_ih"], t["b_hh"], h0, c0)
+        return (out, h_n, c_n) if spec.has_cell_state else (out, h_n)
 
-    fallback.clear_runners()
+    captured = runtime.CapturedCall(layer, (x1, h1, c1 if spec.has_cell_state else None))
+
+    def run(x, h0, c0):
+        result = captured(x, h0, c0 if spec.has_cell_state else None)
+        return result[0], result[1], (result[2] if spec.has_cell_state else None)
+
     first = run(x1, h1, c1)
     second = run(x2, h2, c2)
-    assert len(fallback._RUNNERS) == 1  # the second call replayed the first call's graph
     tol = tolerance(dtype)
     errors = _errors(spec, second, reference_forward(cell, t, x2, h2, c2))
     assert all(e <= tol for e in errors.values()), ("second call", seed, errors)
@@ -321,7 +325,6 @@ def test_graph_replay_gives_the_answer_of_the_new_inputs_and_weights(cell, dtype
     t["w_hh"].copy_(new["w_hh"])
     t["b_hh"].copy_(new["b_hh"])
     third = run(x2, h2, c2)
-    assert len(fallback._RUNNERS) == 1
     errors = _errors(spec, third, reference_forward(cell, t, x2, h2, c2))
     assert all(e <= tol for e in errors.values()), ("updated weights", seed, errors)
 
@@ -340,12 +343,10 @@ def test_inside_a_callers_capture_the_loop_joins_the_callers_graph(cell):
     c0 = c0 if spec.has_cell_state else None
     xw = persistent.input_projection(x, t["w_ih"], t["b_ih"])
     fallback.run_fallback(cell, xw, t["w_hh"], t["b_hh"], h0, c0)  # compile and load outside the capture
-    runners = len(fallback._RUNNERS)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         result = fallback.run_fallback(cell, xw, t["w_hh"], t["b_hh"], h0, c0)
-    assert len(fallback._RUNNERS) == runners  # no graph of its own inside the caller's
 
     xw.copy_(persistent.input_projection(x2, t["w_ih"], t["b_ih"]))
     h0.copy_(h2)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import random_layer, rel, tolerance
 
-from persistrnn import cells, jit, persistent, reference
+from persistrnn import cells, persistent, reference, runtime
 from persistrnn.persistent import ConfigError, KernelConfig
 from persistrnn.plan import model as cost
 from persistrnn.plan import space, tuner
@@ -111,7 +111,7 @@ def test_fused_kernels_compile_for_sm90_without_local_memory(config):
 # ---- planner layouts (CPU) --------------------------------------------------
 
 
-H100 = jit.DeviceFacts(**json.loads((ROOT / "docs/results/sync-h100.json").read_text())["device"])
+H100 = runtime.DeviceFacts(**json.loads((ROOT / "docs/results/sync-h100.json").read_text())["device"])
 
 
 def test_layouts_follow_the_model():
@@ -256,7 +256,7 @@ def test_both_directions_match_float64_reference(case):
 @pytest.mark.gpu
 def test_fused_layers_split_a_large_batch_across_launches():
     config = KernelConfig("gru", 128, "cluster", 8, 256, 8, 8, instances=2, pipeline=True)
-    per_launch = config.max_batch(jit.device_facts().shared_per_block_optin)
+    per_launch = config.max_batch(runtime.device_facts().shared_per_block_optin)
     _check(config, "gru", "float32", 40, 2, 1, per_launch + 3, 4)
 
 
@@ -271,7 +271,7 @@ def test_fused_layers_replay_in_a_graph_with_reset_progress_counts():
     def run():
         result["out"] = persistent.forward_model(config, torch_layers, x, h0, c0, check=False)[0]
 
-    graph = jit.capture_graph(run)
+    graph = runtime.capture_graph(run)
     for _ in range(3):  # every replay starts from progress counts the last one reset
         result["out"].fill_(float("nan"))
         graph.replay()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from persistrnn import KernelLaunchError, jit
+from persistrnn import KernelLaunchError, runtime
 from persistrnn.bench import sync
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def expected(torch, H, steps):
 
 
 def test_device_facts_are_read_from_the_device(torch):
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     props = torch.cuda.get_device_properties(facts.index)
     assert facts.sm_count == props.multi_processor_count
     assert facts.arch == f"sm_{props.major}{props.minor}"
@@ -45,7 +45,7 @@ def test_device_facts_are_read_from_the_device(torch):
 
 
 def test_resources_match_driver(binary):
-    k = jit.get_kernel(binary, "cluster_exchange_stasync")
+    k = runtime.get_kernel(binary, "cluster_exchange_stasync")
     assert k.kernel.attributes.num_regs == k.resources.registers
     assert k.kernel.attributes.local_size_bytes == 0
 
@@ -54,37 +54,37 @@ def test_resources_match_driver(binary):
 @pytest.mark.parametrize("cluster", [2, 4, 8, 16])
 @pytest.mark.parametrize("kernel", ["cluster_exchange_dsmem", "cluster_exchange_stasync"])
 def test_cluster_exchange_is_exact(torch, binary, status, kernel, H, cluster):
-    k = jit.get_kernel(binary, kernel)
+    k = runtime.get_kernel(binary, kernel)
     steps = 101  # odd: the result ends in buffer 1
     out = torch.full((H,), float("nan"), device="cuda")
     cfg = k.config(cluster, BLOCK, shared=sync.exchange_shared_bytes(kernel, H), cluster=cluster)
     args = (out, H, steps, status) if kernel.endswith("stasync") else (out, H, steps)
-    jit.launch(k, cfg, *jit.kernel_args(*args))
-    jit.check_status(status, kernel)
+    runtime.launch(k, cfg, *runtime.kernel_args(*args))
+    runtime.check_status(status, kernel)
     torch.testing.assert_close(out, expected(torch, H, steps), rtol=0, atol=0)
 
 
 def test_dynamic_shared_above_48KB(torch, binary, status):
     # 2 * 8192 floats = 64 KB: needs the opt-in attribute.
     H, steps = 8192, 33
-    k = jit.get_kernel(binary, "cluster_exchange_stasync")
+    k = runtime.get_kernel(binary, "cluster_exchange_stasync")
     out = torch.full((H,), float("nan"), device="cuda")
-    jit.launch(k, k.config(2, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=2), *jit.kernel_args(out, H, steps, status))
-    jit.check_status(status, "cluster_exchange_stasync")
+    runtime.launch(k, k.config(2, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=2), *runtime.kernel_args(out, H, steps, status))
+    runtime.check_status(status, "cluster_exchange_stasync")
     torch.testing.assert_close(out, expected(torch, H, steps), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("H", [1, 100, 333, 1000, 4096])
 def test_grid_exchange_is_exact(torch, binary, status, H):
-    k = jit.get_kernel(binary, "grid_exchange")
-    blocks = jit.device_facts().sm_count
+    k = runtime.get_kernel(binary, "grid_exchange")
+    blocks = runtime.device_facts().sm_count
     for steps in (1, 64, 99):
         hbuf = torch.full((2 * H,), float("nan"), device="cuda")
         hbuf[:H] = torch.arange(H, dtype=torch.float32, device="cuda")
         counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-        jit.launch(k, k.config(blocks, BLOCK, shared=4 * H, cooperative=True),
-                   *jit.kernel_args(hbuf, H, counter, steps, status))
-        jit.check_status(status, "grid_exchange")
+        runtime.launch(k, k.config(blocks, BLOCK, shared=4 * H, cooperative=True),
+                   *runtime.kernel_args(hbuf, H, counter, steps, status))
+        runtime.check_status(status, "grid_exchange")
         final = hbuf[(steps & 1) * H : (steps & 1) * H + H]
         torch.testing.assert_close(final, expected(torch, H, steps), rtol=0, atol=0)
         assert int(counter.item()) == blocks * steps  # every block arrived at every step
@@ -94,28 +94,28 @@ def test_launch_follows_torch_current_stream(torch, binary, status):
     # Queue fill -> kernel -> copy on a side stream with no host sync between:
     # the copy sees the kernel's result only if the launch went on that stream.
     H, steps, cluster = 1024, 500, 8
-    k = jit.get_kernel(binary, "cluster_exchange_stasync")
+    k = runtime.get_kernel(binary, "cluster_exchange_stasync")
     cfg = k.config(cluster, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=cluster)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         out = torch.empty(H, device="cuda")
         out.fill_(float("nan"))
-        jit.launch(k, cfg, *jit.kernel_args(out, H, steps, status))
+        runtime.launch(k, cfg, *runtime.kernel_args(out, H, steps, status))
         copy = out.clone()
     side.synchronize()
     torch.testing.assert_close(copy, expected(torch, H, steps), rtol=0, atol=0)
 
 
 def test_cooperative_grid_too_large_is_refused(binary):
-    k = jit.get_kernel(binary, "grid_barrier_counter")
+    k = runtime.get_kernel(binary, "grid_barrier_counter")
     resident = k.max_resident_blocks(BLOCK)
-    assert resident >= jit.device_facts().sm_count
+    assert resident >= runtime.device_facts().sm_count
     with pytest.raises(KernelLaunchError, match=rf"needs {resident + 1} blocks resident.*holds {resident}"):
         k.config(resident + 1, BLOCK, cooperative=True)
 
 
 def test_too_many_clusters_are_refused(binary):
-    k = jit.get_kernel(binary, "cluster_barrier")
+    k = runtime.get_kernel(binary, "cluster_barrier")
     resident = k.max_resident_clusters(16, BLOCK, 200 * 1024)
     assert resident >= 1
     with pytest.raises(KernelLaunchError, match=r"clusters of 16 blocks resident"):
@@ -126,17 +126,17 @@ def test_grid_barrier_without_residency_fails_instead_of_hanging(torch, status):
     # Launched plainly (not cooperatively) with 4x the blocks that fit: the
     # resident blocks wait for blocks that cannot start. The bounded spin
     # must end the kernel and report, well within a second at this timeout.
-    src = jit.read_source("sync_bench.cu")
-    quick = jit.compile_source("sync_bench_quick_timeout", src, defines={"PRNN_SPIN_TIMEOUT_NS": "50000000ull"})
-    k = jit.get_kernel(quick, "grid_barrier_counter")
+    src = runtime.read_source("sync_bench.cu")
+    quick = runtime.compile_source("sync_bench_quick_timeout", src, defines={"PRNN_SPIN_TIMEOUT_NS": "50000000ull"})
+    k = runtime.get_kernel(quick, "grid_barrier_counter")
     blocks = 4 * k.max_resident_blocks(1024)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     t0 = time.perf_counter()
-    jit.launch(k, k.config(blocks, 1024), *jit.kernel_args(counter, 1000, status))
+    runtime.launch(k, k.config(blocks, 1024), *runtime.kernel_args(counter, 1000, status))
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     with pytest.raises(KernelLaunchError, match="not all blocks were resident"):
-        jit.check_status(status, "grid_barrier_counter")
+        runtime.check_status(status, "grid_barrier_counter")
     assert elapsed < 10, f"the failing kernel took {elapsed:.1f} s to give up"
     assert int(status.item()) == 0  # check_status clears the word for the next launch
 
@@ -152,7 +152,7 @@ def test_bench_sync_smoke():
 
 
 def test_cluster_larger_than_the_device_allows_is_refused(binary):
-    k = jit.get_kernel(binary, "cluster_barrier")
+    k = runtime.get_kernel(binary, "cluster_barrier")
     largest = k.max_cluster_size(BLOCK)
     assert largest >= 8  # 8 is portable on every cluster-capable GPU
     k.config(largest, BLOCK, cluster=largest)

@@ -39,11 +39,11 @@ def _ptx(source: str) -> str:
     # its version, and CI has no driver.
     from cuda.bindings import nvrtc
 
-    from persistrnn import jit
+    from persistrnn import runtime
 
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"sync_bench.cu", 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    opts = jit.program_options("sm_90", {}).as_bytes("nvrtc")
+    opts = runtime.program_options("sm_90", {}).as_bytes("nvrtc")
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
     err, size = nvrtc.nvrtcGetPTXSize(prog)
@@ -54,9 +54,9 @@ def _ptx(source: str) -> str:
 
 def test_sync_exchange_uses_hopper_instructions():
     # The st.async path is the point of the kernel: make sure it is there.
-    from persistrnn import jit
+    from persistrnn import runtime
 
-    text = _ptx(jit.read_source("sync_bench.cu"))
+    text = _ptx(runtime.read_source("sync_bench.cu"))
     assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32" in text
     assert "mbarrier.try_wait.parity.acquire.cluster" in text
     assert "barrier.cluster.arrive.release" in text

@@ -167,7 +167,7 @@ def test_stream_refuses_bidirectional_and_wrong_batches():
 @pytest.mark.parametrize("make_input,hx,error,match", [
     (lambda: torch.randn(2, 3, 4, 5), None, ValueError, "Expected input to be 2D or 3D, got 4D"),
     (lambda: torch.randn(5, 3, 7), None, ValueError, "input_size. Expected 4, got 7"),
-    (lambda: torch.randn(5, 3, 4, dtype=torch.float64), None, TypeError, "dtype"),
+    (lambda: torch.randn(5, 3, 4, dtype=torch.float64), None, ValueError, "does not match weight dtype"),
     (lambda: torch.randn(5, 3, 4), (torch.zeros(1, 2, 6), torch.zeros(1, 2, 6)), ValueError, r"Expected hidden\[0\] size \(1, 3, 6\)"),
     (lambda: torch.randn(5, 3, 4), (torch.zeros(3, 6), torch.zeros(3, 6)), ValueError, "3-D"),
     (lambda: torch.randn(5, 3, 4), torch.zeros(1, 3, 6), ValueError, "tuple"),
@@ -313,12 +313,12 @@ def test_copies_and_pickles_leave_the_caches_behind():
     import pickle
 
     model = persistrnn.LSTM(3, 4)
-    model._graphs["stale"] = object()  # stands for a captured graph, which cannot be copied
-    model._plans["stale"] = object()
+    model._checked.add("stale")  # stands for per-process state, which a copy must not carry
+    model._cast = ("stale", [object()])  # stands for weights cast under autocast (not picklable)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert type(clone) is persistrnn.LSTM and not clone._graphs and not clone._plans
+        assert type(clone) is persistrnn.LSTM and not clone._checked and clone._cast is None
         assert torch.equal(clone.weight_hh_l0, model.weight_hh_l0)
-    assert "stale" in model._graphs
+    assert "stale" in model._checked
 
 
 def test_checks_still_run_for_a_new_signature_after_a_good_call():
@@ -328,7 +328,7 @@ def test_checks_still_run_for_a_new_signature_after_a_good_call():
         model(torch.randn(5, 3, 4))  # the same signature: checked once
         with pytest.raises(ValueError, match=r"Expected hidden size \(1, 3, 6\), got \[1, 2, 6\]"):
             model(torch.randn(5, 3, 4), torch.zeros(1, 2, 6))
-        with pytest.raises(TypeError, match="dtype"):
+        with pytest.raises(ValueError, match="does not match weight dtype"):
             model(torch.randn(5, 3, 4, dtype=torch.float64))
 
 

@@ -63,7 +63,7 @@ def test_run_plan_on_a_cudnn_plan_gives_torchs_numbers(cls, cell, kwargs, bidire
     with torch.no_grad():
         want_out, want_state = m(x, (h0, c0) if c0 is not None else h0)
         out, h_n, c_n = ops.run_plan(_plan("cudnn"), cell, m._flat_weights, x, h0, c0, num_layers=2,
-                                     bidirectional=bidirectional, has_biases=bias, check=False)
+                                     bidirectional=bidirectional, has_biases=bias)
     assert torch.equal(out, want_out)
     assert torch.equal(h_n, want_state[0] if c0 is not None else want_state)
     assert (c_n is None) == (c0 is None) and (c0 is None or torch.equal(c_n, want_state[1]))
@@ -72,7 +72,7 @@ def test_run_plan_on_a_cudnn_plan_gives_torchs_numbers(cls, cell, kwargs, bidire
 def test_run_plan_refuses_lengths_off_the_persistent_path_and_unknown_paths():
     m = persistrnn.LSTM(6, 10)
     x, h0 = torch.randn(4, 2, 6), torch.randn(1, 2, 10)
-    kwargs = dict(num_layers=1, bidirectional=False, has_biases=True, check=False)
+    kwargs = dict(num_layers=1, bidirectional=False, has_biases=True)
     for path in ("cudnn", "fallback"):
         with pytest.raises(ValueError, match=f"variable lengths run on the persistent path, got a '{path}' plan"):
             ops.run_plan(_plan(path), "lstm", m._flat_weights, x, h0, h0, lengths=torch.tensor([4, 2]), **kwargs)

@@ -8,7 +8,7 @@ import pytest
 
 def test_import_needs_no_gpu():
     # A fresh interpreter with CUDA hidden: importing must not touch the GPU.
-    code = "import persistrnn, persistrnn.jit, persistrnn.bench.sync; print(persistrnn.__version__)"
+    code = "import persistrnn, persistrnn.runtime, persistrnn.bench.sync; print(persistrnn.__version__)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={"CUDA_VISIBLE_DEVICES": "", **_env()}
     )
@@ -25,13 +25,13 @@ def _env():
 def test_first_gpu_use_without_gpu_says_why(monkeypatch):
     import torch
 
-    from persistrnn import GPUUnavailableError, jit
+    from persistrnn import GPUUnavailableError, runtime
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(GPUUnavailableError, match=r"NVIDIA GPU.*torch.cuda.is_available\(\) is False"):
-        jit.device_facts()
+        runtime.device_facts()
     with pytest.raises(GPUUnavailableError):
-        jit.compile_source("tiny", 'extern "C" __global__ void k() {}')  # arch from the device
+        runtime.compile_source("tiny", 'extern "C" __global__ void k() {}')  # arch from the device
 
 
 def _run_module(*args):

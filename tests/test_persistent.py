@@ -234,7 +234,7 @@ def test_large_batch_is_split_across_launches():
     import torch
 
     cfg = KernelConfig("lstm", 256, "cluster", 8, batch_tile=8)
-    facts = persistent.jit.device_facts()
+    facts = persistent.runtime.device_facts()
     per_launch = cfg.max_batch(facts.shared_per_block_optin)
     errors = check_against_reference(cfg, per_launch + 5, 3, seed=7)
     assert all(e <= FP32_TOLERANCE for e in errors.values()), errors
@@ -282,14 +282,14 @@ def test_kernel_compiles_for_sm90_without_local_memory(config):
 def test_grid_that_cannot_be_resident_is_refused_not_hung():
     import torch
 
-    from persistrnn import jit
+    from persistrnn import runtime
 
-    sm_count = jit.device_facts().sm_count
+    sm_count = runtime.device_facts().sm_count
     blocks = persistent.blocks_for(1024, 2 * sm_count)
     cfg = KernelConfig("rnn_tanh", 1024, "grid", blocks, 512, 32, 1)  # ~128 registers: one block per SM
     dev = torch.device("cuda")
     xw = torch.randn(3, 1, 1024, device=dev)
-    with pytest.raises(jit.KernelLaunchError, match=f"needs {blocks} blocks resident at once"):
+    with pytest.raises(runtime.KernelLaunchError, match=f"needs {blocks} blocks resident at once"):
         persistent.run_recurrence(cfg, xw, torch.randn(1024, 1024, device=dev), torch.randn(1024, device=dev),
                                   torch.randn(1, 1024, device=dev), None)
 

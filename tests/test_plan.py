@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from persistrnn import jit, persistent
+from persistrnn import runtime, persistent
 from persistrnn.plan import model as cost
 from persistrnn.plan import space, tuner
 
 ROOT = Path(__file__).resolve().parents[1]
-H100 = jit.DeviceFacts(**json.loads((ROOT / "docs/results/sync-h100.json").read_text())["device"])
+H100 = runtime.DeviceFacts(**json.loads((ROOT / "docs/results/sync-h100.json").read_text())["device"])
 
 
 def synthetic_calibration(device="synthetic", sm_count=132):
@@ -289,20 +289,20 @@ def test_cli_tune_without_a_gpu_says_so():
 @pytest.mark.gpu
 def test_calibration_is_cached_per_device(isolated_cache):
     first = cost.calibration(progress=False)
-    path = cost.calibration_path(jit.device_facts())
+    path = cost.calibration_path(runtime.device_facts())
     assert path.exists()
     assert cost.load_calibration(path) == first
-    assert first.sm_count == jit.device_facts().sm_count
+    assert first.sm_count == runtime.device_facts().sm_count
     assert all(v > 0 for v in first.product.values()) and first.clock_mhz > 0
     assert all(v > 0 for v in first.cluster_exchange.values())
 
 
 _REUSE_SCRIPT = """
 import json, sys
-from persistrnn import jit, plan
+from persistrnn import runtime, plan
 shape = plan.ModelShape("lstm", 48, 96, 2, "float32")
 p = plan.tune(shape, int(sys.argv[1]), k=3, steps=20, progress=False)
-print(json.dumps({"source": p.source, "path": p.path, "config": str(p.config), "compiles": jit.nvrtc_compiles(),
+print(json.dumps({"source": p.source, "path": p.path, "config": str(p.config), "compiles": runtime.nvrtc_compiles(),
                   "measured": len(p.measured_ms)}))
 """
 

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if suite not in SUITES:
         print(f"unknown suite {suite!r}; expected one of: {', '.join(SUITES)}", file=sys.stderr)
         return 2
-    from ..jit import GPUUnavailableError
+    from ..runtime import GPUUnavailableError
 
     module = importlib.import_module(SUITES[suite])
     try:

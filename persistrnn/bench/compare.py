@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..jit import capture_graph
+from ..runtime import capture_graph
 from .timing import time_cuda_ms
 
 CELL_NAMES = {"lstm": "LSTM", "gru": "GRU", "gru_reset_before": "GRU (reset-before)", "rnn_tanh": "RNN (tanh)",
@@ -669,7 +669,7 @@ def main(suite_name: str, argv: list[str] | None = None) -> int:
     if args.from_json:
         result = _load(args.from_json, suite, p)
     else:
-        from ..jit import require_gpu
+        from ..runtime import require_gpu
 
         require_gpu()
         cases = suite.build(**{a: tuple(getattr(args, a)) for a in suite.axes if getattr(args, a) is not None})

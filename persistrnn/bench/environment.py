@@ -50,7 +50,7 @@ def environment() -> dict[str, Any]:
         info["cuda_core"] = core_version
     except ImportError:
         info["cuda_core"] = None
-    from ..jit import nvrtc_version
+    from ..runtime import nvrtc_version
 
     info["nvrtc"] = ".".join(map(str, nvrtc_version()))
     if torch.cuda.is_available():

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import jit, persistent
+from .. import runtime, persistent
 from ..cells import get_cell
 from ..plan import model as cost
 from ..plan import space, tuner
@@ -69,7 +69,7 @@ def run_case(cell: str, hidden: int, batch: int, cfg: AccuracyConfig, model: cos
     rng = np.random.default_rng([cfg.seed, hidden, batch, len(cell)])
     chosen = _sample(ranked, cfg, rng)
     t0 = time.perf_counter()
-    ok = jit.map_in_threads(tuner.compiles, chosen)
+    ok = runtime.map_in_threads(tuner.compiles, chosen)
     compile_s = time.perf_counter() - t0
     compiled = [c for c, good in zip(chosen, ok) if good]
 
@@ -101,7 +101,7 @@ def run_case(cell: str, hidden: int, batch: int, cfg: AccuracyConfig, model: cos
         try:
             run(check=True)
             measured[config] = time_cuda_ms(many, warmup=cfg.warmup, repeats=cfg.repeats) / cfg.calls
-        except (persistent.ConfigError, jit.KernelLaunchError):  # not resident together, or no shared memory
+        except (persistent.ConfigError, runtime.KernelLaunchError):  # not resident together, or no shared memory
             failed += 1
     order = [c for _, c in ranked if c in measured]  # model order of what ran
     best = min(measured.values())

@@ -28,9 +28,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .. import jit, persistent, reference
+from .. import runtime, persistent, reference
 from ..cells import get_cell
-from ..jit import capture_graph
+from ..runtime import capture_graph
 from .timing import time_cuda_ms
 
 ROTATE = 4
@@ -142,7 +142,7 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
     result: dict[str, Any] = {"cell": cell, "hidden": H, "batch": batch, "dtype": dtype, "steps": T}
 
     # ---- ours: pick the fastest of a few configurations, by graph replay time
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     timings = []
     for config in candidates(cell, H, batch, facts.sm_count, dtype):
         try:
@@ -155,7 +155,7 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
             k = iter(range(10**9))
             ms = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
             timings.append((ms, config, err, fwd))
-        except (persistent.ConfigError, jit.KernelLaunchError, jit.CompileError) as exc:
+        except (persistent.ConfigError, runtime.KernelLaunchError, runtime.CompileError) as exc:
             result.setdefault("rejected", []).append(f"{config}: {exc}")
     if not timings:
         raise RuntimeError(f"no configuration ran for {cell} H={H} B={batch} {dtype}: {result.get('rejected')}")

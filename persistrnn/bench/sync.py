@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import jit
+from .. import runtime
 from .environment import describe
 from .timing import per_iteration_us, time_cuda_ms
 
@@ -36,9 +36,9 @@ EXCHANGE_BLOCKS = (32, 256, 1024)
 RESIDENCY_SHARED = 200 * 1024  # a persistent block that holds its weights in shared memory
 
 
-def sync_binary(arch: str | None = None) -> jit.CompiledBinary:
+def sync_binary(arch: str | None = None) -> runtime.CompiledBinary:
     """The compiled sync micro-benchmark kernels (``arch=None``: this GPU's)."""
-    return jit.compile_source("sync_bench", jit.read_source("sync_bench.cu"), arch=arch)
+    return runtime.compile_source("sync_bench", runtime.read_source("sync_bench.cu"), arch=arch)
 
 
 def exchange_shared_bytes(kernel: str, H: int) -> int:
@@ -82,14 +82,14 @@ class Runner:
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.status = torch.zeros(1, dtype=torch.int32, device=self.device)
 
-    def kernel(self, name: str) -> jit.LoadedKernel:
-        return jit.get_kernel(self.binary, name)
+    def kernel(self, name: str) -> runtime.LoadedKernel:
+        return runtime.get_kernel(self.binary, name)
 
     def per_step_us(self, name: str, config: Any, make_args, setup=None) -> float:
         k = self.kernel(name)
-        us = per_iteration_us(lambda steps: jit.launch(k, config, *make_args(steps)), self.cfg.steps,
+        us = per_iteration_us(lambda steps: runtime.launch(k, config, *make_args(steps)), self.cfg.steps,
                               warmup=self.cfg.warmup, repeats=self.cfg.repeats, setup=setup)
-        jit.check_status(self.status, name)
+        runtime.check_status(self.status, name)
         return us
 
     def zero_counter(self) -> None:
@@ -117,7 +117,7 @@ def launch_gap(r: Runner) -> dict[str, float]:
 
     def many() -> None:
         for _ in range(n):
-            jit.launch(k, cfg)
+            runtime.launch(k, cfg)
 
     many()
     torch.cuda.synchronize()
@@ -143,13 +143,13 @@ def grid_barriers(r: Runner, sm_count: int) -> dict[str, dict[int, float]]:
     for blocks in grid_block_counts(sm_count):
         cg = r.kernel("grid_sync_cg")
         out["grid_sync_cg"][blocks] = r.per_step_us(
-            "grid_sync_cg", cg.config(blocks, BLOCK, cooperative=True), lambda s: jit.kernel_args(s)
+            "grid_sync_cg", cg.config(blocks, BLOCK, cooperative=True), lambda s: runtime.kernel_args(s)
         )
         counter = r.kernel("grid_barrier_counter")
         out["grid_barrier_counter"][blocks] = r.per_step_us(
             "grid_barrier_counter",
             counter.config(blocks, BLOCK, cooperative=True),
-            lambda s: jit.kernel_args(r.counter, s, r.status),
+            lambda s: runtime.kernel_args(r.counter, s, r.status),
             setup=r.zero_counter,
         )
     return out
@@ -169,10 +169,10 @@ def grid_exchange(r: Runner, sm_count: int) -> dict[int, float]:
             hbuf[:H].copy_(initial)
 
         cfg = k.config(sm_count, BLOCK, shared=4 * H, cooperative=True)
-        out[H] = r.per_step_us("grid_exchange", cfg, lambda s: jit.kernel_args(hbuf, H, r.counter, s, r.status), setup)
+        out[H] = r.per_step_us("grid_exchange", cfg, lambda s: runtime.kernel_args(hbuf, H, r.counter, s, r.status), setup)
         setup()
-        jit.launch(k, cfg, *jit.kernel_args(hbuf, H, r.counter, r.cfg.steps, r.status))
-        jit.check_status(r.status, "grid_exchange")
+        runtime.launch(k, cfg, *runtime.kernel_args(hbuf, H, r.counter, r.cfg.steps, r.status))
+        runtime.check_status(r.status, "grid_exchange")
         S = r.cfg.steps
         _check_state(hbuf[(S & 1) * H : (S & 1) * H + H], H, S, f"grid_exchange H={H}")
     return out
@@ -181,7 +181,7 @@ def grid_exchange(r: Runner, sm_count: int) -> dict[int, float]:
 def cluster_barriers(r: Runner, max_cluster: int) -> dict[int, float]:
     k = r.kernel("cluster_barrier")
     return {
-        n: r.per_step_us("cluster_barrier", k.config(n, BLOCK, cluster=n), lambda s: jit.kernel_args(s))
+        n: r.per_step_us("cluster_barrier", k.config(n, BLOCK, cluster=n), lambda s: runtime.kernel_args(s))
         for n in range(2, max_cluster + 1)
     }
 
@@ -203,12 +203,12 @@ def cluster_exchanges(r: Runner, max_cluster: int) -> dict[str, dict[int, dict[i
                     cfg = k.config(n, block, shared=exchange_shared_bytes(name, H), cluster=n)
 
                     def make_args(s, state=state, H=H):
-                        return jit.kernel_args(state, H, s, r.status) if with_status else jit.kernel_args(state, H, s)
+                        return runtime.kernel_args(state, H, s, r.status) if with_status else runtime.kernel_args(state, H, s)
 
                     table[block][H][n] = r.per_step_us(name, cfg, make_args)
                     state.fill_(float("nan"))
-                    jit.launch(k, cfg, *make_args(r.cfg.steps))
-                    jit.check_status(r.status, name)
+                    runtime.launch(k, cfg, *make_args(r.cfg.steps))
+                    runtime.check_status(r.status, name)
                     _check_state(state, H, r.cfg.steps, f"{name} H={H} cluster={n} block={block}")
     return out
 
@@ -228,7 +228,7 @@ def run(cfg: SyncConfig | None = None, progress: bool = True) -> dict[str, Any]:
     from .environment import environment
 
     cfg = cfg or SyncConfig()
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     r = Runner(cfg)
     stages = [
         ("launch gap", lambda: {"launch": launch_gap(r)}),

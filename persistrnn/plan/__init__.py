@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from .tuner import DEFAULT_K, DEFAULT_STEPS, ModelShape, Plan, plan, shape_of
+from .tuner import DEFAULT_K, DEFAULT_STEPS, ModelShape, Plan, cached_plan, clear_cached_plans, plan, shape_of
 
-__all__ = ["ModelShape", "Plan", "plan", "tune", "explain", "shape_of"]
+__all__ = ["ModelShape", "Plan", "cached_plan", "clear_cached_plans", "plan", "tune", "explain", "shape_of"]
 
 
 def _shape(model: Any) -> ModelShape:

@@ -31,10 +31,13 @@ import dataclasses
 import json
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, jit, persistent
+from .. import __version__, persistent, runtime
+from ..errors import CalibrationError
+from ..log import logger
 from ..progress import track
 from ..persistent import KernelConfig, WARP
 
@@ -174,7 +177,7 @@ class StepCost:
 class CostModel:
     """Per-step cost of a configuration on a calibrated device."""
 
-    def __init__(self, calibration: Calibration, facts: jit.DeviceFacts) -> None:
+    def __init__(self, calibration: Calibration, facts: runtime.DeviceFacts) -> None:
         self.cal = calibration
         self.facts = facts
         self._cache: dict[tuple, float] = {}
@@ -307,13 +310,13 @@ class CostModel:
 # ----------------------------------------------------------------------------
 
 
-def bench_binary(program: tuple[int, int, int, int], arch: str | None = None) -> jit.CompiledBinary:
+def bench_binary(program: tuple[int, int, int, int], arch: str | None = None) -> runtime.CompiledBinary:
     """One micro-benchmark program: (mma, tile, group, chunks). mma 0: every
     rows x placement product kernel at that tile, group and chunk count; mma 1:
     the mma kernels at ``chunks`` k tiles, and the barrier and pointwise ones."""
     mma, tile, group, chunks = program
-    source = jit.read_source("model_bench.cu", includes=("common.cuh", "group_product.cuh"))
-    return jit.compile_source("model_bench", source, arch=arch,
+    source = runtime.read_source("model_bench.cu", includes=("common.cuh", "group_product.cuh"))
+    return runtime.compile_source("model_bench", source, arch=arch,
                               defines={"PRNN_BENCH_MMA": mma, "PRNN_BT": tile, "PRNN_WGS": group,
                                        "PRNN_KCH": chunks, "PRNN_THREADS": "((int)blockDim.x)"})
 
@@ -324,16 +327,14 @@ def bench_programs() -> list[tuple[int, int, int, int]]:
             + [(1, 1, 1, k) for k in MMA_CHUNKS])
 
 
-def compile_bench_programs(arch: str | None = None) -> dict[tuple[int, int, int, int], jit.CompiledBinary]:
+def compile_bench_programs(arch: str | None = None) -> dict[tuple[int, int, int, int], runtime.CompiledBinary]:
     """Every micro-benchmark program, compiled in threads."""
     programs = bench_programs()
-    return dict(zip(programs, jit.map_in_threads(lambda p: bench_binary(p, arch=arch), programs)))
+    return dict(zip(programs, runtime.map_in_threads(lambda p: bench_binary(p, arch=arch), programs)))
 
 
 def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
     import torch
-
-    from ..bench.timing import per_iteration_us
 
     binaries = compile_bench_programs()
     dev = torch.device("cuda")
@@ -344,19 +345,19 @@ def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
 
     def per_iteration_ns(program: tuple, kernel: str, threads: int, shared: int) -> float | None:
         """ns per iteration, or None where the block cannot run (registers or shared memory)."""
-        k = jit.get_kernel(binaries[program], kernel)
-        if (shared > jit.device_facts().shared_per_block_optin or k.max_resident_blocks(threads, shared) < 1
+        k = runtime.get_kernel(binaries[program], kernel)
+        if (shared > runtime.device_facts().shared_per_block_optin or k.max_resident_blocks(threads, shared) < 1
                 or k.resources.uses_local_memory):  # a spilled bench would time local memory, not the product
             return None
         config = k.config(1, threads, shared=shared)
         # A difference of two timings: a clock that ramps up between them
         # (an idle H100 sat at 345 MHz) can leave it <= 0. Measure again.
         for _ in range(MEASURE_ATTEMPTS):
-            ns = 1e3 * per_iteration_us(lambda n: jit.launch(k, config, *jit.kernel_args(inputs, sink, n)),
+            ns = 1e3 * runtime.per_iteration_us(lambda n: runtime.launch(k, config, *runtime.kernel_args(inputs, sink, n)),
                                         BENCH_ITERATIONS, warmup=1, repeats=5)
             if ns > 0:
                 return ns
-        raise RuntimeError(f"{kernel}: {MEASURE_ATTEMPTS} timings in a row gave no positive time per iteration "
+        raise CalibrationError(f"{kernel}: {MEASURE_ATTEMPTS} timings in a row gave no positive time per iteration "
                            "(the GPU's clock kept changing); calibrate again on an idle GPU")
 
     def mma_per_op(times: dict[int, float | None], per: int) -> float | None:
@@ -397,7 +398,7 @@ def _measure_sync() -> dict[str, dict[str, float]]:
     from ..bench import sync
 
     r = sync.Runner(sync.SyncConfig(steps=4000, repeats=3, warmup=1))
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     max_cluster = r.kernel("cluster_barrier").max_cluster_size(sync.BLOCK)
     stasync = sync.cluster_exchanges(r, max_cluster)["cluster_exchange_stasync"]
     return {
@@ -410,7 +411,7 @@ def _measure_sync() -> dict[str, dict[str, float]]:
 
 def measure_calibration(progress: bool = True) -> Calibration:
     """Run every micro-benchmark on the current GPU (a few seconds)."""
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     tables = _measure_micro(progress)
     tables.update(_measure_sync())
     from cuda.core import Device
@@ -419,9 +420,9 @@ def measure_calibration(progress: bool = True) -> Calibration:
     return Calibration(device=facts.name, sm_count=facts.sm_count, version=__version__, clock_mhz=clock_mhz, **tables)
 
 
-def calibration_path(facts: jit.DeviceFacts) -> Path:
+def calibration_path(facts: runtime.DeviceFacts) -> Path:
     name = re.sub(r"[^A-Za-z0-9]+", "-", facts.name).strip("-")
-    return jit.cache_dir() / "calibration" / f"{name}-{facts.sm_count}sm-{__version__}.json"
+    return runtime.cache_dir() / "calibration" / f"{name}-{facts.sm_count}sm-{__version__}.json"
 
 
 def load_calibration(path: Path) -> Calibration | None:
@@ -434,19 +435,20 @@ def load_calibration(path: Path) -> Calibration | None:
 
 def calibration(*, progress: bool = True, refresh: bool = False) -> Calibration:
     """This device's calibration: from the disk cache, or measured now and stored."""
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     path = calibration_path(facts)
     cached = None if refresh else load_calibration(path)
     if cached is not None and cached.device == facts.name and cached.sm_count == facts.sm_count:
         return cached
+    logger.info("calibrating the cost model on %s (micro-benchmarks, once per device; stored in %s)",
+                facts.name, path)
+    started = time.perf_counter()
     fresh = measure_calibration(progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(fresh.to_json())
-    tmp.replace(path)
+    runtime.atomic_write(path, fresh.to_json())
+    logger.info("calibrated %s in %.1f s", facts.name, time.perf_counter() - started)
     return fresh
 
 
 def cost_model(*, progress: bool = True) -> CostModel:
     """The cost model of the current device (calibrating it on first use)."""
-    return CostModel(calibration(progress=progress), jit.device_facts())
+    return CostModel(calibration(progress=progress), runtime.device_facts())

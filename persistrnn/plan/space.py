@@ -19,7 +19,7 @@ its dimensions, in GRNN's terms (§6-7), are
 :func:`prune` keeps a configuration only if it fits the device (registers,
 shared memory, co-residency) and leaves at most :data:`IDLE_BOUND` of its
 threads' work slots idle. Every limit comes from a
-:class:`persistrnn.jit.DeviceFacts`, which :func:`persistrnn.jit.device_facts`
+:class:`persistrnn.runtime.DeviceFacts`, which :func:`persistrnn.runtime.device_facts`
 reads from the device.
 """
 
@@ -29,7 +29,7 @@ import math
 from typing import Iterator
 
 from .. import persistent
-from ..jit import DeviceFacts
+from ..runtime import DeviceFacts
 from ..persistent import ConfigError, KernelConfig, MAX_CLUSTER, WARP
 
 THREADS = (128, 256, 512, 1024)

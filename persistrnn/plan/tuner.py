@@ -18,17 +18,18 @@ with a :class:`Plan`:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, jit, persistent
+from .. import __version__, persistent, runtime
+from ..errors import ConfigError, KernelLaunchError
+from ..log import logger
 from ..progress import track
 from ..cells import get_cell
-from ..persistent import ConfigError, KernelConfig
+from ..persistent import KernelConfig
 from . import model as cost
 from . import space
 
@@ -155,15 +156,18 @@ class Plan:
 # ----------------------------------------------------------------------------
 
 
-def cache_key(facts: jit.DeviceFacts, shape: ModelShape, bucket: int) -> dict[str, Any]:
+def cache_key(facts: runtime.DeviceFacts, shape: ModelShape, bucket: int) -> dict[str, Any]:
     """Every component a tuned choice depends on."""
     return {"device": facts.name, "sm_count": facts.sm_count, **dataclasses.asdict(shape),
             "batch_bucket": bucket, "version": __version__, "format": CACHE_FORMAT}
 
 
 def cache_path(key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return jit.cache_dir() / "tuning" / f"{digest}.json"
+    """``tuning/<cell>-i<I>-h<H>-l<L>-<dtype>[-bi]-b<bucket>-<device>-<digest>.json``."""
+    name = runtime.entry_name(key["cell"], f"i{key['input_size']}", f"h{key['hidden_size']}", f"l{key['num_layers']}",
+                              key["dtype"], "bi" if key["bidirectional"] else "", f"b{key['batch_bucket']}",
+                              key["device"], key=runtime.digest(key))
+    return runtime.cache_dir() / "tuning" / f"{name}.json"
 
 
 def load_plan(key: dict[str, Any]) -> Plan | None:
@@ -178,11 +182,7 @@ def load_plan(key: dict[str, Any]) -> Plan | None:
 
 
 def store_plan(key: dict[str, Any], plan: Plan) -> None:
-    path = cache_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "plan": plan.to_json()}, indent=1))
-    tmp.replace(path)
+    runtime.atomic_write(cache_path(key), json.dumps({"key": key, "plan": plan.to_json()}, indent=1))
 
 
 # ----------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def compile_top(ranked: list[tuple[float, KernelConfig]], k: int) -> list[tuple[
         # Twice what is missing per round: a few spill under some NVRTC versions.
         batch = ranked[start : start + 2 * (k - len(kept))]
         start += len(batch)
-        results = jit.map_in_threads(compiles, [c for _, c in batch])
+        results = runtime.map_in_threads(compiles, [c for _, c in batch])
         kept += [item for item, ok in zip(batch, results) if ok]
     return kept[:k]
 
@@ -317,15 +317,13 @@ def time_forward_ms(run, *, calls: int = 3, warmup: int = 2, repeats: int = 5) -
     and would hide their differences (measured: 0.175 ms per eager call of
     an H=256 LSTM whose kernel takes 0.094 ms). Every candidate, cuDNN
     included, is timed the same way."""
-    from ..bench.timing import time_cuda_ms
-
-    graph = jit.capture_graph(run)
+    graph = runtime.capture_graph(run)
 
     def many() -> None:
         for _ in range(calls):
             graph.replay()
 
-    return time_cuda_ms(many, warmup=warmup, repeats=repeats) / calls
+    return runtime.time_cuda_ms(many, warmup=warmup, repeats=repeats) / calls
 
 
 def _layout(c: KernelConfig) -> str:
@@ -352,7 +350,7 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
         raise ValueError(f"k: expected a positive int, got {k!r}")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
-    facts = jit.device_facts()
+    facts = runtime.device_facts()
     bucket = space.batch_bucket(batch)
     key = cache_key(facts, shape, bucket)
     if not refresh:
@@ -370,6 +368,8 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
         return Plan(shape, bucket, "persistent", config, "model",
                     f"the cost model's top choice of {len(ranked)} configurations (untimed)", predicted_us=us)
 
+    logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
+                "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
     top = compile_top(ranked, k)
     work = _Workload(shape, bucket, steps)
     candidates: list[tuple[str, str, KernelConfig | None, float | None, Any]] = [
@@ -382,7 +382,7 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     for label, path, config, us, run in track(candidates, progress, "timing candidates"):
         try:
             ms = time_forward_ms(run)
-        except (ConfigError, jit.KernelLaunchError) as exc:  # cannot be resident here, or out of shared memory
+        except (ConfigError, KernelLaunchError) as exc:  # cannot be resident here, or out of shared memory
             measured[f"{label} (failed: {exc})"] = float("nan")
             continue
         measured[label] = ms
@@ -398,9 +398,39 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     result = Plan(shape, bucket, path, config, "tuned", reason, predicted_us=us, measured_ms=measured, steps=steps,
                   tuning_seconds=time.perf_counter() - started)
     store_plan(key, result)
+    logger.info("tuned %s at batch %d in %.1f s: %s", shape, batch, result.tuning_seconds, result.describe())
     return result
 
 
-def _no_fit_reason(shape: ModelShape, facts: jit.DeviceFacts) -> str:
+_MEMO: dict[tuple, Plan] = {}
+_MEMO_LOCK = threading.Lock()
+
+
+def cached_plan(shape: ModelShape, batch: int) -> Plan:
+    """The plan every call of ``shape`` at ``batch`` runs: the one in-process
+    plan cache, in front of the disk cache. Tuned on first use (one thread
+    tunes; the others wait for its choice). Inside a CUDA-graph capture, where
+    nothing may be timed, the untimed choice is returned and not remembered."""
+    import torch
+
+    key = (torch.cuda.current_device(), shape, space.batch_bucket(batch))
+    chosen = _MEMO.get(key)
+    if chosen is not None:
+        return chosen
+    if torch.cuda.is_current_stream_capturing():
+        return plan(shape, batch, tune=False)
+    with _MEMO_LOCK:
+        chosen = _MEMO.get(key)
+        if chosen is None:
+            chosen = _MEMO[key] = plan(shape, batch, tune=True)
+    return chosen
+
+
+def clear_cached_plans() -> None:
+    """Forget the in-process plans (the disk cache stays)."""
+    _MEMO.clear()
+
+
+def _no_fit_reason(shape: ModelShape, facts: runtime.DeviceFacts) -> str:
     return (f"no persistent configuration of {shape.cell} H={shape.hidden_size} ({shape.dtype}) fits the "
             f"registers and shared memory of {facts.sm_count} SMs")

@@ -1,4 +1,4 @@
-"""CPU tests of the JIT runtime: NVRTC compilation for sm_90, the resource
+"""CPU tests of the runtime's compile and cache layers: NVRTC compilation for sm_90, the resource
 report, and the disk cache (keys, atomic writes, corrupt entries, locking)."""
 
 import json
@@ -7,7 +7,10 @@ import os
 
 import pytest
 
-from persistrnn import jit
+from pathlib import Path
+
+from persistrnn import runtime
+from persistrnn.runtime import compile as runtime_compile
 
 TINY = r"""
 extern "C" __global__ void scale(float* x, float a, int n) {
@@ -27,7 +30,7 @@ extern "C" __global__ void local_array(float* x, int k) {
 
 
 def test_compiles_for_sm90_without_gpu(isolated_cache):
-    binary = jit.compile_source("tiny", TINY, arch="sm_90")
+    binary = runtime.compile_source("tiny", TINY, arch="sm_90")
     assert binary.cubin[:4] == b"\x7fELF"
     assert binary.arch == "sm_90"
     res = binary.kernel_resources("scale")
@@ -36,7 +39,7 @@ def test_compiles_for_sm90_without_gpu(isolated_cache):
 
 
 def test_resource_report_sees_local_memory(isolated_cache):
-    res = jit.compile_source("spills", SPILLS, arch="sm_90").kernel_resources("local_array")
+    res = runtime.compile_source("spills", SPILLS, arch="sm_90").kernel_resources("local_array")
     assert res.stack_frame_bytes >= 1024, res  # 256 floats on the stack
     assert res.uses_local_memory
 
@@ -52,43 +55,43 @@ def test_parse_ptxas_report():
         "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
         "ptxas info    : Used 10 registers\n"
     )
-    report = jit.parse_ptxas_report(log)
-    assert report["k"] == jit.KernelResources(72, 16, 8, 4, 1200, 1)
-    assert report["j"] == jit.KernelResources(10, 0, 0, 0, 0, 0)
+    report = runtime.parse_ptxas_report(log)
+    assert report["k"] == runtime.KernelResources(72, 16, 8, 4, 1200, 1)
+    assert report["j"] == runtime.KernelResources(10, 0, 0, 0, 0, 0)
 
 
 def test_second_compile_is_a_cache_hit(isolated_cache, monkeypatch):
-    first = jit.compile_source("tiny", TINY, arch="sm_90")
-    monkeypatch.setattr(jit, "_nvrtc_compile", lambda *a: pytest.fail("compiled again despite a cached entry"))
-    second = jit.compile_source("tiny", TINY, arch="sm_90")
+    first = runtime.compile_source("tiny", TINY, arch="sm_90")
+    monkeypatch.setattr(runtime_compile, "_nvrtc_compile", lambda *a: pytest.fail("compiled again despite a cached entry"))
+    second = runtime.compile_source("tiny", TINY, arch="sm_90")
     assert second.cubin == first.cubin and second.resources == first.resources
-    assert [p.name for p in isolated_cache.glob("*.bin")] == [f"tiny-{first.key}.bin"]
+    assert [p.name for p in (isolated_cache / "kernels").glob("*.bin")] == [f"tiny-sm_90-{first.key}.bin"]
 
 
 def test_cache_dir_follows_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "elsewhere"))
-    assert jit.cache_dir() == tmp_path / "elsewhere"
-    monkeypatch.delenv(jit.CACHE_ENV)
-    assert jit.cache_dir() == jit.Path.home() / ".cache" / "persistrnn"
+    monkeypatch.setenv(runtime.CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert runtime.cache_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv(runtime.CACHE_ENV)
+    assert runtime.cache_dir() == Path.home() / ".cache" / "persistrnn"
 
 
 def test_cache_key_covers_every_input(monkeypatch):
-    base = jit.cache_key(TINY, "sm_90", {"A": 1})
-    assert jit.cache_key(TINY + " ", "sm_90", {"A": 1}) != base
-    assert jit.cache_key(TINY, "sm_90a", {"A": 1}) != base
-    assert jit.cache_key(TINY, "sm_90", {"A": 2}) != base
-    assert jit.cache_key(TINY, "sm_90", {}) != base
-    monkeypatch.setattr(jit, "nvrtc_version", lambda: (99, 0))
-    assert jit.cache_key(TINY, "sm_90", {"A": 1}) != base
+    base = runtime.cache_key(TINY, "sm_90", {"A": 1})
+    assert runtime.cache_key(TINY + " ", "sm_90", {"A": 1}) != base
+    assert runtime.cache_key(TINY, "sm_90a", {"A": 1}) != base
+    assert runtime.cache_key(TINY, "sm_90", {"A": 2}) != base
+    assert runtime.cache_key(TINY, "sm_90", {}) != base
+    monkeypatch.setattr(runtime_compile, "nvrtc_version", lambda: (99, 0))
+    assert runtime.cache_key(TINY, "sm_90", {"A": 1}) != base
     monkeypatch.undo()
-    monkeypatch.setattr(jit, "__version__", "0.0.0-other")
-    assert jit.cache_key(TINY, "sm_90", {"A": 1}) != base
+    monkeypatch.setattr(runtime_compile, "__version__", "0.0.0-other")
+    assert runtime.cache_key(TINY, "sm_90", {"A": 1}) != base
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip_byte", "garbage", "empty", "wrong_key"])
 def test_corrupt_entry_is_a_miss(isolated_cache, damage):
-    binary = jit.compile_source("tiny", TINY, arch="sm_90")
-    path = isolated_cache / f"tiny-{binary.key}.bin"
+    binary = runtime.compile_source("tiny", TINY, arch="sm_90")
+    path = isolated_cache / "kernels" / f"tiny-sm_90-{binary.key}.bin"
     blob = path.read_bytes()
     if damage == "truncate":
         path.write_bytes(blob[: len(blob) // 2])
@@ -104,15 +107,15 @@ def test_corrupt_entry_is_a_miss(isolated_cache, damage):
         header["key"] = "0" * 32
         new = json.dumps(header).encode()
         path.write_bytes(blob[:8] + len(new).to_bytes(8, "little") + new + blob[16 + header_len :])
-    assert jit._read_entry(path, binary.key) is None
-    again = jit.compile_source("tiny", TINY, arch="sm_90")  # recompiles and repairs
+    assert runtime_compile._read_entry(path, binary.key) is None
+    again = runtime.compile_source("tiny", TINY, arch="sm_90")  # recompiles and repairs
     assert again.cubin == binary.cubin
-    assert jit._read_entry(path, binary.key) is not None
+    assert runtime_compile._read_entry(path, binary.key) is not None
 
 
 def _compile_in_child(cache: str, queue) -> None:
-    os.environ[jit.CACHE_ENV] = cache
-    queue.put(jit.compile_source("tiny", TINY, arch="sm_90").key)
+    os.environ[runtime.CACHE_ENV] = cache
+    queue.put(runtime.compile_source("tiny", TINY, arch="sm_90").key)
 
 
 def test_concurrent_processes_share_one_entry(isolated_cache):
@@ -126,13 +129,13 @@ def test_concurrent_processes_share_one_entry(isolated_cache):
         assert p.exitcode == 0
     keys = {queue.get(timeout=5) for _ in procs}
     assert len(keys) == 1
-    assert len(list(isolated_cache.glob("*.bin"))) == 1
-    assert not list(isolated_cache.glob("*.tmp")), "a temp file was left behind"
+    assert len(list((isolated_cache / "kernels").glob("*.bin"))) == 1
+    assert not list((isolated_cache / "kernels").glob("*.tmp")), "a temp file was left behind"
 
 
 def test_compile_error_carries_the_log(isolated_cache):
-    with pytest.raises(jit.CompileError, match="undeclared_thing"):
-        jit.compile_source("broken", 'extern "C" __global__ void k() { undeclared_thing = 1; }', arch="sm_90")
+    with pytest.raises(runtime.CompileError, match="undeclared_thing"):
+        runtime.compile_source("broken", 'extern "C" __global__ void k() { undeclared_thing = 1; }', arch="sm_90")
 
 
 @pytest.mark.parametrize(
@@ -146,17 +149,17 @@ def test_compile_error_carries_the_log(isolated_cache):
 )
 def test_compile_rejects_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        jit.compile_source(**kwargs)
+        runtime.compile_source(**kwargs)
 
 
 def test_wrong_kernel_name_is_named(isolated_cache):
-    binary = jit.compile_source("tiny", TINY, arch="sm_90")
+    binary = runtime.compile_source("tiny", TINY, arch="sm_90")
     with pytest.raises(ValueError, match=r"no kernel 'scal'.*\['scale'\]"):
         binary.kernel_resources("scal")
 
 
 def test_read_source_inlines_common_header():
-    src = jit.read_source("sync_bench.cu")
+    src = runtime.read_source("sync_bench.cu")
     assert "prnn_grid_barrier" in src and "cluster_exchange_stasync" in src
 
 
@@ -165,11 +168,11 @@ def test_kernel_args_types_and_errors():
     import torch
 
     t = torch.empty(3)
-    args = jit.kernel_args(t, 7, 0.5, True, np.int64(9))
+    args = runtime.kernel_args(t, 7, 0.5, True, np.int64(9))
     assert [type(a) for a in args] == [np.uint64, np.int32, np.float32, np.int32, np.int64]
     assert int(args[0]) == t.data_ptr()
     with pytest.raises(TypeError, match="tensor, int, float or numpy scalar, got str"):
-        jit.kernel_args("7")
+        runtime.kernel_args("7")
 
 
 def test_sync_config_rejects_bad_values():

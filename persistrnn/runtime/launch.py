@@ -1,0 +1,422 @@
+"""Load and launch: kernels on a device, residency checks, cooperative and
+cluster launches, and what each launch owns.
+
+* :func:`get_kernel` loads a compiled binary's kernel on the current device
+  (once per process and device).
+* :meth:`LoadedKernel.config` checks that a launch whose blocks wait for each
+  other can have all of them resident, and raises otherwise: such a kernel
+  would never finish.
+* :func:`launch` launches on torch's current stream.
+* :func:`scratch` gives one launch its own status word, barrier counters and
+  exchange buffer, from torch's stream-ordered allocator: two launches that
+  can run at the same time never share them, and a launch captured in a CUDA
+  graph keeps them in the graph's memory pool for the graph's life.
+* A kernel that gives up waiting writes its status code into a per-device
+  *report word* in pinned host memory, which the host reads without
+  synchronising (:func:`raise_reported_failure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import threading
+from typing import Any, Iterator
+
+from ..errors import KernelLaunchError, KernelTimeoutError
+from .compile import CompiledBinary, KernelResources
+from .device import facts_of, require_gpu
+
+__all__ = ["LoadedKernel", "Scratch", "WAIT_TIMEOUT_ENV", "check_status", "get_kernel", "inject_failure",
+           "kernel_args", "launch", "raise_reported_failure", "report_word", "scratch", "set_wait_timeout",
+           "wait_timeout_ns", "failure_hook"]
+
+
+@dataclasses.dataclass
+class LoadedKernel:
+    """A kernel loaded on one device, with its launch attributes applied."""
+
+    binary: CompiledBinary
+    name: str
+    kernel: Any  # cuda.core Kernel
+    device: int
+    dynamic_shared_limit: int = 48 * 1024  # the driver's default before opt-in
+    non_portable_cluster: bool = False
+
+    @property
+    def resources(self) -> KernelResources:
+        return self.binary.kernel_resources(self.name)
+
+    def _set_attribute(self, attribute: Any, value: int) -> None:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuKernelSetAttribute(attribute, value, self.kernel.handle, self.device)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise KernelLaunchError(f"cuKernelSetAttribute({attribute.name}, {value}) on {self.name}: {err.name}")
+
+    def reserve_dynamic_shared(self, nbytes: int) -> None:
+        """Opt in to more than 48 KB of dynamic shared memory (a Hopper launch rule)."""
+        if nbytes <= self.dynamic_shared_limit:
+            return
+        facts = facts_of(self.device)
+        available = facts.shared_per_block_optin - self.resources.shared_bytes
+        if nbytes > available:
+            raise KernelLaunchError(
+                f"{self.name} asks for {nbytes} bytes of dynamic shared memory; the device allows "
+                f"{available} beside the kernel's {self.resources.shared_bytes} static bytes"
+            )
+        from cuda.bindings import driver
+
+        self._set_attribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        self.dynamic_shared_limit = nbytes
+
+    def allow_non_portable_cluster(self) -> None:
+        """Allow clusters above the portable size of 8 (16 on the H100)."""
+        if self.non_portable_cluster:
+            return
+        from cuda.bindings import driver
+
+        self._set_attribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        self.non_portable_cluster = True
+
+    def config(self, grid: int, block: int, *, shared: int = 0, cluster: int = 0, cooperative: bool = False) -> Any:
+        """A cuda.core LaunchConfig; ``grid`` counts blocks, not clusters.
+
+        A cooperative or cluster launch is one whose blocks wait for each
+        other, so all of them must be resident at once: this checks that
+        against the device's occupancy and raises :class:`KernelLaunchError`
+        rather than launching a kernel that could never finish.
+        """
+        from cuda.core import LaunchConfig
+
+        _check_positive("grid", grid)
+        _check_positive("block", block)
+        if block > (limit := facts_of(self.device).max_threads_per_block):
+            raise ValueError(f"block must be <= {limit} threads, got {block}")
+        if shared:
+            self.reserve_dynamic_shared(shared)
+        if cluster:
+            _check_positive("cluster", cluster)
+            if grid % cluster:
+                raise ValueError(f"grid ({grid} blocks) must be a multiple of the cluster size ({cluster})")
+            if cluster > (largest := self.max_cluster_size(block, shared)):
+                raise KernelLaunchError(f"{self.name}: clusters of {cluster} blocks exceed this device's largest, {largest}")
+            config = LaunchConfig(grid=grid // cluster, cluster=cluster, block=block, shmem_size=shared)
+            resident = self.max_resident_clusters(cluster, block, shared)
+            if grid // cluster > resident:
+                raise KernelLaunchError(
+                    f"{self.name} needs {grid // cluster} clusters of {cluster} blocks resident at once "
+                    f"({block} threads, {shared} bytes of dynamic shared memory each); the GPU holds {resident}"
+                )
+            return config
+        if cooperative and grid > (resident := self.max_resident_blocks(block, shared)):
+            raise KernelLaunchError(
+                f"{self.name} needs {grid} blocks resident at once ({block} threads, {shared} bytes of "
+                f"dynamic shared memory each); the GPU holds {resident}"
+            )
+        return LaunchConfig(grid=grid, block=block, shmem_size=shared, is_cooperative=cooperative)
+
+    def max_resident_blocks(self, block: int, shared: int = 0) -> int:
+        """How many blocks of this kernel the whole GPU holds at once."""
+        per_sm = self.kernel.occupancy.max_active_blocks_per_multiprocessor(block, shared)
+        return per_sm * facts_of(self.device).sm_count
+
+    def max_cluster_size(self, block: int, shared: int = 0) -> int:
+        """Largest cluster of this kernel the device launches (16 on an H100).
+
+        Asked of the driver (cuOccupancyMaxPotentialClusterSize); the
+        max-active-clusters query is no guide here: on an H100 it reports
+        clusters of 17 and 18 as resident, and their launch then fails.
+        """
+        import torch
+        from cuda.core import LaunchConfig
+
+        self.allow_non_portable_cluster()
+        if shared:
+            self.reserve_dynamic_shared(shared)
+        cfg = LaunchConfig(grid=facts_of(self.device).sm_count, block=block, shmem_size=shared)
+        return self.kernel.occupancy.max_potential_cluster_size(cfg, stream=_stream(torch.cuda.current_stream()))
+
+    def max_resident_clusters(self, cluster: int, block: int, shared: int = 0) -> int:
+        """How many clusters of ``cluster`` blocks the whole GPU holds at once."""
+        import torch
+
+        from cuda.core import LaunchConfig
+
+        if shared:
+            self.reserve_dynamic_shared(shared)
+        if cluster > 8:
+            self.allow_non_portable_cluster()
+        cfg = LaunchConfig(grid=1, cluster=cluster, block=block, shmem_size=shared)
+        return self.kernel.occupancy.max_active_clusters(cfg, stream=_stream(torch.cuda.current_stream()))
+
+
+def _check_positive(what: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}")
+
+
+_LOADED: dict[tuple[str, int, str], LoadedKernel] = {}
+
+_LOADED: dict[tuple[str, int, str], LoadedKernel] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def get_kernel(binary: CompiledBinary, kernel: str) -> LoadedKernel:
+    """Load ``kernel`` from ``binary`` on the current device (once per process)."""
+    device = require_gpu()
+    slot = (binary.key, device, kernel)
+    if (loaded := _LOADED.get(slot)) is None:
+        with _LOAD_LOCK:
+            if (loaded := _LOADED.get(slot)) is None:
+                from cuda.core import Device, ObjectCode
+
+                binary.kernel_resources(kernel)  # a clear error for a wrong name
+                Device(device).set_current()
+                module = ObjectCode.from_cubin(binary.cubin, name=binary.name)
+                loaded = _LOADED[slot] = LoadedKernel(binary, kernel, module.get_kernel(kernel), device)
+    return loaded
+
+
+class _TorchStream:
+    """Adapts a torch stream to cuda.core's ``__cuda_stream__`` protocol."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+@functools.lru_cache(maxsize=256)
+def _wrapped_stream(handle: int) -> Any:
+    from cuda.core import Device
+
+    return Device().create_stream(_TorchStream(handle))
+
+
+def _stream(torch_stream: Any) -> Any:
+    return _wrapped_stream(torch_stream.cuda_stream)
+
+
+_core_launch = None
+
+
+def launch(kernel: LoadedKernel, config: Any, *args: Any, stream: Any = None) -> None:
+    """Launch on ``stream`` (default: torch's current stream).
+
+    ``args`` must already be C-typed (see :func:`kernel_args`): cuda.core
+    copies them by their type. This is the per-call path, so it does no work
+    that could be done once: imports and the stream wrapper are cached.
+    """
+    global _core_launch
+    if _core_launch is None:
+        from cuda.core import launch as core_launch
+
+        _core_launch = core_launch
+    if stream is None:
+        import torch
+
+        stream = torch.cuda.current_stream()
+    _core_launch(_wrapped_stream(stream.cuda_stream), config, kernel.kernel, *args)
+
+
+def kernel_args(*values: Any) -> tuple[Any, ...]:
+    """C-type launch arguments: tensors become pointers, ints int32, floats float32."""
+    import numpy as np
+    import torch
+
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(np.uint64(v.data_ptr()))
+        elif isinstance(v, bool):
+            out.append(np.int32(v))
+        elif isinstance(v, int):
+            out.append(np.int32(v))
+        elif isinstance(v, float):
+            out.append(np.float32(v))
+        elif isinstance(v, np.generic):
+            out.append(v)
+        else:
+            raise TypeError(f"kernel argument must be a tensor, int, float or numpy scalar, got {type(v).__name__}")
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------
+# What each launch owns
+# ----------------------------------------------------------------------------
+
+SCRATCH_WORDS = 16
+"""int32 words at the start of a launch's scratch: the status word, then the
+barrier counters (arrivals, exits, each instance's progress); the exchange
+buffer starts after them, 64-byte aligned."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scratch:
+    """One launch's own device memory (see :func:`scratch`)."""
+
+    words: Any  # int32 tensor: SCRATCH_WORDS words, then the exchange floats
+    status: int  # address of the status word
+    counters: int  # address of the counters
+    exchange: int  # address of the exchange buffer (0 when none was asked for)
+
+
+def scratch(device: Any, exchange_floats: int = 0) -> Scratch:
+    """Zeroed scratch for one launch on the current stream: status word,
+    counters and ``exchange_floats`` of exchange buffer, in one allocation
+    and one memset.
+
+    Allocated from torch's caching allocator, which is stream-ordered: the
+    memory goes back to the pool when the caller drops it, and is reused only
+    by work ordered after this launch. Inside a CUDA-graph capture it comes
+    from the graph's private pool, so the graph owns it for its whole life,
+    and the memset is part of the graph (each replay starts from zeros).
+    """
+    import torch
+
+    words = torch.zeros(SCRATCH_WORDS + exchange_floats, dtype=torch.int32, device=device)
+    base = words.data_ptr()
+    return Scratch(words, base, base + 4, base + 4 * SCRATCH_WORDS if exchange_floats else 0)
+
+
+# ----------------------------------------------------------------------------
+# Failures: the wait bound, the report word, the test hook
+# ----------------------------------------------------------------------------
+
+WAIT_TIMEOUT_ENV = "PERSISTRNN_WAIT_TIMEOUT_MS"
+DEFAULT_WAIT_TIMEOUT_MS = 2000.0
+"""How long a block waits for a peer that makes no progress before the launch
+fails. 2 s is about 10^6 steps of any kernel launched here, so only a peer
+that is not running (not resident, or failed) reaches it. Time during which
+the waiting block itself was not running (preemption, MPS time-slicing) is
+not counted."""
+
+
+def _timeout_from_env() -> int:
+    raw = os.environ.get(WAIT_TIMEOUT_ENV)
+    if raw is None:
+        return int(DEFAULT_WAIT_TIMEOUT_MS * 1e6)
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{WAIT_TIMEOUT_ENV}: expected milliseconds (a positive number), got {raw!r}") from None
+    if not ms > 0:
+        raise ValueError(f"{WAIT_TIMEOUT_ENV}: expected a positive number of milliseconds, got {raw!r}")
+    return int(ms * 1e6)
+
+
+_wait_timeout_ns = _timeout_from_env()
+
+
+def set_wait_timeout(seconds: float) -> None:
+    """Bound every wait of every persistent kernel launched from now on:
+    a block that sees no progress from a peer for ``seconds`` gives up, and
+    the launch fails (default 2 s, or ``$PERSISTRNN_WAIT_TIMEOUT_MS``).
+    A run-time kernel argument: changing it compiles nothing. Launches
+    already captured in a CUDA graph keep the bound they were captured with."""
+    global _wait_timeout_ns
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"set_wait_timeout: expected a positive number of seconds, got {seconds!r}")
+    _wait_timeout_ns = int(seconds * 1e9)
+
+
+def wait_timeout_ns() -> int:
+    """The wait bound passed to launches now, in nanoseconds."""
+    return _wait_timeout_ns
+
+
+_abandon_block = -1
+
+
+@contextlib.contextmanager
+def inject_failure(block: int) -> Iterator[None]:
+    """(Tests only.) Launches made inside the block have block ``block``
+    stop taking part after its first step, so that its peers must time out,
+    report and leave: how a test sees that a failure neither hangs nor costs
+    each peer the full timeout."""
+    global _abandon_block
+    if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+        raise ValueError(f"inject_failure: expected a block index >= 0, got {block!r}")
+    previous, _abandon_block = _abandon_block, block
+    try:
+        yield
+    finally:
+        _abandon_block = previous
+
+
+def failure_hook() -> int:
+    """The block to abandon in launches made now (-1: none)."""
+    return _abandon_block
+
+
+STATUS_MESSAGES = {
+    1: "a grid barrier timed out waiting for other blocks: not all blocks were resident "
+    "(another process may hold SMs), or a block failed",
+    2: "a cluster exchange timed out waiting for its peers' data",
+    3: "a layer timed out waiting for the previous layer's outputs: the blocks of the layer before it were not "
+    "resident (another process may hold SMs), or that layer failed",
+}
+
+
+def _error(code: int, kernel: str) -> KernelLaunchError:
+    detail = STATUS_MESSAGES.get(code)
+    if detail is None:
+        return KernelLaunchError(f"{kernel}: unknown status code {code}")
+    bound = f"{_wait_timeout_ns / 1e6:g} ms"
+    return KernelTimeoutError(f"{kernel}: {detail} (no progress within the wait timeout, now {bound}; "
+                              f"persistrnn.runtime.set_wait_timeout or ${WAIT_TIMEOUT_ENV} sets it)")
+
+
+_REPORTS: dict[int, tuple[Any, Any]] = {}
+_REPORT_LOCK = threading.Lock()
+
+
+def report_word(device: int) -> int:
+    """Address of ``device``'s report word: pinned host memory, which a kernel
+    writes directly (a pinned allocation has the same address on the host
+    and on every device with unified addressing)."""
+    entry = _REPORTS.get(device)
+    if entry is None:
+        import torch
+
+        with _REPORT_LOCK:
+            if (entry := _REPORTS.get(device)) is None:
+                word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                entry = _REPORTS[device] = (word, word.numpy())
+    return entry[0].data_ptr()
+
+
+def raise_reported_failure(device: int, kernel: str = "a persistent kernel", *, synchronize: bool = False) -> None:
+    """Raise if a kernel launched on ``device`` reported a failure, and clear
+    the report. Without ``synchronize`` this reads host memory only (no wait
+    for the GPU): a failure raises at the first check after the kernel left,
+    which is the next call of any persistrnn module on that device."""
+    entry = _REPORTS.get(device)
+    if entry is None:
+        return
+    if synchronize:
+        import torch
+
+        torch.cuda.synchronize(device)
+    view = entry[1]
+    code = int(view[0])
+    if code:
+        view[0] = 0
+        raise _error(code, kernel)
+
+
+def check_status(status: Any, kernel: str) -> None:
+    """Raise if a kernel left a failure code in the device status word
+    ``status`` (an int32 tensor; reading it synchronises)."""
+    code = int(status.item())
+    if code:
+        status.zero_()
+        raise _error(code, kernel)
