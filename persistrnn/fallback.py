@@ -44,7 +44,8 @@ import functools
 import re
 from typing import Any
 
-from . import runtime, persistent
+from . import persistent, runtime
+from .checks import check_tensor
 from .cells import CellSpec, get_cell, render_pointwise_functions
 
 __all__ = [
@@ -141,7 +142,7 @@ def pointwise_source(cell: str | CellSpec, dtype: str) -> str:
         "PRNN_G": spec.num_gates,
         "PRNN_HAS_C": int(spec.has_cell_state),
         "PRNN_STAGES": len(stage_layout(spec)),
-        "PRNN_IO_T": persistent._DEVICE_TYPES[dtype],
+        "PRNN_IO_T": persistent.DEVICE_TYPES[dtype],
         "PRNN_THREADS": THREADS,
     }
     prelude = [f"// fallback pointwise kernels: cell {spec.name}, dtype {dtype}"]
@@ -312,7 +313,7 @@ def run_fallback(
         raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
     if not spec.has_cell_state and c_n is not None:
         raise ValueError(f"cell {spec.name} has no cell state: expected c_n=None, got a tensor")
-    check = persistent.check_tensor
+    check = check_tensor
     check("xw", xw, (T, B, G * H), xw.device, torch.float32)
     check("w_hh", w_hh, (G * H, H), xw.device, dtype)
     check("b_hh", b_hh, (G * H,), xw.device, dtype)

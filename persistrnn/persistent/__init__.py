@@ -1,0 +1,27 @@
+"""Persistent recurrence kernels: one launch of ``kernels/recurrence.cu``
+runs every time step of one layer (or of several layers and directions).
+
+The path is: :class:`KernelConfig` (:mod:`.config`, validated; its sizes in
+:mod:`.layout`) -> :func:`render_source` -> :func:`compile_config` (NVRTC,
+disk cache; :mod:`.source`) -> :func:`run_recurrence` / :func:`forward_model`
+(:mod:`.launch`). :func:`default_config` (:mod:`.heuristic`) picks a
+configuration from sizes alone; the planner replaces it with a tuned choice.
+"""
+
+from ..checks import check_lengths, check_tensor
+from ..errors import ConfigError
+from .config import (DTYPES, KERNEL_NAME, MATH_PATHS, MAX_CLUSTER, MAX_INSTANCES, MAX_REGISTERS_PER_THREAD,
+                     PIPELINE_RELEASE_EVERY, SYNC_MODES, KernelConfig)
+from .heuristic import blocks_for, default_config
+from .launch import (Instance, batch_per_launch, forward_layer, forward_model, input_projection, run_instances,
+                     run_recurrence)
+from .layout import MMA_BATCH, MMA_TILE, REGISTER_OVERHEAD, WARP, KernelLayout
+from .source import DEVICE_TYPES, compile_config, instance_fields, render_source
+
+__all__ = [
+    "DEVICE_TYPES", "DTYPES", "KERNEL_NAME", "MATH_PATHS", "MAX_CLUSTER", "MAX_INSTANCES", "MAX_REGISTERS_PER_THREAD",
+    "MMA_BATCH", "MMA_TILE", "PIPELINE_RELEASE_EVERY", "REGISTER_OVERHEAD", "SYNC_MODES", "WARP", "ConfigError",
+    "Instance", "KernelConfig", "KernelLayout", "batch_per_launch", "blocks_for", "check_lengths", "check_tensor",
+    "compile_config", "default_config", "forward_layer", "forward_model", "input_projection", "instance_fields",
+    "render_source", "run_instances", "run_recurrence",
+]

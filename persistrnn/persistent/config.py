@@ -1,0 +1,202 @@
+"""The configuration of one persistent-recurrence binary, and its validation.
+
+A :class:`KernelConfig` fixes everything that is baked into the binary (cell,
+hidden size, sync mode, block count, thread mapping, weight placement); batch
+size and sequence length stay run-time values, so a new batch or length never
+recompiles. The sizes it implies are :class:`~.layout.KernelLayout`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..cells import get_cell
+from ..errors import ConfigError
+from .layout import MMA_BATCH, WARP, KernelLayout
+
+__all__ = ["DTYPES", "KERNEL_NAME", "MATH_PATHS", "MAX_CLUSTER", "MAX_INSTANCES", "MAX_REGISTERS_PER_THREAD",
+           "PIPELINE_RELEASE_EVERY", "SYNC_MODES", "KernelConfig"]
+
+SYNC_MODES = ("single", "cluster", "grid")
+"""single: one block, ``__syncthreads``; cluster: 2-16 blocks of one cluster,
+st.async + mbarrier; grid: cooperative launch, global buffer + counter barrier."""
+
+DTYPES = ("float32", "float16", "bfloat16")
+"""The layer's dtype: weights, states and outputs. Input projections and all
+arithmetic stay fp32."""
+MATH_PATHS = ("ffma", "mma")
+"""ffma: fp32 fused multiply-adds (16-bit weights are widened once, at load);
+mma: tensor cores, mma.sync m16n8k16 on 16-bit weights with fp32 accumulation."""
+
+KERNEL_NAME = "prnn_recurrence"
+MAX_INSTANCES = 8
+"""Most recurrences (layers or directions) one launch runs; each has its own
+pointer parameters, chosen by a select chain that stays in registers."""
+PIPELINE_RELEASE_EVERY = 4
+"""A pipeline's producer counts its forwarded steps in groups of this many: a
+count is a GPU-scope release, which every step cost ~0.25 µs per step; a
+consumer then runs up to this many steps further behind."""
+MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
+# Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
+MAX_REGISTERS_PER_THREAD = 255
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig(KernelLayout):
+    """Everything compiled into one persistent-recurrence binary.
+
+    Attributes:
+        cell: a name in :data:`persistrnn.cells.CELLS`.
+        hidden_size: H.
+        sync: one of :data:`SYNC_MODES`.
+        blocks: 1 for ``single``, 2-16 for ``cluster``, up to the SM count for ``grid``.
+        threads: threads per block, a multiple of 32.
+        group_size: lanes of a work group that split one row's dot product
+            (a power of two <= 32); ``threads // group_size`` work groups.
+        batch_tile: batch columns each weight load is reused for (1, 2, 4, 8).
+        shared_k_chunks: per thread, how many of its column chunks of each row
+            sit in shared memory instead of registers.
+        prefetch_steps: how many steps ahead the input projections are copied
+            into shared memory (their load latency exceeds a step).
+        dtype: one of :data:`DTYPES`.
+        math: one of :data:`MATH_PATHS`. ``mma`` needs a 16-bit dtype, a warp
+            per work group (group_size 32), batch_tile 8 and every weight in
+            registers.
+        k_split: (mma) warps that split one row tile's columns; their partial
+            products are summed in the pointwise phase.
+        one_sync: (reset-before GRU) one exchange per step instead of two:
+            U_r is split by columns and every block's partial sums travel
+            with its h slice (GRNN Fig. 7b). ``single`` or ``cluster`` sync,
+            ffma, prefetch_steps >= 2.
+        instances: independent recurrences in one launch (up to
+            :data:`MAX_INSTANCES`), each on its own ``blocks`` blocks: the
+            two directions of a bidirectional layer, or the layers of a
+            pipeline. ``single`` or ``cluster`` sync.
+        pipeline: the instances are consecutive layers of one model, fused:
+            instance i also computes instance i + 1's input projections from
+            its outputs, one step after it made them, and instance i + 1 runs
+            behind it (``ffma``, not ``one_sync``; every layer's input size is
+            ``hidden_size``).
+        lengths: compiled for variable lengths (each sequence its own number
+            of steps). :func:`run_instances` picks it when lengths are given;
+            without it a launch carries none of the lengths code (which cost
+            ~0.1 µs per step of a single LSTM 128 layer).
+    """
+
+    cell: str
+    hidden_size: int
+    sync: str
+    blocks: int
+    threads: int = 256
+    group_size: int = 8
+    batch_tile: int = 1
+    shared_k_chunks: int = 0
+    prefetch_steps: int = 4
+    dtype: str = "float32"
+    math: str = "ffma"
+    k_split: int = 1
+    one_sync: bool = False
+    instances: int = 1
+    pipeline: bool = False
+    lengths: bool = False
+
+    def __post_init__(self) -> None:
+        spec = get_cell(self.cell)
+        for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile", "prefetch_steps", "k_split",
+                     "instances"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"KernelConfig.{name}: expected an int, got {type(value).__name__}")
+            if value < 1:
+                raise ConfigError(f"KernelConfig.{name}: expected >= 1, got {value}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"KernelConfig.dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.math not in MATH_PATHS:
+            raise ConfigError(f"KernelConfig.math: expected one of {MATH_PATHS}, got {self.math!r}")
+        if self.math == "mma":
+            self._check_mma()
+        elif self.k_split != 1:
+            raise ConfigError(f"KernelConfig.k_split: only the mma path splits K, expected 1, got {self.k_split}")
+        if self.sync not in SYNC_MODES:
+            raise ConfigError(f"KernelConfig.sync: expected one of {SYNC_MODES}, got {self.sync!r}")
+        if self.one_sync:
+            self._check_one_sync()
+        self._check_instances()
+        if self.sync == "single" and self.blocks != 1:
+            raise ConfigError(f"KernelConfig.blocks: sync 'single' runs 1 block, got {self.blocks}")
+        if self.sync == "cluster" and not 2 <= self.blocks <= MAX_CLUSTER:
+            raise ConfigError(f"KernelConfig.blocks: sync 'cluster' needs 2..{MAX_CLUSTER} blocks, got {self.blocks}")
+        if self.sync == "grid" and self.blocks < 2:
+            raise ConfigError(f"KernelConfig.blocks: sync 'grid' needs >= 2 blocks, got {self.blocks}")
+        if self.blocks > self.hidden_size:
+            raise ConfigError(
+                f"KernelConfig.blocks: each block needs at least one hidden unit; got {self.blocks} blocks "
+                f"for hidden_size {self.hidden_size}"
+            )
+        if math.ceil(self.hidden_size / self.units_per_block) != self.blocks:
+            raise ConfigError(
+                f"KernelConfig.blocks: {self.blocks} blocks of {self.units_per_block} units leave a block "
+                f"without units for hidden_size {self.hidden_size}; use {math.ceil(self.hidden_size / self.units_per_block)}"
+            )
+        if self.threads % WARP or self.threads > 1024:
+            raise ConfigError(f"KernelConfig.threads: expected a multiple of 32 up to 1024, got {self.threads}")
+        if not _pow2(self.group_size) or self.group_size > WARP:
+            raise ConfigError(f"KernelConfig.group_size: expected a power of two <= 32, got {self.group_size}")
+        if self.batch_tile not in (1, 2, 4, 8):
+            raise ConfigError(f"KernelConfig.batch_tile: expected 1, 2, 4 or 8, got {self.batch_tile}")
+        if not 0 <= self.shared_k_chunks <= self.k_per_thread:
+            raise ConfigError(
+                f"KernelConfig.shared_k_chunks: expected 0..{self.k_per_thread} (the column chunks per thread), "
+                f"got {self.shared_k_chunks}"
+            )
+        for stage in spec.stages:
+            first = spec.gates.index(stage[0])
+            if tuple(spec.gates[first : first + len(stage)]) != tuple(stage):
+                raise ConfigError(f"cell {spec.name}: the kernel needs each stage's gates consecutive, got {stage}")
+        if spec.num_stages > 2:
+            raise ConfigError(f"cell {spec.name}: the kernel runs at most 2 stages, got {spec.num_stages}")
+
+    def _check_mma(self) -> None:
+        if self.dtype == "float32":
+            raise ConfigError("KernelConfig.math: 'mma' runs 16-bit weights, expected dtype float16 or bfloat16, "
+                              "got float32")
+        fixed = {"group_size": WARP, "batch_tile": MMA_BATCH, "shared_k_chunks": 0}
+        for name, want in fixed.items():
+            if getattr(self, name) != want:
+                raise ConfigError(f"KernelConfig.{name}: math 'mma' needs {want}, got {getattr(self, name)}")
+        warps = self.threads // WARP
+        if not _pow2(self.k_split) or warps % self.k_split:
+            raise ConfigError(f"KernelConfig.k_split: expected a power of two dividing the {warps} warps, "
+                              f"got {self.k_split}")
+
+    def _check_one_sync(self) -> None:
+        if self.cell != "gru_reset_before":
+            raise ConfigError(f"KernelConfig.one_sync: only cell 'gru_reset_before' has a 1-sync variant, "
+                              f"got {self.cell!r}")
+        if self.sync == "grid":
+            raise ConfigError("KernelConfig.one_sync: expected sync 'single' or 'cluster', got 'grid' (every block "
+                              "would read every block's partial sums from L2 each step)")
+        if self.math != "ffma":
+            raise ConfigError(f"KernelConfig.one_sync: expected math 'ffma', got {self.math!r}")
+        if self.prefetch_steps < 2:
+            raise ConfigError(f"KernelConfig.one_sync: the partial sums need the next step's projections, "
+                              f"expected prefetch_steps >= 2, got {self.prefetch_steps}")
+
+    def _check_instances(self) -> None:
+        if self.instances > MAX_INSTANCES:
+            raise ConfigError(f"KernelConfig.instances: expected 1..{MAX_INSTANCES}, got {self.instances}")
+        if self.instances > 1 and self.sync == "grid":
+            raise ConfigError(f"KernelConfig.instances: {self.instances} instances need sync 'single' or 'cluster' "
+                              "(the grid barrier spans the whole launch), got 'grid'")
+        if not self.pipeline:
+            return
+        if self.instances < 2:
+            raise ConfigError(f"KernelConfig.pipeline: expected at least 2 instances (layers), got {self.instances}")
+        if self.math != "ffma" or self.one_sync:
+            raise ConfigError(f"KernelConfig.pipeline: expected math 'ffma' without one_sync, got math "
+                              f"{self.math!r}, one_sync {self.one_sync}")

@@ -1,0 +1,300 @@
+"""Launch: a layer's (or a launch's several layers' and directions')
+recurrence on precomputed input projections, with the input-projection GEMM
+in front, and a whole model on one configuration.
+
+Every launch owns its scratch (status word, barrier counters, exchange
+buffer; :func:`persistrnn.runtime.scratch`), so launches on different streams
+or graphs never share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from .. import runtime
+from ..checks import check_lengths, check_tensor
+from ..errors import ConfigError
+from .config import KERNEL_NAME, KernelConfig
+from .source import compile_config
+
+__all__ = ["Instance", "batch_per_launch", "forward_layer", "forward_model", "input_projection", "run_instances",
+           "run_recurrence"]
+
+
+@dataclasses.dataclass
+class Instance:
+    """One recurrence of a launch (see :func:`run_instances`).
+
+    xw: (T, B, G*H) float32 input projections (None for a pipeline's later
+    layers, which get theirs from the layer before). w_hh (G*H, H), b_hh
+    (G*H,), h0, c0, h_n, c_n (B, H): the layer's dtype, contiguous. out:
+    (T, B, out_row), of which this instance writes columns
+    [out_column, out_column + H); None writes no output. w_next, b_next: the
+    next layer's W_ih (G*H, H) and b_ih (pipeline, all but the last).
+    """
+
+    xw: Any
+    w_hh: Any
+    b_hh: Any
+    h0: Any
+    c0: Any
+    out: Any
+    h_n: Any
+    c_n: Any
+    reverse: bool = False
+    out_column: int = 0
+    w_next: Any = None
+    b_next: Any = None
+
+
+def _address(t: Any, offset: int = 0) -> Any:
+    import numpy as np
+
+    return np.uint64(0 if t is None else t.data_ptr() + offset * t.element_size())
+
+
+def run_instances(config: KernelConfig, instances: list[Instance], steps: int, batch: int, *,
+                  lengths: Any = None, check: bool = True) -> None:
+    """Launch ``config`` over ``instances`` (``config.instances`` of them).
+
+    ``lengths``: an int32 CUDA tensor (batch,) of each sequence's steps, 1 to
+    ``steps``; past its length a sequence keeps its state and its outputs are
+    zero (a reverse instance starts at its last step). None: all ``steps``.
+
+    Batches larger than one launch holds run as consecutive launches. The
+    tensors are taken as they are (the callers made them); :func:`run_recurrence`
+    is the checked single-recurrence entry.
+    """
+    import numpy as np
+    import torch
+
+    if len(instances) != config.instances:
+        raise ValueError(f"expected {config.instances} instances for {config}, got {len(instances)}")
+    if config.lengths != (lengths is not None):  # the variant compiled with (or without) the lengths code
+        config = dataclasses.replace(config, lengths=lengths is not None)
+    device = instances[0].w_hh.device
+    H, GH = config.hidden_size, config.spec.num_gates * config.hidden_size
+    out_row = next((i.out.shape[2] for i in instances if i.out is not None), H)
+    per_launch = batch_per_launch(config, device.index)
+    report = np.uint64(runtime.report_word(device.index))
+    timeout, abandon = np.uint64(runtime.wait_timeout_ns()), np.int32(runtime.failure_hook())
+    for b0 in range(0, batch, per_launch):
+        nb = min(per_launch, batch - b0)
+        kernel, launch_config = _prepared_launch(config, device.index, nb)
+        # The launch's own status word, counters and (grid) exchange buffer;
+        # zeros, since the kernel reads exchange rows it never writes.
+        own = runtime.scratch(device, 2 * config.padded_hidden * config.batch_stride(nb)
+                              if config.sync == "grid" else 0)
+        pipe = torch.empty(config.pipe_floats(steps, nb), dtype=torch.float32, device=device) if config.pipeline else None
+        args = []
+        for i in instances:
+            c0 = i.c0 if i.c0 is not None else i.h0
+            c_n = i.c_n if i.c_n is not None else i.h_n
+            args += [_address(i.xw, b0 * GH), _address(i.w_hh), _address(i.b_hh), _address(i.h0, b0 * H),
+                     _address(c0, b0 * H), _address(i.out, b0 * out_row + i.out_column), _address(i.h_n, b0 * H),
+                     _address(c_n, b0 * H), int(i.reverse)]
+            if config.pipeline:
+                args += [_address(i.w_next), _address(i.b_next)]
+        args += [np.uint64(own.exchange), np.uint64(own.counters), _address(pipe), _address(lengths, b0), steps, nb,
+                 batch, out_row, np.uint64(own.status), report, timeout, abandon]
+        runtime.launch(kernel, launch_config, *runtime.kernel_args(*args))
+    if check:
+        runtime.raise_reported_failure(device.index, KERNEL_NAME, synchronize=True)
+
+
+def run_recurrence(
+    config: KernelConfig,
+    xw: Any,
+    w_hh: Any,
+    b_hh: Any,
+    h0: Any,
+    c0: Any | None,
+    *,
+    out: Any | None = None,
+    h_n: Any | None = None,
+    c_n: Any | None = None,
+    reverse: bool = False,
+    lengths: Any = None,
+    check: bool = True,
+) -> tuple[Any, Any, Any | None]:
+    """Run the recurrence on precomputed input projections.
+
+    Args:
+        xw: (T, B, G*H) float32 CUDA tensor, ``x @ W_ih^T + b_ih``.
+        w_hh: (G*H, H); b_hh: (G*H,); h0, c0: (B, H); all of ``config.dtype``.
+        out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
+        reverse: run the steps from the last to the first (out[t] is still
+            the output at position t).
+        lengths: int32 (B,) steps of each sequence, as in :func:`run_instances`.
+        check: synchronise and raise if the kernel reported a failure.
+
+    Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None).
+    Batches larger than one launch holds run as consecutive launches.
+    """
+    import torch
+
+    if config.instances != 1:
+        raise ConfigError(f"run_recurrence runs one recurrence; {config} has {config.instances} instances "
+                          "(run_instances runs those)")
+    spec = config.spec
+    H, G = config.hidden_size, spec.num_gates
+    if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
+        raise ValueError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
+                         f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
+    T, B = xw.shape[0], xw.shape[1]
+    dtype = getattr(torch, config.dtype)
+    check_tensor("xw", xw, (T, B, G * H), xw.device, torch.float32)
+    check_tensor("w_hh", w_hh, (G * H, H), xw.device, dtype)
+    check_tensor("b_hh", b_hh, (G * H,), xw.device, dtype)
+    check_tensor("h0", h0, (B, H), xw.device, dtype)
+    if spec.has_cell_state:
+        if c0 is None:
+            raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
+        check_tensor("c0", c0, (B, H), xw.device, dtype)
+    elif c0 is not None:
+        raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
+    if T < 1 or B < 1:
+        raise ValueError(f"expected at least one step and one sequence, got xw of shape {tuple(xw.shape)}")
+
+    def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
+        if given is None:
+            return torch.empty(shape, dtype=dtype, device=xw.device)
+        check_tensor(name, given, shape, xw.device, dtype)
+        return given
+
+    out = destination("out", out, (T, B, H))
+    h_n = destination("h_n", h_n, (B, H))
+    c_n = destination("c_n", c_n, (B, H)) if spec.has_cell_state else None
+    if lengths is not None:
+        check_lengths(lengths, T, B, xw.device)
+    run_instances(config, [Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n, reverse)], T, B, lengths=lengths,
+                  check=check)
+    return out, h_n, c_n
+
+
+@functools.lru_cache(maxsize=None)
+def batch_per_launch(config: KernelConfig, device: int) -> int:
+    """Most sequences one launch of ``config`` holds on ``device``."""
+    kernel = runtime.get_kernel(compile_config(config), KERNEL_NAME)
+    limit = runtime.device_facts().shared_per_block_optin - kernel.resources.shared_bytes
+    per_launch = config.max_batch(limit)
+    if per_launch < 1:
+        raise ConfigError(f"{config} needs {config.shared_bytes(1)} bytes of shared memory per block; "
+                          f"the device allows {limit}")
+    return per_launch
+
+
+@functools.lru_cache(maxsize=1024)
+def _prepared_launch(config: KernelConfig, device: int, batch: int) -> tuple[runtime.LoadedKernel, Any]:
+    """The loaded kernel and checked launch configuration, once per (config, device, batch):
+    the residency queries cost far more than a launch."""
+    kernel = runtime.get_kernel(compile_config(config), KERNEL_NAME)
+    return kernel, _launch_config(kernel, config, config.shared_bytes(batch))
+
+
+def _launch_config(kernel: runtime.LoadedKernel, config: KernelConfig, shared: int) -> Any:
+    if config.sync == "single":
+        return kernel.config(config.instances, config.threads, shared=shared)
+    if config.sync == "cluster":
+        return kernel.config(config.blocks * config.instances, config.threads, shared=shared, cluster=config.blocks)
+    return kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
+
+
+def input_projection(x: Any, w_ih: Any, b_ih: Any) -> Any:
+    """``x @ W_ih^T + b_ih`` for every step at once: (T, B, I) -> (T, B, G*H) float32.
+
+    One GEMM through torch. A 16-bit layer's GEMM accumulates and returns
+    fp32, so the recurrence starts from unrounded projections.
+    """
+    import torch
+
+    T, B, I = x.shape
+    x2 = x.reshape(T * B, I)
+    if x.dtype == torch.float32:
+        xw = torch.addmm(b_ih, x2, w_ih.t())
+    else:
+        xw = torch.addmm(b_ih.float(), x2, w_ih.t(), out_dtype=torch.float32)
+    return xw.view(T, B, -1)
+
+
+def forward_layer(
+    config: KernelConfig,
+    x: Any,
+    w_ih: Any,
+    w_hh: Any,
+    b_ih: Any,
+    b_hh: Any,
+    h0: Any,
+    c0: Any | None = None,
+    *,
+    check: bool = True,
+) -> tuple[Any, Any, Any | None]:
+    """One layer, one direction: :func:`input_projection`, then the recurrence.
+
+    ``x`` is (T, B, I) of ``config.dtype``; the rest as in :func:`run_recurrence`.
+    """
+    return run_recurrence(config, input_projection(x, w_ih, b_ih), w_hh, b_hh, h0, c0, check=check)
+
+
+def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: Any, h0: Any, c0: Any | None, *,
+                  lengths: Any = None, check: bool = True) -> tuple[Any, Any, Any | None]:
+    """A whole model on ``config``: every layer and direction.
+
+    ``layers[l][d]`` holds the tensors ``w_ih``, ``w_hh``, ``b_ih``, ``b_hh``
+    of layer l, direction d (1: reverse); ``x`` is (T, B, I); ``h0``, ``c0``
+    are (L*D, B, H); ``lengths`` as in :func:`run_instances`. Returns
+    (output (T, B, D*H), h_n, c_n (L*D, B, H)).
+
+    A pipeline configuration runs all layers in one launch; one with two
+    instances runs a bidirectional layer's directions in one launch;
+    otherwise each layer and direction is a launch of its own. The reverse
+    direction runs its steps backwards in the kernel (no flipped copies).
+    """
+    import torch
+
+    L, D = len(layers), len(layers[0])
+    T, B, _ = x.shape
+    if lengths is not None:
+        check_lengths(lengths, T, B, x.device)
+    H = config.hidden_size
+    has_c = config.spec.has_cell_state
+    h0 = h0.contiguous()
+    c0 = c0.contiguous() if has_c else None
+    h_n = torch.empty_like(h0)
+    c_n = torch.empty_like(c0) if has_c else None
+
+    def instance(l: int, d: int, xw: Any, out: Any) -> Instance:
+        i = l * D + d
+        p = layers[l][d]
+        return Instance(xw, p["w_hh"], p["b_hh"], h0[i], c0[i] if has_c else None, out, h_n[i],
+                        c_n[i] if has_c else None, reverse=d == 1, out_column=d * H)
+
+    if config.pipeline:
+        if D != 1 or config.instances != L:
+            raise ConfigError(f"{config} runs {config.instances} layers of one direction; the model has {L} "
+                              f"layer(s) of {D} direction(s)")
+        out = torch.empty(T, B, H, dtype=x.dtype, device=x.device)
+        first = layers[0][0]
+        instances = [instance(l, 0, input_projection(x, first["w_ih"], first["b_ih"]) if l == 0 else None,
+                              out if l == L - 1 else None) for l in range(L)]
+        for l in range(L - 1):
+            instances[l].w_next, instances[l].b_next = layers[l + 1][0]["w_ih"], layers[l + 1][0]["b_ih"]
+        run_instances(config, instances, T, B, lengths=lengths, check=check)
+        return out, h_n, c_n
+    if config.instances not in (1, D):
+        raise ConfigError(f"{config} runs {config.instances} recurrences at once; the model has {D} direction(s)")
+    layer_input = x
+    for l in range(L):
+        out = torch.empty(T, B, D * H, dtype=x.dtype, device=x.device)
+        group = [instance(l, d, input_projection(layer_input, layers[l][d]["w_ih"], layers[l][d]["b_ih"]), out)
+                 for d in range(D)]
+        last = l == L - 1
+        if config.instances == D:
+            run_instances(config, group, T, B, lengths=lengths, check=check and last)
+        else:
+            for d, one in enumerate(group):
+                run_instances(config, [one], T, B, lengths=lengths, check=check and last and d == D - 1)
+        layer_input = out
+    return layer_input, h_n, c_n

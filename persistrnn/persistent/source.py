@@ -1,0 +1,126 @@
+"""Source rendering and compilation: a :class:`~.config.KernelConfig`
+becomes a generated prelude (its sizes as macros, the cell's math) in front of
+``kernels/recurrence.cu``, compiled by NVRTC through the runtime's disk cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .. import runtime
+from ..cells import render_pointwise_functions
+from ..errors import ConfigError
+from .config import KERNEL_NAME, PIPELINE_RELEASE_EVERY, SYNC_MODES, KernelConfig
+
+__all__ = ["DEVICE_TYPES", "compile_config", "instance_fields", "render_source"]
+
+DEVICE_TYPES = {"float32": "float", "float16": "prnn_f16", "bfloat16": "prnn_bf16"}
+
+
+def instance_fields(config: KernelConfig) -> list[tuple[str, str]]:
+    """(C type, name) of each per-instance kernel parameter, in order."""
+    io = DEVICE_TYPES[config.dtype]
+    fields = [("const float*", "xw"), (f"const {io}*", "w_hh"), (f"const {io}*", "b_hh"), (f"const {io}*", "h0"),
+              (f"const {io}*", "c0"), (f"{io}*", "out"), (f"{io}*", "h_n"), (f"{io}*", "c_n"), ("int", "reverse")]
+    if config.pipeline:
+        fields += [(f"const {io}*", "w_next"), (f"const {io}*", "b_next")]
+    return fields
+
+
+def _instance_params(config: KernelConfig) -> str:
+    return ", ".join(f"{ctype} {name}_{i}" for i in range(config.instances) for ctype, name in instance_fields(config))
+
+
+def _select_instance(config: KernelConfig) -> str:
+    """This block's instance's parameters as plain names (a select chain:
+    an indexed array of parameters would live in local memory)."""
+    statements = []
+    for ctype, name in instance_fields(config):
+        chain = f"{name}_{config.instances - 1}"
+        for i in range(config.instances - 2, -1, -1):
+            chain = f"inst == {i} ? {name}_{i} : {chain}"
+        statements.append(f"{ctype} const {name} = {chain};")
+    return " ".join(statements)
+
+
+def render_source(config: KernelConfig) -> str:
+    """The complete CUDA source of ``config``: generated prelude + template."""
+    spec = config.spec
+    defines = {
+        "PRNN_H": config.hidden_size,
+        "PRNN_G": spec.num_gates,
+        "PRNN_NB": config.blocks,
+        "PRNN_SYNC": SYNC_MODES.index(config.sync),
+        "PRNN_THREADS": config.threads,
+        "PRNN_WGS": config.group_size,
+        "PRNN_BT": config.batch_tile,
+        "PRNN_BP_ALIGN": config.batch_align,
+        "PRNN_BP_PAD": config.batch_pad,
+        "PRNN_U": config.units_per_block,
+        "PRNN_KPT": config.k_per_thread,
+        "PRNN_KPAD": config.padded_hidden,
+        "PRNN_HAS_C": int(spec.has_cell_state),
+        "PRNN_STAGES": spec.num_stages,
+        "PRNN_IO_T": DEVICE_TYPES[config.dtype],
+        "PRNN_MMA": int(config.math == "mma"),
+        "PRNN_KS": config.k_split,
+        "PRNN_KTW": config.k_tiles_per_warp,
+        "PRNN_SHARED_W_FLOATS": config.shared_weight_floats,
+        "PRNN_ONE_SYNC": int(config.one_sync),
+        "PRNN_FIRST_STAGE": spec.num_stages - 1 if config.one_sync else 0,  # the first stage with an exchange
+        "PRNN_C_RPW": max(config.column_rows_per_group, 1),
+        "PRNN_CPT": max(config.column_chunks, 1),
+        "PRNN_PROWS": config.partial_rows,
+        "PRNN_BIAS_FLOATS": config.bias_floats,
+        "PRNN_XW_DEPTH": config.prefetch_steps,
+        "PRNN_INSTANCES": config.instances,
+        "PRNN_PIPELINE": int(config.pipeline),
+        "PRNN_RELEASE_EVERY": PIPELINE_RELEASE_EVERY,
+        "PRNN_LENGTHS": int(config.lengths),
+        "PRNN_N_RPW": max(config.next_rows_per_group, 1),
+        "PRNN_N_KREG": config.register_k,
+        "PRNN_INSTANCE_PARAMS": _instance_params(config),
+        "PRNN_SELECT_INSTANCE": _select_instance(config),
+    }
+    first_gates = []
+    for s, stage in enumerate(config.stages):
+        defines[f"PRNN_S{s}_NG"] = len(stage)
+        defines[f"PRNN_S{s}_RPW"] = config.rows_per_group(s)
+        defines[f"PRNN_S{s}_KREG"] = config.register_k
+        defines[f"PRNN_S{s}_MTW"] = config.m_tiles_per_warp(s)
+        first_gates.append(spec.gates.index(stage[0]))
+    prelude = [f"// {config}"]
+    prelude += [f"#define {k} {v}" for k, v in defines.items()]
+    source = runtime.read_source("recurrence.cu", includes=("common.cuh", "group_product.cuh"))
+    # The stage gate lookup and the cell's math go after common.cuh (which
+    # defines prnn_sigmoid etc.) and before the kernel that calls them.
+    generated = [
+        "__device__ __forceinline__ int prnn_stage_gate(int stage, int slot) {",
+        "    return " + " : ".join(f"stage == {s} ? {g} + slot" for s, g in enumerate(first_gates[:-1]))
+        + (" : " if len(first_gates) > 1 else "") + f"{first_gates[-1]} + slot;",
+        "}",
+        render_pointwise_functions(spec),
+    ]
+    marker = "// ---- kernel ----"
+    head, _, body = source.partition(marker)
+    if not body:
+        raise RuntimeError(f"recurrence.cu lost its {marker!r} line")
+    return "\n".join(prelude) + "\n" + head + "\n".join(generated) + "\n" + marker + body
+
+
+@functools.lru_cache(maxsize=256)
+def compile_config(config: KernelConfig, arch: str | None = None) -> runtime.CompiledBinary:
+    """Compile ``config`` (disk-cached) and check that it keeps weights on chip.
+
+    Raises :class:`ConfigError` if ptxas put anything in local memory: a
+    spilled weight array runs at DRAM speed and defeats the kernel.
+    """
+    binary = runtime.compile_source("recurrence", render_source(config), arch=arch)
+    res = binary.kernel_resources(KERNEL_NAME)
+    if res.uses_local_memory:
+        raise ConfigError(
+            f"{config} spills to local memory ({res.registers} registers, {res.stack_frame_bytes} bytes stack, "
+            f"{res.spill_store_bytes} bytes spill stores); it needs fewer register weights per thread "
+            f"(now {config.register_weights})"
+        )
+    return binary
