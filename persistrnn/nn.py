@@ -178,15 +178,19 @@ class _Persistent:
             return self._compiled_forward(input, hx)
         if isinstance(input, PackedSequence):
             return self._packed_forward(input, hx)
-        if isinstance(input, torch.Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda"):
+        autocast = isinstance(input, torch.Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda")
+        if autocast:
             input, hx = self._autocast_inputs(input, hx)
         x, states, unbatched = self._normalise(input, hx)  # every path gets the same checks and errors
         if self._torch_reason(input) is not None:
             return self._torch_forward(input, hx)
         pairs = self.spec.has_cell_state
         h0, c0 = (states if pairs else (states, None)) if states is not None else (None, None)
-        with torch.autocast("cuda", enabled=False):
-            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias)
+        if autocast:  # the kernels' input GEMM returns fp32 projections, which autocast would round
+            with torch.autocast("cuda", enabled=False):
+                out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias)
+        else:
+            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias)
         if unbatched:
             out, h_n = out.squeeze(1), h_n.squeeze(1)
             c_n = c_n.squeeze(1) if pairs else None
@@ -465,7 +469,7 @@ class StreamSession:
         runtime.raise_reported_failure(x.device.index)
         weights = module._flat_weights
         chosen = module.plan_for(batch)
-        key = (x.shape, x.dtype, chosen.path, chosen.config, ops.cudnn_settings(), tuple(w.data_ptr() for w in weights))
+        key = (x.shape, x.dtype, chosen.path, chosen.config, ops.launch_settings(), tuple(w.data_ptr() for w in weights))
         out = self._graphs.get(key, lambda: self._capture(chosen, x))(x, *self._buffers)[0]
         return out.transpose(0, 1) if module.batch_first else out
 

@@ -79,9 +79,12 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
     raise ValueError(f"run_plan: expected a persistent, fallback or cudnn plan, got {chosen.path!r}")
 
 
-def cudnn_settings() -> tuple[bool, bool]:
-    """What a captured cuDNN call fixed at capture time: a graph is kept per setting."""
-    return torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32
+def launch_settings() -> tuple:
+    """What a capture fixes beside shapes and addresses, so a graph is kept
+    per value: cuDNN's settings (a captured cuDNN call) and the kernels' wait
+    bound and test hook (kernel arguments)."""
+    return (torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32, runtime.wait_timeout_ns(),
+            runtime.failure_hook())
 
 
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,
@@ -112,7 +115,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     if torch.cuda.is_current_stream_capturing():  # the caller's graph takes our launches
         result = run(x, h0, c0)
     else:
-        key = (shape, has_biases, chosen.path, chosen.config, x.shape, x.dtype, h0 is None, cudnn_settings(),
+        key = (shape, has_biases, chosen.path, chosen.config, x.shape, x.dtype, h0 is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
         captured = GRAPHS.get(key, lambda: runtime.CapturedCall(run, (x, h0, c0)))
         result = captured(x, h0, c0)

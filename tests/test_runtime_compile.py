@@ -184,3 +184,18 @@ def test_sync_config_rejects_bad_values():
         SyncConfig(repeats=0)
     with pytest.raises(ValueError, match="warmup must be a non-negative int, got -1"):
         SyncConfig(warmup=-1)
+
+
+def test_the_wait_timeout_and_the_failure_hook_are_validated(monkeypatch):
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        runtime.set_wait_timeout(0)
+    with pytest.raises(ValueError, match="block index"):
+        with runtime.inject_failure(-1):
+            pass
+    saved = runtime.wait_timeout_ns()
+    runtime.set_wait_timeout(0.25)
+    assert runtime.wait_timeout_ns() == 250_000_000
+    runtime.set_wait_timeout(saved / 1e9)
+    with runtime.inject_failure(3):
+        assert runtime.failure_hook() == 3
+    assert runtime.failure_hook() == -1
