@@ -363,6 +363,8 @@ STATUS_MESSAGES = {
     2: "a cluster exchange timed out waiting for its peers' data",
     3: "a layer timed out waiting for the previous layer's outputs: the blocks of the layer before it were not "
     "resident (another process may hold SMs), or that layer failed",
+    4: "a block abandoned by the test hook (persistrnn.runtime.inject_failure) waited the whole bound, and no peer "
+    "waited on it",
 }
 
 
