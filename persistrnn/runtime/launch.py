@@ -194,15 +194,34 @@ class _TorchStream:
         return (0, self.handle)
 
 
+_THREAD = threading.local()
+
+
+def _make_current(device: int) -> None:
+    """Make ``device``'s primary context current in this thread (once per
+    thread): cuda.core's current device is per thread, and a thread that only
+    used torch so far has none."""
+    done = getattr(_THREAD, "devices", None)
+    if done is None:
+        done = _THREAD.devices = set()
+    if device not in done:
+        from cuda.core import Device
+
+        Device(device).set_current()
+        done.add(device)
+
+
 @functools.lru_cache(maxsize=256)
-def _wrapped_stream(handle: int) -> Any:
+def _wrapped_stream(handle: int, device: int) -> Any:
     from cuda.core import Device
 
-    return Device().create_stream(_TorchStream(handle))
+    return Device(device).create_stream(_TorchStream(handle))
 
 
 def _stream(torch_stream: Any) -> Any:
-    return _wrapped_stream(torch_stream.cuda_stream)
+    device = torch_stream.device_index
+    _make_current(device)
+    return _wrapped_stream(torch_stream.cuda_stream, device)
 
 
 _core_launch = None
@@ -224,7 +243,7 @@ def launch(kernel: LoadedKernel, config: Any, *args: Any, stream: Any = None) ->
         import torch
 
         stream = torch.cuda.current_stream()
-    _core_launch(_wrapped_stream(stream.cuda_stream), config, kernel.kernel, *args)
+    _core_launch(_stream(stream), config, kernel.kernel, *args)
 
 
 def kernel_args(*values: Any) -> tuple[Any, ...]:
