@@ -34,41 +34,51 @@ _CAPTURE_LOCK = threading.Lock()
 
 def capture_graph(fn: Callable[[], Any], stream: Any = None) -> Any:
     """``fn()`` captured as a ``torch.cuda.CUDAGraph`` (see :func:`capture`)."""
-    return capture(fn, stream)[0]
+    return capture(fn, stream=stream)[0]
 
 
-def capture(fn: Callable[[], Any], stream: Any = None) -> tuple[Any, Any]:
-    """(graph, result) for ``fn()`` captured as a ``torch.cuda.CUDAGraph``.
+def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
+            stream: Any = None) -> tuple[Any, Any]:
+    """(graph, result) for ``record()`` captured as a ``torch.cuda.CUDAGraph``.
 
-    ``fn`` runs once first on the capture stream, outside the capture, so
-    compilation, module loads, cuBLAS workspaces and allocations stay out of
-    the graph. Captures are serialised within the process and run in
-    thread-local capture mode: other threads keep launching and allocating
-    while one thread captures. ``result`` is what the captured ``fn()``
-    returned (its tensors live in the graph's pool)."""
+    ``warm()`` (default: ``record``) runs once first on the capture stream,
+    outside the capture, so compilation, module loads, cuBLAS workspaces and
+    lazy allocations stay out of the graph; it may itself capture graphs (a
+    module called inside ``fn`` does), so it runs before the capture lock is
+    taken. The captures themselves are serialised within the process (two
+    could otherwise draw the same pooled side stream) and run in thread-local
+    mode: other threads keep launching and allocating meanwhile. ``result``
+    is what the captured call returned; its tensors, and every tensor
+    ``record`` allocates, live in the graph's own memory pool."""
     import torch
 
+    stream = stream or torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        (warm or record)()
     with _CAPTURE_LOCK:
-        stream = stream or torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            result = fn()
-        return graph, result
+            result = record()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result
 
 
 class CapturedCall:
-    """``fn(*args)`` captured once on static copies of example ``args``.
+    """``fn(*args)`` captured once, on static input buffers of the shapes of
+    the example ``args``.
 
-    ``fn`` returns a tuple of tensors of one dtype; the captured body copies
-    them into one flat buffer, so a call is one multi-tensor copy in, one
-    replay and one clone out, and the caller gets fresh tensors (views of
-    that clone) that no later replay touches. ``None`` arguments stay None.
-    Arguments marked False in ``copy_in`` are not copied: the graph reads
-    (and may write) them where they are, e.g. a stream's carried states.
+    A call is one multi-tensor copy into the static inputs, one replay, and
+    one multi-tensor copy of the graph's outputs into fresh tensors, so the
+    caller owns what it gets and no later replay touches it. ``fn`` returns a
+    tuple of tensors. ``None`` arguments stay None. Arguments marked False in
+    ``copy_in`` are not copied: the graph reads (and may write) them where
+    they are, e.g. a stream's carried states.
+
+    The static inputs are allocated inside the capture, so every buffer the
+    graph uses is in the graph's own pool (none in whatever pool is current
+    around the call, e.g. ``torch.compile``'s CUDA-graph pool while it warms
+    up), and lives exactly as long as the graph.
     """
 
     def __init__(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any],
@@ -76,39 +86,32 @@ class CapturedCall:
         import torch
 
         copy_in = [True] * len(args) if copy_in is None else list(copy_in)
-        self.inputs = [a if a is None or not c else torch.empty_like(a, memory_format=torch.contiguous_format)
-                       for a, c in zip(args, copy_in)]
         self.copy_in = [c and a is not None for a, c in zip(args, copy_in)]
-        self.copied = [t for t, c in zip(self.inputs, self.copy_in) if c]
-        if self.copied:
-            torch._foreach_copy_(self.copied, [a for a, c in zip(args, self.copy_in) if c])
+        self.copied: list[Any] = []
+
+        def record() -> Sequence[Any]:
+            inputs = [torch.empty_like(a, memory_format=torch.contiguous_format) if c else a
+                      for a, c in zip(args, self.copy_in)]
+            self.copied = [t for t, c in zip(inputs, self.copy_in) if c]
+            return fn(*inputs)
+
+        self.graph, outs = capture(record, lambda: fn(*args))
+        self.outputs = list(outs)
         self.lock = threading.Lock()
         self.event = torch.cuda.Event()
-        layout: list[tuple[int, tuple[int, ...]]] = []
-
-        def body() -> Any:
-            outs = fn(*self.inputs)
-            if not layout:
-                layout.extend((o.numel(), tuple(o.shape)) for o in outs)
-            flat = torch.empty(sum(n for n, _ in layout), dtype=outs[0].dtype, device=outs[0].device)
-            torch._foreach_copy_(list(flat.split([n for n, _ in layout])), [o.reshape(-1) for o in outs])
-            return flat
-
-        self.graph, self.flat = capture(body)
-        self.sizes = [n for n, _ in layout]
-        self.shapes = [s for _, s in layout]
 
     def __call__(self, *args: Any) -> list[Any]:
+        import torch
+
         given = [a for a, c in zip(args, self.copy_in) if c]
+        results = [torch.empty_like(o) for o in self.outputs]
         with self.lock:
             if given:
-                import torch
-
                 torch._foreach_copy_(self.copied, given)
             self.graph.replay()
-            flat = self.flat.clone()
+            torch._foreach_copy_(results, self.outputs)
             self.event.record()
-        return [part.view(shape) for part, shape in zip(flat.split(self.sizes), self.shapes)]
+        return results
 
     def release(self) -> None:
         """Wait for the last replay to finish (before the graph and its pool are freed)."""
