@@ -204,7 +204,10 @@ class _Persistent:
         dtype = torch.get_autocast_dtype("cuda")
         if not input.is_floating_point() or input.dtype == dtype:
             return input, hx
-        cast = (lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+
+        def cast(t: Any) -> Any:
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
         if hx is not None:
             hx = tuple(cast(s) for s in hx) if isinstance(hx, (tuple, list)) else cast(hx)
         return cast(input), hx
@@ -469,7 +472,8 @@ class StreamSession:
         runtime.raise_reported_failure(x.device.index)
         weights = module._flat_weights
         chosen = module.plan_for(batch)
-        key = (x.shape, x.dtype, chosen.path, chosen.config, ops.launch_settings(), tuple(w.data_ptr() for w in weights))
+        key = (x.shape, x.dtype, chosen.path, chosen.config, ops.launch_settings(),
+               tuple(w.data_ptr() for w in weights))
         out = self._graphs.get(key, lambda: self._capture(chosen, x))(x, *self._buffers)[0]
         return out.transpose(0, 1) if module.batch_first else out
 

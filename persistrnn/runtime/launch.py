@@ -102,7 +102,8 @@ class LoadedKernel:
             if grid % cluster:
                 raise ValueError(f"grid ({grid} blocks) must be a multiple of the cluster size ({cluster})")
             if cluster > (largest := self.max_cluster_size(block, shared)):
-                raise KernelLaunchError(f"{self.name}: clusters of {cluster} blocks exceed this device's largest, {largest}")
+                raise KernelLaunchError(f"{self.name}: clusters of {cluster} blocks exceed this device's largest, "
+                                        f"{largest}")
             config = LaunchConfig(grid=grid // cluster, cluster=cluster, block=block, shmem_size=shared)
             resident = self.max_resident_clusters(cluster, block, shared)
             if grid // cluster > resident:
