@@ -1,9 +1,11 @@
 """``python -m persistrnn``: the demo, and the entry to the other commands.
 
-On a GPU the demo measures what a persistent kernel pays per timestep against
-what cuDNN pays per timestep on the same GPU, today's reason for persistrnn.
-Without a GPU it says so and runs what runs on a CPU: the float64 reference
-against torch, and the compilation of every kernel for sm_90.
+The demo is the library's main job: a model with a 2-layer LSTM inside, as an
+application has it, run through :func:`persistrnn.convert` beside the same
+``torch.nn`` model on the same GPU. For batch 1 and 8 it prints how far the
+outputs are apart (and each one's error against float64), the plan the
+converted model runs, and both models' eager call times. It needs a GPU: on a
+machine without one it says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -11,65 +13,112 @@ from __future__ import annotations
 import sys
 import time
 
+USAGE = """usage: python -m persistrnn [demo | bench <suite> ... | tune ... | explain ...]
 
-def _cpu_demo() -> int:
-    import numpy as np
+  demo      (the default) a 2-layer LSTM model through persistrnn.convert beside torch.nn: outputs, plan, times
+  bench     the benchmark suites (python -m persistrnn bench --help)
+  tune      tune the plan of a model shape and cache it (python -m persistrnn tune --help)
+  explain   print the plan of a model shape and the cost model's ranking (python -m persistrnn explain --help)"""
+
+FEATURES, HIDDEN, LAYERS, CLASSES, STEPS, BATCHES = 256, 256, 2, 32, 100, (1, 8)
+REPEATS = 20
+
+
+def _demo_model():
+    """A sequence tagger: a 2-layer LSTM over the steps, a linear read-out per step."""
     import torch
 
-    from . import reference
-    from .bench import sync
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(FEATURES, HIDDEN, num_layers=LAYERS)
+            self.head = torch.nn.Linear(HIDDEN, CLASSES)
 
-    print("No CUDA GPU is visible, so persistrnn's kernels cannot run here: they need an NVIDIA GPU of")
-    print(f"compute capability 9.0 or newer (torch {torch.__version__}, torch.cuda.is_available() is False).")
-    print("Running what runs on a CPU instead.\n")
+        def forward(self, x):
+            out, _ = self.rnn(x)
+            return self.head(out)
 
-    torch.manual_seed(0)
-    lstm = torch.nn.LSTM(64, 128, num_layers=2, batch_first=True).double()
-    x = torch.randn(3, 50, 64, dtype=torch.float64)
-    with torch.no_grad():
-        want, (h_want, _) = lstm(x)
-    got, (h_got, _) = reference.rnn_forward(
-        "lstm", x.numpy(), reference.params_from_torch(lstm), num_layers=2, batch_first=True
-    )
-    err = np.linalg.norm(got - want.numpy()) / np.linalg.norm(want.numpy())
-    print(f"1. float64 reference vs torch.nn.LSTM (2 layers, H=128, T=50, B=3): relative error {err:.1e}")
-
-    t0 = time.perf_counter()
-    binary = sync.sync_binary(arch="sm_90")
-    print(f"2. NVRTC compiled the sync kernels for sm_90 in {time.perf_counter() - t0:.2f} s (cached after the first time):")
-    for name, res in sorted(binary.resources.items()):
-        print(f"     {name:28s} {res.registers:3d} registers, {res.stack_frame_bytes} B stack, "
-              f"{res.spill_store_bytes} B spills")
-    return 0
+    return Tagger()
 
 
-def _gpu_demo() -> int:
+def _errors(got, want) -> tuple[float, float]:
+    """(max |got - want|, ‖got - want‖ / ‖want‖), in float64."""
+    diff = got.double().cpu() - want.double().cpu()
+    return float(diff.abs().max()), float(diff.norm() / want.double().cpu().norm().clamp_min(1e-30))
+
+
+def _eager_ms(module, x) -> float:
+    """Median ms of an eager call, timed with CUDA events after warm-up."""
     import torch
 
     from . import runtime
-    from .bench import sync
-    from .bench.timing import time_cuda_ms
 
-    facts = runtime.device_facts()
-    print(f"{facts.name}: {facts.sm_count} SMs, {facts.registers_per_sm // 1024}K registers and "
-          f"{facts.shared_per_sm // 1024} KB shared memory per SM\n")
+    def call() -> None:
+        with torch.no_grad():
+            module(x)
 
-    H, T, B = 256, 100, 1
-    lstm = torch.nn.LSTM(H, H).cuda()
-    x = torch.randn(T, B, H, device="cuda")
-    with torch.no_grad():
-        cudnn_ms = time_cuda_ms(lambda: lstm(x), warmup=3, repeats=20)
-    print(f"cuDNN through torch, LSTM H={H}, T={T}, batch {B}: {cudnn_ms:.3f} ms = {cudnn_ms * 1e3 / T:.2f} µs per step")
+    runtime.warm_up(call)  # steady clocks first: an idle GPU's first timings read several times slow
+    return runtime.time_cuda_ms(call, warmup=3, repeats=REPEATS)
 
-    r = sync.Runner(sync.SyncConfig(steps=5_000, repeats=5))
-    k = r.kernel("cluster_exchange_stasync")
-    state = torch.empty(H, device="cuda")
-    cluster = 8
-    cfg = k.config(cluster, sync.BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=cluster)
-    us = r.per_step_us("cluster_exchange_stasync", cfg, lambda s: runtime.kernel_args(state, H, s, r.status))
-    print(f"persistent kernel floor: exchanging h (H={H}) across a cluster of {cluster} blocks: {us:.2f} µs per step")
-    print(f"\nThe synchronisation a persistent LSTM needs per step costs {cudnn_ms * 1e3 / T / us:.0f}x less than")
-    print("a step of cuDNN here. Full table: python -m persistrnn.bench sync")
+
+def _demo() -> int:
+    import copy
+    import logging
+
+    import torch
+
+    import persistrnn
+
+    from . import runtime
+    from .errors import GPUUnavailableError
+
+    try:
+        facts = runtime.device_facts()
+    except GPUUnavailableError as exc:
+        print(f"python -m persistrnn: the demo needs a GPU. {exc}\n"
+              "The tests run without one (python -m pytest; the GPU tests are skipped, with the reason).",
+              file=sys.stderr)
+        return 2
+
+    # Planning a new shape on first use (and, once per GPU, calibrating the
+    # cost model) takes seconds: the library logs what it is doing.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("  [persistrnn] %(message)s"))
+    log = logging.getLogger("persistrnn")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+    torch.manual_seed(0)
+    model = _demo_model().cuda().eval()
+    ours = persistrnn.convert(copy.deepcopy(model))  # the same weights; every nn.LSTM inside swapped
+    reference = copy.deepcopy(model).double().cpu()
+    tf32 = torch.backends.cudnn.allow_tf32
+    print(f"{facts.name}, {facts.sm_count} SMs; torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(f"model: LSTM({FEATURES}, {HIDDEN}, num_layers={LAYERS}) -> Linear({HIDDEN}, {CLASSES}) per step, "
+          f"{STEPS} steps, fp32, eval; torch.nn beside persistrnn.convert(model)")
+    print("The first call of a new shape plans it (the first on a new GPU also calibrates, ~20 s); both are "
+          "cached on disk.\n")
+    for batch in BATCHES:
+        x = torch.randn(STEPS, batch, FEATURES, device="cuda")
+        with torch.no_grad():
+            started = time.perf_counter()
+            got = ours(x)
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - started
+            want = model(x)
+            exact = reference(x.double().cpu())
+        plan = ours.rnn.plan_for(batch)
+        max_abs, relative = _errors(got, want)
+        print(f"batch {batch}")
+        print(f"  plan ({first_s:.1f} s for the first call):")
+        print("    " + plan.describe().replace("\n", "\n    "))
+        print(f"  outputs: persistrnn against torch.nn: max |difference| {max_abs:.2e}, relative {relative:.2e}")
+        print(f"           against float64: persistrnn {_errors(got, exact)[1]:.2e}, "
+              f"torch.nn {_errors(want, exact)[1]:.2e}" + (" (torch's default: cuDNN may use TF32)" if tf32 else ""))
+        torch_ms, ours_ms = _eager_ms(model, x), _eager_ms(ours, x)
+        print(f"  eager call, median of {REPEATS} (CUDA events, after warm-up): torch.nn {torch_ms:.3f} ms, "
+              f"persistrnn {ours_ms:.3f} ms ({torch_ms / ours_ms:.2f}x)\n")
+    print("More: python -m persistrnn bench real-models (graph replays, ONNX Runtime and the CPU beside cuDNN)")
     return 0
 
 
@@ -78,7 +127,7 @@ def _plan_parser(command: str):
 
     from .cells import CELLS
     from .persistent import DTYPES
-    from .plan import DEFAULT_K, DEFAULT_STEPS
+    from .plan.tuner import DEFAULT_K, DEFAULT_STEPS
 
     what = ("time the cost model's top K configurations, the fallback and cuDNN, and cache the fastest"
             if command == "tune" else "print the plan and the cost model's ranking")
@@ -99,7 +148,7 @@ def _plan_parser(command: str):
 
 def _plan_command(command: str, argv: list[str]) -> int:
     from . import plan
-    from .runtime import GPUUnavailableError
+    from .errors import GPUUnavailableError
 
     args = _plan_parser(command).parse_args(argv)
     try:
@@ -120,17 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else "demo"
     if command == "demo":
-        import torch
-
-        return _gpu_demo() if torch.cuda.is_available() else _cpu_demo()
+        return _demo()
+    if command in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
     if command == "bench":
         from .bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
     if command in ("tune", "explain"):
         return _plan_command(command, argv[1:])
-    print(f"unknown command {command!r}; expected 'demo' (the default), 'bench <suite>', 'tune' or 'explain'",
-          file=sys.stderr)
+    print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 
 

@@ -6,10 +6,13 @@
 # checkout with no install and no network: PYTHONPATH points at the repository.
 #
 #   STAGES       which stages run, in this order (default: all of them):
-#                tests sanitize demo calibrate tune accuracy grnn models scaling dtypes targets
-#                sync recurrence (models is the real-models suite)
-#   PYTEST_ARGS  narrows the tests (default: the whole suite)
+#                tests sanitize demo calibrate tune accuracy grnn models host compile scaling dtypes
+#                targets sync recurrence (models is the real-models suite; host and compile come after
+#                grnn and models, whose tuning leaves every host case's plan in the cache)
+#   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
+#   HOST_ARGS, COMPILE_ARGS  narrow the host-time and torch.compile suites (e.g. HOST_ARGS="--batch 1",
+#                COMPILE_ARGS="--cases lstm-2x128-b1 --no-torch-compile")
 #   PERSISTRNN_COMMIT  names the commit where the copy has no .git
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,14 +21,48 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models scaling dtypes targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile scaling dtypes targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
+# The concurrency and failure tests are GPU tests in files of their own; the
+# summary gives their counts apart, so that a run that left them out (a
+# narrowing PYTEST_ARGS, or a file not written yet) says so.
+OWN_COUNTS=(tests/test_concurrency.py tests/test_failure.py)
+
+own_counts() {
+    $PY - "$OUT/tests.xml" "${OWN_COUNTS[@]}" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+xml, files = Path(sys.argv[1]), sys.argv[2:]
+counts = {f: {"passed": 0, "failed": 0, "skipped": 0} for f in files}
+for case in (ET.parse(xml).getroot().iter("testcase") if xml.exists() else []):
+    module = case.get("classname", "")  # tests.test_failure, or tests.test_failure.TestClass
+    for f in files:
+        name = f.removesuffix(".py").replace("/", ".")
+        if module == name or module.startswith(name + "."):
+            kind = "failed" if case.find("failure") is not None or case.find("error") is not None else (
+                "skipped" if case.find("skipped") is not None else "passed")
+            counts[f][kind] += 1
+for f in files:
+    c = counts[f]
+    if not Path(f).exists():
+        print(f"  {f}: absent")
+    elif not sum(c.values()):
+        print(f"  {f}: not run (PYTEST_ARGS left it out, or it did not collect: see tests.log)")
+    else:
+        print(f"  {f}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+EOF
+}
+
 stage_tests() {
-    $PY -m pytest ${PYTEST_ARGS:-tests} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 3
+    $PY -m pytest ${PYTEST_ARGS:-tests} -q -rfEs -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 \
+        | tee "$OUT/tests.log" | tail -n 3
     RC[tests]=${PIPESTATUS[0]}
     SUMMARY+=("tests: exit ${RC[tests]}: $(tail -n 1 "$OUT/tests.log")")
+    SUMMARY+=("$(own_counts)")
 }
 
 stage_sanitize() {
@@ -103,9 +140,27 @@ stage_models() { compare_suite real-models models; }
 stage_scaling() { compare_suite scaling scaling; }
 stage_dtypes() { compare_suite dtypes dtypes ${DTYPES_ARGS:-}; }
 
+# Host time per call, and torch.compile beside eager: their tables (each
+# case's targets met or missed) and the count of targets met go in the summary.
+own_suite() {
+    local suite=$1 stage=$2
+    shift 2
+    $PY -m persistrnn bench "$suite" --no-progress "$@" --json "$OUT/$suite.json" --markdown "$OUT/$suite.md" \
+        >"$OUT/bench_$suite.log" 2>&1
+    RC[$stage]=$?
+    if [ -f "$OUT/$suite.md" ]; then
+        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model/,/^$/p;/ met, .* missed, of /p' "$OUT/$suite.md" | cut -c1-220)")
+    else
+        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(tail -n 30 "$OUT/bench_$suite.log")")
+    fi
+}
+
+stage_host() { own_suite host host ${HOST_ARGS:-}; }
+stage_compile() { own_suite compile compile ${COMPILE_ARGS:-}; }
+
 stage_targets() {
     local results=()
-    for suite in grnn-table real-models scaling dtypes; do
+    for suite in grnn-table real-models host compile scaling dtypes; do
         [ -f "$OUT/$suite.json" ] && results+=("$OUT/$suite.json")
     done
     $PY -m persistrnn bench targets "${results[@]}" --markdown "$OUT/targets.md" >"$OUT/bench_targets.log" 2>&1

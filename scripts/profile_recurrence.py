@@ -8,6 +8,7 @@ which cancels the prologue (weight loads) and the launch.
 """
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -28,7 +29,7 @@ def main() -> None:
     if args.config:
         fields = {k: (v if k in ("cell", "sync", "dtype", "math") else int(v))
                   for k, v in (kv.split("=") for kv in args.config.split(","))}
-        cfg = persistent.dataclasses.replace(cfg, **fields)
+        cfg = dataclasses.replace(cfg, **fields)
     print(cfg)
     G, H, B = cfg.spec.num_gates, args.hidden, args.batch
     dt = getattr(torch, cfg.dtype)
@@ -36,10 +37,11 @@ def main() -> None:
     b_hh = torch.randn(G * H, device="cuda", dtype=dt)
     h0, c0 = torch.randn(B, H, device="cuda", dtype=dt), torch.randn(B, H, device="cuda", dtype=dt)
     times = {}
+    c0 = c0 if cfg.spec.has_cell_state else None
     for steps in (args.steps, args.steps * 10):
         xw = torch.randn(steps, B, G * H, device="cuda")
-        run = lambda: persistent.run_recurrence(cfg, xw, w_hh, b_hh, h0, c0 if cfg.spec.has_cell_state else None, check=False)  # noqa: E731
-        times[steps] = time_cuda_ms(run, warmup=2, repeats=5)
+        times[steps] = time_cuda_ms(lambda xw=xw: persistent.run_recurrence(cfg, xw, w_hh, b_hh, h0, c0, check=False),
+                                    warmup=2, repeats=5)
     short, long = args.steps, args.steps * 10
     per_step = (times[long] - times[short]) / (long - short) * 1000
     print(f"launch of {short} steps: {times[short] * 1000:.1f} µs; per step: {per_step:.3f} µs; "

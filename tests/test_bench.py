@@ -1,18 +1,24 @@
 """The comparison suites: their cases, tables, ratios, CSV, plots, absent and
 failing providers, the ONNX Runtime peer against float64, and the speed
-targets, including the published H100 table (CPU); each suite end to end on
+targets, including the published H100 table (CPU); the host-time and
+torch.compile suites' cases, arguments, tables and targets (CPU); the
+library's independence from the benchmarks (CPU); each suite end to end on
 a small grid (GPU)."""
 
+import ast
 import csv
 import io
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from persistrnn import reference
-from persistrnn.bench import compare, targets
+from persistrnn import reference, runtime
+from persistrnn.bench import compare, compiled, host, targets
 from persistrnn.bench.__main__ import COMPARISONS, SUITES
 from persistrnn.bench.__main__ import main as bench_main
 from persistrnn.bench.compare import Case, Row
@@ -186,7 +192,8 @@ def test_an_earlier_run_is_written_again_from_its_json_without_a_gpu(tmp_path, c
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(RESULT))
     out = tmp_path / "again"
-    assert compare.main("grnn-table", ["--from-json", str(saved), "--markdown", f"{out}.md", "--csv", f"{out}.csv"]) == 0
+    assert compare.main("grnn-table", ["--from-json", str(saved), "--markdown", f"{out}.md",
+                                       "--csv", f"{out}.csv"]) == 0
     assert "| LSTM 256 | fp32 | 100 | 1 | 0.100 |" in Path(f"{out}.md").read_text()
     assert len(list(csv.DictReader(io.StringIO(Path(f"{out}.csv").read_text())))) == 3 * 6 + 5
     capsys.readouterr()
@@ -272,7 +279,8 @@ def test_targets_apply_only_to_their_cases_and_unmeasured_ones_are_listed():
     unmeasured = [r for r in rows if r["status"] == "not measured"]
     assert any(r["target"].startswith("char-RNN") for r in unmeasured)
     first = rows[-1]
-    assert first["target"].startswith("first call") and first["status"] == "met" and "over the 3 first calls that tuned" in first["measured"]
+    assert first["target"].startswith("first call") and first["status"] == "met"
+    assert "over the 3 first calls that tuned" in first["measured"]
     assert "not measured" not in targets.format_targets([RESULT])
     assert "| not measured |" in targets.format_targets([RESULT], measured_only=False)
 
@@ -307,13 +315,24 @@ def test_targets_cli_refuses_a_file_that_is_not_a_suite_result(tmp_path, capsys)
     assert "`good.json` (grnn-table)" in (tmp_path / "t.md").read_text()
 
 
+def _table_rows(text):
+    return [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| target |")]
+
+
 def test_the_published_targets_table_is_what_the_published_results_give():
+    # Every row of the published table is what its results give today; rows
+    # of targets added after it was published (judged from the same results,
+    # or not measured by them) are the only ones it lacks.
     published = (RESULTS / "targets-h100.md").read_text()
     sources = [RESULTS / f"{name}-h100.json" for name in COMPARISONS]
     present = [p for p in sources if p.exists()]
     assert present == sources, f"published results missing: {sorted(set(sources) - set(present))}"
     results = [json.loads(p.read_text()) for p in sources]
-    assert targets.format_targets(results, measured_only=False) in published
+    now = _table_rows(targets.format_targets(results, measured_only=False))
+    then = _table_rows(published)
+    assert then and [row for row in now if row in then] == then
+    newer = {t.text for t in targets.TARGETS if t.issue == targets.RUNTIME}
+    assert {row.split(" | ")[0].removeprefix("| ") for row in now if row not in then} <= newer
 
 
 # ----------------------------------------------------------------------------
@@ -389,3 +408,313 @@ def test_scaling_sweeps_batch_and_steps(tmp_path):
     assert {(c["batch"], c["steps"]) for c in result["cases"]} == {(1, 100), (2, 100), (1, 1), (1, 5)}
     for case in result["cases"]:
         _check_ours(compare.providers(case), 1e-5)
+
+
+# ----------------------------------------------------------------------------
+# The library never imports the benchmarks
+# ----------------------------------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parents[1] / "persistrnn"
+
+
+def _imports_bench(path):
+    """Whether ``path`` imports persistrnn.bench (absolutely or relatively)."""
+    tree = ast.parse(path.read_text())
+    depth = len(path.relative_to(PACKAGE).parts) - 1  # packages between persistrnn and the file
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # resolve "from ..bench import x" against the file's package
+                base = ["persistrnn", *path.relative_to(PACKAGE).parts[:depth]]
+                base = base[:len(base) - (node.level - 1)]
+                names = [".".join(base + ([node.module] if node.module else [])) + "." + a.name for a in node.names]
+            else:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        if any(re.match(r"persistrnn\.bench(\.|$)", n) for n in names):
+            return True
+    return False
+
+
+def test_no_library_module_imports_the_benchmarks():
+    # The command line (persistrnn/__main__.py) dispatches to the suites; nothing else may import them.
+    library = [p for p in PACKAGE.rglob("*.py") if "bench" not in p.relative_to(PACKAGE).parts[:1]
+               and p.name != "__main__.py"]
+    assert PACKAGE / "plan" / "model.py" in library and PACKAGE / "plan" / "floors.py" in library
+    assert [str(p.relative_to(PACKAGE)) for p in library if _imports_bench(p)] == []
+    assert _imports_bench(PACKAGE / "bench" / "host.py")  # "from . import compare" is resolved, and caught
+
+
+def test_importing_and_building_a_module_loads_no_benchmark():
+    code = ("import persistrnn, sys; persistrnn.LSTM(8, 8); import persistrnn.plan.model, persistrnn.plan.floors; "
+            "bad = [m for m in sys.modules if m.startswith('persistrnn.bench')]; assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_suites_time_with_the_librarys_timing_and_floors():
+    from persistrnn.bench import sync, timing
+    from persistrnn.plan import floors
+
+    assert timing.time_cuda_ms is runtime.time_cuda_ms and timing.per_iteration_us is runtime.per_iteration_us
+    for name in ("Runner", "SyncConfig", "grid_barriers", "grid_exchange", "cluster_exchanges", "sync_binary",
+                 "exchange_shared_bytes", "expected_state", "BLOCK", "STATE_SIZES", "EXCHANGE_BLOCKS"):
+        assert getattr(sync, name) is getattr(floors, name), name
+
+
+def _kernel_params(source):
+    """{kernel: [parameter declarations]} of every extern "C" kernel in ``source``."""
+    found = re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', source)
+    return {name: [" ".join(p.split()) for p in params.split(",") if p.strip()] for name, params in found}
+
+
+def test_the_sync_kernels_that_wait_take_report_and_bound_after_status():
+    # floors passes Runner.watch() (status, report, timeout) as the last three
+    # arguments of every sync kernel that takes a status word.
+    params = _kernel_params(runtime.read_source("sync_bench.cu"))
+    waiting = {k: p for k, p in params.items() if "int* status" in p}
+    assert set(waiting) >= {"grid_barrier_counter", "grid_exchange", "cluster_exchange_stasync"}
+    for kernel, p in waiting.items():
+        assert p[-3:] == ["int* status", "int* report", "unsigned long long timeout_ns"], (kernel, p)
+
+
+def test_the_watch_arguments_are_a_pointer_a_null_report_and_a_64_bit_bound():
+    import numpy as np
+    import torch
+
+    from persistrnn.plan import floors
+
+    r = floors.Runner.__new__(floors.Runner)  # no GPU: only the status word is needed
+    r.status = torch.zeros(1, dtype=torch.int32)
+    args = runtime.kernel_args(*r.watch())
+    assert [type(a) for a in args] == [np.uint64] * 3  # 8 bytes each, as the kernel's int*, int*, u64
+    assert [int(a) for a in args] == [r.status.data_ptr(), 0, runtime.wait_timeout_ns()]
+
+
+# ----------------------------------------------------------------------------
+# Host time per call
+# ----------------------------------------------------------------------------
+
+def test_host_suite_is_registered_and_runs_every_grnn_table_and_real_models_case():
+    assert SUITES["host"] == "persistrnn.bench.host" and SUITES["compile"] == "persistrnn.bench.compiled"
+    every = host.cases()
+    assert every == compare.suite_cases("grnn-table") + compare.suite_cases("real-models")
+    assert len(every) == len(set(every)) == 27 + 11
+
+
+def test_one_set_of_axes_narrows_each_suite_that_takes_it():
+    cases = host.cases(hidden=(64,), batch=(1,), cells=None)
+    assert [(c.model, c.batch) for c in cases] == [
+        ("LSTM 64", 1), ("GRU 64", 1), ("GRU (reset-before) 64", 1),
+        ("char-RNN", 1), ("text classification", 1), ("bidirectional", 8)]
+    assert host.cases(("real-models",), hidden=(64,)) == compare.suite_cases("real-models")
+    assert compare.suite_cases("real-models", batch=[2], hidden=[64], steps=None) == \
+        compare.SUITES["real-models"].build(batch=(2,))
+
+
+def test_host_arguments(capsys):
+    args, _ = host.parse(["--suites", "grnn-table", "--hidden", "64", "--batch", "1", "3", "--host-calls", "10"])
+    assert (args.suites, args.hidden, args.batch, args.host_calls, args.calls) == (["grnn-table"], [64], [1, 3], 10, 20)
+    assert (args.refcheck, args.progress, args.steps) == (True, True, None)
+    for bad, message in ((["--repeats", "4"], "at least 5"),
+                         (["--host-calls", "0"], "--host-calls: expected a positive"),
+                         (["--batch", "0"], "expected positive integers, got [0]"),
+                         (["--suites", "scaling"], "invalid choice: 'scaling'"),
+                         (["--dtypes", "float16"], "unrecognized arguments: --dtypes")):
+        with pytest.raises(SystemExit):
+            host.parse(bad)
+        assert message in capsys.readouterr().err, bad
+
+
+def _host_case(model, cell, hidden, batch, eager, graph, host_us, torch_eager, *, layers=1, steps=100,
+               plan="persistent", status="ok"):
+    case = Case(model, cell, hidden, hidden, layers, False, "float32", steps, batch)
+    ours = host.HostRow("persistrnn", ms=eager, graph_ms=graph, host_us=host_us, rel_error=2e-7, plan=plan)
+    if status != "ok":
+        ours = Row("persistrnn", status, note="KernelLaunchError: no room")
+    theirs = (host.HostRow("cudnn", ms=torch_eager, graph_ms=torch_eager / 2, rel_error=1e-3) if torch_eager
+              else host.HostRow("cudnn", "no peer", note="torch has no GRU (reset-before)"))
+    return {**case.__dict__, "rows": [ours.__dict__, theirs.__dict__]}
+
+
+HOST_RESULT = {"suite": "host", "environment": ENV, "settings": host.Settings().__dict__, "cases": [
+    _host_case("LSTM 256", "lstm", 256, 1, 0.120, 0.106, 40.0, 1.2),  # both met
+    _host_case("LSTM 64", "lstm", 64, 1, 0.090, 0.056, 80.0, 0.135),  # 34 µs over: missed; faster than torch
+    _host_case("GRU (reset-before) 64", "gru_reset_before", 64, 1, 0.1, 0.09, 60.0, None),  # no torch peer
+    _host_case("text classification", "lstm", 256, 10, 0.30, 0.29, 45.0, 0.28, layers=2, steps=20),
+    _host_case("GRU 1024", "gru", 1024, 20, None, None, None, 1.6, status="failed"),
+]}
+
+
+def test_host_targets_are_judged_per_case_from_the_json():
+    overhead, versus_torch = host.host_targets()
+    cases = HOST_RESULT["cases"]
+    assert targets.judge(overhead, cases[0]) == (
+        "met", "eager 0.120 ms vs graph 0.106 ms: 1.13×, +14 µs (plan: persistent)")
+    assert targets.judge(overhead, cases[1])[0] == "missed" and "+34 µs" in targets.judge(overhead, cases[1])[1]
+    assert targets.judge(versus_torch, cases[1])[0] == "met"
+    assert targets._applies(overhead, cases[2]) and not targets._applies(versus_torch, cases[2])
+    assert targets.judge(versus_torch, cases[3]) == (
+        "missed", "eager 0.300 ms vs cuDNN eager 0.280 ms: 1.07×, +20 µs (plan: persistent)")
+    assert targets.judge(overhead, cases[4]) == ("missed", "persistrnn failed: KernelLaunchError: no room")
+    rows = [r for r in targets.evaluate([HOST_RESULT]) if r["source"] == "host"]
+    assert [(r["case"], r["status"]) for r in rows] == [
+        ("LSTM 256, T=100, fp32, batch 1", "met"), ("LSTM 64, T=100, fp32, batch 1", "missed"),
+        ("GRU (reset-before) 64, T=100, fp32, batch 1", "met"), ("text classification, T=20, fp32, batch 10", "met"),
+        ("GRU 1024, T=100, fp32, batch 20", "missed"),
+        ("LSTM 256, T=100, fp32, batch 1", "met"), ("LSTM 64, T=100, fp32, batch 1", "met"),
+        ("text classification, T=20, fp32, batch 10", "missed"), ("GRU 1024, T=100, fp32, batch 20", "missed")]
+    # the comparison suites' targets are theirs alone: a host run judges none of them, and has no first calls
+    assert not any(r["source"] == "host" for r in targets.evaluate([HOST_RESULT])
+                   if r["issue"] != targets.RUNTIME)
+
+
+def test_a_host_run_judges_its_cases_before_a_comparison_run_of_the_same_cases():
+    same = _case("LSTM 256", "lstm", 256, 1, 0.106, 0.5, 0.5, 1.0, 4.0)  # eager 0.5 ms in that run: missed
+    overhead = [r for r in targets.evaluate([RESULT, HOST_RESULT]) if r["target"] == host.host_targets()[0].text]
+    lstm = [r for r in overhead if r["case"] == "LSTM 256, T=100, fp32, batch 1"]
+    assert [(r["status"], r["source"]) for r in lstm] == [("met", "host")]
+    alone = [r for r in targets.evaluate([{**RESULT, "cases": [same]}]) if r["target"] == host.host_targets()[0].text]
+    assert [(r["status"], r["source"]) for r in alone] == [("missed", "grnn-table")]
+
+
+def test_host_table_gives_times_gap_bound_and_verdicts():
+    table = host.format_table(HOST_RESULT)
+    assert _line(table, "| LSTM 256 |") == ["LSTM 256", "fp32", "100", "1", "persistent", "0.120", "0.106", "40.0",
+                                            "+14.0", "device", "1.200", "met", "met", "2.0e-07"]
+    lstm64 = _line(table, "| LSTM 64 |")
+    assert lstm64[8:13] == ["+34.0", "host", "0.135", "missed", "met"]  # 80 µs of host time > 56 µs of device time
+    assert _line(table, "| GRU (reset-before) 64 |")[10:13] == ["no peer", "met", "—"]
+    assert "failed: KernelLaunchError: no room" in _line(table, "| GRU 1024 |")[4]
+
+
+def test_host_json_is_written_again_without_a_gpu(tmp_path, capsys):
+    saved = tmp_path / "host.json"
+    saved.write_text(json.dumps(HOST_RESULT))
+    assert host.main(["--from-json", str(saved), "--markdown", str(tmp_path / "host.md")]) == 0
+    md = (tmp_path / "host.md").read_text()
+    assert md.startswith("# Host time per call") and "Test GPU" in md and "commit abc" in md
+    assert "perf_counter over 50 eager calls" in md and "## Speed targets in this run" in md
+    assert "| LSTM 64 | fp32 | 100 | 1 | persistent | 0.090 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        host.main(["--from-json", str(RESULTS / "grnn-table-h100.json")])
+    assert "expected a host result, got 'grnn-table'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------
+# torch.compile
+# ----------------------------------------------------------------------------
+
+def test_compile_cases_and_arguments(capsys):
+    assert compiled.CASES["lstm-2x128-b1"] == Case("2-layer LSTM 128", "lstm", 128, 128, 2, False, "float32", 50, 1)
+    assert {(c.batch, c.cell, c.steps) for c in compiled.CASES.values()} == {(1, "lstm", 50), (8, "lstm", 50),
+                                                                            (1, "gru", 100)}
+    args, _ = compiled.parse([])
+    assert (args.cases, args.torch_compile, args.calls, args.repeats) == (list(compiled.CASES), True, 20, 5)
+    args, _ = compiled.parse(["--cases", "gru-256-b1", "--no-torch-compile"])
+    assert (args.cases, args.torch_compile) == (["gru-256-b1"], False)
+    for bad, message in ((["--cases", "lstm-9"], "invalid choice: 'lstm-9'"), (["--repeats", "1"], "at least 5"),
+                         (["--calls", "0"], "--calls: expected a positive")):
+        with pytest.raises(SystemExit):
+            compiled.parse(bad)
+        assert message in capsys.readouterr().err, bad
+
+
+def _compile_case(key, eager, default, reduce_overhead, torch_eager, torch_compiled, *, failed=None):
+    rows = [Row(compiled.EAGER, ms=eager, rel_error=3e-7, plan="persistent"),
+            Row(compiled.COMPILED, ms=default, rel_error=3e-7, first_call_s=4.0),
+            Row(compiled.REDUCE_OVERHEAD, ms=reduce_overhead, rel_error=3e-7, first_call_s=6.0),
+            Row(compiled.TORCH, ms=torch_eager, rel_error=1e-3),
+            Row(compiled.TORCH_COMPILED, ms=torch_compiled, rel_error=1e-6, note="2 graph break(s)")]
+    if failed:
+        rows[1] = Row(compiled.COMPILED, "failed", rel_error=1.3, first_call_s=4.0,
+                      note="output differs from float64 (rel. error 1.3e+00): not timed")
+    return {"key": key, **compiled.CASES[key].__dict__, "rows": [r.__dict__ for r in rows]}
+
+
+COMPILE_RESULT = {"suite": "compile", "environment": ENV, "settings": compiled.Settings().__dict__, "cases": [
+    _compile_case("lstm-2x128-b1", 0.093, 0.100, 0.060, 0.28, 0.2),   # 1.08x eager, below torch: met
+    _compile_case("lstm-2x128-b8", 0.10, 0.46, 0.07, 0.28, 0.2),      # 4.6x eager and slower than torch: missed
+    _compile_case("gru-256-b1", 0.10, None, 0.07, 0.3, 0.25, failed=True),
+]}
+
+
+def test_compile_target_is_judged_from_the_json():
+    rows = [r for r in targets.evaluate([COMPILE_RESULT]) if r["source"] == "compile"]
+    assert [(r["case"], r["status"]) for r in rows] == [
+        ("2-layer LSTM 128, T=50, fp32, batch 1", "met"), ("2-layer LSTM 128, T=50, fp32, batch 8", "missed"),
+        ("GRU 256, T=100, fp32, batch 1", "missed")]
+    assert rows[0]["measured"] == ("compiled 0.100 ms vs eager 0.093 ms: 1.08×, +7 µs; compiled 0.100 ms vs "
+                                   "torch.nn eager 0.280 ms: 0.36×, -180 µs (plan: persistent)")
+    assert rows[2]["measured"].startswith("persistrnn compiled failed: output differs from float64")
+    slower_than_torch = _compile_case("lstm-2x128-b1", 0.30, 0.31, 0.2, 0.28, 0.2)  # 1.03x eager, above torch
+    target = next(t for t in targets.TARGETS if "compile" in t.suites)
+    assert targets.judge(target, slower_than_torch)[0] == "missed"
+
+
+def test_compile_table_gives_ratios_to_eager(tmp_path, capsys):
+    table = compiled.format_table(COMPILE_RESULT)
+    first = _line(table, "| 2-layer LSTM 128 | 50 | 1 |")
+    assert first[3:] == ["persistent", "0.0930", "0.1000", "1.08×", "0.0600", "0.65×", "0.2800", "0.2000", "0.36×",
+                         "1.0e-03", "4.0 / 6.0"]
+    gru = _line(table, "| GRU 256 |")
+    assert gru[5:7] == ["failed", "—"] and gru[10:12] == ["0.2500", "—"]
+    assert "persistrnn compiled: failed (output differs from float64" in table
+    assert "torch.nn compiled: ok (2 graph break(s))" in table
+    saved = tmp_path / "compile.json"
+    saved.write_text(json.dumps(COMPILE_RESULT))
+    assert compiled.main(["--from-json", str(saved), "--markdown", str(tmp_path / "c.md")]) == 0
+    md = (tmp_path / "c.md").read_text()
+    assert md.startswith("# torch.compile") and "allow_rnn" in md and "**met**" in md
+
+
+def test_targets_cli_judges_host_and_compile_runs_beside_the_comparisons(tmp_path, capsys):
+    paths = []
+    for name, result in (("grnn", RESULT), ("host", HOST_RESULT), ("compile", COMPILE_RESULT)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(result))
+    assert targets.main([str(p) for p in paths] + ["--markdown", str(tmp_path / "t.md")]) == 0
+    out = capsys.readouterr().out
+    assert "| torch.compile (default mode): ≤ 1.1× the eager persistrnn module" in out
+    assert "| 2-layer LSTM 128, T=50, fp32, batch 1 |" in out and "| LSTM 64, T=100, fp32, batch 1 |" in out
+    first = next(line for line in out.splitlines() if line.startswith("| first call"))
+    assert first.endswith("| grnn-table |")  # the host and compile runs have no first calls of their own
+    assert "`compile.json` (compile)" in (tmp_path / "t.md").read_text()
+
+
+# ----------------------------------------------------------------------------
+# On the GPU: the host-time and torch.compile suites end to end, one small case each
+# ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_host_suite_runs_a_small_case_end_to_end(tmp_path):
+    out = tmp_path / "host"
+    assert host.main(["--suites", "grnn-table", "--cells", "lstm", "gru_reset_before", "--hidden", "64", "--batch",
+                      "3", "--steps", "7", "--host-calls", "10", "--no-progress", "--json", f"{out}.json",
+                      "--markdown", f"{out}.md"]) == 0
+    result = json.loads(Path(f"{out}.json").read_text())
+    assert [c["cell"] for c in result["cases"]] == ["lstm", "gru_reset_before"]
+    for case in result["cases"]:
+        rows = compare.providers(case)
+        ours = rows["persistrnn"]
+        assert ours["status"] == "ok" and ours["host_us"] > 0 and ours["ms"] > 0 and ours["graph_ms"] > 0
+        if ours["plan"] != "cudnn":  # cuDNN's own numbers may carry TF32's error
+            assert ours["rel_error"] <= 1e-5
+        assert (rows["cudnn"]["status"] == "ok") == (case["cell"] == "lstm")
+    assert "| LSTM 64 | fp32 | 7 | 3 |" in Path(f"{out}.md").read_text()
+
+
+@pytest.mark.gpu
+def test_compile_suite_runs_the_issue_case_end_to_end(tmp_path):
+    out = tmp_path / "compile"
+    assert compiled.main(["--cases", "lstm-2x128-b1", "--no-torch-compile", "--calls", "5", "--no-progress",
+                          "--json", f"{out}.json", "--markdown", f"{out}.md"]) == 0
+    (case,) = json.loads(Path(f"{out}.json").read_text())["cases"]
+    rows = compare.providers(case)
+    for provider in (compiled.EAGER, compiled.COMPILED, compiled.REDUCE_OVERHEAD, compiled.TORCH):
+        assert rows[provider]["status"] == "ok" and rows[provider]["ms"] > 0, rows[provider]
+        assert rows[provider]["rel_error"] <= compiled.CHECK_TOLERANCE
+    assert rows[compiled.TORCH_COMPILED]["status"] == "not run"
+    assert "torch.compile (default mode)" in Path(f"{out}.md").read_text()

@@ -59,21 +59,25 @@ def test_get_cell():
 
 
 @pytest.mark.parametrize(
-    ("cell", "gates", "has_cell_state"),
+    ("cell", "gates", "has_cell_state", "outputs", "torch_module"),
     [
-        (LSTM, ("i", "f", "g", "o"), True),
-        (GRU, ("r", "z", "n"), False),
-        (GRU_RESET_BEFORE, ("r", "z", "n"), False),
-        (RNN_TANH, ("a",), False),
-        (RNN_RELU, ("a",), False),
+        (LSTM, ("i", "f", "g", "o"), True, ("h_new", "c_new"), "LSTM"),
+        (GRU, ("r", "z", "n"), False, ("h_new",), "GRU"),
+        (GRU_RESET_BEFORE, ("r", "z", "n"), False, ("h_new",), "GRU"),
+        (RNN_TANH, ("a",), False, ("h_new",), "RNN"),
+        (RNN_RELU, ("a",), False, ("h_new",), "RNN"),
     ],
     ids=lambda v: v.name if isinstance(v, CellSpec) else None,
 )
-def test_gates_and_state(cell: CellSpec, gates: tuple[str, ...], has_cell_state: bool):
+def test_gates_and_state(cell: CellSpec, gates: tuple[str, ...], has_cell_state: bool, outputs: tuple[str, ...],
+                         torch_module: str):
+    import torch
+
     assert cell.gates == gates
-    assert cell.num_gates == len(gates)
     assert cell.has_cell_state is has_cell_state
-    assert cell.outputs == (("h_new", "c_new") if has_cell_state else ("h_new",))
+    assert cell.outputs == outputs
+    # torch's parameter layout: num_gates blocks of hidden_size rows, one per gate, in the spec's order
+    assert getattr(torch.nn, torch_module)(3, 5).weight_ih_l0.shape == (cell.num_gates * 5, 3)
     assert cell.gate_rows(gates[-1], 5) == slice(5 * (len(gates) - 1), 5 * len(gates))
 
 

@@ -98,7 +98,9 @@ def calls_match_torch(ours, theirs, *, with_state, calls=CALLS):
             if with_state:
                 shape = (ours.num_layers * directions, batch, ours.hidden_size)
                 h0 = torch.randn(shape, device="cuda", generator=gen) * 0.5
-                hx = (h0, torch.randn(shape, device="cuda", generator=gen) * 0.5) if isinstance(ours, torch.nn.LSTM) else h0
+                hx = h0
+                if isinstance(ours, torch.nn.LSTM):
+                    hx = (h0, torch.randn(shape, device="cuda", generator=gen) * 0.5)
             got = ours(x, hx)
             want = theirs(x, hx)
             results.append((got, want))

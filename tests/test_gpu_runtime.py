@@ -69,7 +69,8 @@ def test_dynamic_shared_above_48KB(torch, binary, status):
     H, steps = 8192, 33
     k = runtime.get_kernel(binary, "cluster_exchange_stasync")
     out = torch.full((H,), float("nan"), device="cuda")
-    runtime.launch(k, k.config(2, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=2), *runtime.kernel_args(out, H, steps, status))
+    cfg = k.config(2, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=2)
+    runtime.launch(k, cfg, *runtime.kernel_args(out, H, steps, status))
     runtime.check_status(status, "cluster_exchange_stasync")
     torch.testing.assert_close(out, expected(torch, H, steps), rtol=0, atol=0)
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import FP32_TOLERANCE, reference_forward, rel, rounded_layer, tolerance
+from helpers import assert_close_to_reference, exact_torch, reference_forward, rounded_layer, torch_peer
 
 from persistrnn import cells, persistent
 from persistrnn.persistent import ConfigError, KernelConfig
@@ -163,11 +163,14 @@ COMPILE_SAMPLE += [_one_sync(*shape) for shape, _, _ in ONE_SYNC_SAMPLE]
 
 
 def check_against_reference(config, batch, steps, seed, input_size=None):
-    """Relative errors of one run of ``config`` against the float64 reference.
+    """One run of ``config`` against the float64 reference, by the tolerance
+    rule (tests/helpers.py), with torch's CUDA function on the same tensors as
+    the peer (none for the reset-before GRU). Returns the measurements.
 
     Parameters and inputs are drawn in float64, rounded to the config's dtype
     for the kernel, and the reference runs on the rounded values: the error
-    is the kernel's own, not the rounding of its inputs."""
+    is the kernel's own, not the rounding of its inputs. The outputs start as
+    NaN: an element the kernel never writes fails."""
     import torch
 
     rng = np.random.default_rng(seed)
@@ -182,17 +185,18 @@ def check_against_reference(config, batch, steps, seed, input_size=None):
     out = torch.full((steps, batch, H), nan, dtype=dtype, device=dev)
     h_n = torch.full((batch, H), nan, dtype=dtype, device=dev)
     c_n = torch.full((batch, H), nan, dtype=dtype, device=dev) if spec.has_cell_state else None
-    xw = persistent.input_projection(x_t, t["w_ih"], t["b_ih"])
-    persistent.run_recurrence(config, xw, t["w_hh"], t["b_hh"], h0_t, c0_t if spec.has_cell_state else None,
-                              out=out, h_n=h_n, c_n=c_n)
-    errors = {"output": rel(out.double().cpu().numpy(), ref_out), "h_n": rel(h_n.double().cpu().numpy(), ref_h)}
+    c0 = c0_t if spec.has_cell_state else None
+    with exact_torch():  # the input projection's GEMM in exact fp32, as the fp32 bound assumes
+        xw = persistent.input_projection(x_t, t["w_ih"], t["b_ih"])
+        persistent.run_recurrence(config, xw, t["w_hh"], t["b_hh"], h0_t, c0, out=out, h_n=h_n, c_n=c_n)
+    ours, ref = {"output": out, "h_n": h_n}, {"output": ref_out, "h_n": ref_h}
     if spec.has_cell_state:
-        errors["c_n"] = rel(c_n.double().cpu().numpy(), ref_c)
-    return errors
-
-
-def _tolerance(config):
-    return tolerance(config.dtype)
+        ours["c_n"], ref["c_n"] = c_n, ref_c
+    peer = torch_peer(config.cell, [[t]], x_t, h0_t, c0)
+    if peer is not None:
+        peer = {"output": peer[0], "h_n": peer[1][0], **({"c_n": peer[2][0]} if spec.has_cell_state else {})}
+    return assert_close_to_reference(ours, ref, peer, dtype=config.dtype,
+                                     context=f"{config}, batch {batch}, {steps} steps, seed {seed}")
 
 
 def _gpu_cases():
@@ -225,20 +229,16 @@ GPU_CASES = _gpu_cases()
 def test_kernel_matches_float64_reference(config, batch, steps):
     # A fresh seed per run (str hashes are salted per process); printed on failure.
     seed = hash((str(config), batch, steps)) % 2**32
-    errors = check_against_reference(config, batch, steps, seed=seed)
-    assert all(e <= _tolerance(config) for e in errors.values()), (seed, errors)
+    check_against_reference(config, batch, steps, seed=seed)
 
 
 @pytest.mark.gpu
 def test_large_batch_is_split_across_launches():
-    import torch
+    from persistrnn import runtime
 
     cfg = KernelConfig("lstm", 256, "cluster", 8, batch_tile=8)
-    facts = persistent.runtime.device_facts()
-    per_launch = cfg.max_batch(facts.shared_per_block_optin)
-    errors = check_against_reference(cfg, per_launch + 5, 3, seed=7)
-    assert all(e <= FP32_TOLERANCE for e in errors.values()), errors
-    torch.cuda.synchronize()
+    per_launch = cfg.max_batch(runtime.device_facts().shared_per_block_optin)
+    check_against_reference(cfg, per_launch + 5, 3, seed=7)
 
 
 @pytest.mark.gpu
@@ -275,7 +275,6 @@ def test_kernel_compiles_for_sm90_without_local_memory(config):
     binary = persistent.compile_config(config, arch="sm_90")
     res = binary.kernel_resources(persistent.KERNEL_NAME)
     assert not res.uses_local_memory, res
-    assert res.registers <= persistent.MAX_REGISTERS_PER_THREAD
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from persistrnn.cells import GRU_RESET_BEFORE, CellSpec, Statement
+from persistrnn.cells import GRU_RESET_BEFORE, Statement
 from persistrnn.reference import (
     cell_from_torch,
     load_params_into_torch,
@@ -542,8 +542,61 @@ def test_bad_input_raises(kwargs: dict, error: type[Exception], fragments: list[
         assert fragment in str(info.value)
 
 
-def test_valid_kwargs_pass():
-    # The error cases above differ from this call in one argument only.
-    for cell in ("lstm", "gru"):
-        kwargs = _valid_kwargs(cell)
-        rnn_forward(kwargs.pop("cell"), kwargs.pop("x"), kwargs.pop("params"), **kwargs)
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_the_call_every_error_case_changes_runs_and_matches_torch(cell):
+    # The error cases above differ from this call in one argument only: it
+    # must run, and give torch's answer, for their errors to mean anything.
+    kwargs = _valid_kwargs(cell)
+    case = Case(cell=cell, input_size=I, hidden_size=H, num_layers=L, bidirectional=True, batch=B, seq_len=T)
+    module = make_torch_module(case)
+    load_params_into_torch(module, kwargs["params"])
+    with torch.no_grad():
+        out, state = module(torch.from_numpy(kwargs["x"]))
+    actual = rnn_forward(kwargs.pop("cell"), kwargs.pop("x"), kwargs.pop("params"), **kwargs)
+    assert_same_result(case, actual, (out.numpy(), to_numpy(state)))
+
+
+# ---- the tolerance rule every GPU comparison uses (tests/helpers.py) ----------
+
+
+def test_tolerance_rule_bounds_the_norm_by_twice_the_peer_or_the_floor():
+    from helpers import assert_close_to_reference
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal(1000)
+    noise = rng.standard_normal(1000)
+    peer = ref + 1e-3 * noise
+    assert_close_to_reference(ref + 1.9e-3 * noise, ref, peer, dtype="float32")  # under 2x the peer
+    with pytest.raises(AssertionError, match="relative norm error"):
+        assert_close_to_reference(ref + 3e-3 * noise, ref, peer, dtype="float32")
+    # no peer (the reset-before GRU), or a peer more exact than the floor: the floor
+    assert_close_to_reference(ref + 5e-7 * noise, ref, None, dtype="float32")
+    assert_close_to_reference(ref + 5e-7 * noise, ref, ref, dtype="float32")
+    with pytest.raises(AssertionError, match="relative norm error"):
+        assert_close_to_reference(ref + 5e-3 * noise, ref, None, dtype="bfloat16")  # over u = 3.9e-3
+
+
+def test_tolerance_rule_finds_one_bad_element_a_norm_would_hide_and_nan():
+    from helpers import assert_close_to_reference
+
+    ref = np.random.default_rng(1).standard_normal(100_000)
+    bad = ref.copy()
+    bad[123] += 0.05  # 1.6e-4 of the norm: under 2x a peer's 1e-4, and far off as an element
+    peer = ref * (1 + 1e-4)
+    with pytest.raises(AssertionError, match="largest element error"):
+        assert_close_to_reference({"output": bad}, {"output": ref}, {"output": peer}, dtype="float32")
+    bad[123] = float("nan")
+    with pytest.raises(AssertionError, match="output"):
+        assert_close_to_reference({"output": bad}, {"output": ref}, None, dtype="float32")
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close_to_reference(ref[:10], ref, None, dtype="float32")
+
+
+def test_tolerance_rule_judges_a_few_elements_by_the_element_bound_alone():
+    from helpers import ELEMENT_FLOOR, assert_close_to_reference
+
+    # One unit near zero: its relative error is large, its absolute error a rounding step.
+    ref = np.array([1e-4, 0.5])
+    assert_close_to_reference(ref + 2e-3, ref, None, dtype="bfloat16")
+    with pytest.raises(AssertionError, match="largest element error"):
+        assert_close_to_reference(ref + 2 * ELEMENT_FLOOR["bfloat16"], ref, None, dtype="bfloat16")

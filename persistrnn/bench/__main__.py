@@ -12,6 +12,8 @@ SUITES = {
     "sync": "persistrnn.bench.sync",
     "recurrence": "persistrnn.bench.recurrence",
     "model-accuracy": "persistrnn.bench.model_accuracy",
+    "host": "persistrnn.bench.host",
+    "compile": "persistrnn.bench.compiled",
 }
 
 

@@ -173,6 +173,15 @@ SUITES = {s.name: s for s in (
 )}
 
 
+def suite_cases(name: str, **axes: Any) -> list[Case]:
+    """The cases of suite ``name``: the one definition every suite that runs
+    them uses (this module's, and the host-time suite's). Of ``axes``, those
+    the suite takes replace its defaults; the others, and None values, are
+    ignored, so one set of CLI axes can narrow several suites at once."""
+    suite = SUITES[name]
+    return suite.build(**{a: tuple(v) for a, v in axes.items() if a in suite.axes and v is not None})
+
+
 # ----------------------------------------------------------------------------
 # Providers
 # ----------------------------------------------------------------------------
@@ -253,11 +262,13 @@ def _cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _guard(provider: str, work: Callable[[], Row]) -> Row:
+def _guard(provider: str, work: Callable[[], Row], limit: int = 160) -> Row:
+    """``work()``, or a failed row whose note is the error's first line (``limit`` characters at most)."""
     try:
         return work()
     except Exception as exc:  # a failing provider is reported, not dropped
-        return Row(provider, "failed", note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        first = (str(exc).splitlines() or [""])[0]
+        return Row(provider, "failed", note=f"{type(exc).__name__}: {first[:limit]}")
 
 
 def _all_cores(fn: Callable[[], Any]) -> Any:
@@ -672,7 +683,7 @@ def main(suite_name: str, argv: list[str] | None = None) -> int:
         from ..runtime import require_gpu
 
         require_gpu()
-        cases = suite.build(**{a: tuple(getattr(args, a)) for a in suite.axes if getattr(args, a) is not None})
+        cases = suite_cases(suite.name, **{a: getattr(args, a) for a in suite.axes})
         settings = Settings(repeats=args.repeats, refcheck=args.refcheck, end_to_end=args.end_to_end)
 
         def save(result: dict[str, Any]) -> None:

@@ -56,6 +56,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         query = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu"
-        fields = _run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", str(torch.cuda.current_device())])
+        fields = _run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i",
+                       str(torch.cuda.current_device())])
         info["nvidia_smi"] = dict(zip(query.split(","), (f.strip() for f in fields.split(","))))
     return info

@@ -49,7 +49,8 @@ class AccuracyConfig:
     seed: int = 0
 
 
-def _sample(ranked: list[tuple[float, persistent.KernelConfig]], cfg: AccuracyConfig, rng) -> list[persistent.KernelConfig]:
+def _sample(ranked: list[tuple[float, persistent.KernelConfig]], cfg: AccuracyConfig,
+            rng) -> list[persistent.KernelConfig]:
     configs = [c for _, c in ranked]
     if len(configs) <= cfg.sample:
         return configs
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                          sample=args.sample)
     result = run(cfg)
     table = format_table(result)
-    header = (f"# Cost-model accuracy (`python -m persistrnn.bench model-accuracy`)\n\n{describe(result['environment'])}\n"
+    header = (f"# Cost-model accuracy (`python -m persistrnn.bench model-accuracy`)\n\n"
+              f"{describe(result['environment'])}\n"
               f"- T={cfg.steps}, fp32; spaces above {cfg.sample} configurations are a seeded random sample of "
               f"{cfg.sample} plus the model's top {2 * cfg.top}; each time is the median of {cfg.repeats} CUDA-event "
               f"timings of {cfg.calls} back-to-back launches of one layer's recurrence.\n")

@@ -63,10 +63,10 @@ def build_model(cell: str, params: Params, input_size: int, hidden_size: int) ->
         directions = len(entries)
         names = {k: f"l{layer}_{k}" for k in ("W", "R", "B", "Y", "Yt", "y")}
 
-        def stacked(key: str) -> np.ndarray:
+        def stacked(key: str, entries: list = entries) -> np.ndarray:
             return np.stack([_reorder(e[key], cell) for e in entries])
 
-        def bias(key: str) -> np.ndarray:
+        def bias(key: str, entries: list = entries) -> np.ndarray:
             return np.stack([_reorder(e[key], cell) if key in e else np.zeros(gates * hidden_size) for e in entries])
 
         w, r = stacked("w_ih"), stacked("w_hh")

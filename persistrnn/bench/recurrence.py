@@ -51,7 +51,8 @@ class RecurrenceBenchConfig:
     warmup: int = 2
 
 
-def candidates(cell: str, hidden: int, batch: int, sm_count: int, dtype: str = "float32") -> list[persistent.KernelConfig]:
+def candidates(cell: str, hidden: int, batch: int, sm_count: int,
+               dtype: str = "float32") -> list[persistent.KernelConfig]:
     """A handful of configurations around the default: fewer or more blocks
     (register budget) and other work-group sizes; for 16-bit dtypes, the
     tensor-core path with other K splits, and the widening FFMA path."""
@@ -153,7 +154,7 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
             err = _rel(as_f64(out), ref_out)
             graphs = [capture_graph(lambda i=i, fwd=fwd: fwd(i)) for i in range(ROTATE)]
             k = iter(range(10**9))
-            ms = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
+            ms = _per_call_ms(lambda graphs=graphs, k=k: graphs[next(k) % ROTATE].replay(), cfg)
             timings.append((ms, config, err, fwd))
         except (persistent.ConfigError, runtime.KernelLaunchError, runtime.CompileError) as exc:
             result.setdefault("rejected", []).append(f"{config}: {exc}")
@@ -189,11 +190,13 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
                 out = module(x_gpu[0], hx)[0]
                 result[f"cudnn_{prefix}error"] = _rel(as_f64(out), ref_out)
                 k = iter(range(10**9))
-                result[f"cudnn_{prefix}eager_ms"] = _per_call_ms(lambda: module(x_gpu[next(k) % ROTATE], hx), cfg)
+                result[f"cudnn_{prefix}eager_ms"] = _per_call_ms(
+                    lambda k=k: module(x_gpu[next(k) % ROTATE], hx), cfg)
                 if tf32:
                     graphs = [capture_graph(lambda i=i: module(x_gpu[i], hx)) for i in range(ROTATE)]
                     k = iter(range(10**9))
-                    result["cudnn_graph_ms"] = _per_call_ms(lambda: graphs[next(k) % ROTATE].replay(), cfg)
+                    result["cudnn_graph_ms"] = _per_call_ms(
+                        lambda graphs=graphs, k=k: graphs[next(k) % ROTATE].replay(), cfg)
             finally:
                 torch.backends.cudnn.allow_tf32 = old
     return result
@@ -224,12 +227,17 @@ def format_table(result: dict[str, Any]) -> str:
     for c in result["cases"]:
         cfg = c["config"]
         conf = f"{cfg['sync']} {cfg['blocks']}×{cfg['threads']}, {cfg['math']}"
-        conf += f", k split {cfg['k_split']}" if cfg["math"] == "mma" else f", wg {cfg['group_size']}, bt {cfg['batch_tile']}"
+        conf += (f", k split {cfg['k_split']}" if cfg["math"] == "mma"
+                 else f", wg {cfg['group_size']}, bt {cfg['batch_tile']}")
         conf += ", 1-sync" if cfg["one_sync"] else ""
         if "cudnn_eager_ms" in c:
-            fp32 = lambda key: f"{c[key]:.3g}" if key in c else "—"  # noqa: E731
+            def fp32(key: str, c: dict = c) -> str:
+                return f"{c[key]:.3g}" if key in c else "—"
+
+            speedups = (f"{c['cudnn_eager_ms'] / c['ours_graph_ms']:.1f}× / "
+                        f"{c['cudnn_graph_ms'] / c['ours_graph_ms']:.1f}×")
             peer = (f"{c['cudnn_eager_ms']:.3f} | {fp32('cudnn_fp32_eager_ms')} | {c['cudnn_graph_ms']:.3f} | "
-                    f"{c['cudnn_eager_ms'] / c['ours_graph_ms']:.1f}× / {c['cudnn_graph_ms'] / c['ours_graph_ms']:.1f}×")
+                    + speedups)
             errs = f"{c['cudnn_error']:.1e} / {fp32('cudnn_fp32_error')}"
         else:
             peer, errs = "— | — | — | —", "—"

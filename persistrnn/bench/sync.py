@@ -12,7 +12,8 @@ difference of the step counts, which cancels the launch and the prologue.
 Each time is the median of ``repeats`` CUDA-event timings after ``warmup``
 launches. The exchange kernels compute a checkable recurrence and their final
 state is compared exactly with the host's before any number is reported. The
-planner reads the JSON written here as its calibration of sync costs.
+planner calibrates its exchange costs from the same measurements
+(:mod:`persistrnn.plan.floors`), run at fewer steps.
 """
 
 from __future__ import annotations
@@ -24,85 +25,21 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
+# The measurements the planner calibrates from live in the library; this
+# suite adds the ones only its table reports (launch gap, cluster barriers,
+# residency) and the table itself.
+from ..plan.floors import (BLOCK, EXCHANGE_BLOCKS, EXCHANGE_CLUSTERS, STATE_SIZES, Runner, SyncConfig,
+                           check_state, cluster_exchanges, exchange_shared_bytes, expected_state, grid_barriers,
+                           grid_block_counts, grid_exchange, sync_binary)
 from .environment import describe
-from .timing import per_iteration_us, time_cuda_ms
+from .timing import time_cuda_ms
 
-BLOCK = 256  # threads per block in every sync kernel: a typical persistent block
-STATE_SIZES = (256, 1024, 4096)  # H: floats of state exchanged per step
-EXCHANGE_CLUSTERS = (2, 4, 8, 16)  # H must divide by 4 * cluster size
-# Threads per block for the exchanges: every thread waits, so the cost grows
-# with the block; a persistent RNN block holding weights in registers is large.
-EXCHANGE_BLOCKS = (32, 256, 1024)
+__all__ = ["BLOCK", "EXCHANGE_BLOCKS", "EXCHANGE_CLUSTERS", "RESIDENCY_SHARED", "STATE_SIZES", "Runner", "SyncConfig",
+           "check_state", "cluster_barriers", "cluster_exchanges", "exchange_shared_bytes", "expected_state",
+           "format_header", "format_table", "grid_barriers", "grid_block_counts", "grid_exchange", "launch_gap",
+           "main", "residency", "run", "sync_binary"]
+
 RESIDENCY_SHARED = 200 * 1024  # a persistent block that holds its weights in shared memory
-
-
-def sync_binary(arch: str | None = None) -> runtime.CompiledBinary:
-    """The compiled sync micro-benchmark kernels (``arch=None``: this GPU's)."""
-    return runtime.compile_source("sync_bench", runtime.read_source("sync_bench.cu"), arch=arch)
-
-
-def exchange_shared_bytes(kernel: str, H: int) -> int:
-    """Dynamic shared memory of a cluster exchange kernel: two H-float state
-    buffers, then (st.async only) one 8-byte mbarrier per buffer."""
-    return 2 * H * 4 + (16 if kernel == "cluster_exchange_stasync" else 0)
-
-
-def expected_state(H: int, steps: int) -> list[float]:
-    """h_S of the exchange recurrence h_s[j] = h_{s-1}[(j+1) mod H] + 1, h_0[j] = j."""
-    return [float((j + steps) % H + steps) for j in range(H)]
-
-
-@dataclasses.dataclass
-class SyncConfig:
-    steps: int = 20_000
-    repeats: int = 5
-    warmup: int = 2
-    launches: int = 2_000  # for the back-to-back launch gap
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "repeats", "launches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.steps < 20:
-            raise ValueError(f"steps must be >= 20 so that steps // 10 differs from steps, got {self.steps}")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
-
-
-class Runner:
-    """Times one kernel at two step counts and returns microseconds per step."""
-
-    def __init__(self, cfg: SyncConfig) -> None:
-        import torch
-
-        self.cfg = cfg
-        self.binary = sync_binary()
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.status = torch.zeros(1, dtype=torch.int32, device=self.device)
-
-    def kernel(self, name: str) -> runtime.LoadedKernel:
-        return runtime.get_kernel(self.binary, name)
-
-    def per_step_us(self, name: str, config: Any, make_args, setup=None) -> float:
-        k = self.kernel(name)
-        us = per_iteration_us(lambda steps: runtime.launch(k, config, *make_args(steps)), self.cfg.steps,
-                              warmup=self.cfg.warmup, repeats=self.cfg.repeats, setup=setup)
-        runtime.check_status(self.status, name)
-        return us
-
-    def zero_counter(self) -> None:
-        self.counter.zero_()
-
-
-def _check_state(got: Any, H: int, steps: int, what: str) -> None:
-    import torch
-
-    want = torch.tensor(expected_state(H, steps), device=got.device)
-    if not torch.equal(got, want):
-        bad = int((got != want).sum())
-        raise AssertionError(f"{what}: {bad} of {H} state values wrong after {steps} steps (an ordering bug)")
 
 
 def launch_gap(r: Runner) -> dict[str, float]:
@@ -133,84 +70,12 @@ def launch_gap(r: Runner) -> dict[str, float]:
     return {"host_issue_us": host_us, "issued_us": issued_us, "graph_us": graph_us}
 
 
-def grid_block_counts(sm_count: int) -> list[int]:
-    counts = [b for b in (8, 16, 32, 64, 128) if b < sm_count]
-    return counts + [sm_count]
-
-
-def grid_barriers(r: Runner, sm_count: int) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {"grid_sync_cg": {}, "grid_barrier_counter": {}}
-    for blocks in grid_block_counts(sm_count):
-        cg = r.kernel("grid_sync_cg")
-        out["grid_sync_cg"][blocks] = r.per_step_us(
-            "grid_sync_cg", cg.config(blocks, BLOCK, cooperative=True), lambda s: runtime.kernel_args(s)
-        )
-        counter = r.kernel("grid_barrier_counter")
-        out["grid_barrier_counter"][blocks] = r.per_step_us(
-            "grid_barrier_counter",
-            counter.config(blocks, BLOCK, cooperative=True),
-            lambda s: runtime.kernel_args(r.counter, s, r.status),
-            setup=r.zero_counter,
-        )
-    return out
-
-
-def grid_exchange(r: Runner, sm_count: int) -> dict[int, float]:
-    import torch
-
-    k = r.kernel("grid_exchange")
-    out = {}
-    for H in STATE_SIZES:
-        hbuf = torch.empty(2 * H, device=r.device)
-        initial = torch.arange(H, dtype=torch.float32, device=r.device)
-
-        def setup() -> None:
-            r.counter.zero_()
-            hbuf[:H].copy_(initial)
-
-        cfg = k.config(sm_count, BLOCK, shared=4 * H, cooperative=True)
-        out[H] = r.per_step_us("grid_exchange", cfg, lambda s: runtime.kernel_args(hbuf, H, r.counter, s, r.status), setup)
-        setup()
-        runtime.launch(k, cfg, *runtime.kernel_args(hbuf, H, r.counter, r.cfg.steps, r.status))
-        runtime.check_status(r.status, "grid_exchange")
-        S = r.cfg.steps
-        _check_state(hbuf[(S & 1) * H : (S & 1) * H + H], H, S, f"grid_exchange H={H}")
-    return out
-
-
 def cluster_barriers(r: Runner, max_cluster: int) -> dict[int, float]:
     k = r.kernel("cluster_barrier")
     return {
         n: r.per_step_us("cluster_barrier", k.config(n, BLOCK, cluster=n), lambda s: runtime.kernel_args(s))
         for n in range(2, max_cluster + 1)
     }
-
-
-def cluster_exchanges(r: Runner, max_cluster: int) -> dict[str, dict[int, dict[int, dict[int, float]]]]:
-    """Per-step exchange cost, indexed [kernel][threads per block][H][cluster size]."""
-    import torch
-
-    out: dict[str, dict] = {"cluster_exchange_dsmem": {}, "cluster_exchange_stasync": {}}
-    for name, table in out.items():
-        k = r.kernel(name)
-        with_status = name.endswith("stasync")
-        for block in EXCHANGE_BLOCKS:
-            table[block] = {}
-            for H in STATE_SIZES:
-                table[block][H] = {}
-                for n in (c for c in EXCHANGE_CLUSTERS if c <= max_cluster):
-                    state = torch.full((H,), float("nan"), device=r.device)  # poisoned
-                    cfg = k.config(n, block, shared=exchange_shared_bytes(name, H), cluster=n)
-
-                    def make_args(s, state=state, H=H):
-                        return runtime.kernel_args(state, H, s, r.status) if with_status else runtime.kernel_args(state, H, s)
-
-                    table[block][H][n] = r.per_step_us(name, cfg, make_args)
-                    state.fill_(float("nan"))
-                    runtime.launch(k, cfg, *make_args(r.cfg.steps))
-                    runtime.check_status(r.status, name)
-                    _check_state(state, H, r.cfg.steps, f"{name} H={H} cluster={n} block={block}")
-    return out
 
 
 def residency(r: Runner, max_cluster: int) -> dict[str, dict[int, int]]:
@@ -235,7 +100,8 @@ def run(cfg: SyncConfig | None = None, progress: bool = True) -> dict[str, Any]:
         ("grid barriers", lambda: grid_barriers(r, facts.sm_count)),
         ("grid exchange", lambda: {"grid_exchange": grid_exchange(r, facts.sm_count)}),
     ]
-    result: dict[str, Any] = {"environment": environment(), "device": dataclasses.asdict(facts), "config": dataclasses.asdict(cfg)}
+    result: dict[str, Any] = {"environment": environment(), "device": dataclasses.asdict(facts),
+                              "config": dataclasses.asdict(cfg)}
     max_cluster = r.kernel("cluster_barrier").max_cluster_size(BLOCK)
     result["max_cluster_size"] = max_cluster
     stages += [
@@ -243,7 +109,7 @@ def run(cfg: SyncConfig | None = None, progress: bool = True) -> dict[str, Any]:
         ("cluster exchanges", lambda: cluster_exchanges(r, max_cluster)),
         ("cluster residency", lambda: {"max_resident_clusters": residency(r, max_cluster)}),
     ]
-    for label, stage in _progress(stages, progress):
+    for _label, stage in _progress(stages, progress):
         result.update(stage())
     return result
 

@@ -6,10 +6,12 @@ them over several suites' JSON results at once (the published
 ``docs/results/targets-h100.md`` is made this way). A target no given run
 measured is listed as "not measured", never left out.
 
-A target names the cases it applies to by their fields, a bound on our graph
-time and/or a least speed-up over cuDNN (graph, eager or both), and the known
-cause shown when it is missed: the analysis in ``docs/perf-notes.md``, which a
-run cannot derive.
+A target names the cases it applies to by their fields and the suites whose
+runs judge it, then what it asks: a bound on our graph time, a least speed-up
+over cuDNN (graph, eager or both), or bounds between two times of the same
+case (:class:`Relation`: our eager call against its own graph replay, the
+compiled module against the eager one); and the known cause shown when it is
+missed: the analysis in ``docs/perf-notes.md``, which a run cannot derive.
 """
 
 from __future__ import annotations
@@ -27,6 +29,22 @@ FIRST_CALL_LIMIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
+class Relation:
+    """``subject`` ≤ ``factor`` × ``reference`` + ``plus_us``, two times of one case.
+
+    Each side is (provider, time key) of the case's rows ("ms": eager, CUDA
+    events back to back; "graph_ms": replayed from a CUDA graph); the
+    provider "cudnn" stands for cuDNN's faster setting (TF32 allowed or off).
+    ``labels`` name the two sides in the measured column."""
+
+    subject: tuple[str, str]
+    reference: tuple[str, str]
+    factor: float = 1.0
+    plus_us: float = 0.0
+    labels: tuple[str, str] = ("ours", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     text: str
     issue: str
@@ -38,6 +56,16 @@ class Target:
     against: tuple[str, ...] = ("eager",)
     """Which cuDNN time the speed-up is over: "eager", "graph" or both (eager against eager, graph against graph)."""
     cause: str = ""
+    relations: tuple[Relation, ...] = ()
+    """Bounds between two times of the same case, all of which must hold. A
+    case whose reference provider has no peer there (torch has no such cell)
+    is not one the target applies to."""
+    suites: tuple[str, ...] = ()
+    """The suites whose runs judge the target, in order of preference: a case
+    that several runs measured is judged from the first of these suites (from
+    the first run given, within one suite)."""
+    name_model: bool = False
+    """Whether the case column names the model and T (a target over many models)."""
 
 
 def _one_layer(cell: str, hidden: int, batch: Any, dtype: Any = "float32") -> tuple[tuple[str, Any], ...]:
@@ -47,44 +75,75 @@ def _one_layer(cell: str, hidden: int, batch: Any, dtype: Any = "float32") -> tu
 
 KERNEL = "persistent inference kernels"
 MODULES = "drop-in modules"
+RUNTIME = "one runtime: concurrency, a lean eager call, torch.compile"
+COMPARISON_SUITES = ("grnn-table", "real-models", "scaling", "dtypes")
+HOST_SUITES = ("host", "grnn-table", "real-models")
+"""The host-time suite measures these targets on purpose; the comparison
+suites' eager and graph times are the same measurement, so their runs judge
+the cases the host suite did not run."""
+EAGER_OVER_GRAPH_US = 25.0
+""""An eager call's time is at most its graph device time + 25 µs": the host
+path may cost no more than this beyond the device work."""
+COMPILED_OVER_EAGER = 1.1
+"""Under ``torch.compile`` (default mode), at most this times the eager module's time."""
 PHASES = ("About 0.9 µs per step against a 0.33 µs cluster sync floor: a step is a chain of block-wide phases "
           "(product, pointwise, exchange), each paying its latency (perf-notes §9).")
 TARGETS = (
     Target("LSTM H=256, batch 1: ≤ 0.06 ms and ≥ 15× cuDNN eager", KERNEL, _one_layer("lstm", 256, 1),
-           max_ms=0.06, min_speedup=15, cause=PHASES),
+           max_ms=0.06, min_speedup=15, cause=PHASES, suites=COMPARISON_SUITES),
     Target("LSTM H=256, batch 10 / 20: ≤ 0.12 ms and ≥ 8× cuDNN eager", KERNEL, _one_layer("lstm", 256, (10, 20)),
            max_ms=0.12, min_speedup=8,
            cause="The product grows with the batch on the same few SMs; at batch 20 the planner timed cuDNN as "
-                 "faster than our top 5."),
+                 "faster than our top 5.", suites=COMPARISON_SUITES),
     Target("LSTM H=1024, batch 1: ≤ 0.25 ms", KERNEL, _one_layer("lstm", 1024, 1), max_ms=0.25,
-           cause="The same per-step phase chain, on a 16-block cluster (perf-notes §9)."),
+           cause="The same per-step phase chain, on a 16-block cluster (perf-notes §9).", suites=COMPARISON_SUITES),
     Target("LSTM H=1024, batch 20, fp32: ≤ 0.6 ms", KERNEL, _one_layer("lstm", 1024, 20), max_ms=0.6,
-           cause="The weights need 64+ SMs (grid mode, an exchange through L2 each step), and cuDNN's GEMMs win."),
+           cause="The weights need 64+ SMs (grid mode, an exchange through L2 each step), and cuDNN's GEMMs win.",
+           suites=COMPARISON_SUITES),
     Target("LSTM H=1024, batch 20, bf16: ≤ 0.35 ms", KERNEL, _one_layer("lstm", 1024, 20, "bfloat16"),
            max_ms=0.35,
-           cause="mma tiles at batch 20 leave most of each 8-column tile idle (perf-notes §9)."),
+           cause="mma tiles at batch 20 leave most of each 8-column tile idle (perf-notes §9).",
+           suites=COMPARISON_SUITES),
     Target("LSTM H=64, batch 1–20: ≤ 0.04 ms", KERNEL, _one_layer("lstm", 64, tuple(range(1, 21))),
            max_ms=0.04,
            cause="cuDNN's small-H persistent kernel runs at 0.056 ms and the planner picks it: our kernels "
-                 "measured 0.073 ms and above."),
+                 "measured 0.073 ms and above.", suites=COMPARISON_SUITES),
     Target("LSTM fp16/bf16, H=256, batch 8 and 16: ≤ 0.05 ms", KERNEL,
            _one_layer("lstm", 256, (8, 16), ("float16", "bfloat16")), max_ms=0.05,
-           cause="The same phase chain; the 16-bit product saves little at these sizes (perf-notes §9)."),
+           cause="The same phase chain; the 16-bit product saves little at these sizes (perf-notes §9).",
+           suites=COMPARISON_SUITES),
     Target("LSTM fp16/bf16, H=1024, batch 8 and 16: ≤ 0.15 ms", KERNEL,
            _one_layer("lstm", 1024, (8, 16), ("float16", "bfloat16")), max_ms=0.15,
-           cause="As at batch 20: mma tiles idle at small batch, and the phase chain per step."),
+           cause="As at batch 20: mma tiles idle at small batch, and the phase chain per step.",
+           suites=COMPARISON_SUITES),
     Target("char-RNN (3-layer LSTM 128, T=100), batch 1/5/10/20/40: ≤ 0.10 ms", MODULES,
            (("model", "char-RNN"), ("dtype", "float32")), max_ms=0.10,
            cause="The fused pipeline runs ~1.2 µs per step against 0.74 µs for one layer: the next-layer product "
-                 "and the handover cost ~0.2 µs each (perf-notes §16); from batch 10 cuDNN timed faster."),
+                 "and the handover cost ~0.2 µs each (perf-notes §16); from batch 10 cuDNN timed faster.",
+           suites=COMPARISON_SUITES),
     Target("text classification (2-layer LSTM 256, T=20), batch 1/5/10/20/40: ≤ 0.05 ms", MODULES,
            (("model", "text classification"), ("dtype", "float32")), max_ms=0.05,
            cause="The pipeline's cost per step as for char-RNN, plus its fill on a 20-step sequence; from batch "
-                 "10 cuDNN timed faster."),
+                 "10 cuDNN timed faster.", suites=COMPARISON_SUITES),
     Target("bidirectional 2-layer LSTM 256, T=100, batch 8: ≥ 5× cuDNN (eager and graph)", MODULES,
            (("model", "bidirectional"), ("dtype", "float32")), min_speedup=5, against=("eager", "graph"),
            cause="Both directions run at once, but a layer still pays the per-step phase chain; cuDNN's graph "
-                 "replay removes its host cost, which is most of its eager time."),
+                 "replay removes its host cost, which is most of its eager time.", suites=COMPARISON_SUITES),
+    Target(f"eager call ≤ its graph device time + {EAGER_OVER_GRAPH_US:.0f} µs: every grnn-table and real-models "
+           "case",
+           RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("persistrnn", "graph_ms"),
+                                            plus_us=EAGER_OVER_GRAPH_US, labels=("eager", "graph")),),
+           suites=HOST_SUITES, name_model=True),
+    Target("eager call no slower than torch's eager call: every grnn-table and real-models case with a torch peer",
+           RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("cudnn", "ms"), labels=("eager", "cuDNN eager")),),
+           suites=HOST_SUITES, name_model=True),
+    Target(f"torch.compile (default mode): ≤ {COMPILED_OVER_EAGER}× the eager persistrnn module, and no slower than "
+           "eager torch.nn", RUNTIME, (),
+           relations=(Relation(("persistrnn compiled", "ms"), ("persistrnn", "ms"), factor=COMPILED_OVER_EAGER,
+                               labels=("compiled", "eager")),
+                      Relation(("persistrnn compiled", "ms"), ("torch.nn", "ms"),
+                               labels=("compiled", "torch.nn eager"))),
+           suites=("compile",), name_model=True),
 )
 
 
@@ -93,12 +152,55 @@ def _key(case: dict[str, Any]) -> tuple:
                                    "batch"))
 
 
+def _rows_of(case: dict[str, Any], provider: str) -> list[dict[str, Any]]:
+    """The case's rows of ``provider``; "cudnn" means every cuDNN setting's row."""
+    if provider == "cudnn":
+        return [r for r in case["rows"] if r["provider"].startswith("cudnn")]
+    return [r for r in case["rows"] if r["provider"] == provider]
+
+
 def _applies(target: Target, case: dict[str, Any]) -> bool:
-    return all(case[k] in v if isinstance(v, tuple) else case[k] == v for k, v in target.where)
+    if not all(case[k] in v if isinstance(v, tuple) else case[k] == v for k, v in target.where):
+        return False
+    # A bound against a peer that torch does not have (the reset-before GRU) does not apply.
+    for relation in target.relations:
+        rows = _rows_of(case, relation.reference[0])
+        if rows and all(r["status"] == "no peer" for r in rows):
+            return False
+    return True
+
+
+def _time(case: dict[str, Any], provider: str, key: str) -> float | None:
+    if provider == "cudnn":
+        return best_cudnn(case, key)
+    rows = [r for r in _rows_of(case, provider) if r["status"] == "ok"]
+    return rows[0].get(key) if rows else None
+
+
+def _judge_relations(target: Target, case: dict[str, Any]) -> tuple[str, str]:
+    parts, met = [], True
+    for relation in target.relations:
+        subject, reference = relation.labels
+        for provider, _ in (relation.subject, relation.reference):
+            failed = [r for r in _rows_of(case, provider) if r["status"] not in ("ok", "no peer")]
+            if failed and len(failed) == len(_rows_of(case, provider)):
+                return "missed", f"{provider} {failed[0]['status']}: {failed[0]['note']}"
+        have, want = _time(case, *relation.subject), _time(case, *relation.reference)
+        if have is None or want is None:
+            parts.append(f"no {subject if have is None else reference} time")
+            met = False
+            continue
+        met &= have <= relation.factor * want + relation.plus_us / 1e3
+        parts.append(f"{subject} {have:.3f} ms vs {reference} {want:.3f} ms: {have / want:.2f}×, "
+                     f"{(have - want) * 1e3:+.0f} µs")
+    plan = next((r["plan"] for r in _rows_of(case, "persistrnn") if r.get("plan")), "")
+    return ("met" if met else "missed"), "; ".join(parts) + (f" (plan: {plan})" if plan else "")
 
 
 def judge(target: Target, case: dict[str, Any]) -> tuple[str, str]:
     """(status, measured) of one target on one case."""
+    if target.relations:
+        return _judge_relations(target, case)
     ours = providers(case)["persistrnn"]
     if ours["status"] != "ok":
         return "missed", f"persistrnn {ours['status']}: {ours['note']}"
@@ -113,10 +215,14 @@ def judge(target: Target, case: dict[str, Any]) -> tuple[str, str]:
     return ("met" if met else "missed"), ", ".join(parts)
 
 
+def _first_call_rows(result: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [(r, c) for c in result["cases"] for r in c["rows"]
+            if r["provider"] == "persistrnn" and r.get("first_call_s") is not None]
+
+
 def _first_calls(results: list[dict[str, Any]]) -> tuple[str, str] | None:
     """Over the first calls that tuned: a first call whose plan came from the cache measures nothing new."""
-    rows = [(r, c) for res in results for c in res["cases"] for r in c["rows"]
-            if r["provider"] == "persistrnn" and r.get("first_call_s") is not None]
+    rows = [row for res in results for row in _first_call_rows(res)]
     if not rows:
         return None
     times = [(r["first_call_s"], c["model"], c["batch"]) for r, c in rows if r.get("tuned")]
@@ -129,12 +235,26 @@ def _first_calls(results: list[dict[str, Any]]) -> tuple[str, str] | None:
             f"{FIRST_CALL_LIMIT_S:.0f} s (slowest: {worst[1]}, batch {worst[2]})")
 
 
+def _case_label(target: Target, case: dict[str, Any]) -> str:
+    label = f"{DTYPE_NAMES[case['dtype']]}, batch {case['batch']}"
+    return f"{case['model']}, T={case['steps']}, {label}" if target.name_model else label
+
+
+def _runs_for(target: Target, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs that judge ``target``, the preferred suites' first (stable: given order within a suite)."""
+    if not target.suites:
+        return list(results)
+    return sorted((r for r in results if r.get("suite") in target.suites),
+                  key=lambda r: target.suites.index(r["suite"]))
+
+
 def evaluate(results: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """One row per target and case it applies to (the first run that measured a case), in the targets' order."""
+    """One row per target and case it applies to (judged from the first run, of
+    the target's preferred suite, that measured the case), in the targets' order."""
     rows = []
     for target in TARGETS:
         seen: dict[tuple, tuple[str, dict[str, Any]]] = {}
-        for res in results:
+        for res in _runs_for(target, results):
             for case in res["cases"]:
                 if _applies(target, case):
                     seen.setdefault(_key(case), (res.get("suite", "?"), case))
@@ -143,15 +263,17 @@ def evaluate(results: list[dict[str, Any]]) -> list[dict[str, str]]:
                          "status": "not measured", "cause": "", "source": ""})
         for suite, case in seen.values():
             status, measured = judge(target, case)
-            rows.append({"target": target.text, "issue": target.issue,
-                         "case": f"{DTYPE_NAMES[case['dtype']]}, batch {case['batch']}", "measured": measured,
+            rows.append({"target": target.text, "issue": target.issue, "case": _case_label(target, case),
+                         "measured": measured,
                          "status": status, "cause": target.cause if status == "missed" else "", "source": suite})
     first = _first_calls(results)
     if first:
         rows.append({"target": f"first call of a new shape: seconds, not a minute (≤ {FIRST_CALL_LIMIT_S:.0f} s)",
                      "issue": KERNEL, "case": "every case", "measured": first[1], "status": first[0],
                      "cause": "Not broken down yet. Tuning compiles and times the model's top 5 configurations, the "
-                              "fallback and cuDNN; how the time splits between them was not measured." if first[0] == "missed" else "", "source": ", ".join(dict.fromkeys(r.get("suite", "?") for r in results))})
+                              "fallback and cuDNN; how the time splits between them was not measured."
+                              if first[0] == "missed" else "",
+                     "source": ", ".join(dict.fromkeys(r.get("suite", "?") for r in results if _first_call_rows(r)))})
     return rows
 
 
@@ -160,7 +282,7 @@ def format_targets(results: list[dict[str, Any]], measured_only: bool = True) ->
     rows = [r for r in evaluate(results) if not (measured_only and r["status"] == "not measured")]
     if not rows:
         return "No case of this run bears on a speed target."
-    lines = ["| target | case | measured (ours graph ms, plan; speed-ups) | status | cause of a miss | run |",
+    lines = ["| target | case | measured | status | cause of a miss | run |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         status = r["status"] if r["status"] == "not measured" else f"**{r['status']}**"
@@ -175,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m persistrnn bench targets", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", type=Path, help="JSON results of comparison suites (--json)")
+    p.add_argument("results", nargs="+", type=Path,
+                   help="JSON results (--json) of the comparison suites, the host suite and the compile suite")
     p.add_argument("--markdown", type=Path)
     args = p.parse_args(argv)
     results = []
@@ -195,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(
             "# Speed targets of the kernel and module issues\n\nJudged by `python -m persistrnn bench targets` "
             "from these runs. Times are device ms per forward from CUDA-graph replays; speed-ups are cuDNN's "
-            "faster setting (through `torch.nn`, same process) over ours. The cause of a miss is the analysis in "
+            "faster setting (through `torch.nn`, same process) over ours. The host-path and `torch.compile` "
+            "targets compare two times of one case, each the median of CUDA-event timings of calls back to back "
+            "(eager, graph replay, compiled). The cause of a miss is the analysis in "
             f"`docs/perf-notes.md`.\n\n{sources}\n\n{table}\n\nNot judged here: the per-step time within 2× of the "
             "sync floor plus arithmetic, which needs the recurrence alone; see `recurrence-h100.md`.\n")
     print(table)

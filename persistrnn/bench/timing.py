@@ -1,47 +1,7 @@
-"""CUDA-event timing shared by every benchmark suite."""
+"""CUDA-event timing for the benchmark suites: the library's own
+(:mod:`persistrnn.runtime.timing`), so that a suite and the planner time the
+same way."""
 
-from __future__ import annotations
+from ..runtime.timing import per_iteration_us, time_cuda_ms, warm_up
 
-import statistics
-from typing import Callable
-
-
-def time_cuda_ms(run: Callable[[], None], *, warmup: int = 2, repeats: int = 5, setup: Callable[[], None] | None = None) -> float:
-    """Median device time of ``run()`` in milliseconds, over ``repeats`` timed calls.
-
-    ``setup`` (e.g. zeroing a barrier counter) runs before each call, outside
-    the timed region. Warm-up calls keep module load and first-touch costs out.
-    """
-    import torch
-
-    for _ in range(warmup):
-        if setup:
-            setup()
-        run()
-    pairs = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
-
-
-def per_iteration_us(run_with: Callable[[int], None], iterations: int, *, warmup: int = 2, repeats: int = 5,
-                     setup: Callable[[], None] | None = None) -> float:
-    """Device time of one iteration of a loop that runs inside one launch, in µs.
-
-    ``run_with(n)`` launches the loop for ``n`` iterations. The loop is timed
-    at ``iterations`` and ``iterations // 10``; the difference of the two times
-    over the difference of the counts cancels the launch and the prologue.
-    """
-    if iterations < 20:
-        raise ValueError(f"iterations must be >= 20 so that iterations // 10 differs, got {iterations}")
-    long, short = iterations, iterations // 10
-    times = {n: time_cuda_ms(lambda n=n: run_with(n), warmup=warmup, repeats=repeats, setup=setup)
-             for n in (short, long)}
-    return (times[long] - times[short]) * 1e3 / (long - short)
+__all__ = ["per_iteration_us", "time_cuda_ms", "warm_up"]

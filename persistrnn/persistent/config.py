@@ -139,9 +139,10 @@ class KernelConfig(KernelLayout):
                 f"for hidden_size {self.hidden_size}"
             )
         if math.ceil(self.hidden_size / self.units_per_block) != self.blocks:
+            fitting = math.ceil(self.hidden_size / self.units_per_block)
             raise ConfigError(
                 f"KernelConfig.blocks: {self.blocks} blocks of {self.units_per_block} units leave a block "
-                f"without units for hidden_size {self.hidden_size}; use {math.ceil(self.hidden_size / self.units_per_block)}"
+                f"without units for hidden_size {self.hidden_size}; use {fitting}"
             )
         if self.threads % WARP or self.threads > 1024:
             raise ConfigError(f"KernelConfig.threads: expected a multiple of 32 up to 1024, got {self.threads}")

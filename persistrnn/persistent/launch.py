@@ -87,7 +87,9 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
         # zeros, since the kernel reads exchange rows it never writes.
         own = runtime.scratch(device, 2 * config.padded_hidden * config.batch_stride(nb)
                               if config.sync == "grid" else 0)
-        pipe = torch.empty(config.pipe_floats(steps, nb), dtype=torch.float32, device=device) if config.pipeline else None
+        pipe = None
+        if config.pipeline:
+            pipe = torch.empty(config.pipe_floats(steps, nb), dtype=torch.float32, device=device)
         args = []
         for i in instances:
             c0 = i.c0 if i.c0 is not None else i.h0

@@ -181,7 +181,8 @@ class KernelLayout:
         bp = self.batch_stride(batch)
         g, u = self.spec.num_gates, self.units_per_block
         xw = (self.prefetch_steps + 1) * g * u * bp
-        floats = 2 * self.padded_hidden * bp + self.k_split * g * u * bp + xw + (u * bp if self.spec.has_cell_state else 0)
+        cell_state = u * bp if self.spec.has_cell_state else 0
+        floats = 2 * self.padded_hidden * bp + self.k_split * g * u * bp + xw + cell_state
         if self.one_sync:  # double-buffered partial sums of every block, and r * h
             floats += 2 * self.blocks * self.partial_rows * bp + self.padded_hidden * bp
         if self.pipeline:  # the next layer's b_ih and shared weights

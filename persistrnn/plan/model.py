@@ -17,7 +17,7 @@ The cost of one time step, in µs, is the sum of terms that cannot overlap
   m-tiles per warp.
 * **pointwise and block barriers**, from the same micro-benchmarks.
 * **exchange**, per sync mode, from the sync calibration
-  (``persistrnn.bench.sync``): st.async pushes within a cluster by cluster
+  (:mod:`.floors`): st.async pushes within a cluster by cluster
   size, threads and floats exchanged; the grid's counter barrier by block
   count plus its broadcast of h through L2 by floats.
 
@@ -33,9 +33,8 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any
 
-from .. import __version__, persistent, runtime
+from .. import __version__, runtime
 from ..errors import CalibrationError
 from ..log import logger
 from ..progress import track
@@ -353,8 +352,10 @@ def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
         # A difference of two timings: a clock that ramps up between them
         # (an idle H100 sat at 345 MHz) can leave it <= 0. Measure again.
         for _ in range(MEASURE_ATTEMPTS):
-            ns = 1e3 * runtime.per_iteration_us(lambda n: runtime.launch(k, config, *runtime.kernel_args(inputs, sink, n)),
-                                        BENCH_ITERATIONS, warmup=1, repeats=5)
+            def run(n: int) -> None:
+                runtime.launch(k, config, *runtime.kernel_args(inputs, sink, n))
+
+            ns = 1e3 * runtime.per_iteration_us(run, BENCH_ITERATIONS, warmup=1, repeats=5)
             if ns > 0:
                 return ns
         raise CalibrationError(f"{kernel}: {MEASURE_ATTEMPTS} timings in a row gave no positive time per iteration "
@@ -395,17 +396,18 @@ def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
 
 
 def _measure_sync() -> dict[str, dict[str, float]]:
-    from ..bench import sync
+    from . import floors  # in the library: calibrating needs nothing outside it
 
-    r = sync.Runner(sync.SyncConfig(steps=4000, repeats=3, warmup=1))
+    r = floors.Runner(floors.SyncConfig(steps=4000, repeats=3, warmup=1))
     facts = runtime.device_facts()
-    max_cluster = r.kernel("cluster_barrier").max_cluster_size(sync.BLOCK)
-    stasync = sync.cluster_exchanges(r, max_cluster)["cluster_exchange_stasync"]
+    max_cluster = r.kernel("cluster_barrier").max_cluster_size(floors.BLOCK)
+    stasync = floors.cluster_exchanges(r, max_cluster)["cluster_exchange_stasync"]
     return {
         "cluster_exchange": {_key(t, f, n): us for t, by_f in stasync.items() for f, by_n in by_f.items()
                              for n, us in by_n.items()},
-        "grid_barrier": {str(b): us for b, us in sync.grid_barriers(r, facts.sm_count)["grid_barrier_counter"].items()},
-        "grid_exchange": {str(f): us for f, us in sync.grid_exchange(r, facts.sm_count).items()},
+        "grid_barrier": {str(b): us
+                         for b, us in floors.grid_barriers(r, facts.sm_count)["grid_barrier_counter"].items()},
+        "grid_exchange": {str(f): us for f, us in floors.grid_exchange(r, facts.sm_count).items()},
     }
 
 
