@@ -50,6 +50,15 @@ def test_resources_match_driver(binary):
     assert k.kernel.attributes.local_size_bytes == 0
 
 
+def WATCH(timeout_s=None):
+    """The sync kernels' arguments after the status word: no report word (the
+    tests read the status word), and the wait bound."""
+    import numpy as np
+
+    ns = runtime.wait_timeout_ns() if timeout_s is None else int(timeout_s * 1e9)
+    return np.uint64(0), np.uint64(ns)
+
+
 @pytest.mark.parametrize("H", [256, 1024, 4096])
 @pytest.mark.parametrize("cluster", [2, 4, 8, 16])
 @pytest.mark.parametrize("kernel", ["cluster_exchange_dsmem", "cluster_exchange_stasync"])
@@ -58,7 +67,7 @@ def test_cluster_exchange_is_exact(torch, binary, status, kernel, H, cluster):
     steps = 101  # odd: the result ends in buffer 1
     out = torch.full((H,), float("nan"), device="cuda")
     cfg = k.config(cluster, BLOCK, shared=sync.exchange_shared_bytes(kernel, H), cluster=cluster)
-    args = (out, H, steps, status) if kernel.endswith("stasync") else (out, H, steps)
+    args = (out, H, steps, status, *WATCH()) if kernel.endswith("stasync") else (out, H, steps)
     runtime.launch(k, cfg, *runtime.kernel_args(*args))
     runtime.check_status(status, kernel)
     torch.testing.assert_close(out, expected(torch, H, steps), rtol=0, atol=0)
@@ -70,7 +79,7 @@ def test_dynamic_shared_above_48KB(torch, binary, status):
     k = runtime.get_kernel(binary, "cluster_exchange_stasync")
     out = torch.full((H,), float("nan"), device="cuda")
     cfg = k.config(2, BLOCK, shared=sync.exchange_shared_bytes("cluster_exchange_stasync", H), cluster=2)
-    runtime.launch(k, cfg, *runtime.kernel_args(out, H, steps, status))
+    runtime.launch(k, cfg, *runtime.kernel_args(out, H, steps, status, *WATCH()))
     runtime.check_status(status, "cluster_exchange_stasync")
     torch.testing.assert_close(out, expected(torch, H, steps), rtol=0, atol=0)
 
@@ -84,7 +93,7 @@ def test_grid_exchange_is_exact(torch, binary, status, H):
         hbuf[:H] = torch.arange(H, dtype=torch.float32, device="cuda")
         counter = torch.zeros(1, dtype=torch.int32, device="cuda")
         runtime.launch(k, k.config(blocks, BLOCK, shared=4 * H, cooperative=True),
-                   *runtime.kernel_args(hbuf, H, counter, steps, status))
+                       *runtime.kernel_args(hbuf, H, counter, steps, status, *WATCH()))
         runtime.check_status(status, "grid_exchange")
         final = hbuf[(steps & 1) * H : (steps & 1) * H + H]
         torch.testing.assert_close(final, expected(torch, H, steps), rtol=0, atol=0)
@@ -101,7 +110,7 @@ def test_launch_follows_torch_current_stream(torch, binary, status):
     with torch.cuda.stream(side):
         out = torch.empty(H, device="cuda")
         out.fill_(float("nan"))
-        runtime.launch(k, cfg, *runtime.kernel_args(out, H, steps, status))
+        runtime.launch(k, cfg, *runtime.kernel_args(out, H, steps, status, *WATCH()))
         copy = out.clone()
     side.synchronize()
     torch.testing.assert_close(copy, expected(torch, H, steps), rtol=0, atol=0)
@@ -127,13 +136,11 @@ def test_grid_barrier_without_residency_fails_instead_of_hanging(torch, status):
     # Launched plainly (not cooperatively) with 4x the blocks that fit: the
     # resident blocks wait for blocks that cannot start. The bounded spin
     # must end the kernel and report, well within a second at this timeout.
-    src = runtime.read_source("sync_bench.cu")
-    quick = runtime.compile_source("sync_bench_quick_timeout", src, defines={"PRNN_SPIN_TIMEOUT_NS": "50000000ull"})
-    k = runtime.get_kernel(quick, "grid_barrier_counter")
+    k = runtime.get_kernel(sync.sync_binary(), "grid_barrier_counter")
     blocks = 4 * k.max_resident_blocks(1024)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     t0 = time.perf_counter()
-    runtime.launch(k, k.config(blocks, 1024), *runtime.kernel_args(counter, 1000, status))
+    runtime.launch(k, k.config(blocks, 1024), *runtime.kernel_args(counter, 1000, status, *WATCH(0.05)))
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     with pytest.raises(KernelLaunchError, match="not all blocks were resident"):
