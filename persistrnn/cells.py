@@ -36,6 +36,7 @@ from types import CodeType, MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
+from .errors import ArgumentError, ArgumentTypeError
 
 __all__ = [
     "CELLS",
@@ -104,9 +105,9 @@ _ALLOWED = "identifiers, numbers, + - * /, parentheses and calls to " + ", ".joi
 
 def _check_identifier(name: object, what: str) -> str:
     if not isinstance(name, str) or not _IDENTIFIER.match(name):
-        raise ValueError(f"{what}: expected an ASCII identifier, got {name!r}")
+        raise ArgumentError(f"{what}: expected an ASCII identifier, got {name!r}")
     if name.startswith(_RESERVED_PREFIX) or name in NUMPY_FUNCTIONS:
-        raise ValueError(
+        raise ArgumentError(
             f"{what}: expected a name not starting with {_RESERVED_PREFIX!r} and not one of "
             f"{sorted(NUMPY_FUNCTIONS)}, got {name!r}"
         )
@@ -122,9 +123,9 @@ def _check_node(node: ast.expr, expr: str) -> None:
         _check_node(node.operand, expr)
     elif isinstance(node, ast.Name):
         if node.id in NUMPY_FUNCTIONS:
-            raise ValueError(f"expression {expr!r}: expected {node.id!r} to be called, got it used as a value")
+            raise ArgumentError(f"expression {expr!r}: expected {node.id!r} to be called, got it used as a value")
         if not _IDENTIFIER.match(node.id) or node.id.startswith(_RESERVED_PREFIX):
-            raise ValueError(f"expression {expr!r}: expected ASCII identifiers not starting with "
+            raise ArgumentError(f"expression {expr!r}: expected ASCII identifiers not starting with "
                              f"{_RESERVED_PREFIX!r}, got {node.id!r}")
     elif isinstance(node, ast.Constant) and type(node.value) in (int, float):
         try:
@@ -132,32 +133,32 @@ def _check_node(node: ast.expr, expr: str) -> None:
         except OverflowError:
             finite = False
         if not finite:
-            raise ValueError(f"expression {expr!r}: expected a finite number, got {ast.unparse(node)}")
+            raise ArgumentError(f"expression {expr!r}: expected a finite number, got {ast.unparse(node)}")
     elif isinstance(node, ast.Call):
         if not isinstance(node.func, ast.Name) or node.func.id not in NUMPY_FUNCTIONS:
-            raise ValueError(
+            raise ArgumentError(
                 f"expression {expr!r}: expected a call to one of {sorted(NUMPY_FUNCTIONS)}, "
                 f"got a call to {ast.unparse(node.func)!r}"
             )
         if len(node.args) != 1 or node.keywords or isinstance(node.args[0], ast.Starred):
-            raise ValueError(
+            raise ArgumentError(
                 f"expression {expr!r}: expected {node.func.id}() to take one positional argument, "
                 f"got {ast.unparse(node)!r}"
             )
         _check_node(node.args[0], expr)
     else:
-        raise ValueError(f"expression {expr!r}: expected only {_ALLOWED}, got {ast.unparse(node)!r}")
+        raise ArgumentError(f"expression {expr!r}: expected only {_ALLOWED}, got {ast.unparse(node)!r}")
 
 
 @functools.lru_cache(maxsize=None)
 def _parse(expr: str) -> ast.expr:
     """Parse and validate ``expr``; cached, so callers must not mutate the tree."""
     if not isinstance(expr, str):
-        raise TypeError(f"expression: expected str, got {type(expr).__name__}")
+        raise ArgumentTypeError(f"expression: expected str, got {type(expr).__name__}")
     try:
         tree = ast.parse(expr, mode="eval")
     except SyntaxError as error:
-        raise ValueError(f"expression {expr!r}: expected valid syntax, got {error.msg}") from None
+        raise ArgumentError(f"expression {expr!r}: expected valid syntax, got {error.msg}") from None
     _check_node(tree.body, expr)
     return tree.body
 
@@ -396,22 +397,22 @@ class CellSpec:
         """Check the spec is well formed, so that every renderer can trust it."""
         where = f"cell {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"cell name: expected a non-empty str, got {self.name!r}")
+            raise ArgumentError(f"cell name: expected a non-empty str, got {self.name!r}")
         if not self.gates or len(set(self.gates)) != len(self.gates):
-            raise ValueError(f"{where}: expected distinct gate names, got {self.gates!r}")
+            raise ArgumentError(f"{where}: expected distinct gate names, got {self.gates!r}")
         for gate in self.gates:
             _check_identifier(gate, f"{where} gate")
         staged = [gate for stage in self.stages for gate in stage]
         if sorted(staged) != sorted(self.gates) or not all(self.stages):
-            raise ValueError(
+            raise ArgumentError(
                 f"{where}: expected non-empty stages covering each gate of {self.gates!r} once, got {self.stages!r}"
             )
         if len(self.stage_operands) != len(self.stages):
-            raise ValueError(
+            raise ArgumentError(
                 f"{where}: expected {len(self.stages)} stage operands, got {len(self.stage_operands)}"
             )
         if len(self.between_stages) != len(self.stages) - 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"{where}: expected {len(self.stages) - 1} between-stage blocks, got {len(self.between_stages)}"
             )
 
@@ -421,7 +422,7 @@ class CellSpec:
             if k > 0:
                 self._check_block(self.between_stages[k - 1], defined, assigned)
             if operand != "h" and operand not in assigned:
-                raise ValueError(
+                raise ArgumentError(
                     f"{where}: stage {k} operand: expected 'h' or a name assigned before it "
                     f"({sorted(assigned)}), got {operand!r}"
                 )
@@ -429,11 +430,11 @@ class CellSpec:
         final = self._check_block(self.pointwise, defined, assigned)
         missing = [name for name in self.outputs if name not in final]
         if missing:
-            raise ValueError(f"{where}: expected pointwise statements assigning {self.outputs}, missing {missing}")
+            raise ArgumentError(f"{where}: expected pointwise statements assigning {self.outputs}, missing {missing}")
         if self.supports_projection:
             readers = [s.name for s in self.pointwise if "h" in expression_names(s.expr)]
             if readers:
-                raise ValueError(
+                raise ArgumentError(
                     f"{where}: expected no pointwise statement to read 'h' with supports_projection, "
                     f"got {readers}"
                 )
@@ -446,10 +447,10 @@ class CellSpec:
             _check_identifier(name, what)
             if name in defined:
                 # Each name becomes one `const float` in CUDA: no reassignment.
-                raise ValueError(f"{what}: expected a new name, got one already defined")
+                raise ArgumentError(f"{what}: expected a new name, got one already defined")
             unknown = expression_names(expr) - defined
             if unknown:
-                raise ValueError(
+                raise ArgumentError(
                     f"{what}: expected reads of defined names {sorted(defined)}, got undefined {sorted(unknown)}"
                 )
             defined.add(name)
@@ -541,8 +542,8 @@ def get_cell(cell: str | CellSpec) -> CellSpec:
     if isinstance(cell, CellSpec):
         return cell
     if not isinstance(cell, str):
-        raise TypeError(f"cell: expected a str or CellSpec, got {type(cell).__name__}")
+        raise ArgumentTypeError(f"cell: expected a str or CellSpec, got {type(cell).__name__}")
     try:
         return CELLS[cell]
     except KeyError:
-        raise ValueError(f"cell: expected one of {sorted(CELLS)}, got {cell!r}") from None
+        raise ArgumentError(f"cell: expected one of {sorted(CELLS)}, got {cell!r}") from None

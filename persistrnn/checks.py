@@ -4,6 +4,7 @@ argument, what was expected and what came."""
 from __future__ import annotations
 
 from typing import Any
+from .errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["check_lengths", "check_tensor"]
 
@@ -15,17 +16,17 @@ def check_tensor(name: str, t: Any, shape: tuple[int, ...], device: Any, dtype: 
     import torch
 
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        raise ArgumentTypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if t.device.type != "cuda":
-        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+        raise ArgumentError(f"{name}: expected a CUDA tensor, got one on {t.device}")
     if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (where xw is), got one on {t.device}")
+        raise ArgumentError(f"{name}: expected a tensor on {device} (where xw is), got one on {t.device}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        raise ArgumentError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
     if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor")
+        raise ArgumentError(f"{name}: expected a contiguous tensor")
 
 
 def check_lengths(lengths: Any, steps: int, batch: int, device: Any) -> None:
@@ -38,5 +39,5 @@ def check_lengths(lengths: Any, steps: int, batch: int, device: Any) -> None:
     check_tensor("lengths", lengths, (batch,), device, torch.int32)
     low, high = int(lengths.min()), int(lengths.max())
     if low < 1 or high > steps:
-        raise ValueError(f"lengths: expected every length in 1..{steps} (the steps of the input), "
+        raise ArgumentError(f"lengths: expected every length in 1..{steps} (the steps of the input), "
                          f"got lengths from {low} to {high}")

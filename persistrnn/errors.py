@@ -21,6 +21,8 @@ __all__ = [
     "InputShapeError",
     "InputTypeError",
     "UnsupportedError",
+    "ArgumentError",
+    "ArgumentTypeError",
 ]
 
 
@@ -67,3 +69,13 @@ class InputTypeError(PersistRNNError, TypeError, RuntimeError):
 class UnsupportedError(PersistRNNError, NotImplementedError):
     """A use this package does not support, with the alternative named in the
     message (e.g. ``torch.jit.script``: use ``torch.compile`` or ``torch.export``)."""
+
+
+class ArgumentError(PersistRNNError, ValueError):
+    """An argument of a library function with a value it does not take; the
+    message names the argument, what was expected and what came."""
+
+
+class ArgumentTypeError(PersistRNNError, TypeError):
+    """An argument of a library function of the wrong type; the message names
+    the argument, what was expected and what came."""

@@ -47,6 +47,7 @@ from typing import Any
 from . import persistent, runtime
 from .checks import check_tensor
 from .cells import CellSpec, get_cell, render_pointwise_functions
+from .errors import ArgumentError, ArgumentTypeError, CompileError
 
 __all__ = [
     "compile_pointwise",
@@ -83,13 +84,13 @@ def stage_layout(cell: str | CellSpec) -> tuple[tuple[int, int], ...]:
         first = spec.gates.index(stage[0])
         if tuple(spec.gates[first : first + len(stage)]) != tuple(stage):
             # One GEMM per stage needs the stage's rows of W_hh to be one slice.
-            raise ValueError(f"cell {spec.name}: the fallback needs each stage's gates consecutive in W_hh's rows, "
+            raise ArgumentError(f"cell {spec.name}: the fallback needs each stage's gates consecutive in W_hh's rows, "
                              f"got stage {stage} of gates {spec.gates}")
         layout.append((first, len(stage)))
     if len(layout) > 2:
         # prnn_between(k) renders only between_stages[k]; a third stage's
         # statements could read names assigned by the block before.
-        raise ValueError(f"cell {spec.name}: the fallback runs at most 2 stages, got {len(layout)}")
+        raise ArgumentError(f"cell {spec.name}: the fallback runs at most 2 stages, got {len(layout)}")
     return tuple(layout)
 
 
@@ -100,7 +101,7 @@ def hg_index(cell: str | CellSpec, gate: int, b: int, j: int, hidden: int, batch
     for first, count in stage_layout(cell):
         if first <= gate < first + count:
             return batch * hidden * first + b * count * hidden + (gate - first) * hidden + j
-    raise ValueError(f"gate: expected 0..{get_cell(cell).num_gates - 1}, got {gate}")
+    raise ArgumentError(f"gate: expected 0..{get_cell(cell).num_gates - 1}, got {gate}")
 
 
 def stage_rows(cell: str | CellSpec, hidden: int) -> list[slice]:
@@ -129,7 +130,7 @@ def _render_hg_index(spec: CellSpec) -> str:
 
 def _check_dtype(dtype: str) -> str:
     if dtype not in persistent.DTYPES:
-        raise ValueError(f"dtype: expected one of {persistent.DTYPES}, got {dtype!r}")
+        raise ArgumentError(f"dtype: expected one of {persistent.DTYPES}, got {dtype!r}")
     return dtype
 
 
@@ -153,7 +154,7 @@ def pointwise_source(cell: str | CellSpec, dtype: str) -> str:
     marker = "// ---- kernels ----"
     head, _, body = source.partition(marker)
     if not body:
-        raise RuntimeError(f"pointwise.cu lost its {marker!r} line")
+        raise CompileError(f"pointwise.cu lost its {marker!r} line")
     generated = [_render_hg_index(spec), render_pointwise_functions(spec)]
     return "\n".join(prelude) + "\n" + head + "\n".join(generated) + "\n" + marker + body
 
@@ -296,23 +297,24 @@ def run_fallback(
     stage_layout(spec)
     G = spec.num_gates
     if not isinstance(w_hh, torch.Tensor):
-        raise TypeError(f"w_hh: expected a torch.Tensor, got {type(w_hh).__name__}")
+        raise ArgumentTypeError(f"w_hh: expected a torch.Tensor, got {type(w_hh).__name__}")
     dtypes = tuple(getattr(torch, d) for d in persistent.DTYPES)
     if w_hh.dtype not in dtypes:
-        raise TypeError(f"w_hh: expected the layer's dtype, one of {', '.join(map(str, dtypes))}, got {w_hh.dtype}")
+        raise ArgumentTypeError(f"w_hh: expected the layer's dtype, one of {', '.join(map(str, dtypes))}, "
+                                f"got {w_hh.dtype}")
     if w_hh.dim() != 2 or w_hh.shape[0] != G * w_hh.shape[1]:
-        raise ValueError(f"w_hh: expected shape ({G} * H, H) for cell {spec.name}, got {tuple(w_hh.shape)}")
+        raise ArgumentError(f"w_hh: expected shape ({G} * H, H) for cell {spec.name}, got {tuple(w_hh.shape)}")
     dtype, H = w_hh.dtype, w_hh.shape[1]
     if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
-        raise ValueError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
+        raise ArgumentError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
                          f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
     T, B = xw.shape[0], xw.shape[1]
     if spec.has_cell_state and c0 is None:
-        raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
+        raise ArgumentError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
     if not spec.has_cell_state and c0 is not None:
-        raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
+        raise ArgumentError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
     if not spec.has_cell_state and c_n is not None:
-        raise ValueError(f"cell {spec.name} has no cell state: expected c_n=None, got a tensor")
+        raise ArgumentError(f"cell {spec.name} has no cell state: expected c_n=None, got a tensor")
     check = check_tensor
     check("xw", xw, (T, B, G * H), xw.device, torch.float32)
     check("w_hh", w_hh, (G * H, H), xw.device, dtype)
@@ -321,10 +323,10 @@ def run_fallback(
     if spec.has_cell_state:
         check("c0", c0, (B, H), xw.device, dtype)
     if T < 1 or B < 1 or H < 1:
-        raise ValueError(f"expected at least one step, sequence and hidden unit, got xw of shape {tuple(xw.shape)} "
+        raise ArgumentError(f"expected at least one step, sequence and hidden unit, got xw of shape {tuple(xw.shape)} "
                          f"and w_hh of shape {tuple(w_hh.shape)}")
     if B * G * H >= _INDEX_LIMIT:
-        raise ValueError(f"expected batch * {G} * hidden below 2**31 (the kernels' int indices), got {B * G * H}")
+        raise ArgumentError(f"expected batch * {G} * hidden below 2**31 (the kernels' int indices), got {B * G * H}")
     for name, given, shape in (("out", out, (T, B, H)), ("h_n", h_n, (B, H)), ("c_n", c_n, (B, H))):
         if given is not None:
             check(name, given, shape, xw.device, dtype)

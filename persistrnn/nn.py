@@ -47,7 +47,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import ops, persistent, runtime
 from .cells import CellSpec, get_cell
-from .errors import InputShapeError, InputTypeError, UnsupportedError
+from .errors import ArgumentError, ArgumentTypeError, InputShapeError, InputTypeError, UnsupportedError
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
            "torch_forward"]
@@ -397,7 +397,7 @@ class GRU(_Persistent, torch.nn.GRU):
 
     def __init__(self, *args: Any, reset_after: bool = True, **kwargs: Any) -> None:
         if not isinstance(reset_after, bool):
-            raise TypeError(f"reset_after: expected a bool, got {type(reset_after).__name__}")
+            raise ArgumentTypeError(f"reset_after: expected a bool, got {type(reset_after).__name__}")
         super().__init__(*args, **kwargs)
         self.reset_after = reset_after
         self.cell = "gru" if reset_after else "gru_reset_before"
@@ -438,10 +438,10 @@ class StreamSession:
 
     def __init__(self, module: _Persistent, batch_size: int) -> None:
         if module.bidirectional:
-            raise ValueError("stream: expected a unidirectional model, got bidirectional=True (the reverse "
+            raise ArgumentError("stream: expected a unidirectional model, got bidirectional=True (the reverse "
                              "direction needs the whole sequence)")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"stream: expected a positive int batch_size, got {batch_size!r}")
+            raise ArgumentError(f"stream: expected a positive int batch_size, got {batch_size!r}")
         self.module = module
         self.batch_size = batch_size
         weight = module.weight_hh_l0
@@ -512,7 +512,7 @@ def from_torch(module: torch.nn.RNNBase) -> torch.nn.Module:
     arguments, same parameters (shared, not copied), same device and dtype."""
     cls = _CLASSES.get(type(module))
     if cls is None:
-        raise TypeError(f"from_torch: expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
+        raise ArgumentTypeError(f"from_torch: expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
     kwargs = dict(input_size=module.input_size, hidden_size=module.hidden_size, num_layers=module.num_layers,
                   bias=module.bias, batch_first=module.batch_first, dropout=module.dropout,
                   bidirectional=module.bidirectional)

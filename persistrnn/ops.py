@@ -26,6 +26,7 @@ import torch
 
 from . import fallback, persistent, runtime
 from .cells import get_cell
+from .errors import ArgumentError
 
 GRAPHS = runtime.GraphCache(capacity=64)
 """Captured forwards of every module and operator call, one per (model, input
@@ -39,7 +40,7 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
     kernels always add a bias, so a model without one gets zeros."""
     per = 4 if has_biases else 2
     if len(weights) != num_layers * directions * per:
-        raise ValueError(f"expected {num_layers * directions * per} weights for {num_layers} layer(s), "
+        raise ArgumentError(f"expected {num_layers * directions * per} weights for {num_layers} layer(s), "
                          f"{directions} direction(s), biases {has_biases}; got {len(weights)}")
     layers = []
     for layer in range(num_layers):
@@ -65,7 +66,7 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
     ``lengths`` (int32 on the GPU, one per sequence) runs variable lengths, on
     the persistent path only."""
     if lengths is not None and chosen.path != "persistent":
-        raise ValueError(f"variable lengths run on the persistent path, got a {chosen.path!r} plan")
+        raise ArgumentError(f"variable lengths run on the persistent path, got a {chosen.path!r} plan")
     if chosen.path == "cudnn":
         hx = (h0, c0) if c0 is not None else h0
         # torch's function for each cell the planner times cuDNN for has the cell's name
@@ -76,7 +77,7 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
         return persistent.forward_model(chosen.config, layers, x.contiguous(), h0, c0, lengths=lengths, check=False)
     if chosen.path == "fallback":
         return fallback.forward_model(cell, layers, x.contiguous(), h0, c0)
-    raise ValueError(f"run_plan: expected a persistent, fallback or cudnn plan, got {chosen.path!r}")
+    raise ArgumentError(f"run_plan: expected a persistent, fallback or cudnn plan, got {chosen.path!r}")
 
 
 def launch_settings() -> tuple:
@@ -133,7 +134,7 @@ def forward_op(x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], we
     from .plan import ModelShape
 
     if x.device.type != "cuda":
-        raise ValueError(f"persistrnn::forward: expected CUDA tensors, got x on {x.device}")
+        raise ArgumentError(f"persistrnn::forward: expected CUDA tensors, got x on {x.device}")
     shape = ModelShape(cell, x.shape[2], h0.shape[2], num_layers, str(x.dtype).removeprefix("torch."), bidirectional)
     out, h_n, c_n = forward(shape, weights, x, h0, c0, has_biases)
     return out, h_n, (c_n if c_n is not None else h0.new_empty(0))

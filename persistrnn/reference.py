@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from persistrnn.cells import CELLS, CellSpec, get_cell
+from .errors import ArgumentError, ArgumentTypeError
 
 if TYPE_CHECKING:
     import torch
@@ -112,12 +113,12 @@ def rnn_forward(
     x = _as_float64("x", x)
     layout = "(batch, seq_len, input_size)" if batch_first else "(seq_len, batch, input_size)"
     if x.ndim != 3:
-        raise ValueError(f"x: expected a 3-D array {layout}, got shape {x.shape}")
+        raise ArgumentError(f"x: expected a 3-D array {layout}, got shape {x.shape}")
     if batch_first:
         x = x.transpose(1, 0, 2)
     seq_len, batch, input_size = x.shape
     if seq_len == 0 or batch == 0:
-        raise ValueError(f"x: expected non-empty seq_len and batch {layout}, got shape {x.shape}")
+        raise ArgumentError(f"x: expected non-empty seq_len and batch {layout}, got shape {x.shape}")
 
     layers = _check_params(spec, params, input_size, num_layers, num_dirs, proj_size)
     hidden = layers[0][0]["w_hh"].shape[0] // spec.num_gates
@@ -190,21 +191,21 @@ def _run_direction(
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name}: expected an int, got {type(value).__name__}")
     if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value}")
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
 def _as_float64(name: str, value: object) -> np.ndarray:
     """``value`` as a float64 array; only real numbers are accepted."""
     array = np.asarray(value)
     if array.dtype.kind not in "iuf":
-        raise TypeError(f"{name}: expected a real-valued numeric array, got dtype {array.dtype}")
+        raise ArgumentTypeError(f"{name}: expected a real-valued numeric array, got dtype {array.dtype}")
     return array.astype(np.float64)
 
 
@@ -213,38 +214,38 @@ def _check_params(
 ) -> list[list[dict[str, np.ndarray]]]:
     """Validate ``params`` against the options; return it as float64 arrays."""
     if not isinstance(params, Sequence) or isinstance(params, str):
-        raise TypeError(f"params: expected a sequence of layers, got {type(params).__name__}")
+        raise ArgumentTypeError(f"params: expected a sequence of layers, got {type(params).__name__}")
     if len(params) != num_layers:
-        raise ValueError(f"params: expected {num_layers} layers (num_layers), got {len(params)}")
+        raise ArgumentError(f"params: expected {num_layers} layers (num_layers), got {len(params)}")
     for layer, entries in enumerate(params):
         if not isinstance(entries, Sequence) or isinstance(entries, str):
-            raise TypeError(f"params[{layer}]: expected a sequence of directions, got {type(entries).__name__}")
+            raise ArgumentTypeError(f"params[{layer}]: expected a sequence of directions, got {type(entries).__name__}")
         if len(entries) != num_dirs:
-            raise ValueError(f"params[{layer}]: expected {num_dirs} directions, got {len(entries)}")
+            raise ArgumentError(f"params[{layer}]: expected {num_dirs} directions, got {len(entries)}")
         for direction, entry in enumerate(entries):
             if not isinstance(entry, Mapping):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"params[{layer}][{direction}]: expected a mapping of weights, got {type(entry).__name__}"
                 )
 
     if proj_size and not spec.supports_projection:
-        raise ValueError(f"proj_size: expected 0 for cell {spec.name!r}, which has no projection, got {proj_size}")
+        raise ArgumentError(f"proj_size: expected 0 for cell {spec.name!r}, which has no projection, got {proj_size}")
     first = params[0][0]
     # torch has one bias flag for all layers; the first entry sets it.
     bias = "b_ih" in first or "b_hh" in first
     w_hh = _as_float64("params[0][0]['w_hh']", first["w_hh"]) if "w_hh" in first else None
     if w_hh is None or w_hh.ndim != 2 or w_hh.shape[0] == 0 or w_hh.shape[0] % spec.num_gates:
         got = "no 'w_hh'" if w_hh is None else f"shape {w_hh.shape}"
-        raise ValueError(
+        raise ArgumentError(
             f"params[0][0]['w_hh']: expected shape ({spec.num_gates} * hidden_size, H_out) "
             f"for cell {spec.name!r}, got {got}"
         )
     hidden = w_hh.shape[0] // spec.num_gates
     if proj_size >= hidden:
-        raise ValueError(f"proj_size: expected a value smaller than hidden_size {hidden}, got {proj_size}")
+        raise ArgumentError(f"proj_size: expected a value smaller than hidden_size {hidden}, got {proj_size}")
     w_ih = first.get("w_ih")
     if w_ih is not None and np.ndim(w_ih) == 2 and np.shape(w_ih)[1] != input_size:
-        raise ValueError(
+        raise ArgumentError(
             f"x: expected input_size {np.shape(w_ih)[1]} (columns of params[0][0]['w_ih']), got {input_size}"
         )
 
@@ -264,12 +265,12 @@ def _check_params(
             where = f"params[{layer}][{direction}]"
             shapes = expected[layer][direction]
             if set(entry) != set(shapes):
-                raise ValueError(f"{where}: expected keys {sorted(shapes)}, got {sorted(entry)}")
+                raise ArgumentError(f"{where}: expected keys {sorted(shapes)}, got {sorted(entry)}")
             arrays = {}
             for key, shape in shapes.items():
                 arrays[key] = _as_float64(f"{where}[{key!r}]", entry[key])
                 if arrays[key].shape != shape:
-                    raise ValueError(f"{where}[{key!r}]: expected shape {shape}, got {arrays[key].shape}")
+                    raise ArgumentError(f"{where}[{key!r}]: expected shape {shape}, got {arrays[key].shape}")
             checked_layer.append(arrays)
         checked.append(checked_layer)
     return checked
@@ -281,11 +282,11 @@ def _valid_steps(lengths: Sequence[int] | np.ndarray | None, seq_len: int, batch
         return np.ones((seq_len, batch), dtype=bool)
     array = np.asarray(lengths)
     if array.dtype.kind not in "iu":
-        raise TypeError(f"lengths: expected integers, got dtype {array.dtype}")
+        raise ArgumentTypeError(f"lengths: expected integers, got dtype {array.dtype}")
     if array.shape != (batch,):
-        raise ValueError(f"lengths: expected shape ({batch},), one per sequence, got shape {array.shape}")
+        raise ArgumentError(f"lengths: expected shape ({batch},), one per sequence, got shape {array.shape}")
     if np.any(array < 1) or np.any(array > seq_len):
-        raise ValueError(f"lengths: expected values in [1, {seq_len}], got {array.tolist()}")
+        raise ArgumentError(f"lengths: expected values in [1, {seq_len}], got {array.tolist()}")
     return np.arange(seq_len)[:, None] < array[None, :]
 
 
@@ -299,17 +300,18 @@ def _initial_states(
         return np.zeros(h_shape), (np.zeros(c_shape) if spec.has_cell_state else None)
     if spec.has_cell_state:
         if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-            raise TypeError(f"hx: expected a (h0, c0) pair for cell {spec.name!r}, got {type(hx).__name__}")
+            raise ArgumentTypeError(f"hx: expected a (h0, c0) pair for cell {spec.name!r}, got {type(hx).__name__}")
         h0, c0 = _as_float64("h0", hx[0]), _as_float64("c0", hx[1])
     else:
         if isinstance(hx, (tuple, list)):
-            raise TypeError(f"hx: expected a single array h0 for cell {spec.name!r}, got {type(hx).__name__}")
+            raise ArgumentTypeError(f"hx: expected a single array h0 for cell {spec.name!r}, got {type(hx).__name__}")
         h0, c0 = _as_float64("h0", hx), None
     layout = "(num_layers * num_directions, batch, H_out)"
     if h0.shape != h_shape:
-        raise ValueError(f"h0: expected shape {h_shape} {layout}, got {h0.shape}")
+        raise ArgumentError(f"h0: expected shape {h_shape} {layout}, got {h0.shape}")
     if c0 is not None and c0.shape != c_shape:
-        raise ValueError(f"c0: expected shape {c_shape} (num_layers * num_directions, batch, hidden), got {c0.shape}")
+        raise ArgumentError(f"c0: expected shape {c_shape} (num_layers * num_directions, batch, hidden), "
+                            f"got {c0.shape}")
     return h0, c0
 
 
@@ -317,7 +319,7 @@ def _check_torch_module(module: object) -> None:
     import torch
 
     if not isinstance(module, torch.nn.RNNBase):
-        raise TypeError(f"module: expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
+        raise ArgumentTypeError(f"module: expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
 
 
 def _torch_name(key: str, layer: int, direction: int) -> str:
@@ -353,7 +355,7 @@ def load_params_into_torch(module: torch.nn.RNNBase, params: Params) -> None:
 
     expected = params_from_torch(module)  # also checks the module type
     if len(params) != len(expected) or any(len(a) != len(b) for a, b in zip(params, expected)):
-        raise ValueError(
+        raise ArgumentError(
             f"params: expected {len(expected)} layers of {len(expected[0])} directions, "
             f"got {[len(entries) for entries in params]}"
         )
@@ -363,9 +365,9 @@ def load_params_into_torch(module: torch.nn.RNNBase, params: Params) -> None:
                 where = f"params[{layer}][{direction}]"
                 shapes = {key: value.shape for key, value in expected[layer][direction].items()}
                 if set(entry) != set(shapes):
-                    raise ValueError(f"{where}: expected keys {sorted(shapes)}, got {sorted(entry)}")
+                    raise ArgumentError(f"{where}: expected keys {sorted(shapes)}, got {sorted(entry)}")
                 for key, shape in shapes.items():
                     value = _as_float64(f"{where}[{key!r}]", entry[key])
                     if value.shape != shape:
-                        raise ValueError(f"{where}[{key!r}]: expected shape {shape}, got {value.shape}")
+                        raise ArgumentError(f"{where}[{key!r}]: expected shape {shape}, got {value.shape}")
                     getattr(module, _torch_name(key, layer, direction)).copy_(torch.from_numpy(value))

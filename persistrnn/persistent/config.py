@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from ..cells import get_cell
-from ..errors import ConfigError
+from ..errors import ArgumentTypeError, ConfigError
 from .layout import MMA_BATCH, WARP, KernelLayout
 
 __all__ = ["DTYPES", "KERNEL_NAME", "MATH_PATHS", "MAX_CLUSTER", "MAX_INSTANCES", "MAX_REGISTERS_PER_THREAD",
@@ -111,7 +111,7 @@ class KernelConfig(KernelLayout):
                      "instances"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"KernelConfig.{name}: expected an int, got {type(value).__name__}")
+                raise ArgumentTypeError(f"KernelConfig.{name}: expected an int, got {type(value).__name__}")
             if value < 1:
                 raise ConfigError(f"KernelConfig.{name}: expected >= 1, got {value}")
         if self.dtype not in DTYPES:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import runtime
 from ..checks import check_lengths, check_tensor
-from ..errors import ConfigError
+from ..errors import ArgumentError, ConfigError
 from .config import KERNEL_NAME, KernelConfig
 from .source import compile_config
 
@@ -71,7 +71,7 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     import torch
 
     if len(instances) != config.instances:
-        raise ValueError(f"expected {config.instances} instances for {config}, got {len(instances)}")
+        raise ArgumentError(f"expected {config.instances} instances for {config}, got {len(instances)}")
     if config.lengths != (lengths is not None):  # the variant compiled with (or without) the lengths code
         config = dataclasses.replace(config, lengths=lengths is not None)
     device = instances[0].w_hh.device
@@ -143,7 +143,7 @@ def run_recurrence(
     spec = config.spec
     H, G = config.hidden_size, spec.num_gates
     if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
-        raise ValueError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
+        raise ArgumentError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
                          f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
     T, B = xw.shape[0], xw.shape[1]
     dtype = getattr(torch, config.dtype)
@@ -153,12 +153,12 @@ def run_recurrence(
     check_tensor("h0", h0, (B, H), xw.device, dtype)
     if spec.has_cell_state:
         if c0 is None:
-            raise ValueError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
+            raise ArgumentError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
         check_tensor("c0", c0, (B, H), xw.device, dtype)
     elif c0 is not None:
-        raise ValueError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
+        raise ArgumentError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
     if T < 1 or B < 1:
-        raise ValueError(f"expected at least one step and one sequence, got xw of shape {tuple(xw.shape)}")
+        raise ArgumentError(f"expected at least one step and one sequence, got xw of shape {tuple(xw.shape)}")
 
     def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
         if given is None:

@@ -9,7 +9,7 @@ import functools
 
 from .. import runtime
 from ..cells import render_pointwise_functions
-from ..errors import ConfigError
+from ..errors import CompileError, ConfigError
 from .config import KERNEL_NAME, PIPELINE_RELEASE_EVERY, SYNC_MODES, KernelConfig
 
 __all__ = ["DEVICE_TYPES", "compile_config", "instance_fields", "render_source"]
@@ -104,7 +104,7 @@ def render_source(config: KernelConfig) -> str:
     marker = "// ---- kernel ----"
     head, _, body = source.partition(marker)
     if not body:
-        raise RuntimeError(f"recurrence.cu lost its {marker!r} line")
+        raise CompileError(f"recurrence.cu lost its {marker!r} line")
     return "\n".join(prelude) + "\n" + head + "\n".join(generated) + "\n" + marker + body
 
 

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any, Callable
 
 from .. import runtime
+from ..errors import ArgumentError
 
 __all__ = ["BLOCK", "EXCHANGE_BLOCKS", "EXCHANGE_CLUSTERS", "STATE_SIZES", "Runner", "SyncConfig", "check_state",
            "cluster_exchanges", "exchange_shared_bytes", "expected_state", "grid_barriers", "grid_block_counts",
@@ -62,11 +63,11 @@ class SyncConfig:
         for name in ("steps", "repeats", "launches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise ArgumentError(f"{name} must be a positive int, got {value!r}")
         if self.steps < 20:
-            raise ValueError(f"steps must be >= 20 so that steps // 10 differs from steps, got {self.steps}")
+            raise ArgumentError(f"steps must be >= 20 so that steps // 10 differs from steps, got {self.steps}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
+            raise ArgumentError(f"warmup must be a non-negative int, got {self.warmup!r}")
 
 
 class Runner:

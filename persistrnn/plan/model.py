@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from .. import __version__, runtime
-from ..errors import CalibrationError
+from ..errors import ArgumentError, CalibrationError
 from ..log import logger
 from ..progress import track
 from ..persistent import KernelConfig, WARP
@@ -88,10 +88,10 @@ class Calibration:
     def from_json(cls, text: str) -> "Calibration":
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
-            raise ValueError(f"not a calibration of format {CALIBRATION_FORMAT}")
+            raise ArgumentError(f"not a calibration of format {CALIBRATION_FORMAT}")
         fields = {f.name for f in dataclasses.fields(cls)}
         if set(data) != fields:
-            raise ValueError(f"calibration fields differ: expected {sorted(fields)}, got {sorted(data)}")
+            raise ArgumentError(f"calibration fields differ: expected {sorted(fields)}, got {sorted(data)}")
         return cls(**data)
 
 
@@ -136,7 +136,7 @@ def _table(table: dict[str, float], prefix: tuple[int, ...]) -> dict[int, float]
         if fields[:n] == prefix and len(fields) == n + 1:
             out[fields[n]] = value
     if not out:
-        raise KeyError(f"calibration has no entries for {prefix}")
+        raise CalibrationError(f"calibration has no entries for {prefix}")
     return out
 
 
@@ -149,7 +149,7 @@ def _entry(table: dict[str, float], w: int, rows: int, *rest: int) -> float:
             key = _key(measured_w, measured_rows, *rest)
             if key in table:
                 return table[key] * (w / measured_w) * (rows / measured_rows)
-    raise KeyError(f"calibration has no entry for {_key(w, rows, *rest)}")
+    raise CalibrationError(f"calibration has no entry for {_key(w, rows, *rest)}")
 
 
 @dataclasses.dataclass(frozen=True)

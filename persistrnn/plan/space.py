@@ -31,6 +31,7 @@ from typing import Iterator
 from .. import persistent
 from ..runtime import DeviceFacts
 from ..persistent import ConfigError, KernelConfig, MAX_CLUSTER, WARP
+from ..errors import ArgumentError
 
 THREADS = (128, 256, 512, 1024)
 GROUP_SIZES = (2, 4, 8, 16, 32)
@@ -50,7 +51,7 @@ def batch_bucket(batch: int) -> int:
     """The batch a tuned choice is kept for: the next power of two. A choice
     is timed at the bucket's top, so it holds every batch in the bucket."""
     if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch: expected a positive int, got {batch!r}")
+        raise ArgumentError(f"batch: expected a positive int, got {batch!r}")
     return 1 << (batch - 1).bit_length()
 
 

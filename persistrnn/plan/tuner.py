@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__, persistent, runtime
-from ..errors import ConfigError, KernelLaunchError
+from ..errors import ArgumentError, ArgumentTypeError, ConfigError, KernelLaunchError
 from ..log import logger
 from ..progress import track
 from ..cells import get_cell
@@ -60,11 +60,11 @@ class ModelShape:
         for name in ("input_size", "hidden_size", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelShape.{name}: expected a positive int, got {value!r}")
+                raise ArgumentError(f"ModelShape.{name}: expected a positive int, got {value!r}")
         if self.dtype not in persistent.DTYPES:
-            raise ValueError(f"ModelShape.dtype: expected one of {persistent.DTYPES}, got {self.dtype!r}")
+            raise ArgumentError(f"ModelShape.dtype: expected one of {persistent.DTYPES}, got {self.dtype!r}")
         if not isinstance(self.bidirectional, bool):
-            raise ValueError(f"ModelShape.bidirectional: expected a bool, got {self.bidirectional!r}")
+            raise ArgumentError(f"ModelShape.bidirectional: expected a bool, got {self.bidirectional!r}")
 
     @property
     def directions(self) -> int:
@@ -85,9 +85,9 @@ def shape_of(module: Any) -> ModelShape:
     if cell is None:
         cell = getattr(module, "cell", None)
     if cell is None:
-        raise TypeError(f"expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
+        raise ArgumentTypeError(f"expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
     if getattr(module, "proj_size", 0):
-        raise ValueError(f"proj_size={module.proj_size}: the persistent kernels run LSTMs without projections")
+        raise ArgumentError(f"proj_size={module.proj_size}: the persistent kernels run LSTMs without projections")
     dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
     return ModelShape(cell, module.input_size, module.hidden_size, module.num_layers, dtype,
                       bool(module.bidirectional))
@@ -126,7 +126,7 @@ class Plan:
         d["shape"] = ModelShape(**d["shape"])
         d["config"] = KernelConfig(**d["config"]) if d["config"] else None
         if d["path"] not in PATHS:
-            raise ValueError(f"unknown path {d['path']!r}")
+            raise ArgumentError(f"unknown path {d['path']!r}")
         return cls(**d)
 
     def describe(self) -> str:
@@ -347,9 +347,9 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
          progress: bool = False, refresh: bool = False) -> Plan:
     """How to run ``shape`` at ``batch`` on the current GPU (see the module docstring)."""
     if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k: expected a positive int, got {k!r}")
+        raise ArgumentError(f"k: expected a positive int, got {k!r}")
     if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps: expected a positive int, got {steps!r}")
+        raise ArgumentError(f"steps: expected a positive int, got {steps!r}")
     facts = runtime.device_facts()
     bucket = space.batch_bucket(batch)
     key = cache_key(facts, shape, bucket)

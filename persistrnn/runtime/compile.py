@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from .. import __version__
 from ..log import logger
-from ..errors import CompileError
+from ..errors import ArgumentError, ArgumentTypeError, CompileError
 from .cache import atomic_write, cache_dir, entry_name, key_lock
 from .device import device_facts
 
@@ -66,7 +66,7 @@ class CompiledBinary:
         try:
             return self.resources[kernel]
         except KeyError:
-            raise ValueError(
+            raise ArgumentError(
                 f"binary {self.name!r} has no kernel {kernel!r}; it has {sorted(self.resources)}"
             ) from None
 
@@ -83,9 +83,9 @@ def nvrtc_version() -> tuple[int, int]:
 
 def _check_arch(arch: str) -> str:
     if not isinstance(arch, str):
-        raise TypeError(f"arch must be a str such as 'sm_90', got {type(arch).__name__}")
+        raise ArgumentTypeError(f"arch must be a str such as 'sm_90', got {type(arch).__name__}")
     if not re.fullmatch(r"sm_\d{2,3}a?", arch):
-        raise ValueError(f"arch must look like 'sm_90' or 'sm_90a', got {arch!r}")
+        raise ArgumentError(f"arch must look like 'sm_90' or 'sm_90a', got {arch!r}")
     return arch
 
 
@@ -260,9 +260,9 @@ def compile_source(
     the whole source).
     """
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise ValueError(f"name must be a non-empty identifier-like str, got {name!r}")
+        raise ArgumentError(f"name must be a non-empty identifier-like str, got {name!r}")
     if not isinstance(source, str) or not source.strip():
-        raise ValueError("source must be a non-empty str of CUDA C++")
+        raise ArgumentError("source must be a non-empty str of CUDA C++")
     arch = _check_arch(arch) if arch is not None else device_facts().arch
     defines = dict(defines or {})
     key = cache_key(source, arch, defines)

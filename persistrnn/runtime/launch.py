@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-from ..errors import KernelLaunchError, KernelTimeoutError
+from ..errors import ArgumentError, ArgumentTypeError, KernelLaunchError, KernelTimeoutError
 from .compile import CompiledBinary, KernelResources
 from .device import facts_of, require_gpu
 
@@ -94,13 +94,13 @@ class LoadedKernel:
         _check_positive("grid", grid)
         _check_positive("block", block)
         if block > (limit := facts_of(self.device).max_threads_per_block):
-            raise ValueError(f"block must be <= {limit} threads, got {block}")
+            raise ArgumentError(f"block must be <= {limit} threads, got {block}")
         if shared:
             self.reserve_dynamic_shared(shared)
         if cluster:
             _check_positive("cluster", cluster)
             if grid % cluster:
-                raise ValueError(f"grid ({grid} blocks) must be a multiple of the cluster size ({cluster})")
+                raise ArgumentError(f"grid ({grid} blocks) must be a multiple of the cluster size ({cluster})")
             if cluster > (largest := self.max_cluster_size(block, shared)):
                 raise KernelLaunchError(f"{self.name}: clusters of {cluster} blocks exceed this device's largest, "
                                         f"{largest}")
@@ -156,9 +156,9 @@ class LoadedKernel:
 
 def _check_positive(what: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{what} must be an int, got {type(value).__name__}")
     if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
+        raise ArgumentError(f"{what} must be >= 1, got {value}")
 
 
 _LOADED: dict[tuple[str, int, str], LoadedKernel] = {}
@@ -265,7 +265,8 @@ def kernel_args(*values: Any) -> tuple[Any, ...]:
         elif isinstance(v, np.generic):
             out.append(v)
         else:
-            raise TypeError(f"kernel argument must be a tensor, int, float or numpy scalar, got {type(v).__name__}")
+            raise ArgumentTypeError(f"kernel argument must be a tensor, int, float or numpy scalar, "
+                                    f"got {type(v).__name__}")
     return tuple(out)
 
 
@@ -327,9 +328,9 @@ def _timeout_from_env() -> int:
     try:
         ms = float(raw)
     except ValueError:
-        raise ValueError(f"{WAIT_TIMEOUT_ENV}: expected milliseconds (a positive number), got {raw!r}") from None
+        raise ArgumentError(f"{WAIT_TIMEOUT_ENV}: expected milliseconds (a positive number), got {raw!r}") from None
     if not ms > 0:
-        raise ValueError(f"{WAIT_TIMEOUT_ENV}: expected a positive number of milliseconds, got {raw!r}")
+        raise ArgumentError(f"{WAIT_TIMEOUT_ENV}: expected a positive number of milliseconds, got {raw!r}")
     return int(ms * 1e6)
 
 
@@ -344,7 +345,7 @@ def set_wait_timeout(seconds: float) -> None:
     already captured in a CUDA graph keep the bound they were captured with."""
     global _wait_timeout_ns
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"set_wait_timeout: expected a positive number of seconds, got {seconds!r}")
+        raise ArgumentError(f"set_wait_timeout: expected a positive number of seconds, got {seconds!r}")
     _wait_timeout_ns = int(seconds * 1e9)
 
 
@@ -364,7 +365,7 @@ def inject_failure(block: int) -> Iterator[None]:
     each peer the full timeout."""
     global _abandon_block
     if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-        raise ValueError(f"inject_failure: expected a block index >= 0, got {block!r}")
+        raise ArgumentError(f"inject_failure: expected a block index >= 0, got {block!r}")
     previous, _abandon_block = _abandon_block, block
     try:
         yield

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from typing import Callable
+from ..errors import ArgumentError
 
 __all__ = ["per_iteration_us", "time_cuda_ms", "warm_up"]
 
@@ -66,7 +67,7 @@ def per_iteration_us(run_with: Callable[[int], None], iterations: int, *, warmup
     over the difference of the counts cancels the launch and the prologue.
     """
     if iterations < 20:
-        raise ValueError(f"iterations must be >= 20 so that iterations // 10 differs, got {iterations}")
+        raise ArgumentError(f"iterations must be >= 20 so that iterations // 10 differs, got {iterations}")
     long, short = iterations, iterations // 10
     times = {n: time_cuda_ms(lambda n=n: run_with(n), warmup=warmup, repeats=repeats, setup=setup)
              for n in (short, long)}
