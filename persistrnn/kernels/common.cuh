@@ -10,28 +10,105 @@ typedef unsigned long long prnn_u64;
 #define PRNN_STATUS_GRID_BARRIER_TIMEOUT 1
 #define PRNN_STATUS_CLUSTER_WAIT_TIMEOUT 2
 #define PRNN_STATUS_PIPELINE_WAIT_TIMEOUT 3
+// Test hook only: the abandoned block waited the whole bound and no peer
+// failed (no block waits on it, e.g. a lone block or a pipeline's last layer).
+#define PRNN_STATUS_ABANDON_TIMEOUT 4
 
-// Every spin loop gives up after this long and reports, so a kernel whose
-// blocks are not all resident fails instead of hanging. 2 s is ~10^6 steps of
-// any kernel we launch.
-#ifndef PRNN_SPIN_TIMEOUT_NS
-#define PRNN_SPIN_TIMEOUT_NS 2000000000ull
-#endif
-// Read the clock only every this many polls: the timer read costs more than
-// the poll and is needed only on the slow path.
-#define PRNN_POLLS_PER_CLOCK_READ 256
+// What every wait needs to give up, passed from the kernel's arguments:
+//   status      per-launch device word, zero at launch start: the first code
+//               of a failure (prnn_fail), which tells the launch's other
+//               blocks to give up too;
+//   report      host-mapped pinned word (or nullptr) that a failing block
+//               copies the first code into, for the host to read without
+//               synchronising (prnn_report);
+//   timeout_ns  how long a wait goes on without progress before it fails.
+struct prnn_watch {
+    int* status;
+    int* report;
+    prnn_u64 timeout_ns;
+};
 
-__device__ __forceinline__ prnn_u64 prnn_globaltimer() {
-    prnn_u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+// Two clock reads of one spinning thread further apart than this mean that
+// the kernel was not running in between (preemption, MPS or time-slice
+// scheduling, a debugger): its peers could not make progress then either, so
+// the gap does not count against the wait's bound. A wait reads the clock on
+// every poll (a try_wait or an L2 load, microseconds at most), so a gap this
+// long is never the wait itself.
+#define PRNN_MAX_CLOCK_GAP_NS 1000000u
+
+__device__ __forceinline__ prnn_u32 prnn_globaltimer_lo() {
+    prnn_u32 t;
+    asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(t));
     return t;
 }
+
+// Time a wait went on without progress, clock jumps left out; two registers,
+// as few as the bound's old start time: spinning threads hold every weight
+// register of the step loop too, and some kernels sit at 255.
+//   last     the previous read of the clock's low 32 bits, whose differences
+//            are exact for gaps below 4 s (longer ones are jumps anyway);
+//   stalled  time counted, in 1024 ns units (32 bits reach 73 min). Each
+//            poll adds the change of the clock's 1024 ns count, so the sum
+//            stays within a unit of the time, however short the polls.
+// A wait looks at the status word and at its bound only when the clock has
+// crossed a 65.5 us boundary since the last poll: a status read is an L2
+// round trip, too slow to do on every poll, and counting polls instead would
+// take a third register.
+struct prnn_stall_clock {
+    prnn_u32 last, stalled;
+
+    __device__ __forceinline__ void restart() {
+        last = prnn_globaltimer_lo();
+        stalled = 0;
+    }
+    // One poll's clock read; true when it is time to check.
+    __device__ __forceinline__ bool tick() {
+        const prnn_u32 now = prnn_globaltimer_lo();
+        if (now - last < PRNN_MAX_CLOCK_GAP_NS) stalled += ((now >> 10) - (last >> 10)) & 0x3fffffu;
+        const bool check = ((now ^ last) >> 16) != 0;
+        last = now;
+        return check;
+    }
+    __device__ __forceinline__ bool expired(prnn_u64 timeout_ns) const {
+        return ((prnn_u64)stalled << 10) > timeout_ns;
+    }
+};
 
 // First failure wins; later ones keep the first code.
 __device__ __forceinline__ void prnn_fail(int* status, int code) { atomicCAS(status, PRNN_STATUS_OK, code); }
 
-__device__ __forceinline__ bool prnn_failed(const int* status) {
-    return *reinterpret_cast<const volatile int*>(status) != PRNN_STATUS_OK;
+__device__ __forceinline__ int prnn_status(const int* status) {
+    return *reinterpret_cast<const volatile int*>(status);
+}
+
+__device__ __forceinline__ bool prnn_failed(const int* status) { return prnn_status(status) != PRNN_STATUS_OK; }
+
+// Called by thread 0 of a block that leaves because of a failure (its own or
+// a peer's, so the status word already holds the first code): copy that code
+// to the host's report word, visible there without a synchronise. The waits
+// call it where they fail: code after the step loop that ran only on failure
+// cost registers in kernels at their limit (ptxas then spilled in the weight
+// loads before the loop).
+__device__ __forceinline__ void prnn_report(const prnn_watch& w) {
+    if (w.report == nullptr) return;
+    *reinterpret_cast<volatile int*>(w.report) = prnn_status(w.status);
+    __threadfence_system();
+}
+
+// Test hook: the abandoned block waits, as bounded as any wait, until a block
+// that waits for it fails; with none waiting for it (a lone block, a
+// pipeline's last layer), it fails itself when the bound runs out. By thread
+// 0; reports.
+__device__ __forceinline__ void prnn_wait_for_failure(const prnn_watch& w) {
+    prnn_stall_clock clock;
+    clock.restart();
+    while (!prnn_failed(w.status)) {
+        if (clock.tick() && clock.expired(w.timeout_ns)) {
+            prnn_fail(w.status, PRNN_STATUS_ABANDON_TIMEOUT);
+            break;
+        }
+    }
+    prnn_report(w);
 }
 
 __device__ __forceinline__ prnn_u32 prnn_ld_acquire_gpu(const prnn_u32* p) {
@@ -53,38 +130,51 @@ __device__ __forceinline__ void prnn_grid_arrive(prnn_u32* counter) {
     if (threadIdx.x == 0) prnn_red_release_gpu_add(counter, 1u);
 }
 
-// Wait until *counter reaches target (acquire), by one thread; bounded like
-// every spin loop, and quick to give up once another block has failed.
-// *seen gets the count read last.
-__device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_u32 target, int* status, int code,
-                                                  prnn_u32* seen) {
-    if ((*seen = prnn_ld_acquire_gpu(counter)) >= target) return true;
-    const prnn_u64 start = prnn_globaltimer();
-    prnn_u32 polls = 0;
-    while ((*seen = prnn_ld_acquire_gpu(counter)) < target) {
-        if (++polls % PRNN_POLLS_PER_CLOCK_READ == 0 &&
-            (prnn_failed(status) || prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS)) {
-            prnn_fail(status, code);
-            return false;
+// Wait until *counter reaches target (acquire), by thread 0. Fails (code into
+// the status word) once the counter has not grown for the watch's timeout,
+// and gives up at once, keeping the first code, when another block has
+// failed; reports either way. *seen gets the count read last.
+__device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_u32 target, const prnn_watch& w,
+                                                  int code, prnn_u32* seen) {
+    prnn_u32 v = prnn_ld_acquire_gpu(counter);
+    if (v >= target) {
+        *seen = v;
+        return true;
+    }
+    prnn_stall_clock clock;
+    clock.restart();
+    prnn_u32 progress = v;
+    while ((v = prnn_ld_acquire_gpu(counter)) < target) {
+        const bool check = clock.tick();
+        if (v != progress) {  // the counter grew: the peers are running
+            progress = v;
+            clock.stalled = 0;
+        }
+        if (check) {
+            if (clock.expired(w.timeout_ns)) prnn_fail(w.status, code);
+            if (prnn_failed(w.status)) {
+                prnn_report(w);
+                break;
+            }
         }
     }
-    return true;
+    *seen = v;
+    return v >= target;
 }
 
-// Returns false (and sets *status) if the other blocks did not arrive within
-// the timeout.
-__device__ __forceinline__ bool prnn_grid_wait(prnn_u32* counter, prnn_u32 target, int* status) {
+// Returns false (and the status word holds a failure) if the other blocks
+// did not arrive.
+__device__ __forceinline__ bool prnn_grid_wait(prnn_u32* counter, prnn_u32 target, const prnn_watch& w) {
     __shared__ int arrived;
     prnn_u32 seen;
-    if (threadIdx.x == 0)
-        arrived = prnn_wait_counter(counter, target, status, PRNN_STATUS_GRID_BARRIER_TIMEOUT, &seen);
+    if (threadIdx.x == 0) arrived = prnn_wait_counter(counter, target, w, PRNN_STATUS_GRID_BARRIER_TIMEOUT, &seen);
     __syncthreads();
     return arrived;
 }
 
-__device__ __forceinline__ bool prnn_grid_barrier(prnn_u32* counter, prnn_u32 target, int* status) {
+__device__ __forceinline__ bool prnn_grid_barrier(prnn_u32* counter, prnn_u32 target, const prnn_watch& w) {
     prnn_grid_arrive(counter);
-    return prnn_grid_wait(counter, target, status);
+    return prnn_grid_wait(counter, target, w);
 }
 
 // ---- thread-block clusters -------------------------------------------------
@@ -158,15 +248,21 @@ __device__ __forceinline__ bool prnn_mbar_try_wait_cluster(prnn_u64* bar, prnn_u
 }
 
 // Wait for phase `parity` of a local mbarrier whose data come from peers.
-// Bounded like every spin loop: false (and *status set) on timeout.
-__device__ __forceinline__ bool prnn_mbar_wait_cluster(prnn_u64* bar, prnn_u32 parity, int* status) {
+// The phase shows no partial progress, so the bound is on the time this wait
+// takes (clock jumps left out). Fails (status word set) when it runs out, and
+// gives up at once when another block has failed: false either way, and
+// thread 0 reports.
+__device__ __forceinline__ bool prnn_mbar_wait_cluster(prnn_u64* bar, prnn_u32 parity, const prnn_watch& w) {
     if (prnn_mbar_try_wait_cluster(bar, parity)) return true;
-    const prnn_u64 start = prnn_globaltimer();
-    prnn_u32 polls = 0;
+    prnn_stall_clock clock;
+    clock.restart();
     while (!prnn_mbar_try_wait_cluster(bar, parity)) {
-        if (++polls % PRNN_POLLS_PER_CLOCK_READ == 0 && prnn_globaltimer() - start > PRNN_SPIN_TIMEOUT_NS) {
-            prnn_fail(status, PRNN_STATUS_CLUSTER_WAIT_TIMEOUT);
-            return false;
+        if (clock.tick()) {
+            if (clock.expired(w.timeout_ns)) prnn_fail(w.status, PRNN_STATUS_CLUSTER_WAIT_TIMEOUT);
+            if (prnn_failed(w.status)) {
+                if (threadIdx.x == 0) prnn_report(w);
+                return false;
+            }
         }
     }
     return true;

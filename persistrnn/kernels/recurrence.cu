@@ -282,22 +282,25 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
 // for every producer block's count of step t, then copies 16 bytes a lane.
 // Thread 0 keeps the count it saw last in *seen and reads the counter again
 // only when that is not enough: an acquire is an L2 round trip, and each one
-// on every step measured ~0.4 us per step.
-__device__ __forceinline__ void prnn_prefetch_pipe(const float* __restrict__ pipe, const prnn_u32* progress, float* xs,
-                                                   int t, int BP, int blk, int* status, prnn_u32* seen) {
+// on every step measured ~0.4 us per step. False (in warp 0) if the wait
+// failed.
+__device__ __forceinline__ bool prnn_prefetch_pipe(const float* __restrict__ pipe, const prnn_u32* progress, float* xs,
+                                                   int t, int BP, int blk, const prnn_watch& watch, prnn_u32* seen) {
     const int floats = PRNN_G * PRNN_U * BP;  // a multiple of 4: U % 4 == 0 or BP % 4 == 0
+    int ready = 1;
     if (threadIdx.x < 32) {
-        int ready = 1;
         const prnn_u32 target = (prnn_u32)(PRNN_NB * (t + 1));
         if (threadIdx.x == 0 && *seen < target)
-            ready = prnn_wait_counter(progress, target, status, PRNN_STATUS_PIPELINE_WAIT_TIMEOUT, seen);
-        if (__shfl_sync(PRNN_FULL_MASK, ready, 0)) {
+            ready = prnn_wait_counter(progress, target, watch, PRNN_STATUS_PIPELINE_WAIT_TIMEOUT, seen);
+        ready = __shfl_sync(PRNN_FULL_MASK, ready, 0);
+        if (ready) {
             const float* src = pipe + ((long long)t * PRNN_NB + blk) * floats;
             float* dst = xs + (t % (PRNN_XW_DEPTH + 1)) * floats;
             for (int q = threadIdx.x * 4; q < floats; q += 32 * 4) prnn_cp_async_16_cg(dst + q, src + q);
         }
     }
     prnn_cp_async_commit();
+    return ready;
 }
 #endif
 
@@ -326,14 +329,30 @@ __device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* 
 //   h_n, c_n [ld][H]
 //   reverse 1: run positions T-1 .. 0
 //   w_next  [G*H][H], b_next [G*H]: the next layer's W_ih, b_ih (pipeline; null for the last)
+// and for the launch:
+//   status      int32 device word, 0 at launch: the first failure's code
+//               (PRNN_STATUS_*), which also tells the other blocks to give up
+//   report      int32 host-mapped pinned word (null: none): a block that gives
+//               up copies the first code here, for the host to read without
+//               synchronising
+//   timeout_ns  a wait that sees no progress for this long fails
+//   abandon_block  test hook, -1 for none: block blockIdx.x == abandon_block
+//               stops taking part after step 0, so its peers time out on it
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
 prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
                 const int* __restrict__ lengths, // [B] steps of each sequence, 1..T (null: all T)
-                int T, int B, int ld, int out_row, int* __restrict__ status) {
+                int T, int B, int ld, int out_row, int* __restrict__ status, int* __restrict__ report,
+                unsigned long long timeout_ns, int abandon_block) {
     extern __shared__ __align__(16) float smem[];
+    const prnn_watch watch{status, report, timeout_ns};
+    // This thread's waits all succeeded. A cluster wait (every thread waits)
+    // or warp 0's wait for the previous layer can fail in some threads only,
+    // so the block leaves together at the first __syncthreads after the wait,
+    // made a __syncthreads_or(!ok) (PRNN_SYNC_OR_LEAVE).
+    bool ok = true;
     const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN + PRNN_BP_PAD;
     const int Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
     const prnn_smem_layout L = prnn_layout(smem, BP);
@@ -362,9 +381,10 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     prnn_u32* progress = counters + 2;
     prnn_u32 seen_progress = 0;  // thread 0 of a consumer: the producer's count it read last
 #define PRNN_PREFETCH(t)                                                                                \
-    if (consumes)                                                                                       \
-        prnn_prefetch_pipe(pipe_in, progress + inst - 1, L.xw, t, BP, blk, status, &seen_progress);     \
-    else                                                                                                \
+    if (consumes) {                                                                                     \
+        if (!prnn_prefetch_pipe(pipe_in, progress + inst - 1, L.xw, t, BP, blk, watch, &seen_progress)) \
+            ok = false;                                                                                 \
+    } else                                                                                              \
         prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk)
 #else
 #define PRNN_PREFETCH(t) prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk)
@@ -493,14 +513,29 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
 
     const int slice_floats = PRNN_U * BP;  // one block's part of an exchanged vector
     int e = 0;                             // exchange index
-    bool ok = true;
 #if PRNN_SYNC == 1
     const prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
     prnn_u32 phases = 0;  // bit i: the parity the next wait on bars[i] completes
     auto wait_exchange = [&](int i) {
-        if (!prnn_mbar_wait_cluster(&bars[i], (phases >> i) & 1u, status)) ok = false;
+        if (!prnn_mbar_wait_cluster(&bars[i], (phases >> i) & 1u, watch)) ok = false;
         phases ^= 1u << i;
     };
+#endif
+#if PRNN_SYNC == 1 || PRNN_PIPELINE
+// Past it every ok is true; saying so ends ok's live range here (kept from
+// one step's wait to the next, it cost a register, and spilled at 255).
+// Thread 0 reported where its own wait failed. (Only if the phase completed
+// between its last poll and another thread's does the block leave without a
+// report; reporting here for that cost a kernel at its register limit 16
+// bytes of spills.)
+#define PRNN_SYNC_OR_LEAVE()        \
+    if (__syncthreads_or(!ok)) {    \
+        ok = false;                 \
+        goto leave;                 \
+    }                               \
+    ok = true
+#else
+#define PRNN_SYNC_OR_LEAVE() __syncthreads()
 #endif
 #if PRNN_ONE_SYNC
 #if PRNN_SYNC == 1
@@ -523,7 +558,22 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
 #endif
     }
 #endif
-    for (int t = 0; t < T && ok; ++t) {
+    for (int t = 0; t < T; ++t) {
+        // Test hook (abandon_block >= 0 only): from step 1 on, the abandoned
+        // block pushes and arrives no more, so that its peers time out on it,
+        // and leaves like a failed block. In a grid it skips its arrival and
+        // its own barrier wait fails like theirs; otherwise it waits for the
+        // failure here. (Where each sits was measured: a wait loop of its own
+        // in grid kernels, or skipping the pushes in cluster kernels, made
+        // ptxas spill in kernels at their register limit.)
+        const bool quit = t > 0 && (int)blockIdx.x == abandon_block;
+#if PRNN_SYNC != 2
+        if (quit) {
+            if (tid == 0) prnn_wait_for_failure(watch);
+            ok = false;
+            goto leave;
+        }
+#endif
         const float* xs = L.xw + (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
         const float* h_prev = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
 #if PRNN_ONE_SYNC
@@ -536,7 +586,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 for (int q = 0; q < PRNN_NB; ++q) pre += parts[q * part_floats + k * BP + b];
                 L.rh[k * BP + b] = prnn_sigmoid(pre) * h_prev[k * BP + b];
             }
-            __syncthreads();
+            PRNN_SYNC_OR_LEAVE();  // the first since the last exchange's wait
             // U_z h_{t-1} and U_n (r * h_{t-1}) for this block's rows, then
             // only the last stage's pointwise and exchange.
             {
@@ -570,7 +620,11 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
             // Groups for steps 0 .. t + DEPTH - 1 are committed: this step's
             // has landed once at most DEPTH - 1 remain in flight.
             if (stage == PRNN_FIRST_STAGE) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
+#if PRNN_ONE_SYNC
             __syncthreads();
+#else
+            PRNN_SYNC_OR_LEAVE();  // the first since the last exchange's wait
+#endif
 
             // Pointwise: one (unit, batch column) per thread and pass.
             const bool last_stage = stage == PRNN_STAGES - 1;
@@ -676,11 +730,16 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
             PRNN_PREFETCH_AHEAD();
             wait_exchange(e & 1);
 #else
-            prnn_grid_arrive(&counters[0]);
+            __syncthreads();  // the block's writes precede its arrival
+            // The hook's block adds 0 (a branch on quit instead made ptxas spill
+            // in kernels at their register limit).
+            if (tid == 0) prnn_red_release_gpu_add(&counters[0], (prnn_u32)!quit);
             PRNN_PREFETCH_AHEAD();
-            if (!prnn_grid_wait(&counters[0], (prnn_u32)(PRNN_NB * (e + 1)), status)) {
-                ok = false;
-            } else {
+            if (!prnn_grid_wait(&counters[0], (prnn_u32)(PRNN_NB * (e + 1)), watch)) {
+                ok = false;  // the whole block's: one thread waited for it
+                goto leave;
+            }
+            {
                 const float4* src = reinterpret_cast<const float4*>(exchange + (e & 1) * PRNN_KPAD * BP);
                 float4* dst = reinterpret_cast<float4*>(next);
                 // Rows past H stay as initialised (zero): the buffer's are never written.
@@ -688,12 +747,14 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 __syncthreads();
             }
 #endif
-            if (!ok) break;
         }
     }
+leave:
 #if PRNN_PIPELINE
-    // The next layer's input at the last position, from h_{T-1}.
-    if (ok && produces) {
+    // The next layer's input at the last position, from h_{T-1}, unless the
+    // block left on a failure or a thread's last wait failed (decided by the
+    // whole block: the branch holds a barrier).
+    if (!__syncthreads_or(!ok) && produces) {
         next_layer_product(L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP, T - 1);
         __syncthreads();
         if (tid == 0) prnn_red_release_gpu_add(progress + inst, T - (T - 1) / PRNN_RELEASE_EVERY * PRNN_RELEASE_EVERY);

@@ -25,18 +25,27 @@ extern "C" __global__ void grid_sync_cg(int steps) {
     for (int s = 0; s < steps; ++s) grid.sync();
 }
 
+// The kernels that wait take the wait's bound as arguments after `status`:
+// `report` (a host-mapped word, or null) receives the first failure code from
+// a block that gives up (its waits write it), and `timeout_ns` bounds a wait
+// without progress (see prnn_watch).
+
 // Our release/acquire counter barrier. *counter must be 0 at launch.
-extern "C" __global__ void grid_barrier_counter(prnn_u32* counter, int steps, int* status) {
+extern "C" __global__ void grid_barrier_counter(prnn_u32* counter, int steps, int* status, int* report,
+                                                unsigned long long timeout_ns) {
+    const prnn_watch w{status, report, timeout_ns};
     for (int s = 1; s <= steps; ++s)
-        if (!prnn_grid_barrier(counter, gridDim.x * s, status)) return;
+        if (!prnn_grid_barrier(counter, gridDim.x * s, w)) return;
 }
 
 // Counter barrier plus broadcast of an H-float state through a global double
 // buffer: each block writes its slice of h_s, then every block reads all of
 // h_s into shared memory (L2 only: other SMs wrote it). hbuf holds 2*H floats,
 // hbuf[0:H] = h_0 at launch; h_S ends in hbuf[(S & 1) * H].
-extern "C" __global__ void grid_exchange(float* hbuf, int H, prnn_u32* counter, int steps, int* status) {
+extern "C" __global__ void grid_exchange(float* hbuf, int H, prnn_u32* counter, int steps, int* status, int* report,
+                                         unsigned long long timeout_ns) {
     extern __shared__ float h_prev[];
+    const prnn_watch w{status, report, timeout_ns};
     const int lo = (int)((long long)H * blockIdx.x / gridDim.x);
     const int hi = (int)((long long)H * (blockIdx.x + 1) / gridDim.x);
     for (int s = 1; s <= steps; ++s) {
@@ -45,7 +54,7 @@ extern "C" __global__ void grid_exchange(float* hbuf, int H, prnn_u32* counter, 
         for (int j = threadIdx.x; j < H; j += blockDim.x) h_prev[j] = __ldcg(src + j);
         __syncthreads();
         for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) dst[j] = h_prev[j + 1 < H ? j + 1 : 0] + 1.0f;
-        if (!prnn_grid_barrier(counter, gridDim.x * s, status)) return;
+        if (!prnn_grid_barrier(counter, gridDim.x * s, w)) return;
     }
 }
 
@@ -85,8 +94,10 @@ extern "C" __global__ void cluster_exchange_dsmem(float* out, int H, int steps) 
 // st.async into every peer, completing on the peer's mbarrier; each block
 // waits only for its own barrier (acquire at cluster scope). No cluster-wide
 // barrier inside the loop.
-extern "C" __global__ void cluster_exchange_stasync(float* out, int H, int steps, int* status) {
+extern "C" __global__ void cluster_exchange_stasync(float* out, int H, int steps, int* status, int* report,
+                                                    unsigned long long timeout_ns) {
     extern __shared__ __align__(16) float h_buf[];
+    const prnn_watch w{status, report, timeout_ns};
     prnn_u64* bar = reinterpret_cast<prnn_u64*>(h_buf + 2 * H);
     const prnn_u32 rank = prnn_cluster_rank(), n = prnn_cluster_size();
     const int slice = H / n, groups = slice / 4;
@@ -111,7 +122,7 @@ extern "C" __global__ void cluster_exchange_stasync(float* out, int H, int steps
                 prnn_st_async_v4(prnn_peer_addr(addr, peer), v, prnn_peer_addr(bar_addr, peer));
         }
         // Phase k of buffer b is used at step s = 2k + 2 - b, so its parity is ((s - 1) >> 1) & 1.
-        if (!prnn_mbar_wait_cluster(next_bar, ((s - 1) >> 1) & 1, status)) break;
+        if (!prnn_mbar_wait_cluster(next_bar, ((s - 1) >> 1) & 1, w)) break;
     }
     prnn_cluster_sync();  // no block leaves while a peer may still address its shared memory
     if (rank == 0 && blockIdx.x == 0)
