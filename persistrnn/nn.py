@@ -188,9 +188,10 @@ class _Persistent:
         h0, c0 = (states if pairs else (states, None)) if states is not None else (None, None)
         if autocast:  # the kernels' input GEMM returns fp32 projections, which autocast would round
             with torch.autocast("cuda", enabled=False):
-                out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias)
+                out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias,
+                                            self._plan_for_dtype(x.dtype))
         else:
-            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias)
+            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias, self.plan_for)
         if unbatched:
             out, h_n = out.squeeze(1), h_n.squeeze(1)
             c_n = c_n.squeeze(1) if pairs else None
@@ -357,6 +358,12 @@ class _Persistent:
         from . import plan as planner
 
         return planner.cached_plan(self._shape(self._flat_weights[0].dtype), batch)
+
+    def _plan_for_dtype(self, dtype: torch.dtype) -> Any:
+        """``plan_for`` at another dtype than the parameters' (autocast)."""
+        from . import plan as planner
+
+        return lambda batch: planner.cached_plan(self._shape(dtype), batch)
 
     def stream(self, batch_size: int) -> "StreamSession":
         """A streaming session over ``batch_size`` sequences (see :class:`StreamSession`)."""

@@ -89,10 +89,12 @@ def launch_settings() -> tuple:
 
 
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,
-            c0: torch.Tensor | None, has_biases: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            c0: torch.Tensor | None, has_biases: bool,
+            plan_for: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A model's forward on CUDA (inference): ``shape`` a
     :class:`persistrnn.plan.ModelShape`, torch's flat weight list, ``x``
     (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros.
+    ``plan_for(batch)`` gives the plan (default: the plan cache's).
     Returns fresh (output (T, B, D*H), h_n, c_n or None)."""
     from . import plan as planner
 
@@ -103,7 +105,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     if B == 0:  # torch returns empty outputs and states
         out = x.new_empty(T, 0, shape.directions * shape.hidden_size)
         return out, x.new_empty(states), (x.new_empty(states) if has_c else None)
-    chosen = planner.cached_plan(shape, B)
+    chosen = planner.cached_plan(shape, B) if plan_for is None else plan_for(B)
 
     def run(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if h0 is None:  # zeros made inside the capture: each replay writes them, no copy per call

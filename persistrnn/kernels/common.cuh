@@ -95,15 +95,17 @@ __device__ __forceinline__ void prnn_report(const prnn_watch& w) {
     __threadfence_system();
 }
 
-// Test hook: the abandoned block waits, as bounded as any wait, until a block
-// that waits for it fails; with none waiting for it (a lone block, a
-// pipeline's last layer), it fails itself when the bound runs out. By thread
-// 0; reports.
+// Test hook: the abandoned block waits until a block that waits for it fails;
+// with none waiting for it (a lone block, a pipeline's last layer), it fails
+// itself. Its bound is twice the peers': it starts waiting before they do
+// (they are still computing the step it skipped), so with the same bound it
+// would give up first, and the failure would name the hook instead of the
+// stage that waited. By thread 0; reports.
 __device__ __forceinline__ void prnn_wait_for_failure(const prnn_watch& w) {
     prnn_stall_clock clock;
     clock.restart();
     while (!prnn_failed(w.status)) {
-        if (clock.tick() && clock.expired(w.timeout_ns)) {
+        if (clock.tick() && clock.expired(2 * w.timeout_ns)) {
             prnn_fail(w.status, PRNN_STATUS_ABANDON_TIMEOUT);
             break;
         }
