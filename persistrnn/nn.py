@@ -251,21 +251,19 @@ class _Persistent:
         unbatched = input.dim() == 2
         batched = input.unsqueeze(0 if self.batch_first else 1) if unbatched else input
         x = batched.transpose(0, 1) if self.batch_first else batched
-        D = 2 if self.bidirectional else 1
-        shape = (self.num_layers * D, x.shape[1], self.hidden_size)
-        if hx is None:
-            states = (x.new_zeros(shape), x.new_zeros(shape)) if pairs else (x.new_zeros(shape),)
+        if hx is None:  # zeros made inside the operator's captured forward: no kernels for them here
+            states = (None, None)
+            self.check_input(batched, None)  # torch's checks and messages
         else:
-            states = tuple(hx) if pairs else (hx,)
+            states = tuple(hx) if pairs else (hx, None)
             if unbatched:
-                states = tuple(s.unsqueeze(1) for s in states)
-        self.check_forward_args(batched, states if pairs else states[0], None)  # torch's checks and messages
+                states = tuple(s.unsqueeze(1) if s is not None else None for s in states)
+            self.check_forward_args(batched, states if pairs else states[0], None)
         weights = self._flat_weights
         if weights[0].dtype != x.dtype:
             weights = [w.to(x.dtype) for w in weights]
-        out, h_n, c_n = torch.ops.persistrnn.forward(x.contiguous(), states[0], states[1] if pairs else None,
-                                                     list(weights), self.cell, self.num_layers, self.bidirectional,
-                                                     self.bias)
+        out, h_n, c_n = torch.ops.persistrnn.forward(x, states[0], states[1], list(weights), self.cell,
+                                                     self.num_layers, self.bidirectional, self.bias)
         if unbatched:
             out, h_n, c_n = out.squeeze(1), h_n.squeeze(1), (c_n.squeeze(1) if pairs else c_n)
         elif self.batch_first:
@@ -481,7 +479,7 @@ class StreamSession:
         chosen = module.plan_for(batch)
         key = (x.shape, x.dtype, chosen.path, chosen.config, ops.launch_settings(),
                tuple(w.data_ptr() for w in weights))
-        out = self._graphs.get(key, lambda: self._capture(chosen, x))(x, *self._buffers)[0]
+        out = self._graphs.get(key, lambda: self._capture(chosen, x), x.device.index)(x, *self._buffers)[0]
         return out.transpose(0, 1) if module.batch_first else out
 
     def _capture(self, chosen: Any, x: torch.Tensor) -> runtime.CapturedCall:

@@ -566,7 +566,13 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
         // failure here. (Where each sits was measured: a wait loop of its own
         // in grid kernels, or skipping the pushes in cluster kernels, made
         // ptxas spill in kernels at their register limit.)
+#if PRNN_TEST_HOOK
         const bool quit = t > 0 && (int)blockIdx.x == abandon_block;
+#else
+        // Compiled without the hook (every launch but a test's): none of its
+        // code is in the kernel, whose registers are at the limit in places.
+        constexpr bool quit = false;
+#endif
 #if PRNN_SYNC != 2
         if (quit) {
             if (tid == 0) prnn_wait_for_failure(watch);

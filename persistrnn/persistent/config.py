@@ -86,6 +86,11 @@ class KernelConfig(KernelLayout):
             of steps). :func:`run_instances` picks it when lengths are given;
             without it a launch carries none of the lengths code (which cost
             ~0.1 µs per step of a single LSTM 128 layer).
+        test_hook: compiled with the test-only failure hook
+            (:func:`persistrnn.runtime.inject_failure`); :func:`run_instances`
+            picks it while the hook is set. Without it the kernel carries none
+            of the hook's code: at their register limit, kernels compiled by
+            NVRTC 13.0 spilled with it.
     """
 
     cell: str
@@ -104,6 +109,7 @@ class KernelConfig(KernelLayout):
     instances: int = 1
     pipeline: bool = False
     lengths: bool = False
+    test_hook: bool = False
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)

@@ -74,12 +74,15 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
         raise ArgumentError(f"expected {config.instances} instances for {config}, got {len(instances)}")
     if config.lengths != (lengths is not None):  # the variant compiled with (or without) the lengths code
         config = dataclasses.replace(config, lengths=lengths is not None)
+    abandon = runtime.failure_hook()
+    if config.test_hook != (abandon >= 0):  # likewise the test hook's
+        config = dataclasses.replace(config, test_hook=abandon >= 0)
     device = instances[0].w_hh.device
     H, GH = config.hidden_size, config.spec.num_gates * config.hidden_size
     out_row = next((i.out.shape[2] for i in instances if i.out is not None), H)
     per_launch = batch_per_launch(config, device.index)
     report = np.uint64(runtime.report_word(device.index))
-    timeout, abandon = np.uint64(runtime.wait_timeout_ns()), np.int32(runtime.failure_hook())
+    timeout, abandon = np.uint64(runtime.wait_timeout_ns()), np.int32(abandon)
     for b0 in range(0, batch, per_launch):
         nb = min(per_launch, batch - b0)
         kernel, launch_config = _prepared_launch(config, device.index, nb)

@@ -77,6 +77,7 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_PIPELINE": int(config.pipeline),
         "PRNN_RELEASE_EVERY": PIPELINE_RELEASE_EVERY,
         "PRNN_LENGTHS": int(config.lengths),
+        "PRNN_TEST_HOOK": int(config.test_hook),
         "PRNN_N_RPW": max(config.next_rows_per_group, 1),
         "PRNN_N_KREG": config.register_k,
         "PRNN_INSTANCE_PARAMS": _instance_params(config),

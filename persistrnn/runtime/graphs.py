@@ -97,8 +97,8 @@ class CapturedCall:
 
         self.graph, outs = capture(record, lambda: fn(*args))
         self.outputs = list(outs)
+        self.device = self.outputs[0].device
         self.lock = threading.Lock()
-        self.event = torch.cuda.Event()
 
     def __call__(self, *args: Any) -> list[Any]:
         import torch
@@ -110,19 +110,22 @@ class CapturedCall:
                 torch._foreach_copy_(self.copied, given)
             self.graph.replay()
             torch._foreach_copy_(results, self.outputs)
-            self.event.record()
         return results
 
     def release(self) -> None:
-        """Wait for the last replay to finish (before the graph and its pool are freed)."""
-        self.event.synchronize()
+        """Wait for every replay to finish (before the graph and its pool are
+        freed). A device-wide wait, but only on eviction: an event recorded
+        per call would cost every call."""
+        import torch
+
+        torch.cuda.synchronize(self.device)
 
 
 class GraphCache:
     """Least-recently-used captured calls, one per (key, device, stream).
 
-    ``get(key, make)`` returns the instance of ``key`` for torch's current
-    stream, capturing it with ``make()`` on first use.
+    ``get(key, make, device)`` returns the instance of ``key`` for torch's
+    current stream on ``device``, capturing it with ``make()`` on first use.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -133,11 +136,11 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: tuple, make: Callable[[], CapturedCall]) -> CapturedCall:
+    def get(self, key: tuple, make: Callable[[], CapturedCall], device: int) -> CapturedCall:
         import torch
 
-        stream = torch.cuda.current_stream()
-        full = (key, stream.device_index, stream.cuda_stream)
+        # the raw handle, read in C: torch.cuda.current_stream() costs several µs of Python
+        full = (key, device, torch._C._cuda_getCurrentRawStream(device))
         entry = self._entries.get(full)
         if entry is not None:
             return entry
