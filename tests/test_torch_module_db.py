@@ -434,7 +434,8 @@ def test_gpu_sample_gives_torchs_outputs_on_every_path(name, index, desc, dtype,
     x = args[0].data if _is_packed(sample) else args[0]
     # Nothing but a projection sends the call to torch's implementation: the
     # pinned plan runs (a packed input on a plan without kernels is torch's).
-    reason = ours._torch_reason(x, warn=False)
+    with torch.no_grad():  # a sample's input may require grad: the call below runs without
+        reason = ours._torch_reason(x, warn=False)
     assert reason == ("proj_size" if path == "torch" else None), reason
     with torch.no_grad(), exact_torch():  # torch's peer and our cuDNN path without TF32, as the rule says
         got = ours(*args, **kwargs)

@@ -112,17 +112,20 @@ class CapturedCall:
             torch._foreach_copy_(results, self.outputs)
         return results
 
-    def release(self) -> None:
-        """Wait for every replay to finish (before the graph and its pool are
-        freed). A device-wide wait, but only on eviction: an event recorded
-        per call would cost every call."""
+    def release(self, stream: int) -> None:
+        """Wait for the replays on ``stream`` (the raw handle of the only
+        stream this instance is replayed on) to finish, before the graph and
+        its pool are freed: a wait on that stream only, on eviction only (an
+        event recorded per call would cost every call, and a device-wide wait
+        is refused while another thread captures)."""
         import torch
 
-        torch.cuda.synchronize(self.device)
+        torch.cuda.ExternalStream(stream, device=self.device).synchronize()
 
 
 class GraphCache:
-    """Least-recently-used captured calls, one per (key, device, stream).
+    """Captured calls, one per (key, device, stream), the oldest dropped
+    first beyond ``capacity`` (a hit moves nothing: no lock on the call path).
 
     ``get(key, make, device)`` returns the instance of ``key`` for torch's
     current stream on ``device``, capturing it with ``make()`` on first use.
@@ -149,13 +152,13 @@ class GraphCache:
             entry = self._entries.setdefault(full, entry)
             evicted = []
             while len(self._entries) > self.capacity:
-                evicted.append(self._entries.popitem(last=False)[1])
-        for old in evicted:
-            old.release()
+                evicted.append(self._entries.popitem(last=False))
+        for (_, _, stream), old in evicted:
+            old.release(stream)
         return entry
 
     def clear(self) -> None:
         with self._lock:
-            entries, self._entries = list(self._entries.values()), collections.OrderedDict()
-        for entry in entries:
-            entry.release()
+            entries, self._entries = list(self._entries.items()), collections.OrderedDict()
+        for (_, _, stream), entry in entries:
+            entry.release(stream)
