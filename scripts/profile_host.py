@@ -28,7 +28,7 @@ def host_us(fn, calls):
     return elapsed / calls * 1e6
 
 
-def top(fn, calls, n=14):
+def top(fn, calls, n=30):
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -37,7 +37,7 @@ def top(fn, calls, n=14):
     torch.cuda.synchronize()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(n)
-    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())[-3000:]
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
 def main() -> None:
