@@ -470,3 +470,48 @@ def test_gpu_packed_sequences_run_the_kernels_and_match_float64(untuned, kind, k
             assert rel(got_h.double().cpu().numpy(), want_h.numpy()) <= 1e-5
             rest = padded[b, n:] if model.batch_first else padded[n:, b]
             assert not rest.any()
+
+
+def test_jit_script_is_refused_naming_the_alternatives():
+    with pytest.raises(persistrnn.UnsupportedError, match=r"torch\.compile.*torch\.export"):
+        torch.jit.script(persistrnn.LSTM(4, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_gpu_batch_zero_returns_empty_outputs_of_torchs_shapes(untuned, kind, batch_first):
+    ours = getattr(persistrnn, kind)(5, 16, num_layers=2, bidirectional=True, batch_first=batch_first).cuda().eval()
+    theirs = getattr(torch.nn, kind)(5, 16, num_layers=2, bidirectional=True, batch_first=batch_first).cuda().eval()
+    x = torch.randn(0, 7, 5, device="cuda") if batch_first else torch.randn(7, 0, 5, device="cuda")
+    with torch.no_grad():
+        (out, state), (want, want_state) = ours(x), theirs(x)
+    assert out.shape == want.shape
+    for s, w in zip(state if isinstance(state, tuple) else (state,), want_state if isinstance(want_state, tuple)
+                    else (want_state,)):
+        assert s.shape == w.shape and s.dtype == w.dtype and s.device == w.device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_gpu_autocast_runs_and_returns_torchs_dtype_at_no_worse_an_error(untuned, kind, dtype):
+    torch.manual_seed(21)
+    ours = getattr(persistrnn, kind)(32, 64, num_layers=2).cuda().eval()
+    theirs = getattr(torch.nn, kind)(32, 64, num_layers=2).cuda().eval()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(12, 3, 32, device="cuda")
+    with torch.no_grad():
+        want64 = getattr(torch.nn, kind)(32, 64, num_layers=2).double().cuda().eval()
+        want64.load_state_dict(ours.state_dict())
+        ref = want64(x.double())[0]
+        with torch.autocast("cuda", dtype=dtype):
+            out, state = ours(x)
+            peer, peer_state = theirs(x)
+    assert out.dtype == peer.dtype == dtype
+    h, peer_h = (state[0], peer_state[0]) if kind == "LSTM" else (state, peer_state)
+    assert h.dtype == peer_h.dtype
+    ref = ref.cpu().numpy()
+    err, peer_err = rel(out.double().cpu().numpy(), ref), rel(peer.double().cpu().numpy(), ref)
+    # the same rounding of inputs and weights; our error at most 2x torch's (the tolerance rule)
+    assert err <= max(2 * peer_err, 1e-5), (err, peer_err)

@@ -65,3 +65,9 @@ def test_bench_without_gpu_fails_clearly():
     assert "torch.cuda.is_available() is False" in out.stderr
     out = _run_module("persistrnn.bench", "nosuch")
     assert out.returncode == 2 and "expected one of: grnn-table" in out.stderr
+
+
+def test_the_library_never_imports_the_benchmarks():
+    code = ("import persistrnn, sys; persistrnn.LSTM(8, 8); import persistrnn.plan.model, persistrnn.runtime; "
+            "assert not [m for m in sys.modules if m.startswith('persistrnn.bench')], 'persistrnn.bench imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
