@@ -297,7 +297,7 @@ class _Persistent:
             states = ()
         weight = self._flat_weights[0]
         signature = (input.shape, input.dtype, input.device, weight.dtype, weight.device,
-                     tuple((s.shape, s.dtype, s.device) for s in states))
+                     tuple((s.shape, s.dtype, s.device) for s in states), torch.is_autocast_enabled("cuda"))
         if signature not in self._checked:  # the checks cost more than a replay: once per signature
             self._check(input, x, states, unbatched)
             self._checked.add(signature)
@@ -334,7 +334,7 @@ class _Persistent:
             except (RuntimeError, ValueError) as exc:
                 raise InputShapeError(str(exc)) from None
         weight = self._flat_weights[0]
-        if x.dtype != weight.dtype:
+        if x.dtype != weight.dtype and not (x.is_cuda and torch.is_autocast_enabled("cuda")):  # as torch's check
             raise InputShapeError(f"RNN input dtype ({x.dtype}) does not match weight dtype ({weight.dtype}). "
                                   f"Convert input: input.to({weight.dtype}), or convert model: model.to({x.dtype})")
         if x.device != weight.device:
