@@ -508,7 +508,7 @@ def test_gpu_autocast_runs_and_returns_torchs_dtype_at_no_worse_an_error(untuned
         with torch.autocast("cuda", dtype=dtype):
             out, state = ours(x)
             peer, peer_state = theirs(x)
-    assert out.dtype == peer.dtype == dtype
+    assert out.dtype == peer.dtype  # fp16 under either autocast: torch casts cuDNN's RNN to half
     h, peer_h = (state[0], peer_state[0]) if kind == "LSTM" else (state, peer_state)
     assert h.dtype == peer_h.dtype
     ref = ref.cpu().numpy()
