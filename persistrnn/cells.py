@@ -126,7 +126,7 @@ def _check_node(node: ast.expr, expr: str) -> None:
             raise ArgumentError(f"expression {expr!r}: expected {node.id!r} to be called, got it used as a value")
         if not _IDENTIFIER.match(node.id) or node.id.startswith(_RESERVED_PREFIX):
             raise ArgumentError(f"expression {expr!r}: expected ASCII identifiers not starting with "
-                             f"{_RESERVED_PREFIX!r}, got {node.id!r}")
+                                f"{_RESERVED_PREFIX!r}, got {node.id!r}")
     elif isinstance(node, ast.Constant) and type(node.value) in (int, float):
         try:
             finite = math.isfinite(float(node.value))

@@ -40,4 +40,4 @@ def check_lengths(lengths: Any, steps: int, batch: int, device: Any) -> None:
     low, high = int(lengths.min()), int(lengths.max())
     if low < 1 or high > steps:
         raise ArgumentError(f"lengths: expected every length in 1..{steps} (the steps of the input), "
-                         f"got lengths from {low} to {high}")
+                            f"got lengths from {low} to {high}")

@@ -85,7 +85,7 @@ def stage_layout(cell: str | CellSpec) -> tuple[tuple[int, int], ...]:
         if tuple(spec.gates[first : first + len(stage)]) != tuple(stage):
             # One GEMM per stage needs the stage's rows of W_hh to be one slice.
             raise ArgumentError(f"cell {spec.name}: the fallback needs each stage's gates consecutive in W_hh's rows, "
-                             f"got stage {stage} of gates {spec.gates}")
+                                f"got stage {stage} of gates {spec.gates}")
         layout.append((first, len(stage)))
     if len(layout) > 2:
         # prnn_between(k) renders only between_stages[k]; a third stage's
@@ -253,11 +253,11 @@ def _run_steps(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any,
         for k, (stage_bias, weight, product) in enumerate(stages):
             if k:
                 runtime.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr, ptr(work.operand.data_ptr()),
-                           np.int32(k - 1), n_h, n_b)
+                               np.int32(k - 1), n_h, n_b)
                 operand = work.operand
             torch.addmm(stage_bias, operand, weight, out=product, **gemm_kwargs)
         runtime.launch(kernels.pointwise, kernels.launch, xw_t, hg_ptr, h_ptr, c_ptr, ptr(out_ptr + t * out_step),
-                   n_h, n_b)
+                       n_h, n_b)
     h_n.copy_(out[T - 1])
     if spec.has_cell_state:
         c_n.copy_(work.c)  # rounds to nearest, like the kernels' cvt.rn
@@ -307,7 +307,7 @@ def run_fallback(
     dtype, H = w_hh.dtype, w_hh.shape[1]
     if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
         raise ArgumentError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
-                         f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
+                            f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
     T, B = xw.shape[0], xw.shape[1]
     if spec.has_cell_state and c0 is None:
         raise ArgumentError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
@@ -324,7 +324,7 @@ def run_fallback(
         check("c0", c0, (B, H), xw.device, dtype)
     if T < 1 or B < 1 or H < 1:
         raise ArgumentError(f"expected at least one step, sequence and hidden unit, got xw of shape {tuple(xw.shape)} "
-                         f"and w_hh of shape {tuple(w_hh.shape)}")
+                            f"and w_hh of shape {tuple(w_hh.shape)}")
     if B * G * H >= _INDEX_LIMIT:
         raise ArgumentError(f"expected batch * {G} * hidden below 2**31 (the kernels' int indices), got {B * G * H}")
     for name, given, shape in (("out", out, (T, B, H)), ("h_n", h_n, (B, H)), ("c_n", c_n, (B, H))):

@@ -447,7 +447,7 @@ class StreamSession:
     def __init__(self, module: _Persistent, batch_size: int) -> None:
         if module.bidirectional:
             raise ArgumentError("stream: expected a unidirectional model, got bidirectional=True (the reverse "
-                             "direction needs the whole sequence)")
+                                "direction needs the whole sequence)")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ArgumentError(f"stream: expected a positive int batch_size, got {batch_size!r}")
         self.module = module

@@ -41,7 +41,7 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
     per = 4 if has_biases else 2
     if len(weights) != num_layers * directions * per:
         raise ArgumentError(f"expected {num_layers * directions * per} weights for {num_layers} layer(s), "
-                         f"{directions} direction(s), biases {has_biases}; got {len(weights)}")
+                            f"{directions} direction(s), biases {has_biases}; got {len(weights)}")
     layers = []
     for layer in range(num_layers):
         directions_of_layer = []

@@ -147,7 +147,7 @@ def run_recurrence(
     H, G = config.hidden_size, spec.num_gates
     if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
         raise ArgumentError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
-                         f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
+                            f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
     T, B = xw.shape[0], xw.shape[1]
     dtype = getattr(torch, config.dtype)
     check_tensor("xw", xw, (T, B, G * H), xw.device, torch.float32)

@@ -316,8 +316,8 @@ def bench_binary(program: tuple[int, int, int, int], arch: str | None = None) ->
     mma, tile, group, chunks = program
     source = runtime.read_source("model_bench.cu", includes=("common.cuh", "group_product.cuh"))
     return runtime.compile_source("model_bench", source, arch=arch,
-                              defines={"PRNN_BENCH_MMA": mma, "PRNN_BT": tile, "PRNN_WGS": group,
-                                       "PRNN_KCH": chunks, "PRNN_THREADS": "((int)blockDim.x)"})
+                                  defines={"PRNN_BENCH_MMA": mma, "PRNN_BT": tile, "PRNN_WGS": group,
+                                           "PRNN_KCH": chunks, "PRNN_THREADS": "((int)blockDim.x)"})
 
 
 def bench_programs() -> list[tuple[int, int, int, int]]:
