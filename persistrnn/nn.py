@@ -480,7 +480,7 @@ class StreamSession:
         runtime.raise_reported_failure(x.device.index)
         weights = module._flat_weights
         chosen = module.plan_for(batch)
-        key = (x.shape, x.dtype, chosen.path, chosen.config, ops.launch_settings(),
+        key = (x.shape, x.dtype, chosen.launch, ops.launch_settings(),
                tuple(w.data_ptr() for w in weights))
         out = self._graphs.get(key, lambda: self._capture(chosen, x), x.device.index)(x, *self._buffers)[0]
         return out.transpose(0, 1) if module.batch_first else out

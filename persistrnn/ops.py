@@ -74,7 +74,8 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
         return result[0], result[1], (result[2] if c0 is not None else None)
     layers = layer_params(weights, num_layers, 2 if bidirectional else 1, has_biases)
     if chosen.path == "persistent":
-        return persistent.forward_model(chosen.config, layers, x.contiguous(), h0, c0, lengths=lengths, check=False)
+        return persistent.forward_model(chosen.config, layers, x.contiguous(), h0, c0, lengths=lengths,
+                                        batch_slice=chosen.batch_slice, check=False)
     if chosen.path == "fallback":
         return fallback.forward_model(cell, layers, x.contiguous(), h0, c0)
     raise ArgumentError(f"run_plan: expected a persistent, fallback or cudnn plan, got {chosen.path!r}")
@@ -118,7 +119,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     if torch.cuda.is_current_stream_capturing():  # the caller's graph takes our launches
         result = run(x, h0, c0)
     else:
-        key = (shape, has_biases, chosen.path, chosen.config, x.shape, x.dtype, h0 is None, launch_settings(),
+        key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
         captured = GRAPHS.get(key, lambda: runtime.CapturedCall(run, (x, h0, c0)), x.device.index)
         result = captured(x, h0, c0)

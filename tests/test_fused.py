@@ -88,7 +88,8 @@ def _gpu_configs():
                               instances=c[4], pipeline=True) for c in PIPELINE_CASES]
     directions = [KernelConfig(c[0], c[3], c[5], c[6], c[7], c[8], 1, dtype=c[1], instances=c[9])
                   for c in BIDIRECTIONAL_CASES]
-    return pipelines + directions
+    sliced = [KernelConfig(c[0], c[3], threads=128, group_size=8, dtype=c[1], **c[6]) for c in SLICE_CASES]
+    return pipelines + directions + sliced
 
 
 COMPILE_SAMPLE += [KernelConfig(cell, 96, "cluster", 4, 128, 8, 1, instances=2, lengths=True) for cell in CELL_NAMES]
@@ -137,12 +138,12 @@ def test_ranking_weighs_each_layout_by_its_steps_per_forward():
     model = cost.CostModel(cal, H100)
     shape = tuner.ModelShape("lstm", 128, 128, 3)
     ranked = tuner.ranked_configs(shape, 1, model, steps=100)
-    layouts = {(c.instances, c.pipeline) for _, c in ranked}
+    layouts = {(c.instances, c.pipeline) for _, c, _ in ranked}
     assert layouts == {(1, False), (3, True)}
-    totals = [us * tuner.forward_steps(c, shape, 100) for us, c in ranked]
+    totals = [us * tuner.forward_steps(c, shape, 100) for us, c, _ in ranked]
     assert totals == sorted(totals)
     # every fused configuration fits the SMs with all its layers
-    assert all(c.blocks * c.instances <= H100.sm_count for _, c in ranked)
+    assert all(c.blocks * c.instances <= H100.sm_count for _, c, _ in ranked)
 
 
 def test_prune_counts_every_instances_blocks():
@@ -200,10 +201,10 @@ def _compare(cell, dtype, result, ref, peer, context):
     assert_close_to_reference(ours, want, theirs, dtype=dtype, context=context)
 
 
-def _check(config, cell, dtype, input_size, layers, directions, batch, steps):
+def _check(config, cell, dtype, input_size, layers, directions, batch, steps, batch_slice=None):
     import torch
 
-    seed = hash((str(config), batch, steps)) % 2**32  # fresh per run; printed on failure
+    seed = hash((str(config), batch, steps, batch_slice)) % 2**32  # fresh per run; printed on failure
     torch_layers, x, h0, c0, ref = _model_case(cell, dtype, input_size, config.hidden_size, layers, directions, batch,
                                                steps, seed)
     # Poison: NaN blocks of the outputs' sizes, freed, so that the caching
@@ -214,8 +215,9 @@ def _check(config, cell, dtype, input_size, layers, directions, batch, steps):
               for shape in ((steps, batch, D * H), h0.shape, h0.shape)]
     del poison
     with exact_torch():
-        result = persistent.forward_model(config, torch_layers, x, h0, c0)
-    _compare(cell, dtype, result, ref, torch_peer(cell, torch_layers, x, h0, c0), f"{config}, seed {seed}")
+        result = persistent.forward_model(config, torch_layers, x, h0, c0, batch_slice=batch_slice)
+    _compare(cell, dtype, result, ref, torch_peer(cell, torch_layers, x, h0, c0),
+             f"{config}, batch {batch} in slices of {batch_slice}, seed {seed}")
 
 
 PIPELINE_CASES = [
@@ -263,6 +265,40 @@ def test_fused_layers_split_a_large_batch_across_launches():
     config = KernelConfig("gru", 128, "cluster", 8, 256, 8, 8, instances=2, pipeline=True)
     per_launch = config.max_batch(runtime.device_facts().shared_per_block_optin)
     _check(config, "gru", "float32", 40, 2, 1, per_launch + 3, 4)
+
+
+SLICE_CASES = [
+    # (cell, dtype, input, hidden, layers, directions, config kwargs, batch, batch_slice): uneven last slices
+    ("lstm", "float32", 64, 96, 3, 1, dict(sync="cluster", blocks=4, instances=3, pipeline=True), 11, 3),
+    ("gru", "bfloat16", 40, 40, 2, 1, dict(sync="single", blocks=1, instances=2, pipeline=True), 9, 2),
+    ("gru_reset_before", "float32", 17, 48, 1, 2, dict(sync="cluster", blocks=2, instances=2), 13, 4),
+    ("rnn_tanh", "float16", 8, 33, 2, 2, dict(sync="single", blocks=1, instances=2), 7, 1),
+    ("lstm", "float32", 30, 128, 1, 1, dict(sync="cluster", blocks=8, batch_tile=2), 40, 2),
+    ("rnn_relu", "float32", 16, 100, 2, 1, dict(sync="grid", blocks=10), 9, 4),  # one launch per slice
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SLICE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-L{c[4]}-D{c[5]}-B{c[7]}-s{c[8]}")
+def test_batch_slices_match_float64_reference(case):
+    cell, dtype, input_size, hidden, layers, directions, kwargs, batch, batch_slice = case
+    config = KernelConfig(cell, hidden, threads=128, group_size=8, dtype=dtype, **kwargs)
+    _check(config, cell, dtype, input_size, layers, directions, batch, 9, batch_slice)
+
+
+@pytest.mark.gpu
+def test_batch_slices_with_variable_lengths():
+    import torch
+
+    config = KernelConfig("lstm", 48, "cluster", 2, 128, 8, 1, instances=2)
+    lengths = [5, 1, 9, 3, 7, 2, 8]
+    torch_layers, x, h0, c0, _ = _model_case("lstm", "float32", 11, 48, 1, 2, len(lengths), 9, seed=5)
+    dev_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    with exact_torch():
+        whole = persistent.forward_model(config, torch_layers, x, h0, c0, lengths=dev_lengths)
+        sliced = persistent.forward_model(config, torch_layers, x, h0, c0, lengths=dev_lengths, batch_slice=3)
+    for a, b in zip(whole, sliced):  # each sequence's own arithmetic, wherever its slice runs
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -162,7 +162,7 @@ COMPILE_SAMPLE += [_one_sync(*shape) for shape, _, _ in ONE_SYNC_SAMPLE]
 # ---- GPU: agreement with the float64 reference -------------------------------
 
 
-def check_against_reference(config, batch, steps, seed, input_size=None):
+def check_against_reference(config, batch, steps, seed, input_size=None, batch_slice=None):
     """One run of ``config`` against the float64 reference, by the tolerance
     rule (tests/helpers.py), with torch's CUDA function on the same tensors as
     the peer (none for the reset-before GRU). Returns the measurements.
@@ -188,7 +188,8 @@ def check_against_reference(config, batch, steps, seed, input_size=None):
     c0 = c0_t if spec.has_cell_state else None
     with exact_torch():  # the input projection's GEMM in exact fp32, as the fp32 bound assumes
         xw = persistent.input_projection(x_t, t["w_ih"], t["b_ih"])
-        persistent.run_recurrence(config, xw, t["w_hh"], t["b_hh"], h0_t, c0, out=out, h_n=h_n, c_n=c_n)
+        persistent.run_recurrence(config, xw, t["w_hh"], t["b_hh"], h0_t, c0, out=out, h_n=h_n, c_n=c_n,
+                                  batch_slice=batch_slice)
     ours, ref = {"output": out, "h_n": h_n}, {"output": ref_out, "h_n": ref_h}
     if spec.has_cell_state:
         ours["c_n"], ref["c_n"] = c_n, ref_c
@@ -196,7 +197,8 @@ def check_against_reference(config, batch, steps, seed, input_size=None):
     if peer is not None:
         peer = {"output": peer[0], "h_n": peer[1][0], **({"c_n": peer[2][0]} if spec.has_cell_state else {})}
     return assert_close_to_reference(ours, ref, peer, dtype=config.dtype,
-                                     context=f"{config}, batch {batch}, {steps} steps, seed {seed}")
+                                     context=f"{config}, batch {batch} in slices of {batch_slice}, {steps} steps, "
+                                             f"seed {seed}")
 
 
 def _gpu_cases():
@@ -233,12 +235,31 @@ def test_kernel_matches_float64_reference(config, batch, steps):
 
 
 @pytest.mark.gpu
-def test_large_batch_is_split_across_launches():
+def test_large_batch_runs_in_slices_of_what_a_block_holds():
     from persistrnn import runtime
 
-    cfg = KernelConfig("lstm", 256, "cluster", 8, batch_tile=8)
-    per_launch = cfg.max_batch(runtime.device_facts().shared_per_block_optin)
-    check_against_reference(cfg, per_launch + 5, 3, seed=7)
+    for cfg in (KernelConfig("lstm", 256, "cluster", 8, batch_tile=8), KernelConfig("gru", 256, "grid", 16)):
+        per_launch = cfg.max_batch(runtime.device_facts().shared_per_block_optin)
+        check_against_reference(cfg, per_launch + 5, 3, seed=7)
+
+
+SLICED_CASES = [
+    # (config, batch, batch_slice): every cell; single, cluster and mma; uneven last slices
+    (KernelConfig("lstm", 256, "cluster", 8, 256, 8, 1), 20, 3),
+    (KernelConfig("gru", 100, "single", 1, 256, 16, 2), 17, 5),
+    (KernelConfig("gru_reset_before", 64, "cluster", 4, 128, 8, 1, one_sync=True, prefetch_steps=4), 9, 2),
+    (KernelConfig("rnn_tanh", 33, "single", 1, 128, 4, 1), 6, 1),
+    (KernelConfig("rnn_relu", 128, "cluster", 16, 128, 8, 4), 64, 8),
+    (KernelConfig("lstm", 256, "cluster", 8, 256, 32, 8, dtype="bfloat16", math="mma", k_split=2), 21, 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, batch_slice", SLICED_CASES,
+                         ids=[f"{c}-B{b}-s{s}" for c, b, s in SLICED_CASES])
+def test_batch_slices_match_float64_reference(config, batch, batch_slice):
+    seed = hash((str(config), batch, batch_slice)) % 2**32
+    check_against_reference(config, batch, 7, seed=seed, batch_slice=batch_slice)
 
 
 @pytest.mark.gpu
@@ -267,7 +288,7 @@ def test_bad_inputs_raise_before_launch():
 
 def _compiled_configs():
     """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
-    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES}, key=str)
+    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES}, key=str)
 
 
 @pytest.mark.parametrize("config", _compiled_configs(), ids=str)

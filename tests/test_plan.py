@@ -127,13 +127,46 @@ def test_step_cost_terms_are_positive_and_only_one_block_exchanges_nothing(cal):
 
 
 @pytest.mark.parametrize("cal", CALIBRATIONS, ids=lambda c: c.device)
-def test_a_batch_over_one_launch_costs_one_launch_per_share(cal):
+def test_a_grid_batch_over_one_launch_costs_one_launch_per_share(cal):
     model = cost.CostModel(cal, H100)
-    config = persistent.KernelConfig("lstm", 256, "cluster", 8, batch_tile=8)
+    config = persistent.KernelConfig("lstm", 256, "grid", 16, batch_tile=8)
     most = config.max_batch(H100.shared_per_block_optin)
     one, split = model.step_cost(config, most), model.step_cost(config, 2 * most + 3)
     assert one.launches == 1 and split.launches == 3  # two full launches, then one of 3 sequences
     assert split.total > 2 * one.total
+    # a slice below what a block holds: one launch per slice, one after another
+    assert model.step_cost(config, 8, batch_slice=2).launches == 4
+
+
+@pytest.mark.parametrize("cal", CALIBRATIONS, ids=lambda c: c.device)
+def test_cluster_slices_run_at_once_then_in_waves(cal):
+    model = cost.CostModel(cal, H100)
+    config = persistent.KernelConfig("lstm", 256, "cluster", 8)
+    one = model.step_cost(config, 2, batch_slice=2)
+    at_once = model.step_cost(config, 2 * 16 - 1, batch_slice=2)  # 16 slices x 8 blocks <= 132 SMs
+    assert at_once == one and one.waves == 1 and one.launches == 1
+    waves = model.step_cost(config, 2 * 17, batch_slice=2)  # 17 x 8 = 136 blocks: a second wave
+    assert waves.waves == 2 and waves.total == pytest.approx(2 * one.total)
+    # unsliced, the whole batch is one slice's product
+    assert model.step_cost(config, 32).total > one.total
+
+
+def test_slice_sizes_are_powers_of_two_below_the_bucket():
+    assert tuner.slice_sizes(1) == [None]
+    assert tuner.slice_sizes(32) == [None, 1, 2, 4, 8, 16]
+
+
+def test_ranking_offers_slices_that_fit_the_sms_at_once():
+    model = cost.CostModel(synthetic_calibration(), H100)
+    shape = tuner.ModelShape("lstm", 256, 256)
+    ranked = tuner.ranked_configs(shape, 32, model)
+    sliced = [r for r in ranked if r.batch_slice is not None]
+    assert sliced and {r.batch_slice for r in sliced} <= {1, 2, 4, 8, 16}
+    for r in sliced:
+        assert r.config.sync != "grid"
+        assert -(-32 // r.batch_slice) * r.config.blocks * r.config.instances <= H100.sm_count
+        assert r.us == pytest.approx(model.step_cost(r.config, 32, r.batch_slice).total)
+    assert [r.us for r in ranked] == sorted(r.us for r in ranked)
 
 
 def test_rank_orders_by_predicted_cost():

@@ -45,6 +45,15 @@
 // parameters), e.g. the two directions of a bidirectional layer. A reverse
 // instance runs its sequence from the last step to the first.
 //
+// Batch slices (blockIdx.y): the launch's `batch` sequences run as
+// independent slices of B, each on its own blocks (a block, a cluster, or
+// the instances' blocks), all at once where the GPU holds them: a batch
+// that one cluster runs step by step at B columns a product instead runs at
+// the cost of one slice (the planner picks B). Slice y reads and writes
+// sequences [y * B, y * B + B) of the same tensors; the last slice may be
+// shorter. Slices never wait for each other (grid sync runs
+// one slice: its barrier spans the launch).
+//
 // PRNN_PIPELINE: the instances are consecutive layers, fused. Instance i
 // also multiplies the next layer's input weights by its own new h (one step
 // late, beside its own product on the same operand), adds b_ih, and writes
@@ -250,12 +259,13 @@ __device__ __forceinline__ int prnn_position(int t, int b, bool reverse, const i
 // [g][u][b], asynchronously.
 __device__ __forceinline__ void prnn_prefetch_xw(const float* __restrict__ xw, float* xs, int t, bool reverse,
                                                  const int* __restrict__ lengths, int T, int B, int BP,
-                                                 long long step_stride, int blk, prnn_walk walk) {
+                                                 long long step_stride, int blk, prnn_walk walk, int slice0) {
     xs += (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
     PRNN_FOR_PAIRS(walk, PRNN_G * PRNN_U, B, gu, b) {
         const int u = gu % PRNN_U, g = gu / PRNN_U, unit = blk * PRNN_U + u;
-        const float* src = xw + prnn_position(t, b, reverse, lengths, T) * step_stride;
-        if (unit < PRNN_H) prnn_cp_async_4(xs + gu * BP + b, src + (long long)b * PRNN_G * PRNN_H + g * PRNN_H + unit);
+        const int seq = slice0 + b;
+        const float* src = xw + prnn_position(t, seq, reverse, lengths, T) * step_stride;
+        if (unit < PRNN_H) prnn_cp_async_4(xs + gu * BP + b, src + (long long)seq * PRNN_G * PRNN_H + g * PRNN_H + unit);
     }
     prnn_cp_async_commit();
 }
@@ -336,6 +346,9 @@ __device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* 
 //               up copies the first code here, for the host to read without
 //               synchronising
 //   timeout_ns  a wait that sees no progress for this long fails
+//   T, B, batch  steps; sequences per slice; sequences of the launch (gridDim.y slices of B, the last
+//               one possibly shorter)
+//   ld, out_row  sequences between steps of xw/out (the whole batch's); out's row length
 //   abandon_block  test hook, -1 for none: block blockIdx.x == abandon_block
 //               stops taking part after step 0, so its peers time out on it
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
@@ -343,8 +356,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
-                const int* __restrict__ lengths, // [B] steps of each sequence, 1..T (null: all T)
-                int T, int B, int ld, int out_row, int* __restrict__ status, int* __restrict__ report,
+                const int* __restrict__ lengths, // [batch] steps of each sequence, 1..T (null: all T)
+                int T, int B, int batch, int ld, int out_row, int* __restrict__ status, int* __restrict__ report,
                 unsigned long long timeout_ns, int abandon_block) {
     extern __shared__ __align__(16) float smem[];
     const prnn_watch watch{status, report, timeout_ns};
@@ -353,7 +366,17 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     // so the block leaves together at the first __syncthreads after the wait,
     // made a __syncthreads_or(!ok) (PRNN_SYNC_OR_LEAVE).
     bool ok = true;
+    // Every slice has the full slice's shared layout (the host sized it), so
+    // BP comes from B before the last slice's B shrinks to what it holds.
     const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN + PRNN_BP_PAD;
+    // This slice's first sequence: per-sequence memory is indexed with
+    // slice0 + b (b the slice's column). Offsetting the pointers instead
+    // made them registers, and kernels at their register limit spilled.
+    const int slice0 = blockIdx.y * B;
+    B = min(B, batch - slice0);
+#if PRNN_PIPELINE
+    counters += blockIdx.y * (2 + PRNN_INSTANCES);  // each slice's own barrier counts and progress
+#endif
     const int Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
     const prnn_smem_layout L = prnn_layout(smem, BP);
     const int tid = threadIdx.x, wg = tid / PRNN_WGS, lane = tid % PRNN_WGS;  // a warp under PRNN_MMA
@@ -376,8 +399,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     const bool produces = inst + 1 < PRNN_INSTANCES;  // computes the next layer's projections
     const bool consumes = inst > 0;                   // reads its projections from the previous layer
     const long long pipe_stride = (long long)T * PRNN_NB * PRNN_G * PRNN_U * BP;  // one producer's steps
-    float* pipe_out = pipe + inst * pipe_stride;
-    const float* pipe_in = pipe + (inst - 1) * pipe_stride;
+    float* pipe_out = pipe + (blockIdx.y * (PRNN_INSTANCES - 1) + inst) * pipe_stride;
+    const float* pipe_in = pipe_out - pipe_stride;
     prnn_u32* progress = counters + 2;
     prnn_u32 seen_progress = 0;  // thread 0 of a consumer: the producer's count it read last
 #define PRNN_PREFETCH(t)                                                                                \
@@ -385,9 +408,9 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
         if (!prnn_prefetch_pipe(pipe_in, progress + inst - 1, L.xw, t, BP, blk, watch, &seen_progress)) \
             ok = false;                                                                                 \
     } else                                                                                              \
-        prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk)
+        prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk, slice0)
 #else
-#define PRNN_PREFETCH(t) prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk)
+#define PRNN_PREFETCH(t) prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk, slice0)
 #endif
 
     // A step is shorter than a global load's latency, so the projections are
@@ -492,12 +515,12 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     __syncthreads();
     for (int i = tid; i < PRNN_H * B; i += PRNN_THREADS) {
         const int b = i / PRNN_H, k = i % PRNN_H;
-        L.hbuf[PRNN_KPAD * BP + k * BP + b] = prnn_to_float(h0[(long long)b * PRNN_H + k]);
+        L.hbuf[PRNN_KPAD * BP + k * BP + b] = prnn_to_float(h0[(long long)(slice0 + b) * PRNN_H + k]);
     }
 #if PRNN_HAS_C
     for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
         const int b = i % B, u = i / B, unit = blk * PRNN_U + u;
-        L.c[u * BP + b] = unit < PRNN_H ? prnn_to_float(c0[(long long)b * PRNN_H + unit]) : 0.0f;
+        L.c[u * BP + b] = unit < PRNN_H ? prnn_to_float(c0[(long long)(slice0 + b) * PRNN_H + unit]) : 0.0f;
     }
 #endif
 #if PRNN_SYNC == 1
@@ -655,20 +678,21 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 {
                     // Past its length a column keeps its state and outputs
                     // zeros, as torch does for a packed sequence.
-                    const int len = prnn_length(lengths, b, T);
+                    const int seq = slice0 + b;
+                    const int len = prnn_length(lengths, seq, T);
 #if PRNN_HAS_C
                     float c_new;
                     prnn_pointwise(xg, hg, h, L.c[u * BP + b], value, c_new);
                     if (t >= len) c_new = L.c[u * BP + b];
                     L.c[u * BP + b] = c_new;
-                    if (t == T - 1) c_n[(long long)b * PRNN_H + unit] = prnn_from_float<io_t>(c_new);
+                    if (t == T - 1) c_n[(long long)seq * PRNN_H + unit] = prnn_from_float<io_t>(c_new);
 #else
                     prnn_pointwise(xg, hg, h, value);
 #endif
                     if (t >= len) value = h;
-                    if (out) out[prnn_position(t, b, reverse, lengths, T) * out_step + (long long)b * out_row + unit] =
+                    if (out) out[prnn_position(t, seq, reverse, lengths, T) * out_step + (long long)seq * out_row + unit] =
                                  prnn_from_float<io_t>(t < len ? value : 0.0f);
-                    if (t == T - 1) h_n[(long long)b * PRNN_H + unit] = prnn_from_float<io_t>(value);
+                    if (t == T - 1) h_n[(long long)seq * PRNN_H + unit] = prnn_from_float<io_t>(value);
                 }
 #if PRNN_SYNC == 2
                 __stcg(exchange + (e & 1) * PRNN_KPAD * BP + unit * BP + b, value);

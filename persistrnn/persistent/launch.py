@@ -56,16 +56,22 @@ def _address(t: Any, offset: int = 0) -> Any:
 
 
 def run_instances(config: KernelConfig, instances: list[Instance], steps: int, batch: int, *,
-                  lengths: Any = None, check: bool = True) -> None:
+                  lengths: Any = None, batch_slice: int | None = None, check: bool = True) -> None:
     """Launch ``config`` over ``instances`` (``config.instances`` of them).
 
     ``lengths``: an int32 CUDA tensor (batch,) of each sequence's steps, 1 to
     ``steps``; past its length a sequence keeps its state and its outputs are
     zero (a reverse instance starts at its last step). None: all ``steps``.
 
-    Batches larger than one launch holds run as consecutive launches. The
-    tensors are taken as they are (the callers made them); :func:`run_recurrence`
-    is the checked single-recurrence entry.
+    ``batch_slice``: sequences per batch slice. The batch runs as
+    independent slices of this many sequences (the last may hold fewer),
+    each on its own blocks, in one launch (see recurrence.cu). None: slices
+    as large as a block's shared memory holds. Grid sync runs one slice per
+    launch (its barrier spans the launch), so a batch larger than that runs
+    as consecutive launches.
+
+    The tensors are taken as they are (the callers made them);
+    :func:`run_recurrence` is the checked single-recurrence entry.
     """
     import numpy as np
     import torch
@@ -80,19 +86,24 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     device = instances[0].w_hh.device
     H, GH = config.hidden_size, config.spec.num_gates * config.hidden_size
     out_row = next((i.out.shape[2] for i in instances if i.out is not None), H)
-    per_launch = batch_per_launch(config, device.index)
+    if batch_slice is not None and (not isinstance(batch_slice, int) or batch_slice < 1):
+        raise ArgumentError(f"batch_slice: expected a positive int or None, got {batch_slice!r}")
+    most = batch_per_launch(config, device.index)
+    per_slice = min(batch_slice or most, most, batch)
+    per_launch = per_slice if config.sync == "grid" else batch
     report = np.uint64(runtime.report_word(device.index))
     timeout, abandon = np.uint64(runtime.wait_timeout_ns()), np.int32(abandon)
     for b0 in range(0, batch, per_launch):
         nb = min(per_launch, batch - b0)
-        kernel, launch_config = _prepared_launch(config, device.index, nb)
+        slices = -(-nb // per_slice)
+        kernel, launch_config = _prepared_launch(config, device.index, per_slice, slices)
         # The launch's own status word, counters and (grid) exchange buffer;
         # zeros, since the kernel reads exchange rows it never writes.
         own = runtime.scratch(device, 2 * config.padded_hidden * config.batch_stride(nb)
-                              if config.sync == "grid" else 0)
+                              if config.sync == "grid" else 0, counters=config.counter_words * slices)
         pipe = None
         if config.pipeline:
-            pipe = torch.empty(config.pipe_floats(steps, nb), dtype=torch.float32, device=device)
+            pipe = torch.empty(slices * config.pipe_floats(steps, per_slice), dtype=torch.float32, device=device)
         args = []
         for i in instances:
             c0 = i.c0 if i.c0 is not None else i.h0
@@ -102,8 +113,8 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
                      _address(c_n, b0 * H), int(i.reverse)]
             if config.pipeline:
                 args += [_address(i.w_next), _address(i.b_next)]
-        args += [np.uint64(own.exchange), np.uint64(own.counters), _address(pipe), _address(lengths, b0), steps, nb,
-                 batch, out_row, np.uint64(own.status), report, timeout, abandon]
+        args += [np.uint64(own.exchange), np.uint64(own.counters), _address(pipe), _address(lengths, b0), steps,
+                 per_slice, nb, batch, out_row, np.uint64(own.status), report, timeout, abandon]
         runtime.launch(kernel, launch_config, *runtime.kernel_args(*args))
     if check:
         runtime.raise_reported_failure(device.index, KERNEL_NAME, synchronize=True)
@@ -122,6 +133,7 @@ def run_recurrence(
     c_n: Any | None = None,
     reverse: bool = False,
     lengths: Any = None,
+    batch_slice: int | None = None,
     check: bool = True,
 ) -> tuple[Any, Any, Any | None]:
     """Run the recurrence on precomputed input projections.
@@ -133,10 +145,10 @@ def run_recurrence(
         reverse: run the steps from the last to the first (out[t] is still
             the output at position t).
         lengths: int32 (B,) steps of each sequence, as in :func:`run_instances`.
+        batch_slice: sequences per batch slice, as in :func:`run_instances`.
         check: synchronise and raise if the kernel reported a failure.
 
     Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None).
-    Batches larger than one launch holds run as consecutive launches.
     """
     import torch
 
@@ -175,7 +187,7 @@ def run_recurrence(
     if lengths is not None:
         check_lengths(lengths, T, B, xw.device)
     run_instances(config, [Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n, reverse)], T, B, lengths=lengths,
-                  check=check)
+                  batch_slice=batch_slice, check=check)
     return out, h_n, c_n
 
 
@@ -192,19 +204,18 @@ def batch_per_launch(config: KernelConfig, device: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _prepared_launch(config: KernelConfig, device: int, batch: int) -> tuple[runtime.LoadedKernel, Any]:
-    """The loaded kernel and checked launch configuration, once per (config, device, batch):
-    the residency queries cost far more than a launch."""
+def _prepared_launch(config: KernelConfig, device: int, per_slice: int,
+                     slices: int) -> tuple[runtime.LoadedKernel, Any]:
+    """The loaded kernel and checked launch configuration, once per (config,
+    device, slice size, slices): the residency queries cost far more than a launch."""
     kernel = runtime.get_kernel(compile_config(config), KERNEL_NAME)
-    return kernel, _launch_config(kernel, config, config.shared_bytes(batch))
-
-
-def _launch_config(kernel: runtime.LoadedKernel, config: KernelConfig, shared: int) -> Any:
+    shared = config.shared_bytes(per_slice)
     if config.sync == "single":
-        return kernel.config(config.instances, config.threads, shared=shared)
+        return kernel, kernel.config(config.instances, config.threads, shared=shared, slices=slices)
     if config.sync == "cluster":
-        return kernel.config(config.blocks * config.instances, config.threads, shared=shared, cluster=config.blocks)
-    return kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
+        return kernel, kernel.config(config.blocks * config.instances, config.threads, shared=shared,
+                                     cluster=config.blocks, slices=slices)
+    return kernel, kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
 
 
 def input_projection(x: Any, w_ih: Any, b_ih: Any) -> Any:
@@ -244,12 +255,13 @@ def forward_layer(
 
 
 def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: Any, h0: Any, c0: Any | None, *,
-                  lengths: Any = None, check: bool = True) -> tuple[Any, Any, Any | None]:
+                  lengths: Any = None, batch_slice: int | None = None,
+                  check: bool = True) -> tuple[Any, Any, Any | None]:
     """A whole model on ``config``: every layer and direction.
 
     ``layers[l][d]`` holds the tensors ``w_ih``, ``w_hh``, ``b_ih``, ``b_hh``
     of layer l, direction d (1: reverse); ``x`` is (T, B, I); ``h0``, ``c0``
-    are (L*D, B, H); ``lengths`` as in :func:`run_instances`. Returns
+    are (L*D, B, H); ``lengths`` and ``batch_slice`` as in :func:`run_instances`. Returns
     (output (T, B, D*H), h_n, c_n (L*D, B, H)).
 
     A pipeline configuration runs all layers in one launch; one with two
@@ -286,7 +298,7 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
                               out if l == L - 1 else None) for l in range(L)]
         for l in range(L - 1):
             instances[l].w_next, instances[l].b_next = layers[l + 1][0]["w_ih"], layers[l + 1][0]["b_ih"]
-        run_instances(config, instances, T, B, lengths=lengths, check=check)
+        run_instances(config, instances, T, B, lengths=lengths, batch_slice=batch_slice, check=check)
         return out, h_n, c_n
     if config.instances not in (1, D):
         raise ConfigError(f"{config} runs {config.instances} recurrences at once; the model has {D} direction(s)")
@@ -297,9 +309,10 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
                  for d in range(D)]
         last = l == L - 1
         if config.instances == D:
-            run_instances(config, group, T, B, lengths=lengths, check=check and last)
+            run_instances(config, group, T, B, lengths=lengths, batch_slice=batch_slice, check=check and last)
         else:
             for d, one in enumerate(group):
-                run_instances(config, [one], T, B, lengths=lengths, check=check and last and d == D - 1)
+                run_instances(config, [one], T, B, lengths=lengths, batch_slice=batch_slice,
+                              check=check and last and d == D - 1)
         layer_input = out
     return layer_input, h_n, c_n

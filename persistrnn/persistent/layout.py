@@ -189,6 +189,12 @@ class KernelLayout:
             floats += self.bias_floats + self.next_shared_weight_floats
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
 
+    @property
+    def counter_words(self) -> int:
+        """Counter words one batch slice of a launch uses: grid-barrier
+        arrivals, exits, then each instance's progress (pipeline)."""
+        return 2 + self.instances
+
     def pipe_floats(self, steps: int, batch: int) -> int:
         """(pipeline) The global buffer of the next layers' projections."""
         per_step = self.blocks * self.spec.num_gates * self.units_per_block * self.batch_stride(batch)

@@ -44,10 +44,12 @@ def explain(model: Any, batch: int, *, top: int = 5, file: TextIO | None = None)
     bucket = space.batch_bucket(batch)
     ranked = ranked_configs(shape, bucket, cm)
     if ranked:
-        print(f"  cost model, top {min(top, len(ranked))} of {len(ranked)} configurations "
+        print(f"  cost model, top {min(top, len(ranked))} of {len(ranked)} candidates "
               f"(µs per step: product + pointwise + barriers + exchange):", file=out)
-        for us, config in ranked[:top]:
-            c = cm.step_cost(config, bucket)
+        for us, config, batch_slice in ranked[:top]:
+            c = cm.step_cost(config, bucket, batch_slice)
             print(f"    {us:7.2f} = {c.product:.2f} + {c.pointwise:.2f} + {c.barriers:.2f} + {c.exchange:.2f}"
-                  f"{f' over {c.launches} launches' if c.launches > 1 else ''}  {config}", file=out)
+                  f"{f' over {c.launches} launches' if c.launches > 1 else ''}"
+                  f"{f' in {c.waves} waves' if c.waves > 1 else ''}"
+                  f"{f' in slices of {batch_slice}' if batch_slice else ''}  {config}", file=out)
     return chosen

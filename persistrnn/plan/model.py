@@ -155,13 +155,15 @@ def _entry(table: dict[str, float], w: int, rows: int, *rest: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """Predicted µs per time step of one configuration, by term, summed over
-    the launches a batch too large for one launch needs."""
+    the consecutive launches (grid sync) or waves of batch slices (more
+    slices than the SMs hold at once) a batch needs."""
 
     product: float
     pointwise: float
     barriers: float
     exchange: float
     launches: int = 1
+    waves: int = 1
 
     @property
     def total(self) -> float:
@@ -170,7 +172,12 @@ class StepCost:
     def __add__(self, other: "StepCost") -> "StepCost":
         return StepCost(self.product + other.product, self.pointwise + other.pointwise,
                         self.barriers + other.barriers, self.exchange + other.exchange,
-                        self.launches + other.launches)
+                        self.launches + other.launches, self.waves)
+
+    def times(self, waves: int) -> "StepCost":
+        """``waves`` of this cost, one after another."""
+        return StepCost(self.product * waves, self.pointwise * waves, self.barriers * waves, self.exchange * waves,
+                        self.launches, self.waves * waves)
 
 
 class CostModel:
@@ -218,6 +225,12 @@ class CostModel:
         """One exchange of ``floats`` per block (the whole state every block reads)."""
         if config.sync == "single":
             return 0.0
+        key = ("exchange", config.sync, config.blocks, config.threads, floats)
+        if key not in self._cache:  # the interpolation over the calibration's tables dominated ranking time
+            self._cache[key] = self._exchange_us(config, floats)
+        return self._cache[key]
+
+    def _exchange_us(self, config: KernelConfig, floats: int) -> float:
         if config.sync == "cluster":
             # Every thread pushes and waits: interpolate in log2(threads)
             # between the block sizes the sync bench ran.
@@ -239,13 +252,22 @@ class CostModel:
 
     # ---- the step ------------------------------------------------------------
 
-    def step_cost(self, config: KernelConfig, batch: int) -> StepCost:
-        """Predicted cost of one step of ``batch`` sequences (consecutive
-        launches where one launch holds fewer)."""
+    def step_cost(self, config: KernelConfig, batch: int, batch_slice: int | None = None) -> StepCost:
+        """Predicted cost of one step of ``batch`` sequences in slices of
+        ``batch_slice`` (None: as many as a block holds), as
+        :func:`persistrnn.persistent.run_instances` runs them: single and
+        cluster sync run every slice at once on its own blocks, in waves
+        where the SMs hold fewer (a block owns an SM); grid sync runs one
+        slice per launch, one launch after another."""
         most = config.max_batch(self.facts.shared_per_block_optin)
-        full, rest = divmod(batch, most)
+        per_slice = min(batch_slice or most, most, batch)
+        if config.sync != "grid":
+            slices = -(-batch // per_slice)
+            at_once = max(1, self.facts.sm_count // (config.blocks * config.instances))
+            return self._launch_cost(config, per_slice).times(-(-slices // at_once))
+        full, rest = divmod(batch, per_slice)
         total = None
-        for nb in [most] * full + ([rest] if rest else []):
+        for nb in [per_slice] * full + ([rest] if rest else []):
             cost = self._launch_cost(config, nb)
             total = cost if total is None else total + cost
         return total
@@ -297,9 +319,10 @@ class CostModel:
             barriers += 2 * self.cal.barrier[str(w)]
         return StepCost(product / 1e3, pointwise / 1e3, barriers / 1e3, exchange)
 
-    def rank(self, configs: list[KernelConfig], batch: int) -> list[tuple[float, KernelConfig]]:
+    def rank(self, configs: list[KernelConfig], batch: int,
+             batch_slice: int | None = None) -> list[tuple[float, KernelConfig]]:
         """(predicted µs per step, config), cheapest first; ties keep enumeration order."""
-        scored = [(self.step_cost(c, batch).total, i, c) for i, c in enumerate(configs)]
+        scored = [(self.step_cost(c, batch, batch_slice).total, i, c) for i, c in enumerate(configs)]
         scored.sort(key=lambda x: (x[0], x[1]))
         return [(cost, c) for cost, _, c in scored]
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import __version__, persistent, runtime
 from ..errors import ArgumentError, ArgumentTypeError, ConfigError, KernelLaunchError
@@ -41,7 +42,7 @@ the configuration says); fallback: the non-persistent path
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +99,12 @@ class Plan:
     """How a model runs at a batch bucket, and why.
 
     source: "cache" (a stored tuned choice), "tuned" (timed now) or "model"
-    (the cost model's top choice, untimed). predicted_us: the model's µs per
-    step of ``config`` (persistent only). measured_ms: device ms per forward
-    of ``steps`` steps (CUDA-graph replay) for each timed candidate, by label.
+    (the cost model's top choice, untimed). batch_slice: (persistent)
+    sequences per batch slice, each slice on its own blocks at once (None:
+    as many as a block holds). predicted_us: the model's µs per step of
+    ``config`` at that slice (persistent only). measured_ms: device ms per
+    forward of ``steps`` steps (CUDA-graph replay) for each timed candidate,
+    by label.
     """
 
     shape: ModelShape
@@ -113,6 +117,13 @@ class Plan:
     measured_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     steps: int | None = None
     tuning_seconds: float | None = None
+    batch_slice: int | None = None
+
+    @property
+    def launch(self) -> tuple:
+        """What a run of this plan launches: path, kernel configuration and
+        batch slice (a captured forward is kept per value)."""
+        return self.path, self.config, self.batch_slice
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -135,6 +146,8 @@ class Plan:
                  f"{', bidirectional' if s.bidirectional else ''}, {s.dtype}, "
                  f"batch bucket {self.batch_bucket}: {self.path} ({self.source})",
                  f"  why: {self.reason}"]
+        if self.batch_slice is not None:
+            lines.append(f"  batch slices of {self.batch_slice} sequences, each on its own blocks at once")
         if self.config is not None:
             c = self.config
             lines.append(f"  kernel: sync {c.sync}, {c.blocks} block(s) x {c.threads} threads, work groups of "
@@ -212,26 +225,49 @@ def forward_steps(config: KernelConfig, shape: ModelShape, steps: int) -> int:
     return shape.num_layers * steps * (shape.directions // config.instances)
 
 
+class Ranked(NamedTuple):
+    """A candidate of the cost model's ranking: predicted µs per step of
+    ``config`` run in batch slices of ``batch_slice`` (None: unsliced)."""
+
+    us: float
+    config: KernelConfig
+    batch_slice: int | None
+
+
+def slice_sizes(bucket: int) -> list[int | None]:
+    """Batch slices the planner considers at ``bucket``: none (one slice as
+    large as a block holds), and every power of two below the bucket."""
+    return [None] + [1 << i for i in range((bucket - 1).bit_length()) if 1 << i < bucket]
+
+
 def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
-                   steps: int = DEFAULT_STEPS) -> list[tuple[float, KernelConfig]]:
-    """(predicted µs per step, config) over every layout's pruned space,
-    cheapest predicted forward of ``steps`` steps first."""
-    configs = [c for layout in layouts(shape)
-               for c in space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts, **layout)]
-    ranked = model.rank(configs, bucket)
-    ranked.sort(key=lambda item: item[0] * forward_steps(item[1], shape, steps))  # stable: ties keep model order
+                   steps: int = DEFAULT_STEPS) -> list[Ranked]:
+    """Every layout's pruned space at every slice size, cheapest predicted
+    forward of ``steps`` steps first. A slice size below the bucket is a
+    candidate only where all its slices fit the SMs at once (single and
+    cluster sync: grid sync runs one slice per launch)."""
+    pruned = [c for layout in layouts(shape)
+              for c in space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts, **layout)]
+    ranked: list[Ranked] = []
+    for batch_slice in slice_sizes(bucket):
+        slices = 1 if batch_slice is None else -(-bucket // batch_slice)
+        configs = [c for c in pruned
+                   if batch_slice is None or c.sync != "grid" and c.batch_tile <= space.batch_bucket(batch_slice)
+                   and slices * c.blocks * c.instances <= model.facts.sm_count]
+        ranked += [Ranked(us, c, batch_slice) for us, c in model.rank(configs, bucket, batch_slice)]
+    ranked.sort(key=lambda r: r.us * forward_steps(r.config, shape, steps))  # stable: ties keep model order
     return ranked
 
 
-def compile_top(ranked: list[tuple[float, KernelConfig]], k: int) -> list[tuple[float, KernelConfig]]:
+def compile_top(ranked: list[Ranked], k: int) -> list[Ranked]:
     """The first ``k`` of ``ranked`` that compile without spilling, compiled in threads."""
-    kept: list[tuple[float, KernelConfig]] = []
+    kept: list[Ranked] = []
     start = 0
     while len(kept) < k and start < len(ranked):
         # Twice what is missing per round: a few spill under some NVRTC versions.
         batch = ranked[start : start + 2 * (k - len(kept))]
         start += len(batch)
-        results = runtime.map_in_threads(compiles, [c for _, c in batch])
+        results = runtime.map_in_threads(compiles, [r.config for r in batch])
         kept += [item for item, ok in zip(batch, results) if ok]
     return kept[:k]
 
@@ -274,9 +310,10 @@ class _Workload:
         self.h0 = rand(states, batch, H)
         self.c0 = rand(states, batch, H) if spec.has_cell_state else None
 
-    def persistent(self, config: KernelConfig):
+    def persistent(self, config: KernelConfig, batch_slice: int | None):
         def run() -> None:
-            persistent.forward_model(config, self.layers, self.x, self.h0, self.c0, check=False)
+            persistent.forward_model(config, self.layers, self.x, self.h0, self.c0, batch_slice=batch_slice,
+                                     check=False)
         return run
 
     def fallback(self):
@@ -308,15 +345,62 @@ class _Workload:
         return run
 
 
-def time_forward_ms(run, *, calls: int = 3, warmup: int = 2, repeats: int = 5) -> float:
-    """Device ms per forward: ``run`` captured in a CUDA graph, the replay of
-    ``calls`` back to back timed with CUDA events, median of ``repeats``.
+class _Candidate(NamedTuple):
+    label: str
+    path: str
+    ranked: Ranked | None  # the persistent candidates'
+    run: Any
+
+
+TIMING_ROUNDS = 7
+CALLS_PER_TIMING = 3
+
+
+def time_candidates(candidates: list[_Candidate], progress: bool = False) -> dict[str, float]:
+    """Device ms per forward of each candidate, by label, at steady clocks:
+    each forward captured in a CUDA graph, the GPU warmed up to steady clocks
+    first, then :data:`TIMING_ROUNDS` rounds that time every candidate once
+    in turn (replays of :data:`CALLS_PER_TIMING` forwards back to back, CUDA
+    events), the median round kept. Interleaved rounds put every candidate
+    under the same clocks and temperature; timed one after another right
+    after compiling, a candidate read 3-4x its steady time (an idle H100
+    sits at 345 MHz). A candidate that cannot launch here is reported as
+    ``"<label> (failed: <why>)"`` with NaN.
 
     Device time, not host time: called eagerly, a small model's forward is
     bound by Python issue time, which is the same for every configuration
     and would hide their differences (measured: 0.175 ms per eager call of
     an H=256 LSTM whose kernel takes 0.094 ms). Every candidate, cuDNN
     included, is timed the same way."""
+    measured: dict[str, float] = {}
+    graphs = {}
+    for c in track(candidates, progress, "capturing candidates"):
+        try:
+            graphs[c.label] = runtime.capture_graph(c.run)
+        except (ConfigError, KernelLaunchError) as exc:  # cannot be resident here, or out of shared memory
+            measured[f"{c.label} (failed: {exc})"] = float("nan")
+
+    def replays(graph: Any):
+        def many() -> None:
+            for _ in range(CALLS_PER_TIMING):
+                graph.replay()
+        return many
+
+    runs = {label: replays(graph) for label, graph in graphs.items()}
+    if runs:
+        runtime.warm_up(next(iter(runs.values())))
+    rounds: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in track(range(TIMING_ROUNDS), progress, "timing candidates"):
+        for label, many in runs.items():
+            rounds[label].append(runtime.time_cuda_ms(many, warmup=1, repeats=1) / CALLS_PER_TIMING)
+    measured.update({label: statistics.median(times) for label, times in rounds.items()})
+    return measured
+
+
+def time_forward_ms(run, *, calls: int = CALLS_PER_TIMING, warmup: int = 2, repeats: int = 5) -> float:
+    """Device ms per forward of ``run`` alone, as :func:`time_candidates`
+    times one: captured in a CUDA graph, the replay of ``calls`` back to
+    back timed with CUDA events, median of ``repeats``."""
     graph = runtime.capture_graph(run)
 
     def many() -> None:
@@ -332,10 +416,11 @@ def _layout(c: KernelConfig) -> str:
     return f", {c.instances} directions at once" if c.instances > 1 else ""
 
 
-def _config_label(c: KernelConfig) -> str:
+def _config_label(c: KernelConfig, batch_slice: int | None = None) -> str:
     return (f"persistent {c.sync}x{c.blocks} t{c.threads} g{c.group_size} bt{c.batch_tile} sk{c.shared_k_chunks}"
             f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else "")
-            + (f" pipeline{c.instances}" if c.pipeline else f" x{c.instances}" if c.instances > 1 else ""))
+            + (f" pipeline{c.instances}" if c.pipeline else f" x{c.instances}" if c.instances > 1 else "")
+            + (f" slices of {batch_slice}" if batch_slice else ""))
 
 
 # ----------------------------------------------------------------------------
@@ -364,39 +449,33 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
         top = compile_top(ranked, 1)
         if not top:
             return Plan(shape, bucket, "fallback", None, "model", _no_fit_reason(shape, facts))
-        us, config = top[0]
-        return Plan(shape, bucket, "persistent", config, "model",
-                    f"the cost model's top choice of {len(ranked)} configurations (untimed)", predicted_us=us)
+        return Plan(shape, bucket, "persistent", top[0].config, "model",
+                    f"the cost model's top choice of {len(ranked)} candidates (untimed)", predicted_us=top[0].us,
+                    batch_slice=top[0].batch_slice)
 
     logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
                 "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
     top = compile_top(ranked, k)
     work = _Workload(shape, bucket, steps)
-    candidates: list[tuple[str, str, KernelConfig | None, float | None, Any]] = [
-        (_config_label(c), "persistent", c, us, work.persistent(c)) for us, c in top]
-    candidates.append(("fallback", "fallback", None, None, work.fallback()))
+    candidates = [_Candidate(_config_label(r.config, r.batch_slice), "persistent", r,
+                             work.persistent(r.config, r.batch_slice)) for r in top]
+    candidates.append(_Candidate("fallback", "fallback", None, work.fallback()))
     if shape.cell in CUDNN_CELLS:
-        candidates.append(("cudnn", "cudnn", None, None, work.cudnn()))
-    measured: dict[str, float] = {}
-    timed: list[tuple[float, str, str, KernelConfig | None, float | None]] = []
-    for label, path, config, us, run in track(candidates, progress, "timing candidates"):
-        try:
-            ms = time_forward_ms(run)
-        except (ConfigError, KernelLaunchError) as exc:  # cannot be resident here, or out of shared memory
-            measured[f"{label} (failed: {exc})"] = float("nan")
-            continue
-        measured[label] = ms
-        timed.append((ms, label, path, config, us))
-    best_ms, label, path, config, us = min(timed, key=lambda t: t[0])
-    if path == "persistent":
-        rank = [c for _, c in top].index(config) + 1
+        candidates.append(_Candidate("cudnn", "cudnn", None, work.cudnn()))
+    measured = time_candidates(candidates, progress)
+    timed = [c for c in candidates if c.label in measured]
+    best = min(timed, key=lambda c: measured[c.label])
+    chosen = best.ranked or Ranked(None, None, None)
+    if best.path == "persistent":
+        rank = top.index(best.ranked) + 1
         reason = f"fastest of the model's top {len(top)} (model rank {rank}), the fallback and cuDNN, timed"
     elif top:
-        reason = f"{path} was faster than the model's top {len(top)} persistent configurations, timed"
+        reason = f"{best.path} was faster than the model's top {len(top)} persistent configurations, timed"
     else:
-        reason = _no_fit_reason(shape, facts) + f"; {path} was the faster of the rest, timed"
+        reason = _no_fit_reason(shape, facts) + f"; {best.path} was the faster of the rest, timed"
+    path, config, us = best.path, chosen.config, chosen.us
     result = Plan(shape, bucket, path, config, "tuned", reason, predicted_us=us, measured_ms=measured, steps=steps,
-                  tuning_seconds=time.perf_counter() - started)
+                  tuning_seconds=time.perf_counter() - started, batch_slice=chosen.batch_slice)
     store_plan(key, result)
     logger.info("tuned %s at batch %d in %.1f s: %s", shape, batch, result.tuning_seconds, result.describe())
     return result

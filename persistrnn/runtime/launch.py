@@ -81,18 +81,26 @@ class LoadedKernel:
         self._set_attribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         self.non_portable_cluster = True
 
-    def config(self, grid: int, block: int, *, shared: int = 0, cluster: int = 0, cooperative: bool = False) -> Any:
+    def config(self, grid: int, block: int, *, shared: int = 0, cluster: int = 0, cooperative: bool = False,
+               slices: int = 1) -> Any:
         """A cuda.core LaunchConfig; ``grid`` counts blocks, not clusters.
 
         A cooperative or cluster launch is one whose blocks wait for each
         other, so all of them must be resident at once: this checks that
         against the device's occupancy and raises :class:`KernelLaunchError`
         rather than launching a kernel that could never finish.
+
+        ``slices``: the grid's second dimension, copies of the ``grid``
+        blocks that never wait for each other (batch slices), so only one
+        slice's blocks must be resident at once. A cooperative launch has one.
         """
         from cuda.core import LaunchConfig
 
         _check_positive("grid", grid)
         _check_positive("block", block)
+        _check_positive("slices", slices)
+        if cooperative and slices > 1:
+            raise ArgumentError(f"a cooperative launch's barrier spans the whole grid: expected 1 slice, got {slices}")
         if block > (limit := facts_of(self.device).max_threads_per_block):
             raise ArgumentError(f"block must be <= {limit} threads, got {block}")
         if shared:
@@ -104,7 +112,8 @@ class LoadedKernel:
             if cluster > (largest := self.max_cluster_size(block, shared)):
                 raise KernelLaunchError(f"{self.name}: clusters of {cluster} blocks exceed this device's largest, "
                                         f"{largest}")
-            config = LaunchConfig(grid=grid // cluster, cluster=cluster, block=block, shmem_size=shared)
+            config = LaunchConfig(grid=(grid // cluster, slices), cluster=(cluster, 1), block=block,
+                                  shmem_size=shared)
             resident = self.max_resident_clusters(cluster, block, shared)
             if grid // cluster > resident:
                 raise KernelLaunchError(
@@ -117,7 +126,7 @@ class LoadedKernel:
                 f"{self.name} needs {grid} blocks resident at once ({block} threads, {shared} bytes of "
                 f"dynamic shared memory each); the GPU holds {resident}"
             )
-        return LaunchConfig(grid=grid, block=block, shmem_size=shared, is_cooperative=cooperative)
+        return LaunchConfig(grid=(grid, slices), block=block, shmem_size=shared, is_cooperative=cooperative)
 
     def max_resident_blocks(self, block: int, shared: int = 0) -> int:
         """How many blocks of this kernel the whole GPU holds at once."""
@@ -284,16 +293,16 @@ buffer starts after them, 64-byte aligned."""
 class Scratch:
     """One launch's own device memory (see :func:`scratch`)."""
 
-    words: Any  # int32 tensor: SCRATCH_WORDS words, then the exchange floats
+    words: Any  # int32 tensor: the status word and counters (a multiple of SCRATCH_WORDS), then the exchange floats
     status: int  # address of the status word
     counters: int  # address of the counters
     exchange: int  # address of the exchange buffer (0 when none was asked for)
 
 
-def scratch(device: Any, exchange_floats: int = 0) -> Scratch:
+def scratch(device: Any, exchange_floats: int = 0, counters: int = SCRATCH_WORDS - 1) -> Scratch:
     """Zeroed scratch for one launch on the current stream: status word,
-    counters and ``exchange_floats`` of exchange buffer, in one allocation
-    and one memset.
+    ``counters`` counter words and ``exchange_floats`` of exchange buffer, in
+    one allocation and one memset.
 
     Allocated from torch's caching allocator, which is stream-ordered: the
     memory goes back to the pool when the caller drops it, and is reused only
@@ -303,9 +312,10 @@ def scratch(device: Any, exchange_floats: int = 0) -> Scratch:
     """
     import torch
 
-    words = torch.zeros(SCRATCH_WORDS + exchange_floats, dtype=torch.int32, device=device)
+    header = -(-(1 + counters) // SCRATCH_WORDS) * SCRATCH_WORDS  # the exchange buffer stays 64-byte aligned
+    words = torch.zeros(header + exchange_floats, dtype=torch.int32, device=device)
     base = words.data_ptr()
-    return Scratch(words, base, base + 4, base + 4 * SCRATCH_WORDS if exchange_floats else 0)
+    return Scratch(words, base, base + 4, base + 4 * header if exchange_floats else 0)
 
 
 # ----------------------------------------------------------------------------
