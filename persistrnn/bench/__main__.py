@@ -14,6 +14,7 @@ SUITES = {
     "model-accuracy": "persistrnn.bench.model_accuracy",
     "host": "persistrnn.bench.host",
     "compile": "persistrnn.bench.compiled",
+    "treelstm": "persistrnn.bench.treelstm",
 }
 
 

@@ -1,0 +1,22 @@
+"""Dynamic networks in one persistent interpreter kernel (VPPS).
+
+Declare the parameters once (:class:`Model`), build each batch's
+computation graphs with the expression API (:class:`Graph`, or the ready
+builders :class:`TreeLSTM` and :class:`BiLSTMTagger`), schedule them into one
+script per virtual processor (:func:`schedule`), and run the script: on the
+GPU in one launch (:class:`Interpreter`: forward, backward and the optimiser
+update, or forward only), or on the CPU in float64 (:func:`run_script`).
+"""
+
+from .builders import BiLSTMTagger, TreeLSTM
+from .data import DATA_DIR, Tree, Vocabulary, parse_tree, read_sst, read_wikiner
+from .graph import Expr, Graph
+from .interpreter import Result, run_script
+from .kernel import Interpreter, KernelSpec, compile_spec, render_source
+from .model import Model, Parameter
+from .optimizers import SGD, Adam
+from .script import MatrixLayout, Script, matrix_layout, schedule
+
+__all__ = ["Adam", "BiLSTMTagger", "DATA_DIR", "Expr", "Graph", "Interpreter", "KernelSpec", "MatrixLayout", "Model",
+           "Parameter", "Result", "SGD", "Script", "Tree", "TreeLSTM", "Vocabulary", "compile_spec", "matrix_layout",
+           "parse_tree", "read_sst", "read_wikiner", "render_source", "run_script", "schedule"]

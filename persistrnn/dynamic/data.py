@@ -1,0 +1,175 @@
+"""Readers for the two benchmark data sets, and the vocabulary.
+
+* SST (Stanford Sentiment Treebank): one tree a line in PTB brackets, a
+  sentiment label 0-4 on every node: ``(3 (2 It) (4 (2 's) ...))``.
+* WikiNER: one sentence a line, tokens ``word|TAG``.
+
+Malformed input raises :class:`~persistrnn.errors.ArgumentError` naming the
+file, the line and what was expected. Words outside a :class:`Vocabulary`
+map to its UNK id, 0: a model declares its table with ``len(vocabulary)``
+rows, and row 0 is trained as the embedding of every unknown word.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..errors import ArgumentError
+
+__all__ = ["DATA_DIR", "Tree", "Vocabulary", "parse_tree", "read_sst", "read_wikiner"]
+
+def _data_dir() -> Path:
+    """``$PERSISTRNN_DATA``, else ``shared/data`` in the repository, else beside it."""
+    if "PERSISTRNN_DATA" in os.environ:
+        return Path(os.environ["PERSISTRNN_DATA"])
+    root = Path(__file__).resolve().parents[2]
+    inside = root / "shared" / "data"
+    return inside if inside.is_dir() else root.parent / "shared" / "data"
+
+
+DATA_DIR = _data_dir()
+"""The offline copies of the data sets (SST, WikiNER, PTB): ``$PERSISTRNN_DATA``,
+or ``shared/data`` in or beside the repository."""
+
+SST_LABELS = 5
+UNK = "<unk>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """A node of a constituency tree: a leaf has a word and no children."""
+
+    label: int
+    word: str | None = None
+    children: tuple[Tree, ...] = ()
+
+    def nodes(self) -> list[Tree]:
+        """Every node, children before parents (a post-order)."""
+        out: list[Tree] = []
+        stack: list[tuple[Tree, bool]] = [(self, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded or not node.children:
+                out.append(node)
+            else:
+                stack.append((node, True))
+                stack.extend((c, False) for c in reversed(node.children))
+        return out
+
+    def words(self) -> list[str]:
+        return [n.word for n in self.nodes() if n.word is not None]
+
+
+def _tokens(text: str) -> list[str]:
+    return text.replace("(", " ( ").replace(")", " ) ").split()
+
+
+def parse_tree(text: str, *, where: str = "tree", labels: int = SST_LABELS) -> Tree:
+    """One PTB-bracketed tree with an integer label in [0, labels) on every node."""
+    tokens = _tokens(text)
+    if not tokens:
+        raise ArgumentError(f"{where}: expected a bracketed tree such as '(3 (2 a) (2 b))', got an empty line")
+    position = 0
+
+    def fail(expected: str) -> ArgumentError:
+        got = repr(tokens[position]) if position < len(tokens) else "the end of the line"
+        return ArgumentError(f"{where}: expected {expected} at token {position}, got {got}")
+
+    def node() -> Tree:
+        nonlocal position
+        if position >= len(tokens) or tokens[position] != "(":
+            raise fail("'('")
+        position += 1
+        if position >= len(tokens) or not tokens[position].lstrip("-").isdigit():
+            raise fail("an integer label")
+        label = int(tokens[position])
+        if not 0 <= label < labels:
+            raise ArgumentError(f"{where}: expected a label in [0, {labels}), got {label}")
+        position += 1
+        if position < len(tokens) and tokens[position] not in "()":
+            word = tokens[position]
+            position += 1
+            if position >= len(tokens) or tokens[position] != ")":
+                raise fail("')' after the word")
+            position += 1
+            return Tree(label, word)
+        children = []
+        while position < len(tokens) and tokens[position] == "(":
+            children.append(node())
+        if not children:
+            raise fail("a word or a child '('")
+        if position >= len(tokens) or tokens[position] != ")":
+            raise fail("')'")
+        position += 1
+        return Tree(label, None, tuple(children))
+
+    tree = node()
+    if position != len(tokens):
+        raise fail("the end of the tree")
+    return tree
+
+
+def read_sst(path: str | Path, limit: int | None = None) -> list[Tree]:
+    """The trees of an SST file (``train.txt``, ``dev.txt``, ``test.txt``), the first ``limit`` if given."""
+    path = Path(path)
+    trees = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if limit is not None and len(trees) >= limit:
+                break
+            trees.append(parse_tree(line, where=f"{path}:{number}"))
+    return trees
+
+
+def read_wikiner(path: str | Path, limit: int | None = None) -> list[list[tuple[str, str]]]:
+    """The sentences of a WikiNER file as lists of (word, tag); a line without tokens is an error."""
+    path = Path(path)
+    sentences = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if limit is not None and len(sentences) >= limit:
+                break
+            tokens = line.split()
+            if not tokens:
+                raise ArgumentError(f"{path}:{number}: expected a sentence of word|TAG tokens, got an empty line")
+            sentence = []
+            for k, token in enumerate(tokens):
+                word, bar, tag = token.rpartition("|")
+                if not bar or not word or not tag:
+                    raise ArgumentError(f"{path}:{number}: token {k} must be word|TAG, got {token!r}")
+                sentence.append((word, tag))
+            sentences.append(sentence)
+    return sentences
+
+
+class Vocabulary:
+    """Strings to ids; id 0 is UNK, which every word not in the vocabulary maps to."""
+
+    def __init__(self, items: Iterable[str], *, unk: bool = True) -> None:
+        self.items = ([UNK] if unk else []) + [w for w in dict.fromkeys(items) if not (unk and w == UNK)]
+        self.ids = {w: i for i, w in enumerate(self.items)}
+        self.unk = unk
+
+    @classmethod
+    def counted(cls, items: Iterable[str], min_count: int = 1) -> Vocabulary:
+        """Items seen at least ``min_count`` times, most frequent first."""
+        counts = Counter(items)
+        return cls(w for w, c in counts.most_common() if c >= min_count)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, item: str) -> int:
+        found = self.ids.get(item)
+        if found is None:
+            if not self.unk:
+                raise ArgumentError(f"{item!r} is not one of the {len(self)} known items {self.items[:8]}...")
+            return 0
+        return found
+
+    def encode(self, items: Sequence[str]) -> list[int]:
+        return [self[w] for w in items]

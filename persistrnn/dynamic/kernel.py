@@ -1,0 +1,229 @@
+"""The interpreter kernel: spec -> source -> binary -> launch.
+
+A :class:`KernelSpec` fixes what is compiled in: the weight matrices (their
+shapes and offsets, hence each block's rows), the number of blocks and
+threads, and the variant (training: forward, backward and update; or
+inference: forward only). A batch's script, the workspace, the learning rate
+and the wait bound are run-time values: a new batch never recompiles.
+:func:`render_source` prepends the spec as macros and a constant table to
+``kernels/dynamic.cu``; :func:`compile_spec` compiles it through the
+runtime's disk cache (a warm start compiles nothing); :class:`Interpreter`
+owns the parameters on the GPU and launches scripts cooperatively (every
+block must be resident: blocks wait for each other).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+from .. import runtime
+from ..runtime.launch import SCRATCH_WORDS
+from ..errors import ArgumentError, ConfigError
+from .graph import Graph
+from .model import Model
+from .optimizers import SGD, Optimizer
+from .script import BACKWARD, OPCODES, WORDS, MatrixLayout, Script, matrix_layout, schedule
+
+__all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "render_source"]
+
+KERNEL_NAME = "dynamic_interpreter"
+THREADS = 256  # VPPS §III-A: 256 threads per block use the whole register file at one block per SM
+CHUNK = 128  # instructions fetched into shared memory at a time (4 KB)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """What one interpreter binary is specialised for."""
+
+    layout: MatrixLayout
+    train: bool = True
+    threads: int = THREADS
+    chunk: int = CHUNK
+
+    @classmethod
+    def of(cls, model: Model, blocks: int, *, train: bool = True) -> KernelSpec:
+        return cls(matrix_layout(model, blocks), train)
+
+    @property
+    def blocks(self) -> int:
+        return self.layout.blocks
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory per block: the script chunk, the vector
+        buffers, the weight cache and (training) the gradient cache."""
+        lay = self.layout
+        floats = (self.chunk * WORDS + max(lay.cols, default=1) + max(lay.rows_per_block, default=1)
+                  + lay.shared_floats * (2 if self.train else 1))
+        return 4 * floats
+
+    def describe(self) -> str:
+        shapes = ",".join(f"{r}x{c}" for r, c in zip(self.layout.rows, self.layout.cols))
+        return f"{'train' if self.train else 'infer'}-b{self.blocks}-t{self.threads}-{shapes}"
+
+
+def render_source(spec: KernelSpec) -> str:
+    """The complete CUDA source of ``spec``: generated prelude + template."""
+    lay = spec.layout
+    if not lay.rows:
+        raise ConfigError("the model declares no weight matrix; the interpreter caches at least one")
+    defines = {
+        "PRNN_DYN_THREADS": spec.threads,
+        "PRNN_DYN_CHUNK": spec.chunk,
+        "PRNN_DYN_MATRICES": len(lay.rows),
+        "PRNN_DYN_MAX_COLS": max(lay.cols),
+        "PRNN_DYN_MAX_ROWS": max(lay.rows_per_block),
+        "PRNN_DYN_WEIGHT_FLOATS": lay.shared_floats,
+        "PRNN_DYN_TRAIN": int(spec.train),
+        "PRNN_OP_BACKWARD": BACKWARD,
+        **{f"PRNN_OP_{name.upper()}": code for name, code in OPCODES.items()},
+    }
+    rows = ", ".join(f"{{{r}, {c}, {p}, {o}, {s}}}" for r, c, p, o, s in
+                     zip(lay.rows, lay.cols, lay.rows_per_block, lay.param_offset, lay.shared_offset))
+    prelude = [f"// dynamic interpreter: {spec.describe()}"]
+    prelude += [f"#define {k} {v}" for k, v in defines.items()]
+    prelude.append(f"__constant__ int prnn_dyn_matrix[{len(lay.rows)}][5] = {{{rows}}};")
+    return "\n".join(prelude) + "\n" + runtime.read_source("dynamic.cu")
+
+
+@functools.lru_cache(maxsize=64)
+def compile_spec(spec: KernelSpec, arch: str | None = None) -> runtime.CompiledBinary:
+    """Compile ``spec`` (disk-cached); refuses a binary that spills to local memory."""
+    binary = runtime.compile_source("dynamic", render_source(spec), arch=arch, tag=spec.describe()[:60])
+    res = binary.kernel_resources(KERNEL_NAME)
+    if res.uses_local_memory:
+        raise ConfigError(f"the dynamic interpreter {spec.describe()} spills to local memory ({res.registers} "
+                          f"registers, {res.stack_frame_bytes} bytes stack)")
+    return binary
+
+
+def _device_array(array: np.ndarray, device: Any) -> Any:
+    """One pinned copy to the device, issued on the current stream."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(device, non_blocking=True)
+
+
+@dataclasses.dataclass
+class Launched:
+    """A launch in flight: its loss word and workspace stay valid until dropped."""
+
+    script: Script
+    loss: Any  # float32 (1,) on the device
+    values: Any
+    grads: Any
+
+
+class Interpreter:
+    """The model's parameters on the GPU and the kernels that run its scripts.
+
+    ``blocks`` defaults to the SM count (one block per SM; each holds
+    1/blocks of every matrix and its gradient in shared memory). ``train``
+    runs forward, backward and the ``optimizer``'s update in one launch and
+    leaves every parameter's gradient in :attr:`param_grads`; ``infer`` runs
+    forward only. ``step``/``sync`` overlap the host's script generation for
+    the next batch with the kernel of the previous one, as VPPS does.
+    """
+
+    def __init__(self, model: Model, *, blocks: int | None = None, optimizer: Optimizer | None = None,
+                 device: Any = "cuda") -> None:
+        import torch
+
+        facts = runtime.device_facts()
+        self.model = model
+        self.blocks = blocks or facts.sm_count
+        self.optimizer = optimizer or SGD()
+        self.device = torch.device(device)
+        self.params = torch.from_numpy(model.initial_values()).to(self.device)
+        self.param_grads = torch.zeros_like(self.params)
+        self.adam_m = torch.zeros_like(self.params)
+        self.adam_v = torch.zeros_like(self.params)
+        self.updates = 0
+        self._pending: Launched | None = None
+        self.layout = matrix_layout(model, self.blocks)
+        for train in (True, False):
+            spec = KernelSpec.of(model, self.blocks, train=train)
+            limit = facts.shared_per_block_optin
+            if spec.shared_bytes > limit:
+                raise ConfigError(f"the model's matrices need {spec.shared_bytes} bytes of shared memory per block "
+                                  f"over {self.blocks} blocks; the device allows {limit}: use more blocks")
+
+    def load(self) -> None:
+        """Compile (or read from the disk cache) and load both variants now
+        rather than at the first launch."""
+        self._kernels  # noqa: B018 (the cached property does the work)
+
+    @functools.cached_property
+    def _kernels(self) -> dict[bool, tuple[Any, Any]]:
+        out = {}
+        for train in (True, False):
+            spec = KernelSpec.of(self.model, self.blocks, train=train)
+            kernel = runtime.get_kernel(compile_spec(spec), KERNEL_NAME)
+            out[train] = (kernel, kernel.config(self.blocks, spec.threads, shared=spec.shared_bytes,
+                                                cooperative=True))
+        return out
+
+    def schedule(self, graph: Graph, *, train: bool = True) -> Script:
+        if graph.model is not self.model:
+            raise ArgumentError("the graph was built over another model than this interpreter's")
+        return schedule(graph, self.blocks, train=train)
+
+    def launch(self, script: Script, *, poison: bool = False) -> Launched:
+        """Launch ``script`` on the current stream; returns without waiting.
+
+        ``poison`` fills the workspace with NaN first (tests: a value read
+        before it was written shows in the loss).
+        """
+        import torch
+
+        if script.layout != self.layout:
+            raise ArgumentError(f"the script was scheduled for {script.blocks} blocks; this interpreter runs "
+                                f"{self.blocks}")
+        kernel, config = self._kernels[script.train]
+        program = _device_array(script.program, self.device)
+        starts = _device_array(script.starts, self.device)
+        fill = float("nan") if poison else 0.0
+        values = torch.full((script.workspace_floats,), fill, dtype=torch.float32, device=self.device)
+        grads = torch.zeros_like(values) if script.train else values
+        own = runtime.scratch(self.device, exchange_floats=1)  # status, counter, loss: zeros
+        loss = own.words[SCRATCH_WORDS:].view(torch.float32)
+        if script.train:
+            self.param_grads.zero_()
+            self.updates += 1
+        scalars = self.optimizer.scalars(max(self.updates, 1))
+        args = runtime.kernel_args(program, starts, values, grads, self.params, self.param_grads, self.adam_m,
+                                   self.adam_v, np.uint64(loss.data_ptr()), np.uint64(own.counters),
+                                   self.model.matrix_floats, self.model.total_floats, *scalars,
+                                   np.uint64(own.status), np.uint64(runtime.report_word(self.device.index)),
+                                   np.uint64(runtime.wait_timeout_ns()))
+        runtime.launch(kernel, config, *args)
+        return Launched(script, loss, values, grads)
+
+    def run(self, graph: Graph, *, train: bool = True) -> float:
+        """Schedule, launch, wait: the batch loss (sum over loss nodes)."""
+        launched = self.launch(self.schedule(graph, train=train))
+        runtime.raise_reported_failure(self.device.index, KERNEL_NAME, synchronize=True)
+        return float(launched.loss.item())
+
+    def step(self, graph: Graph, *, train: bool = True) -> float | None:
+        """Schedule and launch ``graph``, then return the previous batch's loss
+        (None for the first): the host builds batch k+1 while batch k runs."""
+        script = self.schedule(graph, train=train)
+        previous, self._pending = self._pending, self.launch(script)
+        if previous is None:
+            return None
+        value = float(previous.loss.item())
+        runtime.raise_reported_failure(self.device.index, KERNEL_NAME)
+        return value
+
+    def sync(self) -> float | None:
+        """Wait for the latest launch and return its loss."""
+        if self._pending is None:
+            return None
+        runtime.raise_reported_failure(self.device.index, KERNEL_NAME, synchronize=True)
+        value, self._pending = float(self._pending.loss.item()), None
+        return value

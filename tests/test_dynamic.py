@@ -1,0 +1,430 @@
+"""The dynamic package on the CPU: readers, the expression API, script
+generation, the reference interpreter against plain PyTorch autograd in
+float64 on real SST trees and WikiNER sentences, the optimisers, and an NVRTC
+compile of every interpreter-kernel variant for sm_90.
+
+The PyTorch models here are written from the equations (not from the
+scripts): the ground truth of these tests and of tests/test_dynamic_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pathlib import Path
+
+from persistrnn import dynamic
+
+TEST_DATA = Path(__file__).resolve().parent / "data"
+"""The first 64 SST dev trees and 32 WikiNER dev sentences (real data, small enough for CI)."""
+
+
+def torch_params(model: dynamic.Model, flat: np.ndarray) -> dict[str, torch.Tensor]:
+    """Every parameter as a float64 leaf tensor that collects its gradient."""
+    return {p.name: torch.tensor(model.view(flat, p).astype(np.float64), requires_grad=True)
+            for p in model.parameters}
+
+
+def tree_lstm_loss(builder: dynamic.TreeLSTM, P: dict[str, torch.Tensor], tree: dynamic.Tree,
+                   ids: dict[str, int]) -> torch.Tensor:
+    H = builder.hidden
+    b_iou, b_f, b_out = P["b_iou"][:, 0], P["b_f"][:, 0], P["b_out"][:, 0]
+
+    def visit(node: dynamic.Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kids = [visit(c) for c in node.children]
+        iou = b_iou.clone()
+        if node.word is not None:
+            iou = iou + P["W_iou"] @ P["embed"][ids[node.word]]
+        if kids:
+            hs = [h for h, _, _ in kids]
+            h_in = torch.cat(hs) if builder.variant == "binary" else torch.stack(hs).sum(0)
+            iou = iou + P["U_iou"] @ h_in
+        c = torch.sigmoid(iou[:H]) * torch.tanh(iou[2 * H:])
+        if builder.variant == "binary" and kids:
+            f = torch.sigmoid(P["U_f"] @ h_in + b_f)
+            c = c + f[:H] * kids[0][1] + f[H:] * kids[1][1]
+        for h_k, c_k, _ in kids if builder.variant == "childsum" else ():
+            c = c + torch.sigmoid(P["U_f"] @ h_k + b_f) * c_k
+        h = torch.sigmoid(iou[H:2 * H]) * torch.tanh(c)
+        logits = P["W_out"] @ h + b_out
+        loss = torch.nn.functional.cross_entropy(logits[None], torch.tensor([node.label]), reduction="sum")
+        return h, c, loss + sum(l for _, _, l in kids)
+
+    return visit(tree)[2]
+
+
+def tagger_loss(builder: dynamic.BiLSTMTagger, P: dict[str, torch.Tensor], words: list[int],
+                tags: list[int]) -> torch.Tensor:
+    H = builder.hidden
+
+    def lstm(xs: list[torch.Tensor], d: str) -> list[torch.Tensor]:
+        h = torch.zeros(H, dtype=torch.float64)
+        c = torch.zeros(H, dtype=torch.float64)
+        out = []
+        for x in xs:
+            z = P[f"W_x_{d}"] @ x + P[f"W_h_{d}"] @ h + P[f"b_{d}"][:, 0]
+            i, f, g, o = z.split(H)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            out.append(h)
+        return out
+
+    xs = [P["embed"][w] for w in words]
+    fwd, bwd = lstm(xs, "fwd"), lstm(xs[::-1], "bwd")[::-1]
+    logits = torch.stack([P["W_out"] @ torch.cat([a, b]) + P["b_out"][:, 0] for a, b in zip(fwd, bwd)])
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(tags), reduction="sum")
+
+
+def flat_grads(model: dynamic.Model, P: dict[str, torch.Tensor]) -> np.ndarray:
+    """The tensors' gradients in the model's flat layout (zeros where none came)."""
+    out = np.zeros(model.total_floats)
+    offsets = model.layout()
+    for p in model.parameters:
+        g = P[p.name].grad
+        if g is not None:
+            out[offsets[p.name]:offsets[p.name] + p.size] = g.numpy().ravel()
+    return out
+
+
+def sst_batch(count: int, hidden: int = 12, embedding: int = 10, variant: str = "binary", seed: int = 0,
+              start: int = 0):
+    """A Tree-LSTM over ``count`` real SST dev trees: (model, builder, trees, vocabulary, graph)."""
+    trees = dynamic.read_sst(TEST_DATA / "sst-dev.txt", limit=start + count)[start:]
+    vocab = dynamic.Vocabulary(w for t in trees for w in t.words())
+    model = dynamic.Model(seed)
+    builder = dynamic.TreeLSTM(model, len(vocab), embedding, hidden, variant=variant)
+    graph = dynamic.Graph(model)
+    for t in trees:
+        builder.build(graph, t, vocab)
+    return model, builder, trees, vocab, graph
+
+
+def wikiner_batch(count: int, hidden: int = 12, embedding: int = 10, seed: int = 0, start: int = 0):
+    """A BiLSTM tagger over ``count`` real WikiNER sentences: (model, builder, sentences ids, graph)."""
+    sentences = dynamic.read_wikiner(TEST_DATA / "wikiner-dev.txt", limit=start + count)[start:]
+    words = dynamic.Vocabulary(w for s in sentences for w, _ in s)
+    tags = dynamic.Vocabulary((t for s in sentences for _, t in s), unk=False)
+    model = dynamic.Model(seed)
+    builder = dynamic.BiLSTMTagger(model, len(words), len(tags), embedding, hidden)
+    graph = dynamic.Graph(model)
+    encoded = []
+    for s in sentences:
+        ids = (words.encode([w for w, _ in s]), tags.encode([t for _, t in s]))
+        builder.build(graph, *ids)
+        encoded.append(ids)
+    return model, builder, encoded, graph
+
+
+# ---- tests -------------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+from persistrnn.errors import ArgumentError, ConfigError  # noqa: E402
+
+TOLERANCE = 1e-10
+"""The reference interpreter and torch both run float64: they differ by summation order only."""
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-300))
+
+
+def reference_against_torch(model, graph, blocks, loss_fn):
+    flat = model.initial_values()
+    script = dynamic.schedule(graph, blocks)
+    got = dynamic.run_script(script, flat)
+    P = torch_params(model, flat)
+    want = loss_fn(P)
+    want.backward()
+    return got, float(want.detach()), flat_grads(model, P)
+
+
+# Block counts: 1 (everything on one block), 7 (rows of 36 split 6/6/.../0:
+# odd remainders and a matrix of 5 rows on 5 of 7 blocks), 64 (more blocks than
+# most matrices have rows).
+@pytest.mark.parametrize("blocks", [1, 7, 64])
+@pytest.mark.parametrize("variant", ["binary", "childsum"])
+def test_tree_lstm_reference_matches_torch_on_sst(variant, blocks):
+    model, builder, trees, vocab, graph = sst_batch(5, variant=variant, seed=blocks)
+    got, loss, grads = reference_against_torch(
+        model, graph, blocks, lambda P: sum(tree_lstm_loss(builder, P, t, vocab.ids) for t in trees))
+    assert abs(got.loss - loss) <= TOLERANCE * abs(loss)
+    assert rel(got.param_grads, grads) <= TOLERANCE
+    for p in model.parameters:  # every parameter got a gradient, none is silently skipped
+        assert np.abs(model.view(got.param_grads, p)).max() > 0, p.name
+
+
+def test_childsum_takes_any_number_of_children():
+    tree = dynamic.parse_tree("(1 (2 a) (3 (4 b) (0 c) (2 d)) (1 e))")
+    model = dynamic.Model(3)
+    vocab = dynamic.Vocabulary(tree.words())
+    builder = dynamic.TreeLSTM(model, len(vocab), 6, 8, variant="childsum")
+    graph = dynamic.Graph(model)
+    builder.build(graph, tree, vocab)
+    got, loss, grads = reference_against_torch(model, graph, 3, lambda P: tree_lstm_loss(builder, P, tree, vocab.ids))
+    assert abs(got.loss - loss) <= TOLERANCE * abs(loss)
+    assert rel(got.param_grads, grads) <= TOLERANCE
+
+
+@pytest.mark.parametrize("blocks", [1, 5, 33])
+def test_tagger_reference_matches_torch_on_wikiner(blocks):
+    model, builder, sentences, graph = wikiner_batch(3, seed=blocks)
+    got, loss, grads = reference_against_torch(
+        model, graph, blocks, lambda P: sum(tagger_loss(builder, P, w, t) for w, t in sentences))
+    assert abs(got.loss - loss) <= TOLERANCE * abs(loss)
+    assert rel(got.param_grads, grads) <= TOLERANCE
+
+
+@pytest.mark.parametrize("optimizer", [dynamic.SGD(0.3), dynamic.Adam(0.01)], ids=["sgd", "adam"])
+def test_update_matches_torch_optim_over_steps(optimizer):
+    model, builder, trees, vocab, graph = sst_batch(2, seed=11)
+    script = dynamic.schedule(graph, 4)
+    flat = model.initial_values().astype(np.float64)
+    P = torch_params(model, flat)
+    if isinstance(optimizer, dynamic.SGD):
+        torch_opt = torch.optim.SGD(P.values(), lr=optimizer.lr)
+    else:
+        torch_opt = torch.optim.Adam(P.values(), lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2),
+                                     eps=optimizer.eps)
+    state: dict = {}
+    for step in range(1, 4):
+        got = dynamic.run_script(script, flat, optimizer, step=step, state=state)
+        torch_opt.zero_grad()
+        loss = sum(tree_lstm_loss(builder, P, t, vocab.ids) for t in trees)
+        loss.backward()
+        torch_opt.step()
+        assert abs(got.loss - loss.item()) <= TOLERANCE * loss.item()
+        flat = got.params
+        want = np.zeros_like(flat)
+        for p in model.parameters:
+            o = model.layout()[p.name]
+            want[o:o + p.size] = P[p.name].detach().numpy().ravel()
+        assert rel(flat, want) <= TOLERANCE
+
+
+def test_inference_script_gives_the_training_loss():
+    model, builder, trees, vocab, graph = sst_batch(3)
+    flat = model.initial_values()
+    train = dynamic.run_script(dynamic.schedule(graph, 6), flat)
+    infer = dynamic.run_script(dynamic.schedule(graph, 6, train=False), flat)
+    assert infer.grads is None and abs(infer.loss - train.loss) <= TOLERANCE * train.loss
+
+
+# ---- script structure ----------------------------------------------------------
+
+def test_script_structure():
+    from persistrnn.dynamic.script import BACKWARD, OPCODES
+
+    model, builder, trees, vocab, graph = sst_batch(4)
+    blocks = 9
+    script = dynamic.schedule(graph, blocks)
+    assert script.starts[0] == 0 and script.starts[-1] == len(script.program)
+    assert np.all(np.diff(script.starts) >= 0)
+    signals = 0
+    for b in range(blocks):
+        prog = script.block_program(b)
+        targets = prog[prog[:, 0] == OPCODES["wait"], 5]
+        assert np.all(np.diff(targets) > 0), "a block's wait targets only grow"
+        signals += int((prog[:, 0] == OPCODES["signal"]).sum())
+        assert prog[-1, 0] == OPCODES["wait"] and prog[-1, 5] == script.signals  # the closing barrier
+    assert signals == script.signals
+    # Every node but a slice runs once forward and once backward; a matvec once per holder block.
+    ops = script.program[:, 0]
+    g = graph.arrays()
+    from persistrnn.dynamic.graph import OP
+    holders = dict(zip(range(len(model.matrices)), script.layout.holders))
+    slot = {m.index: k for k, m in enumerate(model.matrices)}
+    expected_mv = sum(holders[slot[e]] for o, e in zip(g["op"], g["extra"]) if o == OP["matvec"])
+    assert (ops == OPCODES["matvec"]).sum() == expected_mv == (ops == OPCODES["matvec"] + BACKWARD).sum()
+    copies = sum(len(p) for p in graph.parts.values())
+    assert (ops == OPCODES["copy"]).sum() == copies
+    assert (ops == OPCODES["loss"]).sum() == len(script.losses) == sum(len(t.nodes()) for t in trees)
+    assert script.program.dtype == np.int32 and script.program.shape[1] == 8
+
+
+def test_a_missing_wait_poisons_the_loss_and_a_missing_signal_deadlocks():
+    from persistrnn.dynamic.script import OPCODES
+
+    model, builder, trees, vocab, graph = sst_batch(2)
+    script = dynamic.schedule(graph, 4, train=False)
+    flat = model.initial_values()
+    waits = np.flatnonzero(script.program[:, 0] == OPCODES["wait"])
+    no_wait = script.program.copy()
+    no_wait[waits, 5] = 0  # every wait satisfied at once
+    broken = dataclasses_replace(script, program=no_wait)
+    assert not np.isfinite(dynamic.run_script(broken, flat).loss)
+    no_signal = script.program.copy()
+    first_signal = np.flatnonzero(no_signal[:, 0] == OPCODES["signal"])[0]
+    no_signal[first_signal, 0] = OPCODES["wait"]
+    no_signal[first_signal, 5] = 0
+    with pytest.raises(ArgumentError, match="deadlocks"):
+        dynamic.run_script(dataclasses_replace(script, program=no_signal), flat)
+
+
+def dataclasses_replace(script, **changes):
+    import dataclasses
+
+    return dataclasses.replace(script, **changes)
+
+
+def test_slices_alias_their_parent_storage():
+    model = dynamic.Model(0)
+    emb = model.embedding("e", 3, 8)
+    model.matrix("W", 2, 4)
+    g = dynamic.Graph(model)
+    x = g.lookup(emb, 2)
+    inner = x[2:8][1:5]  # a slice of a slice: offset 3 in x
+    y = g.tanh(inner)
+    script = dynamic.schedule(g, 2, train=False)
+    assert script.offsets[inner.id] == script.offsets[x.id] + 3
+    got = dynamic.run_script(script, model.initial_values())
+    table = model.view(model.initial_values(), emb)
+    assert np.allclose(got.values[script.offsets[y.id]:script.offsets[y.id] + 4], np.tanh(table[2, 3:7]))
+
+
+# ---- errors --------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, match", [
+    ("", "empty line"),
+    ("(3 (2 a) (2 b)", "expected '\\)'"),
+    ("(3 (2 a) (2 b)))", "end of the tree"),
+    ("(x (2 a))", "integer label"),
+    ("(7 a)", "label in \\[0, 5\\)"),
+    ("(3 )", "a word or a child"),
+    ("(3 a b)", "after the word"),
+])
+def test_malformed_trees_raise(text, match):
+    with pytest.raises(ArgumentError, match=match):
+        dynamic.parse_tree(text)
+
+
+def test_sst_reader_names_the_line(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_text("(2 (2 a) (2 b))\n(2 (2 a) (2 b)\n")
+    with pytest.raises(ArgumentError, match="bad.txt:2"):
+        dynamic.read_sst(path)
+
+
+def test_unknown_words_map_to_unk_and_train_its_row():
+    vocab = dynamic.Vocabulary(["film", "lovely"])
+    assert vocab["film"] == 1 and vocab["never-seen"] == 0 and vocab.items[0] == "<unk>"
+    model = dynamic.Model(0)
+    builder = dynamic.TreeLSTM(model, len(vocab), 4, 6)
+    g = dynamic.Graph(model)
+    builder.build(g, dynamic.parse_tree("(3 (2 lovely) (1 zzz))"), vocab)
+    got = dynamic.run_script(dynamic.schedule(g, 2), model.initial_values())
+    assert np.abs(model.view(got.param_grads, builder.embed)[0]).max() > 0
+
+
+def test_wikiner_errors(tmp_path):
+    path = tmp_path / "ner.txt"
+    path.write_text("A|O B|I-PER\n\n")
+    with pytest.raises(ArgumentError, match="ner.txt:2: expected a sentence"):
+        dynamic.read_wikiner(path)
+    path.write_text("A|O Bee\n")
+    with pytest.raises(ArgumentError, match="token 1 must be word\\|TAG"):
+        dynamic.read_wikiner(path)
+    model = dynamic.Model(0)
+    tagger = dynamic.BiLSTMTagger(model, 5, 3, 4, 4)
+    with pytest.raises(ArgumentError, match="empty one"):
+        tagger.build(dynamic.Graph(model), [], [])
+    with pytest.raises(ArgumentError, match="one tag per word"):
+        tagger.build(dynamic.Graph(model), [1, 2], [0])
+
+
+def test_expression_errors():
+    model = dynamic.Model(0)
+    W = model.matrix("W", 4, 3)
+    e = model.embedding("e", 5, 3)
+    g = dynamic.Graph(model)
+    x = g.lookup(e, 1)
+    with pytest.raises(ArgumentError, match="row must be an int in \\[0, 5\\)"):
+        g.lookup(e, 5)
+    with pytest.raises(ArgumentError, match="takes vectors of 3, got 4"):
+        g.matvec(W, g.matvec(W, x))
+    with pytest.raises(ArgumentError, match="one size, got 3 and 4"):
+        g.add(x, g.matvec(W, x))
+    loss = g.loss(g.matvec(W, x), 2)
+    with pytest.raises(ArgumentError, match="cannot be an input"):
+        g.tanh(loss)
+    with pytest.raises(ArgumentError, match="empty"):
+        dynamic.Graph(model).arrays()
+    dynamic.schedule(g, 2)  # takes the layout
+    with pytest.raises(ArgumentError, match="already fixed"):
+        model.matrix("late", 2, 2)
+    with pytest.raises(ArgumentError, match="nodes of 0 or 2 children"):
+        m2 = dynamic.Model(0)
+        dynamic.TreeLSTM(m2, 4, 4, 4).build(dynamic.Graph(m2), dynamic.parse_tree("(1 (2 a) (2 b) (2 c))"),
+                                            dynamic.Vocabulary(["a", "b", "c"]))
+
+
+# ---- the kernel compiles for sm_90 without a GPU ---------------------------------
+
+def _specs():
+    """Every variant (training, inference) of both builders, at the benchmark
+    size (hidden 256, embedding 256, 132 blocks: one per H100 SM) and at an
+    odd small size on few blocks."""
+    specs = []
+    for hidden, blocks in ((256, 132), (37, 5)):
+        tree_model = dynamic.Model(0)
+        dynamic.TreeLSTM(tree_model, 100, hidden, hidden)
+        tagger_model = dynamic.Model(0)
+        dynamic.BiLSTMTagger(tagger_model, 100, 5, hidden, hidden)
+        for model in (tree_model, tagger_model):
+            specs += [dynamic.KernelSpec.of(model, blocks, train=train) for train in (True, False)]
+    return specs
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    import os
+
+    from persistrnn import runtime
+
+    old = os.environ.get(runtime.CACHE_ENV)
+    os.environ[runtime.CACHE_ENV] = str(tmp_path_factory.mktemp("kernels"))
+    try:
+        specs = _specs()
+        return list(zip(specs, runtime.map_in_threads(lambda s: dynamic.compile_spec(s, "sm_90"), specs)))
+    finally:
+        if old is None:
+            del os.environ[runtime.CACHE_ENV]
+        else:
+            os.environ[runtime.CACHE_ENV] = old
+
+
+def test_every_kernel_variant_compiles_without_local_memory(compiled):
+    from persistrnn.dynamic.kernel import KERNEL_NAME
+
+    assert len(compiled) == 8
+    for spec, binary in compiled:
+        res = binary.kernel_resources(KERNEL_NAME)
+        assert not res.uses_local_memory, (spec.describe(), res)
+        assert res.registers <= 255
+
+
+def test_shared_memory_of_the_benchmark_model_fits_an_h100():
+    # 227 KB of opt-in shared memory per block on an H100 (the device's own
+    # figure is checked at Interpreter construction).
+    for spec in _specs():
+        assert spec.shared_bytes <= 227 * 1024, spec.describe()
+
+
+def test_a_model_without_matrices_is_refused():
+    model = dynamic.Model(0)
+    model.embedding("e", 3, 3)
+    with pytest.raises(ConfigError, match="no weight matrix"):
+        dynamic.render_source(dynamic.KernelSpec.of(model, 2))
+
+
+def test_benchmark_peers_compute_the_same_loss():
+    # The PyTorch baselines of `bench treelstm` (one node at a time, and level
+    # by level) are the same model: a faster wrong baseline would flatter nobody.
+    from persistrnn.bench.treelstm import TorchTreeLSTM
+
+    model, builder, trees, vocab, graph = sst_batch(6, seed=5)
+    want = dynamic.run_script(dynamic.schedule(graph, 3, train=False), model.initial_values()).loss
+    peer = TorchTreeLSTM(model, builder, torch.device("cpu"))
+    eager = peer.eager_loss(trees, vocab).item()
+    batched = peer.batched_loss(peer.levels(trees, vocab)).item()
+    assert abs(eager - want) <= 1e-5 * want and abs(batched - want) <= 1e-5 * want
