@@ -13,9 +13,10 @@ from .errors import (ArgumentError, ArgumentTypeError, CalibrationError, Compile
                      UnsupportedError)
 from .plan import ModelShape, Plan, explain, tune  # noqa: E402
 from .nn import GRU, LSTM, RNN, StreamSession, convert, from_torch  # noqa: E402
+from .onnx_import import from_onnx  # noqa: E402
 
 __all__ = ["__version__", "PersistRNNError", "ArgumentError", "ArgumentTypeError", "GPUUnavailableError",
            "CompileError", "KernelLaunchError",
            "KernelTimeoutError", "ConfigError", "CalibrationError", "InputShapeError", "InputTypeError",
            "UnsupportedError", "ModelShape", "Plan", "explain", "tune", "LSTM", "GRU", "RNN", "StreamSession",
-           "convert", "from_torch"]
+           "convert", "from_torch", "from_onnx"]

@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 import time
 
-USAGE = """usage: python -m persistrnn [demo | bench <suite> ... | tune ... | explain ...]
+USAGE = """usage: python -m persistrnn [demo | bench <suite> ... | tune ... | explain ... | onnx model.onnx]
 
   demo      (the default) a 2-layer LSTM model through persistrnn.convert beside torch.nn: outputs, plan, times
   bench     the benchmark suites (python -m persistrnn bench --help)
   tune      tune the plan of a model shape and cache it (python -m persistrnn tune --help)
-  explain   print the plan of a model shape and the cost model's ranking (python -m persistrnn explain --help)"""
+  explain   print the plan of a model shape and the cost model's ranking (python -m persistrnn explain --help)
+  onnx      an ONNX model on persistrnn modules: what runs where, time against ONNX Runtime (onnx --help)"""
 
 FEATURES, HIDDEN, LAYERS, CLASSES, STEPS, BATCHES = 256, 256, 2, 32, 100, (1, 8)
 REPEATS = 20
@@ -179,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     if command in ("tune", "explain"):
         return _plan_command(command, argv[1:])
+    if command == "onnx":
+        from .onnx_import import main as onnx_main
+
+        return onnx_main(argv[1:])
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,649 @@
+"""ONNX import: every LSTM/GRU/RNN node against ONNX's own references.
+
+References, all independent of the conversion:
+
+* ``onnx.reference.ReferenceEvaluator`` (ONNX's numpy operators). It ignores
+  ``sequence_lens``, so a case with lengths is evaluated one sequence at a
+  time over its own steps, which is what sequence_lens means; its RNN knows
+  only Tanh, so relu RNNs are checked against ONNX Runtime alone.
+* ONNX Runtime's CPU provider, which implements ``sequence_lens`` itself. It
+  refuses ``layout=1``, so a layout-1 model is run there as its layout-0 twin
+  with the inputs and outputs transposed.
+* The ONNX project's backend node tests (``onnx.backend.test``), built in
+  memory by the onnx package from the same generators as its .pb test data.
+
+On the CPU the converted modules run torch's implementation (the canonical
+GRU, which torch lacks, this package's torch-ops path); the ``gpu`` tests run
+the same cases on CUDA, where the persistent kernels run them.
+"""
+
+import functools
+import sys
+import types
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+import persistrnn  # noqa: E402
+from helpers import ELEMENT_FLOOR  # noqa: E402
+from persistrnn import ArgumentError, ArgumentTypeError, InputShapeError, UnsupportedError, from_onnx  # noqa: E402
+from persistrnn.onnx_import import RecurrentNode  # noqa: E402
+
+# ONNX's backend-test rule, per element: |got - expected| <= RELATIVE * |expected| + ABSOLUTE.
+RELATIVE, ABSOLUTE = 1e-5, 1e-6
+# The random models (larger and longer than the backend cases) take ABSOLUTE
+# relative to max(1, the output's largest magnitude), as float32 rounding grows
+# with the values: torch's float32 CPU relu RNN measured 4.5e-6 from float64 on
+# an element of 0.027 in an output reaching 6.6. Over 960 random cases (8 per
+# combination below), ours measured at most 5.1e-7 of that scale from
+# onnx.reference in float64 on the same float32 values, ONNX Runtime 7.9e-7,
+# and ours from ONNX Runtime 9.6e-7: both round, so against ONNX Runtime the
+# term is twice as wide.
+ORT_ABSOLUTE = 2 * ABSOLUTE
+
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+# Odd sizes, and one sequence of length 1 and one of full length among the lengths.
+STEPS, BATCH, INPUT, HIDDEN = 7, 3, 5, 9
+LENGTHS = (7, 1, 4)
+
+# (op, attributes): the five cells the import maps to.
+CELLS = [
+    ("LSTM", {}),
+    ("GRU", {"linear_before_reset": 0}),
+    ("GRU", {"linear_before_reset": 1}),
+    ("RNN", {}),
+    ("RNN", {"activations": ["Relu"]}),
+]
+CELL_IDS = ["lstm", "gru-lbr0", "gru-lbr1", "rnn-tanh", "rnn-relu"]
+DIRECTIONS = ("forward", "reverse", "bidirectional")
+
+
+def node_model(op, attributes=None, *, direction="forward", layout=0, lengths=None, states=False, seed=0,
+               steps=STEPS, batch=BATCH, input_size=INPUT, hidden=HIDDEN, dtype=np.float32, state_inputs=True):
+    """A one-node model with random weights as initializers, and random feeds.
+    Graph inputs: X, sequence_lens (with ``lengths``), initial_h and, for LSTM,
+    initial_c (with ``states``; as initializers where ``state_inputs`` is False)."""
+    attributes = dict(attributes or {})
+    rng = np.random.default_rng(seed)
+    directions = 2 if direction == "bidirectional" else 1
+    if attributes.get("activations") and direction == "bidirectional":
+        attributes["activations"] = attributes["activations"] * 2
+    gates = GATES[op]
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    weights = {"W": 0.5 * rng.standard_normal((directions, gates * hidden, input_size)),
+               "R": 0.5 * rng.standard_normal((directions, gates * hidden, hidden)),
+               "B": 0.5 * rng.standard_normal((directions, 2 * gates * hidden))}
+    x_shape = [batch, steps, input_size] if layout else [steps, batch, input_size]
+    state_shape = [batch, directions, hidden] if layout else [directions, batch, hidden]
+    feeds = {"X": rng.standard_normal(x_shape).astype(dtype)}
+    inputs = ["X", "W", "R", "B", "", "", ""]
+    graph_inputs = [helper.make_tensor_value_info("X", elem, x_shape)]
+    if lengths is not None:
+        inputs[4] = "sequence_lens"
+        feeds["sequence_lens"] = np.array(lengths, dtype=np.int32)
+        graph_inputs.append(helper.make_tensor_value_info("sequence_lens", TensorProto.INT32, [batch]))
+    if states:
+        for index, name in ((5, "initial_h"), (6, "initial_c"))[:2 if op == "LSTM" else 1]:
+            inputs[index] = name
+            value = rng.standard_normal(state_shape).astype(dtype)
+            if state_inputs:
+                feeds[name] = value
+                graph_inputs.append(helper.make_tensor_value_info(name, elem, state_shape))
+            else:
+                weights[name] = value
+    outputs = ["Y", "Y_h", "Y_c"] if op == "LSTM" else ["Y", "Y_h"]
+    while inputs and not inputs[-1]:
+        inputs.pop()
+    node = helper.make_node(op, inputs, outputs, name=f"{op.lower()}_node", hidden_size=hidden, layout=layout,
+                            direction=direction, **attributes)
+    graph = helper.make_graph([node], "recurrent", graph_inputs,
+                              [helper.make_tensor_value_info(o, elem, None) for o in outputs],
+                              [numpy_helper.from_array(np.asarray(v, dtype=dtype), n) for n, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)]), feeds
+
+
+def run_module(module, feeds, device="cpu"):
+    """The converted one-node module on ``feeds``, outputs as float64 arrays."""
+    def tensor(name):
+        return None if name not in feeds else torch.from_numpy(feeds[name]).to(device)
+
+    outputs = module.to(device)(tensor("X"), tensor("sequence_lens"), tensor("initial_h"), tensor("initial_c"))
+    return [o.detach().double().cpu().numpy() for o in (outputs if isinstance(outputs, tuple) else (outputs,))]
+
+
+def onnx_reference(model, feeds, layout):
+    """ONNX's reference outputs; with sequence_lens, each sequence alone over its own steps."""
+    evaluator = ReferenceEvaluator(model)
+    if "sequence_lens" not in feeds:
+        return evaluator.run(None, feeds)
+    lengths = feeds["sequence_lens"]
+    steps = feeds["X"].shape[1 if layout else 0]
+    alone = []
+    for b, length in enumerate(lengths):
+        one = {"sequence_lens": lengths[b:b + 1],
+               "X": feeds["X"][b:b + 1, :length] if layout else feeds["X"][:length, b:b + 1]}
+        for name in ("initial_h", "initial_c"):
+            if name in feeds:
+                one[name] = feeds[name][b:b + 1] if layout else feeds[name][:, b:b + 1]
+        alone.append(evaluator.run(None, one))
+    # Y is [T, D, B, H] ([B, T, D, H] with layout 1), zero past each length;
+    # Y_h and Y_c are [D, B, H] ([B, D, H]).
+    y_part = alone[0][0]
+    if layout:
+        y = np.zeros((len(lengths), steps) + y_part.shape[2:], y_part.dtype)
+        for b, length in enumerate(lengths):
+            y[b, :length] = alone[b][0][0]
+    else:
+        y = np.zeros((steps, y_part.shape[1], len(lengths), y_part.shape[3]), y_part.dtype)
+        for b, length in enumerate(lengths):
+            y[:length, :, b] = alone[b][0][:, :, 0]
+    states = [np.concatenate([a[i] for a in alone], axis=0 if layout else 1) for i in range(1, len(alone[0]))]
+    return [y, *states]
+
+
+def onnxruntime_reference(model, feeds, layout):
+    """ONNX Runtime's CPU outputs; a layout-1 model runs as its layout-0 twin."""
+    ort = pytest.importorskip("onnxruntime")
+    if layout:
+        twin = onnx.ModelProto()
+        twin.CopyFrom(model)
+        for attribute in twin.graph.node[0].attribute:
+            if attribute.name == "layout":
+                attribute.i = 0
+        for value in twin.graph.input:
+            if value.name != "sequence_lens":
+                dims = value.type.tensor_type.shape.dim
+                dims[0].dim_value, dims[1].dim_value = dims[1].dim_value, dims[0].dim_value
+        feeds = {n: (v if n == "sequence_lens" else v.swapaxes(0, 1)) for n, v in feeds.items()}
+        model = twin
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    outputs = session.run(None, feeds)
+    if layout:  # Y [T, D, B, H] -> [B, T, D, H]; Y_h, Y_c [D, B, H] -> [B, D, H]
+        outputs = [outputs[0].transpose(2, 0, 1, 3)] + [o.swapaxes(0, 1) for o in outputs[1:]]
+    return outputs
+
+
+def assert_onnx_close(got, expected, what, *, absolute=ABSOLUTE, scaled=False):
+    """``|got - expected| <= RELATIVE * |expected| + absolute`` per element of
+    every output (``scaled``: ``absolute * max(1, the output's largest
+    magnitude)``); errors name the output, the element and the bound."""
+    assert len(got) == len(expected), f"{what}: {len(got)} outputs, expected {len(expected)}"
+    for index, (g, e) in enumerate(zip(got, expected)):
+        g, e = np.asarray(g, dtype=np.float64), np.asarray(e, dtype=np.float64)
+        assert g.shape == e.shape, f"{what}: output {index} has shape {g.shape}, expected {e.shape}"
+        largest = float(np.abs(e).max())
+        assert largest > 0.05, f"{what}: output {index} is all near zero, a check that could not fail"
+        term = absolute * max(1.0, largest) if scaled else absolute
+        excess = np.abs(g - e) - (RELATIVE * np.abs(e) + term)
+        worst = np.unravel_index(np.argmax(excess), excess.shape)
+        assert excess[worst] <= 0, (
+            f"{what}: output {index} element {tuple(int(i) for i in worst)} is {g[worst]:.7g}, expected "
+            f"{e[worst]:.7g} (bound {RELATIVE} * |expected| + {term:.2g})")
+
+
+def float64_twin(model, feeds):
+    """The model and feeds in float64, from the same float32 (or float16)
+    values: onnx.reference then computes without rounding of its own."""
+    narrow = (TensorProto.FLOAT, TensorProto.FLOAT16)
+    twin = onnx.ModelProto()
+    twin.CopyFrom(model)
+    for tensor in twin.graph.initializer:
+        if tensor.data_type in narrow:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float64), tensor.name))
+    for value in list(twin.graph.input) + list(twin.graph.output):
+        if value.type.tensor_type.elem_type in narrow:
+            value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    return twin, {n: (v.astype(np.float64) if v.dtype.kind == "f" else v) for n, v in feeds.items()}
+
+
+# ---- random weights, every attribute combination --------------------------------------------------
+
+# Every combination of the five cells, three directions, two layouts, lengths
+# or none and initial states or none: 120 small cases, each its own weights.
+COMBINATIONS = [
+    pytest.param(op, attributes, direction, layout, lengths, states,
+                 id=f"{cell}-{direction}-layout{layout}-{'lengths' if lengths else 'full'}-"
+                    f"{'states' if states else 'zeros'}")
+    for (op, attributes), cell in zip(CELLS, CELL_IDS)
+    for direction in DIRECTIONS
+    for layout in (0, 1)
+    for lengths in (None, LENGTHS)
+    for states in (False, True)
+]
+
+
+def _check_combination(request, op, attributes, direction, layout, lengths, states, device):
+    seed = zlib.crc32(request.node.callspec.id.encode())
+    model, feeds = node_model(op, attributes, direction=direction, layout=layout, lengths=lengths, states=states,
+                              seed=seed)
+    module = from_onnx(model)
+    assert isinstance(module, RecurrentNode)
+    got = run_module(module, feeds, device)
+    if attributes.get("activations") != ["Relu"]:  # onnx.reference's RNN has no Relu
+        assert_onnx_close(got, onnx_reference(*float64_twin(model, feeds), layout), "against onnx.reference",
+                          scaled=True)
+    assert_onnx_close(got, onnxruntime_reference(model, feeds, layout), "against ONNX Runtime",
+                      absolute=ORT_ABSOLUTE, scaled=True)
+
+
+@pytest.mark.parametrize("op, attributes, direction, layout, lengths, states", COMBINATIONS)
+def test_node_matches_onnx_reference_and_onnxruntime(request, op, attributes, direction, layout, lengths, states):
+    _check_combination(request, op, attributes, direction, layout, lengths, states, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, attributes, direction, layout, lengths, states", COMBINATIONS)
+def test_gpu_node_matches_onnx_reference_and_onnxruntime(request, untuned, op, attributes, direction, layout,
+                                                         lengths, states):
+    _check_combination(request, op, attributes, direction, layout, lengths, states, "cuda")
+
+
+def test_converted_modules_are_persistrnn_modules_with_the_right_form():
+    expected = {"lstm": (persistrnn.LSTM, "lstm"), "gru-lbr0": (persistrnn.GRU, "gru_reset_before"),
+                "gru-lbr1": (persistrnn.GRU, "gru"), "rnn-tanh": (persistrnn.RNN, "rnn_tanh"),
+                "rnn-relu": (persistrnn.RNN, "rnn_relu")}
+    for (op, attributes), cell in zip(CELLS, CELL_IDS):
+        for direction in DIRECTIONS:
+            rnn = from_onnx(node_model(op, attributes, direction=direction)[0]).rnn
+            cls, name = expected[cell]
+            assert type(rnn) is cls and rnn.cell == name
+            assert rnn.bidirectional == (direction == "bidirectional")
+            assert not any(p.requires_grad for p in rnn.parameters())  # the kernels run without no_grad()
+
+
+def test_constant_states_and_weights_from_constant_nodes():
+    """initial_h/initial_c held as initializers are the call's defaults; W from
+    a Constant node is read as a constant."""
+    model, feeds = node_model("LSTM", direction="bidirectional", states=True, state_inputs=False, seed=3)
+    module = from_onnx(model)
+    expected = ReferenceEvaluator(model).run(None, feeds)
+    assert_onnx_close(run_module(module, feeds), expected, "states as initializers")
+
+    w = next(t for t in model.graph.initializer if t.name == "W")
+    model.graph.initializer.remove(w)
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["W"], value=w))
+    assert_onnx_close(run_module(from_onnx(model), feeds), expected, "W from a Constant node")
+
+
+def test_zero_peepholes_and_explicit_default_activations_are_accepted():
+    model, feeds = node_model("LSTM", {"activations": ["sigmoid", "TANH", "Tanh"]}, states=True, seed=4)
+    expected = ReferenceEvaluator(model).run(None, feeds)
+    node = model.graph.node[0]
+    node.input.extend([""] * (7 - len(node.input)) + ["P"])
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros((1, 3 * HIDDEN), np.float32), "P"))
+    assert_onnx_close(run_module(from_onnx(model), feeds), expected, "zero P, explicit activations")
+
+
+@pytest.mark.parametrize("outputs, returned", [(["Y"], 1), (["", "Y_h"], 2), (["Y", "", "Y_c"], 3)])
+def test_outputs_as_the_node_lists_them(outputs, returned):
+    model, feeds = node_model("LSTM", seed=5)
+    expected = ReferenceEvaluator(model).run(None, feeds)
+    node = model.graph.node[0]
+    del node.output[:]
+    node.output.extend(outputs)
+    result = from_onnx(model)(torch.from_numpy(feeds["X"]))
+    result = result if isinstance(result, tuple) else (result,)
+    assert len(result) == returned
+    assert_onnx_close([r.numpy() for r in result], expected[:returned], f"outputs {outputs}")
+
+
+def test_float64_model_runs_in_float64():
+    model, feeds = node_model("GRU", direction="bidirectional", lengths=LENGTHS, states=True, dtype=np.float64,
+                              seed=6)
+    module = from_onnx(model)
+    assert module.rnn.weight_hh_l0.dtype == torch.float64
+    got = run_module(module, feeds)
+    expected = onnx_reference(model, feeds, 0)
+    for g, e in zip(got, expected):  # float64 throughout: far inside the float32 rule
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, attributes", CELLS[:3], ids=CELL_IDS[:3])
+def test_gpu_float16_model_runs_the_16_bit_kernels(untuned, op, attributes):
+    """A float16 model on the fp16 kernels, against float64 on the same
+    float16 values, by the package's fp16 element bound (tests/helpers.py)."""
+    model, feeds = node_model(op, attributes, direction="bidirectional", lengths=LENGTHS, states=True,
+                              dtype=np.float16, seed=10)
+    module = from_onnx(model)
+    assert module.rnn.weight_hh_l0.dtype == torch.float16
+    got = run_module(module, feeds, "cuda")
+    expected = onnx_reference(*float64_twin(model, feeds), 0)
+    for index, (g, e) in enumerate(zip(got, expected)):
+        bound = ELEMENT_FLOOR["float16"] * max(1.0, float(np.abs(e).max()))
+        assert np.abs(g - e).max() <= bound, f"output {index}: largest error {np.abs(g - e).max():.3g} > {bound:.3g}"
+
+
+def test_path_inputs(tmp_path):
+    model, feeds = node_model("RNN", seed=7)
+    path = tmp_path / "rnn.onnx"
+    onnx.save(model, str(path))
+    expected = ReferenceEvaluator(model).run(None, feeds)
+    for source in (path, str(path)):
+        assert_onnx_close(run_module(from_onnx(source), feeds), expected, f"from {type(source).__name__}")
+
+
+# ---- the ONNX project's backend node tests ----------------------------------------------------------
+
+SUPPORTED_BACKEND_CASES = [
+    "test_lstm_defaults", "test_lstm_with_initial_bias", "test_lstm_batchwise", "test_lstm_reverse",
+    "test_lstm_bidirectional",
+    "test_gru_defaults", "test_gru_with_initial_bias", "test_gru_seq_length", "test_gru_batchwise",
+    "test_gru_reverse", "test_gru_bidirectional",
+    "test_simple_rnn_defaults", "test_simple_rnn_with_initial_bias", "test_rnn_seq_length",
+    "test_simple_rnn_batchwise", "test_simple_rnn_reverse", "test_simple_rnn_bidirectional",
+]
+UNSUPPORTED_BACKEND_CASES = {
+    "test_lstm_with_peepholes": "peepholes",  # P is 0.1 everywhere: the cells have no peephole connections
+}
+
+
+@functools.cache
+def backend_cases():
+    """The onnx package's node test cases of LSTM, GRU and RNN, by name
+    (collecting builds every operator's cases: ~7 s, once)."""
+    from onnx.backend.test.case.node import collect_testcases
+
+    return {case.name: case for case in collect_testcases()
+            if {n.op_type for n in case.model.graph.node} & set(GATES)}
+
+
+def backend_model(case):
+    """The case's model with its weight inputs (W, R, B, P) made initializers
+    from the case's data, as an exporter writes them; the rest stays fed."""
+    model = onnx.ModelProto()
+    model.CopyFrom(case.model)
+    node = model.graph.node[0]
+    inputs, outputs = case.data_sets[0]
+    feeds = dict(zip([v.name for v in case.model.graph.input], inputs))
+    weights = {node.input[i] for i in (1, 2, 3, 7) if i < len(node.input) and node.input[i]}
+    for value in list(model.graph.input):
+        if value.name in weights:
+            model.graph.input.remove(value)
+            model.graph.initializer.append(numpy_helper.from_array(feeds.pop(value.name), value.name))
+    return model, feeds, dict(zip([v.name for v in case.model.graph.output], outputs))
+
+
+def test_backend_case_list_is_complete():
+    known = set(SUPPORTED_BACKEND_CASES) | set(UNSUPPORTED_BACKEND_CASES)
+    assert set(backend_cases()) <= known, f"new ONNX backend cases to sort: {set(backend_cases()) - known}"
+
+
+def _check_backend_case(name, device):
+    case = backend_cases().get(name)
+    if case is None:
+        pytest.skip(f"onnx {onnx.__version__} has no {name}")
+    model, feeds, expected = backend_model(case)
+    node = model.graph.node[0]
+    module = from_onnx(model).to(device)
+    inputs = list(node.input) + [""] * 8
+    args = [None if not inputs[i] or inputs[i] not in feeds else torch.from_numpy(feeds[inputs[i]]).to(device)
+            for i in (0, 4, 5, 6)]
+    result = module(*args)
+    result = dict(zip(node.output, result if isinstance(result, tuple) else (result,)))
+    names = sorted(expected)
+    assert_onnx_close([result[n].double().cpu().numpy() for n in names], [expected[n] for n in names], name)
+
+
+@pytest.mark.parametrize("name", SUPPORTED_BACKEND_CASES)
+def test_backend_case(name):
+    _check_backend_case(name, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", SUPPORTED_BACKEND_CASES)
+def test_gpu_backend_case(untuned, name):
+    _check_backend_case(name, "cuda")
+
+
+@pytest.mark.parametrize("name, reason", sorted(UNSUPPORTED_BACKEND_CASES.items()))
+def test_unsupported_backend_case_names_the_reason(name, reason):
+    case = backend_cases().get(name)
+    if case is None:
+        pytest.skip(f"onnx {onnx.__version__} has no {name}")
+    with pytest.raises(UnsupportedError, match=reason):
+        from_onnx(backend_model(case)[0])
+
+
+# ---- what the cells cannot run, and bad models and inputs -------------------------------------------
+
+
+@pytest.mark.parametrize("op, attributes, inputs, match", [
+    ("LSTM", {"clip": 3.0}, {}, "attribute clip=3.0"),
+    ("GRU", {"clip": 0.5}, {}, "attribute clip"),
+    ("RNN", {"clip": 10.0}, {}, "attribute clip"),
+    ("LSTM", {"input_forget": 1}, {}, "attribute input_forget=1"),
+    ("LSTM", {}, {7: 0.1 * np.ones((1, 3 * HIDDEN), np.float32)}, "input P"),
+    ("LSTM", {"activations": ["Sigmoid", "Tanh", "Relu"]}, {}, "attribute activations"),
+    ("GRU", {"activations": ["HardSigmoid", "Tanh"]}, {}, "attribute activations"),
+    ("RNN", {"activations": ["Sigmoid"]}, {}, "attribute activations"),
+])
+def test_unsupported_attributes_name_the_node_and_attribute(op, attributes, inputs, match):
+    model, _ = node_model(op, attributes)
+    node = model.graph.node[0]
+    for index, value in inputs.items():
+        node.input.extend([""] * (index - len(node.input)) + [f"input{index}"])
+        model.graph.initializer.append(numpy_helper.from_array(value, f"input{index}"))
+    with pytest.raises(UnsupportedError, match=match) as error:
+        from_onnx(model)
+    assert f"{op} node '{op.lower()}_node'" in str(error.value)
+
+
+def test_mixed_rnn_activations_across_directions_are_unsupported():
+    model, _ = node_model("RNN", direction="bidirectional")
+    node = model.graph.node[0]
+    node.attribute.append(helper.make_attribute("activations", ["Tanh", "Relu"]))
+    with pytest.raises(UnsupportedError, match="the same in both directions"):
+        from_onnx(model)
+
+
+def test_weights_fed_at_run_time_are_unsupported():
+    model, _ = node_model("GRU")
+    r = next(t for t in model.graph.initializer if t.name == "R")
+    model.graph.initializer.remove(r)
+    model.graph.input.append(helper.make_tensor_value_info("R", TensorProto.FLOAT, list(r.dims)))
+    with pytest.raises(UnsupportedError, match="input R .* constant"):
+        from_onnx(model)
+
+
+def _set_attribute(model, name, value):
+    node = model.graph.node[0]
+    for attribute in list(node.attribute):
+        if attribute.name == name:
+            node.attribute.remove(attribute)
+    node.attribute.append(helper.make_attribute(name, value))
+    return model
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("direction", "backward", r"direction: expected one of \['forward', 'reverse', 'bidirectional'\], "
+                              r"got 'backward'"),
+    ("layout", 2, "layout: expected 0 or 1, got 2"),
+    ("hidden_size", HIDDEN + 1, f"hidden_size: expected {HIDDEN} .*, got {HIDDEN + 1}"),
+    ("linear_before_reset", 2, "linear_before_reset: expected 0 or 1, got 2"),
+    ("activations", ["Sigmoid"], r"activations: expected 2 names .*, got 1"),
+    ("no_such_attribute", 1, "got 'no_such_attribute'"),
+])
+def test_malformed_nodes_say_what_was_expected(name, value, match):
+    model = _set_attribute(node_model("GRU")[0], name, value)
+    with pytest.raises(ArgumentError, match=match):
+        from_onnx(model)
+
+
+def test_bidirectional_weights_for_one_direction_are_refused():
+    model = _set_attribute(node_model("LSTM")[0], "direction", "bidirectional")
+    with pytest.raises(ArgumentError, match=r"input R: expected shape \[2, "):
+        from_onnx(model)
+
+
+def test_from_onnx_argument_type():
+    with pytest.raises(ArgumentTypeError, match="expected a path or an onnx.ModelProto, got int"):
+        from_onnx(3)
+
+
+def test_bad_run_time_inputs():
+    model, feeds = node_model("LSTM", lengths=LENGTHS, states=True, seed=8)
+    module = from_onnx(model)
+    x = torch.from_numpy(feeds["X"])
+    with pytest.raises(ArgumentError, match=r"sequence_lens: expected every length in 1\.\.7 .*got \[7, 0, 4\]"):
+        module(x, torch.tensor([7, 0, 4], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match=r"got \[8, 1, 4\]"):
+        module(x, torch.tensor([8, 1, 4]))
+    with pytest.raises(ArgumentTypeError, match="sequence_lens: expected an integer tensor, got torch.float32"):
+        module(x, torch.tensor([7.0, 1.0, 4.0]))
+    with pytest.raises(InputShapeError, match=r"sequence_lens: expected shape \(3,\)"):
+        module(x, torch.tensor([7, 1]))
+    with pytest.raises(InputShapeError, match=r"initial_h: expected shape \(1, 3, 9\) \[num_directions, "
+                                              r"batch_size, hidden_size\], got \(3, 1, 9\)"):
+        module(x, None, torch.zeros(3, 1, HIDDEN))
+    with pytest.raises(InputShapeError, match=r"X: expected a 3-D tensor \[seq_length, batch_size, input_size\]"):
+        module(x[0])
+
+
+# ---- whole models through onnx2torch ------------------------------------------------------------------
+
+
+@pytest.fixture
+def onnx2torch(monkeypatch):
+    """onnx2torch, where installed. It imports torchvision for its NMS and
+    RoiAlign converters only; where torchvision is absent, a stand-in
+    without those operators lets it import (no model here uses them)."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnx2torch") is None:
+        pytest.skip('onnx2torch is not installed (pip install "persistrnn[onnx]")')
+    if importlib.util.find_spec("torchvision") is None and "onnx2torch" not in sys.modules:
+        stand_in, ops = types.ModuleType("torchvision"), types.ModuleType("torchvision.ops")
+        ops.nms = ops.box_convert = ops.roi_align = None
+        stand_in.ops = ops
+        monkeypatch.setitem(sys.modules, "torchvision", stand_in)
+        monkeypatch.setitem(sys.modules, "torchvision.ops", ops)
+    import onnx2torch
+
+    return onnx2torch
+
+
+def stacked_model(seed=9):
+    """A tagger as exporters write one: a bidirectional canonical GRU, its Y
+    reshaped to [T, B, 2H], a forward LSTM on that with initial states from
+    graph inputs, and a MatMul + Add read-out per step."""
+    rng = np.random.default_rng(seed)
+
+    def init(name, shape):
+        return numpy_helper.from_array((0.5 * rng.standard_normal(shape)).astype(np.float32), name)
+
+    classes = 4
+    nodes = [
+        helper.make_node("GRU", ["X", "W1", "R1", "B1"], ["Y1"], name="encoder", hidden_size=HIDDEN,
+                         direction="bidirectional"),
+        helper.make_node("Transpose", ["Y1"], ["Y1t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["Y1t", "shape"], ["H1"]),
+        helper.make_node("LSTM", ["H1", "W2", "R2", "B2", "", "h0", "c0"], ["Y2", "Y2_h"], name="decoder",
+                         hidden_size=HIDDEN + 2),
+        helper.make_node("Squeeze", ["Y2", "axis"], ["H2"]),
+        helper.make_node("MatMul", ["H2", "head"], ["logits0"]),
+        helper.make_node("Add", ["logits0", "bias"], ["logits"]),
+    ]
+    initializers = [
+        init("W1", (2, 3 * HIDDEN, INPUT)), init("R1", (2, 3 * HIDDEN, HIDDEN)), init("B1", (2, 6 * HIDDEN)),
+        init("W2", (1, 4 * (HIDDEN + 2), 2 * HIDDEN)), init("R2", (1, 4 * (HIDDEN + 2), HIDDEN + 2)),
+        init("B2", (1, 8 * (HIDDEN + 2))), init("head", (HIDDEN + 2, classes)), init("bias", (classes,)),
+        numpy_helper.from_array(np.array([0, 0, -1], np.int64), "shape"),
+        numpy_helper.from_array(np.array([1], np.int64), "axis"),
+    ]
+    graph = helper.make_graph(nodes, "tagger", [
+        helper.make_tensor_value_info("X", TensorProto.FLOAT, ["steps", "batch", INPUT]),
+        helper.make_tensor_value_info("h0", TensorProto.FLOAT, [1, "batch", HIDDEN + 2]),
+        helper.make_tensor_value_info("c0", TensorProto.FLOAT, [1, "batch", HIDDEN + 2]),
+    ], [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"X": rng.standard_normal((STEPS, BATCH, INPUT)).astype(np.float32),
+             "h0": rng.standard_normal((1, BATCH, HIDDEN + 2)).astype(np.float32),
+             "c0": rng.standard_normal((1, BATCH, HIDDEN + 2)).astype(np.float32)}
+    return model, feeds
+
+
+def _check_whole_model(device):
+    model, feeds = stacked_model()
+    module = from_onnx(model).to(device)
+    nodes = [m for m in module.modules() if isinstance(m, RecurrentNode)]
+    assert [(n.op_type, n.rnn.cell) for n in nodes] == [("GRU", "gru_reset_before"), ("LSTM", "lstm")]
+    with torch.no_grad():
+        got = module(*[torch.from_numpy(feeds[v.name]).to(device) for v in model.graph.input])
+    assert_onnx_close([got.double().cpu().numpy()], ReferenceEvaluator(model).run(None, feeds), "whole model")
+
+
+def test_whole_model_through_onnx2torch(onnx2torch):
+    _check_whole_model("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_whole_model_through_onnx2torch(untuned, onnx2torch):
+    _check_whole_model("cuda")
+
+
+def test_whole_model_without_onnx2torch_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx2torch", None)  # as if not installed
+    with pytest.raises(UnsupportedError, match=r"onnx2torch.*pip install \"persistrnn\[onnx\]\".*torchvision"):
+        from_onnx(stacked_model()[0])
+
+
+def test_unsupported_node_in_a_whole_model_fails_before_onnx2torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx2torch", None)
+    model = _set_attribute(stacked_model()[0], "clip", 1.0)
+    with pytest.raises(UnsupportedError, match="GRU node 'encoder': attribute clip"):
+        from_onnx(model)
+
+
+# ---- python -m persistrnn onnx ------------------------------------------------------------------------
+
+
+def test_cli_without_a_gpu_prints_the_conversion(tmp_path, capsys, monkeypatch):
+    from persistrnn import __main__ as cli
+    from persistrnn import runtime
+    from persistrnn.errors import GPUUnavailableError
+
+    def no_gpu():
+        raise GPUUnavailableError("no CUDA device")
+
+    monkeypatch.setattr(runtime, "device_facts", no_gpu)
+    model, _ = node_model("GRU", direction="bidirectional", lengths=LENGTHS)
+    _set_attribute(model, "hidden_size", HIDDEN)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "steps"
+    path = tmp_path / "gru.onnx"
+    onnx.save(model, str(path))
+    assert cli.main(["onnx", str(path), "--steps", "11"]) == 0
+    out = capsys.readouterr().out
+    assert "GRU node 'gru_node' (input 5, hidden 9, bidirectional, layout 0, linear_before_reset=0) -> " \
+           "persistrnn.GRU(cell 'gru_reset_before', bidirectional" in out
+    assert "X [11, 3, 5] float32" in out and "sequence_lens [3] int32 (full lengths)" in out
+    assert "timing needs a GPU" in out
+
+
+def test_cli_refuses_an_unsupported_model(tmp_path, capsys):
+    from persistrnn import __main__ as cli
+
+    path = tmp_path / "clip.onnx"
+    onnx.save(node_model("LSTM", {"clip": 2.0})[0], str(path))
+    assert cli.main(["onnx", str(path)]) == 2
+    assert "attribute clip=2.0 is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_cli_times_against_onnxruntime(untuned, tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    from persistrnn import __main__ as cli
+
+    path = tmp_path / "lstm.onnx"
+    onnx.save(node_model("LSTM", direction="bidirectional")[0], str(path))
+    assert cli.main(["onnx", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "LSTM node 'lstm_node' at batch 3: persistent kernels" in out
+    assert "ONNX Runtime CPUExecutionProvider:" in out and "outputs differ by at most" in out
