@@ -6,11 +6,12 @@
 # checkout with no install and no network: PYTHONPATH points at the repository.
 #
 #   STAGES       which stages run, in this order (default: all of them):
-#                tests sanitize demo calibrate tune accuracy grnn models host compile scaling dtypes
-#                targets sync recurrence (models is the real-models suite; host and compile come after
-#                grnn and models, whose tuning leaves every host case's plan in the cache)
+#                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
+#                targets sync recurrence (models is the real-models suite; host, compile and regret come
+#                after grnn and models, whose tuning leaves every case's plan in the cache)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
+#   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
 #   HOST_ARGS, COMPILE_ARGS  narrow the host-time and torch.compile suites (e.g. HOST_ARGS="--batch 1",
 #                COMPILE_ARGS="--cases lstm-2x128-b1 --no-torch-compile")
 #   PERSISTRNN_COMMIT  names the commit where the copy has no .git
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile scaling dtypes targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -149,7 +150,7 @@ own_suite() {
         >"$OUT/bench_$suite.log" 2>&1
     RC[$stage]=$?
     if [ -f "$OUT/$suite.md" ]; then
-        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model/,/^$/p;/ met, .* missed, of /p' "$OUT/$suite.md" | cut -c1-220)")
+        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model/,/^$/p;/ met, .* missed, of /p;/^Mean regret/p' "$OUT/$suite.md" | cut -c1-220)")
     else
         SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(tail -n 30 "$OUT/bench_$suite.log")")
     fi
@@ -157,6 +158,7 @@ own_suite() {
 
 stage_host() { own_suite host host ${HOST_ARGS:-}; }
 stage_compile() { own_suite compile compile ${COMPILE_ARGS:-}; }
+stage_regret() { own_suite planner-regret regret ${REGRET_ARGS:-}; }
 
 stage_targets() {
     local results=()

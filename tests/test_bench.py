@@ -715,3 +715,41 @@ def test_compile_suite_runs_the_issue_case_end_to_end(tmp_path):
         assert rows[provider]["rel_error"] <= compiled.CHECK_TOLERANCE
     assert rows[compiled.TORCH_COMPILED]["status"] == "not run"
     assert "torch.compile (default mode)" in Path(f"{out}.md").read_text()
+
+
+# ---- planner regret ------------------------------------------------------------
+
+
+def _regret_case(model, regret, plan="persistent clusterx8 t256 g8 bt1 sk0 ffma"):
+    return {"model": model, "cell": "lstm", "hidden": 256, "layers": 1, "bidirectional": False, "dtype": "float32",
+            "steps": 100, "batch": 10, "plan": plan, "plan_source": "tuned", "chosen_ms": 0.2 * regret,
+            "best": "cudnn", "best_ms": 0.2, "regret": regret, "measured_ms": {}}
+
+
+def test_planner_regret_summary_judges_mean_and_worst():
+    from persistrnn.bench import planner_regret
+
+    good = [_regret_case("a", 1.0), _regret_case("b", 1.05)]
+    assert planner_regret.summary(good) == {"cases": 2, "mean_regret": pytest.approx(1.025),
+                                            "worst_regret": 1.05, "met": True}
+    assert not planner_regret.summary(good + [_regret_case("c", 1.2)])["met"]  # worst over 1.10
+    assert not planner_regret.summary([_regret_case("d", 1.04)] * 3)["met"]  # mean over 1.03
+    untimed = dict(_regret_case("e", 1.0), regret=None)  # the chosen plan could not launch: never "met"
+    assert not planner_regret.summary(good + [untimed])["met"]
+
+
+def test_planner_regret_markdown_lists_every_case_and_the_verdict():
+    from persistrnn.bench import planner_regret
+
+    result = {"environment": ENV, "k": 5, "cases": [_regret_case("LSTM 256", 1.0), _regret_case("LSTM 64", 1.25)]}
+    result["summary"] = planner_regret.summary(result["cases"])
+    text = planner_regret.markdown(result)
+    assert "| LSTM 64 | fp32 | 100 | 10 |" in text and "| 1.250 |" in text
+    assert "Mean regret 1.125, worst 1.250 over 2 cases" in text and "**missed**" in text
+    assert ENV["commit"] in text
+
+
+def test_planner_regret_is_registered():
+    from persistrnn.bench import __main__ as bench
+
+    assert bench.SUITES["planner-regret"] == "persistrnn.bench.planner_regret"

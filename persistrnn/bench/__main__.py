@@ -14,6 +14,7 @@ SUITES = {
     "model-accuracy": "persistrnn.bench.model_accuracy",
     "host": "persistrnn.bench.host",
     "compile": "persistrnn.bench.compiled",
+    "planner-regret": "persistrnn.bench.planner_regret",
     "treelstm": "persistrnn.bench.treelstm",
 }
 

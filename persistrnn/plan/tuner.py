@@ -120,6 +120,11 @@ class Plan:
     batch_slice: int | None = None
 
     @property
+    def label(self) -> str:
+        """The label the tuner times this plan's choice under (``measured_ms``'s keys)."""
+        return _config_label(self.config, self.batch_slice) if self.path == "persistent" else self.path
+
+    @property
     def launch(self) -> tuple:
         """What a run of this plan launches: path, kernel configuration and
         batch slice (a captured forward is kept per value)."""
@@ -345,18 +350,37 @@ class _Workload:
         return run
 
 
-class _Candidate(NamedTuple):
+class Candidate(NamedTuple):
+    """One runnable choice: a persistent configuration (with its ranking), the fallback or cuDNN."""
+
     label: str
     path: str
     ranked: Ranked | None  # the persistent candidates'
     run: Any
 
 
+def timing_candidates(shape: ModelShape, batch: int, top: list[Ranked], steps: int) -> list[Candidate]:
+    """The forwards the tuner times for ``shape`` at ``batch``: ``top``'s
+    persistent candidates, the fallback, and cuDNN where torch has the cell,
+    on one random workload."""
+    work = _Workload(shape, batch, steps)
+    candidates = [Candidate(candidate_label(r), "persistent", r, work.persistent(r.config, r.batch_slice))
+                  for r in top]
+    candidates.append(Candidate("fallback", "fallback", None, work.fallback()))
+    if shape.cell in CUDNN_CELLS:
+        candidates.append(Candidate("cudnn", "cudnn", None, work.cudnn()))
+    return candidates
+
+
+def candidate_label(ranked: Ranked) -> str:
+    return _config_label(ranked.config, ranked.batch_slice)
+
+
 TIMING_ROUNDS = 7
 CALLS_PER_TIMING = 3
 
 
-def time_candidates(candidates: list[_Candidate], progress: bool = False) -> dict[str, float]:
+def time_candidates(candidates: list[Candidate], progress: bool = False) -> dict[str, float]:
     """Device ms per forward of each candidate, by label, at steady clocks:
     each forward captured in a CUDA graph, the GPU warmed up to steady clocks
     first, then :data:`TIMING_ROUNDS` rounds that time every candidate once
@@ -456,12 +480,7 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
                 "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
     top = compile_top(ranked, k)
-    work = _Workload(shape, bucket, steps)
-    candidates = [_Candidate(_config_label(r.config, r.batch_slice), "persistent", r,
-                             work.persistent(r.config, r.batch_slice)) for r in top]
-    candidates.append(_Candidate("fallback", "fallback", None, work.fallback()))
-    if shape.cell in CUDNN_CELLS:
-        candidates.append(_Candidate("cudnn", "cudnn", None, work.cudnn()))
+    candidates = timing_candidates(shape, bucket, top, steps)
     measured = time_candidates(candidates, progress)
     timed = [c for c in candidates if c.label in measured]
     best = min(timed, key=lambda c: measured[c.label])
