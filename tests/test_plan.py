@@ -87,7 +87,7 @@ def test_prune_names_the_limit_it_hit():
     assert "idle" in space.prune(wide, 1, H100)
 
 
-@pytest.mark.parametrize("batch,bucket", [(1, 1), (2, 2), (3, 4), (8, 8), (9, 16), (20, 32)])
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 3), (20, 20), (64, 64), (65, 128), (129, 256)])
 def test_batch_bucket(batch, bucket):
     assert space.batch_bucket(batch) == bucket
 

@@ -47,12 +47,26 @@ column slots (lanes x chunks per lane) that may hold no work."""
 REGISTER_GRANULE = 8
 
 
-def batch_bucket(batch: int) -> int:
-    """The batch a tuned choice is kept for: the next power of two. A choice
-    is timed at the bucket's top, so it holds every batch in the bucket."""
+EXACT_BATCHES = 64
+"""Batches up to this are tuned one by one. A choice timed at the next power
+of two and run at the batch itself measured up to 1.5x slower than the best
+candidate there (planner-regret: LSTM 1024 at batch 10, tuned at 16); the
+first call of a new batch size pays one tuning (a few seconds), once per
+machine (the tuning cache)."""
+
+
+def next_power_of_two(batch: int) -> int:
     if not isinstance(batch, int) or batch < 1:
         raise ArgumentError(f"batch: expected a positive int, got {batch!r}")
     return 1 << (batch - 1).bit_length()
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch a tuned choice is kept for: the batch itself up to
+    :data:`EXACT_BATCHES`, then the next power of two. A choice is timed at
+    the bucket's top, so it holds every batch in the bucket."""
+    power = next_power_of_two(batch)  # checks the batch
+    return batch if batch <= EXACT_BATCHES else power
 
 
 def block_counts(hidden_size: int, sm_count: int) -> list[tuple[str, int]]:
@@ -73,7 +87,7 @@ def block_counts(hidden_size: int, sm_count: int) -> list[tuple[str, int]]:
 
 
 def _mappings(dtype: str, threads: int, batch: int, k_per_thread) -> Iterator[dict]:
-    tiles = [t for t in BATCH_TILES if t == 1 or t <= batch_bucket(batch)]
+    tiles = [t for t in BATCH_TILES if t == 1 or t <= next_power_of_two(batch)]
     for group in GROUP_SIZES:
         k = k_per_thread(group)
         placements = sorted({0, k // 2, k})  # registers, split, shared

@@ -42,7 +42,7 @@ the configuration says); fallback: the non-persistent path
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +257,7 @@ def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
     for batch_slice in slice_sizes(bucket):
         slices = 1 if batch_slice is None else -(-bucket // batch_slice)
         configs = [c for c in pruned
-                   if batch_slice is None or c.sync != "grid" and c.batch_tile <= space.batch_bucket(batch_slice)
+                   if batch_slice is None or c.sync != "grid" and c.batch_tile <= space.next_power_of_two(batch_slice)
                    and slices * c.blocks * c.instances <= model.facts.sm_count]
         ranked += [Ranked(us, c, batch_slice) for us, c in model.rank(configs, bucket, batch_slice)]
     ranked.sort(key=lambda r: r.us * forward_steps(r.config, shape, steps))  # stable: ties keep model order
