@@ -68,7 +68,7 @@ class Target:
     """Whether the case column names the model and T (a target over many models)."""
 
 
-def _one_layer(cell: str, hidden: int, batch: Any, dtype: Any = "float32") -> tuple[tuple[str, Any], ...]:
+def _one_layer(cell: Any, hidden: int, batch: Any, dtype: Any = "float32") -> tuple[tuple[str, Any], ...]:
     return (("cell", cell), ("hidden", hidden), ("input", hidden), ("layers", 1), ("bidirectional", False),
             ("dtype", dtype), ("steps", 100), ("batch", batch))
 
@@ -86,6 +86,19 @@ EAGER_OVER_GRAPH_US = 25.0
 path may cost no more than this beyond the device work."""
 COMPILED_OVER_EAGER = 1.1
 """Under ``torch.compile`` (default mode), at most this times the eager module's time."""
+KERNELS_V2 = "kernels v2: the floor at every batch and dtype"
+V2_CELLS = ("lstm", "gru", "gru_reset_before")
+"""The kernels-v2 targets hold for LSTM and both GRU forms alike."""
+STEP_CHAIN = ("A step still runs as a chain of block-wide phases (product, barrier, pointwise, barrier, exchange): "
+              "~1.1 µs per step at batch 1 against a 0.3 µs sync floor; the fused step is not built "
+              "(perf-notes §9, §22).")
+SLICE_STEP = ("Batch slices fill the SMs, but each slice's step costs 1.3-1.6 µs, the batch-1 phase chain plus "
+              "its columns (perf-notes §22).")
+LARGE_FP32 = ("H=1024 needs the grid (64+ SMs, an exchange through L2 each step); TF32 mma.sync and the "
+              "one-round-trip exchange are not built.")
+SMALL_H = "At H=64 cuDNN's persistent kernel (0.056 ms) beats our single-block step chain (perf-notes §22)."
+HALF = ("16-bit: B fragments are read from an fp32 h with scalar loads and conversions; the ldmatrix path is "
+        "not built.")
 PHASES = ("About 0.9 µs per step against a 0.33 µs cluster sync floor: a step is a chain of block-wide phases "
           "(product, pointwise, exchange), each paying its latency (perf-notes §9).")
 TARGETS = (
@@ -129,6 +142,41 @@ TARGETS = (
            (("model", "bidirectional"), ("dtype", "float32")), min_speedup=5, against=("eager", "graph"),
            cause="Both directions run at once, but a layer still pays the per-step phase chain; cuDNN's graph "
                  "replay removes its host cost, which is most of its eager time.", suites=COMPARISON_SUITES),
+    Target("v2: H=64, batch 1–20 (LSTM, GRU, reset-before GRU): ≤ 0.035 ms", KERNELS_V2,
+           _one_layer(V2_CELLS, 64, tuple(range(1, 21))), max_ms=0.035, cause=SMALL_H, suites=COMPARISON_SUITES),
+    Target("v2: H=256, batch 1 (LSTM, GRU, reset-before GRU): ≤ 0.05 ms", KERNELS_V2, _one_layer(V2_CELLS, 256, 1),
+           max_ms=0.05, cause=STEP_CHAIN, suites=COMPARISON_SUITES),
+    Target("v2: H=256, batch 10 (LSTM, GRU, reset-before GRU): ≤ 0.12 ms", KERNELS_V2,
+           _one_layer(V2_CELLS, 256, 10), max_ms=0.12, cause=SLICE_STEP, suites=COMPARISON_SUITES),
+    Target("v2: H=256, batch 20 (LSTM, GRU, reset-before GRU): ≤ 0.14 ms", KERNELS_V2,
+           _one_layer(V2_CELLS, 256, 20), max_ms=0.14, cause=SLICE_STEP, suites=COMPARISON_SUITES),
+    Target("v2: LSTM H=256, batch 64: ≤ 0.30 ms", KERNELS_V2, _one_layer("lstm", 256, 64), max_ms=0.30,
+           cause=SLICE_STEP, suites=COMPARISON_SUITES),
+    Target("v2: H=1024, batch 1 (LSTM, GRU, reset-before GRU): ≤ 0.15 ms", KERNELS_V2,
+           _one_layer(V2_CELLS, 1024, 1), max_ms=0.15, cause=STEP_CHAIN + " " + LARGE_FP32,
+           suites=COMPARISON_SUITES),
+    Target("v2: H=1024, batch 20, fp32 exact (LSTM, GRU, reset-before GRU): ≤ 0.45 ms", KERNELS_V2,
+           _one_layer(V2_CELLS, 1024, 20), max_ms=0.45, cause=LARGE_FP32, suites=COMPARISON_SUITES),
+    Target("v2: fp16 and bf16, H=256, batch 8 and 16: ≤ 0.07 ms", KERNELS_V2,
+           _one_layer(("lstm", "gru"), 256, (8, 16), ("float16", "bfloat16")), max_ms=0.07, cause=HALF,
+           suites=COMPARISON_SUITES),
+    Target("v2: fp16 and bf16, H=1024, batch 8 and 16: ≤ 0.15 ms", KERNELS_V2,
+           _one_layer(("lstm", "gru"), 1024, (8, 16), ("float16", "bfloat16")), max_ms=0.15, cause=HALF,
+           suites=COMPARISON_SUITES),
+    Target("v2: char-RNN (3-layer LSTM 128, T=100), batch 1: ≤ 0.08 ms", KERNELS_V2,
+           (("model", "char-RNN"), ("batch", 1)), max_ms=0.08, cause=STEP_CHAIN, suites=COMPARISON_SUITES),
+    Target("v2: char-RNN (3-layer LSTM 128, T=100), batch 40: ≤ 0.20 ms", KERNELS_V2,
+           (("model", "char-RNN"), ("batch", 40)), max_ms=0.20, cause=SLICE_STEP, suites=COMPARISON_SUITES),
+    Target("v2: text classification (2-layer LSTM 256, T=20), batch 1: ≤ 0.035 ms", KERNELS_V2,
+           (("model", "text classification"), ("batch", 1)), max_ms=0.035, cause=STEP_CHAIN,
+           suites=COMPARISON_SUITES),
+    Target("v2: text classification (2-layer LSTM 256, T=20), batch 40: ≤ 0.08 ms", KERNELS_V2,
+           (("model", "text classification"), ("batch", 40)), max_ms=0.08, cause=SLICE_STEP,
+           suites=COMPARISON_SUITES),
+    Target("v2: never slower than cuDNN's faster setting (graph against graph): every case with a cuDNN peer",
+           KERNELS_V2, (), min_speedup=1.0, against=("graph",),
+           cause="Where the planner picks cuDNN the ratio is 1.00× within noise; below it, a plan that lost to "
+                 "cuDNN at the exact batch (planner-regret).", suites=COMPARISON_SUITES, name_model=True),
     Target(f"eager call ≤ its graph device time + {EAGER_OVER_GRAPH_US:.0f} µs: every grnn-table and real-models "
            "case",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("persistrnn", "graph_ms"),
