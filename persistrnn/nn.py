@@ -14,7 +14,9 @@
   persistent;
 * everything else runs torch's own implementation: a CPU input, a
   ``PackedSequence`` on another plan, ``proj_size``, dropout between layers
-  in training mode, and (with a one-time warning) a call that needs gradients.
+  in training mode, and (with a one-time warning) a packed or autocast call
+  that needs gradients. Any other CUDA call that needs gradients runs
+  :mod:`persistrnn.training`'s forward and backward, through autograd.
 
 Every call is independent: any number of threads and streams may call one
 module at once, and each call gets its own answer (the captured forwards are
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import ops, persistent, runtime
+from . import ops, persistent, runtime, training
 from .cells import CellSpec, get_cell
 from .errors import ArgumentError, ArgumentTypeError, InputShapeError, InputTypeError, UnsupportedError
 
@@ -129,9 +131,11 @@ class _Persistent:
 
     # ---- which path: the one rule ----------------------------------------------
 
-    def _torch_reason(self, input: torch.Tensor, *, warn: bool = True) -> str | None:
+    def _torch_reason(self, input: torch.Tensor, *, warn: bool = True, trains: bool = False) -> str | None:
         """Why this call runs torch's implementation (None: ours runs). The one
-        rule for every call: eager, packed, compiled and streaming."""
+        rule for every call: eager, packed, compiled and streaming. ``trains``:
+        the caller runs a call that needs gradients on the training operators
+        (:mod:`persistrnn.training`: a padded input, outside autocast)."""
         if input.device.type != "cuda":
             return "a CPU input"
         if getattr(self, "proj_size", 0):
@@ -140,14 +144,19 @@ class _Persistent:
             return "dropout between layers in training mode"
         if input.dtype not in _DTYPES:
             return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
-        if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self._flat_weights)):
+        if self._needs_grad(input):
+            if trains and not torch.is_autocast_enabled("cuda") and input.numel():  # torch's path returns empties
+                return None
             if warn:
                 _warn_once(f"grad-{type(self).__name__}",
                            f"persistrnn.{type(self).__name__}: this call needs gradients, which the persistent "
-                           "kernels do not compute yet; it runs torch's implementation (wrap inference in "
-                           "torch.no_grad() or torch.inference_mode() for the persistent path)")
+                           "kernels compute for a padded input outside autocast only; it runs torch's "
+                           "implementation")
             return "gradients"
         return None
+
+    def _needs_grad(self, input: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self._flat_weights))
 
     def _torch_forward(self, input: Any, hx: Any) -> Any:
         if self.cell == "gru_reset_before":
@@ -183,7 +192,7 @@ class _Persistent:
         if autocast:
             input, hx = self._autocast_inputs(input, hx)
         x, states, unbatched = self._normalise(input, hx)  # every path gets the same checks and errors
-        if self._torch_reason(input) is not None:
+        if self._torch_reason(input, trains=True) is not None:
             return self._torch_forward(input, hx)
         pairs = self.spec.has_cell_state
         h0, c0 = (states if pairs else (states, None)) if states is not None else (None, None)
@@ -191,6 +200,8 @@ class _Persistent:
             with torch.autocast("cuda", enabled=False):
                 out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias,
                                             self._plan_for_dtype(x.dtype))
+        elif self._needs_grad(input):
+            out, h_n, c_n = training.run_module(self, x, h0, c0)
         else:
             out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias, self.plan_for)
         if unbatched:
@@ -246,7 +257,7 @@ class _Persistent:
         """The forward as ``torch.compile`` traces it: torch's checks, then one
         ``torch.ops.persistrnn.forward`` call (no Python state that would
         break the graph; the operator keeps the plans and captured graphs)."""
-        if isinstance(input, PackedSequence) or self._torch_reason(input, warn=False) is not None:
+        if isinstance(input, PackedSequence) or self._torch_reason(input, warn=False, trains=True) is not None:
             return self._torch_forward(input, hx)  # traced as torch's own module
         if torch.is_autocast_enabled("cuda"):
             input, hx = self._autocast_inputs(input, hx)
@@ -265,8 +276,11 @@ class _Persistent:
         weights = self._flat_weights
         if weights[0].dtype != x.dtype:
             weights = [w.to(x.dtype) for w in weights]
-        out, h_n, c_n = torch.ops.persistrnn.forward(x, states[0], states[1], list(weights), self.cell,
-                                                     self.num_layers, self.bidirectional, self.bias)
+        if self._needs_grad(input):
+            out, h_n, c_n = training.run_module(self, x, states[0], states[1])
+        else:
+            out, h_n, c_n = torch.ops.persistrnn.forward(x, states[0], states[1], list(weights), self.cell,
+                                                         self.num_layers, self.bidirectional, self.bias)
         if unbatched:
             out, h_n, c_n = out.squeeze(1), h_n.squeeze(1), (c_n.squeeze(1) if pairs else c_n)
         elif self.batch_first:

@@ -89,7 +89,9 @@ def _gpu_configs():
     directions = [KernelConfig(c[0], c[3], c[5], c[6], c[7], c[8], 1, dtype=c[1], instances=c[9])
                   for c in BIDIRECTIONAL_CASES]
     sliced = [KernelConfig(c[0], c[3], threads=128, group_size=8, dtype=c[1], **c[6]) for c in SLICE_CASES]
-    return pipelines + directions + sliced
+    fused = [KernelConfig(cell, 48, "cluster", 2, 192, 8, 2, instances=2, fused_step=f, lengths=True)
+             for cell in ("lstm", "gru", "rnn_tanh") for f in (False, True)]
+    return pipelines + directions + sliced + fused
 
 
 COMPILE_SAMPLE += [KernelConfig(cell, 96, "cluster", 4, 128, 8, 1, instances=2, lengths=True) for cell in CELL_NAMES]
@@ -299,6 +301,26 @@ def test_batch_slices_with_variable_lengths():
         sliced = persistent.forward_model(config, torch_layers, x, h0, c0, lengths=dev_lengths, batch_slice=3)
     for a, b in zip(whole, sliced):  # each sequence's own arithmetic, wherever its slice runs
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+def test_fused_step_is_bitwise_the_unfused_step(cell):
+    # The same products and the same pointwise functions, run by other
+    # threads: both directions, variable lengths and batch slices included.
+    import dataclasses
+
+    import torch
+
+    fused = KernelConfig(cell, 48, "cluster", 2, 192, 8, 2, instances=2, fused_step=True)
+    lengths = [5, 1, 9, 3, 7, 2, 8]
+    torch_layers, x, h0, c0, _ = _model_case(cell, "float32", 11, 48, 2, 2, len(lengths), 9, seed=6)
+    dev_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    runs = [persistent.forward_model(config, torch_layers, x, h0, c0, lengths=dev_lengths, batch_slice=3)
+            for config in (fused, dataclasses.replace(fused, fused_step=False))]
+    for a, b in zip(*runs):
+        if a is not None:
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

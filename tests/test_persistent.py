@@ -243,6 +243,34 @@ def test_large_batch_runs_in_slices_of_what_a_block_holds():
         check_against_reference(cfg, per_launch + 5, 3, seed=7)
 
 
+FUSED_CASES = [
+    # (config, batch, steps): every one-stage cell; each sync mode; batch tiles; odd units per block
+    (KernelConfig("lstm", 256, "cluster", 16, 128, 8, 1, fused_step=True), 1, 100),
+    (KernelConfig("gru", 256, "cluster", 16, 128, 8, 2, fused_step=True), 17, 20),
+    (KernelConfig("rnn_tanh", 64, "single", 1, 256, 4, 1, fused_step=True), 3, 50),
+    (KernelConfig("rnn_relu", 100, "cluster", 4, 800, 32, 4, fused_step=True), 9, 7),
+    (KernelConfig("lstm", 33, "cluster", 3, 352, 32, 1, fused_step=True), 5, 9),
+    (KernelConfig("lstm", 1024, "grid", 128, 256, 32, 2, fused_step=True), 4, 7),
+    (KernelConfig("gru", 96, "cluster", 2, 384, 8, 8, fused_step=True, dtype="bfloat16"), 10, 7),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, steps", FUSED_CASES, ids=[f"{c}-B{b}-T{t}" for c, b, t in FUSED_CASES])
+def test_fused_step_matches_float64_reference(config, batch, steps):
+    seed = hash((str(config), batch, steps)) % 2**32
+    check_against_reference(config, batch, steps, seed=seed, batch_slice=max(1, batch // 2))
+
+
+def test_fused_step_needs_a_work_group_per_unit():
+    with pytest.raises(ConfigError, match=r"one work group per unit of the block \(32 work groups, 16 units"):
+        KernelConfig("lstm", 256, "cluster", 16, 256, 8, 1, fused_step=True)
+    with pytest.raises(ConfigError, match="a one-stage cell"):
+        KernelConfig("gru_reset_before", 256, "cluster", 16, 128, 8, 1, fused_step=True)
+    with pytest.raises(ConfigError, match="batch_tile <= group_size"):
+        KernelConfig("lstm", 64, "single", 1, 256, 4, 8, fused_step=True)
+
+
 SLICED_CASES = [
     # (config, batch, batch_slice): every cell; single, cluster and mma; uneven last slices
     (KernelConfig("lstm", 256, "cluster", 8, 256, 8, 1), 20, 3),
@@ -288,7 +316,7 @@ def test_bad_inputs_raise_before_launch():
 
 def _compiled_configs():
     """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
-    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES}, key=str)
+    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES}, key=str)
 
 
 @pytest.mark.parametrize("config", _compiled_configs(), ids=str)

@@ -372,3 +372,14 @@ def test_tune_picks_a_measured_candidate_and_explain_prints_it(isolated_cache, c
     assert shown.source == "cache" and shown.path == p.path
     text = capsys.readouterr().out
     assert "lstm input 32, hidden 64" in text and "cost model, top" in text
+
+
+def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():
+    configs = space.pruned_space("lstm", 256, 1, "float32", H100)
+    fused = [c for c in configs if c.fused_step]
+    assert fused and all(c.work_groups == c.units_per_block for c in fused)
+    assert not any(c.fused_step for c in space.pruned_space("gru_reset_before", 256, 1, "float32", H100))
+    model = cost.CostModel(synthetic_calibration(), H100)
+    c = fused[0]
+    plain, one = model.step_cost(dataclasses.replace(c, fused_step=False), 1), model.step_cost(c, 1)
+    assert one.barriers < plain.barriers and one.product == plain.product

@@ -466,7 +466,10 @@ def test_gpu_sample_with_gradients_gives_torchs_outputs_and_gradients(name, inde
     args, kwargs = sample.forward_input.args, sample.forward_input.kwargs
     got, want = ours(*args, **kwargs), theirs(*args, **kwargs)
     context = f"{name} {desc} {dtype}, seed {seed}"
-    assert_equal_outputs(got, want, context)  # the same function on the same inputs
+    # A training call runs our training operators (padded input) or torch's
+    # function (packed): torch's outputs up to the dtype's default tolerance.
+    for key, value in outputs(want).items():
+        torch.testing.assert_close(outputs(got)[key], value, msg=lambda m, key=key: f"{context} {key}: {m}")
     weights = [torch.randn_like(t) for t in outputs(want).values()]
     inputs = gradient_inputs(args)
     assert inputs, "the sample has inputs that require gradients"

@@ -26,13 +26,13 @@ __device__ __forceinline__ void prnn_load_columns(const float* p, float (&v)[BT]
 }
 
 // This work group's rows times the operand: for each of its rows r (weights
-// w[r][j], lane + j * WGS the column) and batch columns [0, Bc), the dot
-// product with the operand's columns, reduced over the group's lanes; then
-// store(r, b, value) on one lane per value, for r < rows.
-template <int RPW, int KCH, int KREG, typename Store>
-__device__ __forceinline__ void prnn_group_product(const float (&w)[RPW][KREG > 0 ? KREG : 1], const float* w_shared,
-                                                   const float* operand, int lane, int BP, int Bc, int rows,
-                                                   Store store) {
+// w[r][j], lane + j * WGS the column) and each tile of BT batch columns
+// b0, b0 + 1, ... in [0, Bc), the dot products with the operand's columns,
+// reduced over the group's lanes; then finish(b0, sums), sums[r][bb] the
+// product of row r and column b0 + bb, which every lane holds.
+template <int RPW, int KCH, int KREG, typename Finish>
+__device__ __forceinline__ void prnn_group_sums(const float (&w)[RPW][KREG > 0 ? KREG : 1], const float* w_shared,
+                                                const float* operand, int lane, int BP, int Bc, Finish finish) {
     for (int b0 = 0; b0 < Bc; b0 += PRNN_BT) {
         float acc[RPW][PRNN_BT];
 #pragma unroll
@@ -60,13 +60,23 @@ __device__ __forceinline__ void prnn_group_product(const float (&w)[RPW][KREG > 
 #pragma unroll
                 for (int bb = 0; bb < PRNN_BT; ++bb)
                     acc[r][bb] += __shfl_xor_sync(PRNN_FULL_MASK, acc[r][bb], offset);
-        // Every lane holds every sum now; spread the stores over the lanes.
+        finish(b0, acc);
+    }
+}
+
+// prnn_group_sums, then store(r, b, value) on one lane per value, for r < rows.
+template <int RPW, int KCH, int KREG, typename Store>
+__device__ __forceinline__ void prnn_group_product(const float (&w)[RPW][KREG > 0 ? KREG : 1], const float* w_shared,
+                                                   const float* operand, int lane, int BP, int Bc, int rows,
+                                                   Store store) {
+    prnn_group_sums<RPW, KCH, KREG>(w, w_shared, operand, lane, BP, Bc, [&](int b0, const float (&acc)[RPW][PRNN_BT]) {
+        // Every lane holds every sum; spread the stores over the lanes.
 #pragma unroll
         for (int r = 0; r < RPW; ++r)
             if (r < rows)
 #pragma unroll
                 for (int bb = 0; bb < PRNN_BT; ++bb)
                     if ((r * PRNN_BT + bb) % PRNN_WGS == lane) store(r, b0 + bb, acc[r][bb]);
-    }
+    });
 }
 

@@ -23,6 +23,11 @@
 // along with the slice. After the one exchange every block sums the partials
 // into r for every unit, and runs U_z h and U_n (r * h) for its own rows.
 //
+// PRNN_FUSED (one-stage cells, work groups = units per block): work group
+// wg holds every gate row of unit wg, so the pointwise update runs in the
+// lanes right after the group's reduction, with no gates buffer and no
+// barrier between product and pointwise (see the stage loop).
+//
 // With PRNN_MMA the matrix product runs on tensor cores instead (16-bit
 // weights, mma.sync m16n8k16, fp32 accumulation): a warp is the work group,
 // and PRNN_KS warps split a row tile's K, each leaving a partial product that
@@ -270,6 +275,27 @@ __device__ __forceinline__ void prnn_prefetch_xw(const float* __restrict__ xw, f
     prnn_cp_async_commit();
 }
 
+#if PRNN_FUSED
+// Fused step: thread (wg, lane) copies exactly the projections it updates,
+// unit wg's gates for batch columns lane, lane + BT, ... (lane < BT), so its
+// own cp.async wait is all that orders them before its reads.
+__device__ __forceinline__ void prnn_prefetch_xw_owned(const float* __restrict__ xw, float* xs, int t, bool reverse,
+                                                       const int* __restrict__ lengths, int T, int B, int BP,
+                                                       long long step_stride, int blk, int wg, int lane, int slice0) {
+    xs += (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
+    const int unit = blk * PRNN_U + wg;
+    if (lane < PRNN_BT && unit < PRNN_H)
+        for (int b = lane; b < B; b += PRNN_BT) {
+            const int seq = slice0 + b;
+            const float* src = xw + prnn_position(t, seq, reverse, lengths, T) * step_stride +
+                               (long long)seq * PRNN_G * PRNN_H + unit;
+#pragma unroll
+            for (int g = 0; g < PRNN_G; ++g) prnn_cp_async_4(xs + (g * PRNN_U + wg) * BP + b, src + g * PRNN_H);
+        }
+    prnn_cp_async_commit();
+}
+#endif
+
 // Grid mode: the whole exchanged vector, L2 -> shared, every step. Loads go
 // out PRNN_COPY_BATCH at a time before any store: one load per loop trip
 // paid a full L2 round trip each (~5 µs per step at H=256, batch 20).
@@ -339,6 +365,7 @@ __device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* 
 //   h_n, c_n [ld][H]
 //   reverse 1: run positions T-1 .. 0
 //   w_next  [G*H][H], b_next [G*H]: the next layer's W_ih, b_ih (pipeline; null for the last)
+//   saved_gates [T][ld][G*H], saved_c [T][ld][H]: fp32, what training's backward reads (PRNN_SAVE_GATES)
 // and for the launch:
 //   status      int32 device word, 0 at launch: the first failure's code
 //               (PRNN_STATUS_*), which also tells the other blocks to give up
@@ -409,6 +436,9 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
             ok = false;                                                                                 \
     } else                                                                                              \
         prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk, slice0)
+#elif PRNN_FUSED
+#define PRNN_PREFETCH(t) \
+    prnn_prefetch_xw_owned(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, wg, lane, slice0)
 #else
 #define PRNN_PREFETCH(t) prnn_prefetch_xw(xw, L.xw, t, reverse, lengths, T, B, BP, step_stride, blk, walk, slice0)
 #endif
@@ -633,41 +663,12 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
         for (int stage = PRNN_FIRST_STAGE; stage < PRNN_STAGES; ++stage, ++e) {
             const float* operand = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
             float* next = L.hbuf + (e & 1) * PRNN_KPAD * BP;
-#if !PRNN_ONE_SYNC
-            if (stage == 0)
-                PRNN_STAGE_PRODUCT(0);
-#if PRNN_STAGES > 1
-            else
-                PRNN_STAGE_PRODUCT(1);
-#endif
-#endif
-#if PRNN_PIPELINE
-            // h_{t-1} is stage 0's operand: the next layer's input at t - 1.
-            const bool forwards = produces && stage == 0 && t > 0;
-            if (forwards) next_layer_product(operand, t - 1);
-#endif
-            // Groups for steps 0 .. t + DEPTH - 1 are committed: this step's
-            // has landed once at most DEPTH - 1 remain in flight.
-            if (stage == PRNN_FIRST_STAGE) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
-#if PRNN_ONE_SYNC
-            __syncthreads();
-#else
-            PRNN_SYNC_OR_LEAVE();  // the first since the last exchange's wait
-#endif
-
-            // Pointwise: one (unit, batch column) per thread and pass.
+            // One (unit u, batch column b)'s update from its gates' inputs (xg:
+            // projections; hg: recurrent products with b_hh), its outputs, and
+            // its value for the exchange.
             const bool last_stage = stage == PRNN_STAGES - 1;
-            PRNN_FOR_PAIRS(walk, PRNN_U, B, u, b) {
+            auto emit = [&](int u, int b, const float (&xg)[PRNN_G], const float (&hg)[PRNN_G]) {
                 const int unit = blk * PRNN_U + u;
-                if (unit >= PRNN_H) continue;
-                float xg[PRNN_G], hg[PRNN_G];
-#pragma unroll
-                for (int g = 0; g < PRNN_G; ++g) {
-                    xg[g] = xs[(g * PRNN_U + u) * BP + b];
-                    hg[g] = L.bias[g * PRNN_U + u];
-#pragma unroll
-                    for (int ks = 0; ks < PRNN_KS; ++ks) hg[g] += L.gates[((ks * PRNN_G + g) * PRNN_U + u) * BP + b];
-                }
                 const float h = h_prev[unit * BP + b];
                 float value;
 #if PRNN_STAGES > 1
@@ -693,13 +694,92 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                     if (out) out[prnn_position(t, seq, reverse, lengths, T) * out_step + (long long)seq * out_row + unit] =
                                  prnn_from_float<io_t>(t < len ? value : 0.0f);
                     if (t == T - 1) h_n[(long long)seq * PRNN_H + unit] = prnn_from_float<io_t>(value);
+#if PRNN_SAVE_GATES
+                    // Training: what the backward needs at this position,
+                    // fp32, laid out as xw ([T][ld][G*H]; c: [T][ld][H]):
+                    // every gate's recurrent product with b_hh (hg), and
+                    // the new cell state.
+                    {
+                        const long long position = prnn_position(t, seq, reverse, lengths, T);
+                        float* gates_at = saved_gates + position * step_stride + (long long)seq * PRNN_G * PRNN_H + unit;
+#pragma unroll
+                        for (int g = 0; g < PRNN_G; ++g) gates_at[g * PRNN_H] = hg[g];
+#if PRNN_HAS_C
+                        saved_c[(position * ld + seq) * PRNN_H + unit] = c_new;
+#endif
+                    }
+#endif
                 }
 #if PRNN_SYNC == 2
                 __stcg(exchange + (e & 1) * PRNN_KPAD * BP + unit * BP + b, value);
 #else
                 next[unit * BP + b] = value;
 #endif
+            };
+#if PRNN_FUSED
+            // Fused step: work group wg holds every gate row of unit wg, so
+            // after its reduction each lane has all gates of the unit, and
+            // lane bb updates batch columns bb, bb + BT, ... in registers: no
+            // gates round trip through shared memory, no barrier between
+            // product and pointwise. A thread reads only projections it
+            // copied itself (prnn_prefetch_xw_owned), so its own cp.async
+            // wait makes them visible.
+            prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
+            prnn_group_sums<PRNN_S0_RPW, PRNN_KPT, PRNN_S0_KREG>(
+                w0, w0_shared, operand, lane, BP, Bc, [&](int b0, const float (&sums)[PRNN_S0_RPW][PRNN_BT]) {
+                    if (blk * PRNN_U + wg >= PRNN_H) return;
+#pragma unroll
+                    for (int bb = 0; bb < PRNN_BT; ++bb) {
+                        const int b = b0 + bb;
+                        if (bb != lane || b >= B) continue;
+                        float xg[PRNN_G], hg[PRNN_G];
+#pragma unroll
+                        for (int g = 0; g < PRNN_G; ++g) {
+                            xg[g] = xs[(g * PRNN_U + wg) * BP + b];
+                            hg[g] = L.bias[g * PRNN_U + wg] + sums[g][bb];
+                        }
+                        emit(wg, b, xg, hg);
+                    }
+                });
+#else
+#if !PRNN_ONE_SYNC
+            if (stage == 0)
+                PRNN_STAGE_PRODUCT(0);
+#if PRNN_STAGES > 1
+            else
+                PRNN_STAGE_PRODUCT(1);
+#endif
+#endif
+#if PRNN_PIPELINE
+            // h_{t-1} is stage 0's operand: the next layer's input at t - 1.
+            const bool forwards = produces && stage == 0 && t > 0;
+            if (forwards) next_layer_product(operand, t - 1);
+#endif
+            // Groups for steps 0 .. t + DEPTH - 1 are committed: this step's
+            // has landed once at most DEPTH - 1 remain in flight.
+            if (stage == PRNN_FIRST_STAGE) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
+#if PRNN_ONE_SYNC
+            __syncthreads();
+#else
+            PRNN_SYNC_OR_LEAVE();  // the first since the last exchange's wait
+#endif
+#endif  // PRNN_FUSED
+
+#if !PRNN_FUSED
+            // Pointwise: one (unit, batch column) per thread and pass.
+            PRNN_FOR_PAIRS(walk, PRNN_U, B, u, b) {
+                if (blk * PRNN_U + u >= PRNN_H) continue;
+                float xg[PRNN_G], hg[PRNN_G];
+#pragma unroll
+                for (int g = 0; g < PRNN_G; ++g) {
+                    xg[g] = xs[(g * PRNN_U + u) * BP + b];
+                    hg[g] = L.bias[g * PRNN_U + u];
+#pragma unroll
+                    for (int ks = 0; ks < PRNN_KS; ++ks) hg[g] += L.gates[((ks * PRNN_G + g) * PRNN_U + u) * BP + b];
+                }
+                emit(u, b, xg, hg);
             }
+#endif
 
             // While the exchange is in flight: the projections of step
             // t + DEPTH, into the slot step t - 1 read (the exchange's
@@ -748,7 +828,11 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                 const int floats = slice_floats + (PRNN_ONE_SYNC && t + 1 < T ? PRNN_PROWS * BP : 0);
                 prnn_mbar_arrive_expect_tx(&bars[e & 1], (prnn_u32)((PRNN_NB - 1) * floats * sizeof(float)));
             }
+#if PRNN_FUSED
+            PRNN_SYNC_OR_LEAVE();  // the slice is complete; the first since the last exchange's wait
+#else
             __syncthreads();  // the slice is complete
+#endif
             prnn_push_to_peers(next + blk * slice_floats, &bars[e & 1], blk, slice_floats / 4, push_walk);
 #if PRNN_ONE_SYNC
             if (partials) {

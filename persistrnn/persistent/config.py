@@ -86,11 +86,23 @@ class KernelConfig(KernelLayout):
             of steps). :func:`run_instances` picks it when lengths are given;
             without it a launch carries none of the lengths code (which cost
             ~0.1 µs per step of a single LSTM 128 layer).
+        fused_step: the pointwise update runs in the work groups' lanes
+            right after their product: every work group owns every gate row
+            of one unit (work groups = units per block), so the gates never
+            go through shared memory and a step has one block barrier fewer.
+            One-stage cells, ffma, batch_tile <= group_size, not one_sync,
+            not a pipeline.
         test_hook: compiled with the test-only failure hook
             (:func:`persistrnn.runtime.inject_failure`); :func:`run_instances`
             picks it while the hook is set. Without it the kernel carries none
             of the hook's code: at their register limit, kernels compiled by
             NVRTC 13.0 spilled with it.
+        save_gates: (training) the kernel also writes, per step, every gate's
+            recurrent product with b_hh and the new cell state, fp32, for the
+            backward (:mod:`persistrnn.training`). Inference binaries carry
+            none of its code or registers. Not with ``one_sync`` (r's product
+            is split over blocks) or ``pipeline`` (fused layers keep no
+            per-layer outputs).
     """
 
     cell: str
@@ -109,7 +121,9 @@ class KernelConfig(KernelLayout):
     instances: int = 1
     pipeline: bool = False
     lengths: bool = False
+    fused_step: bool = False
     test_hook: bool = False
+    save_gates: bool = False
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
@@ -133,6 +147,11 @@ class KernelConfig(KernelLayout):
         if self.one_sync:
             self._check_one_sync()
         self._check_instances()
+        if self.fused_step:
+            self._check_fused_step()
+        if self.save_gates and (self.one_sync or self.pipeline):
+            raise ConfigError(f"KernelConfig.save_gates: expected one_sync and pipeline off, got one_sync "
+                              f"{self.one_sync}, pipeline {self.pipeline}")
         if self.sync == "single" and self.blocks != 1:
             raise ConfigError(f"KernelConfig.blocks: sync 'single' runs 1 block, got {self.blocks}")
         if self.sync == "cluster" and not 2 <= self.blocks <= MAX_CLUSTER:
@@ -193,6 +212,21 @@ class KernelConfig(KernelLayout):
         if self.prefetch_steps < 2:
             raise ConfigError(f"KernelConfig.one_sync: the partial sums need the next step's projections, "
                               f"expected prefetch_steps >= 2, got {self.prefetch_steps}")
+
+    def _check_fused_step(self) -> None:
+        why = []
+        if self.spec.num_stages != 1 or self.one_sync:
+            why.append(f"a one-stage cell without one_sync (cell {self.cell!r}, one_sync {self.one_sync})")
+        if self.math != "ffma" or self.pipeline:
+            why.append(f"math 'ffma' and no pipeline (math {self.math!r}, pipeline {self.pipeline})")
+        units = math.ceil(self.hidden_size / self.blocks)
+        if self.threads // self.group_size != units:
+            why.append(f"one work group per unit of the block ({self.threads // self.group_size} work groups, "
+                       f"{units} units per block)")
+        if self.batch_tile > self.group_size:
+            why.append(f"batch_tile <= group_size (a lane per column; got {self.batch_tile} > {self.group_size})")
+        if why:
+            raise ConfigError("KernelConfig.fused_step needs " + "; ".join(why))
 
     def _check_instances(self) -> None:
         if self.instances > MAX_INSTANCES:

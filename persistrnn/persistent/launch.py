@@ -33,6 +33,9 @@ class Instance:
     (T, B, out_row), of which this instance writes columns
     [out_column, out_column + H); None writes no output. w_next, b_next: the
     next layer's W_ih (G*H, H) and b_ih (pipeline, all but the last).
+    saved_gates (T, B, G*H), saved_c (T, B, H): float32 destinations of what
+    training's backward reads (``config.save_gates``; saved_c for cells with a
+    cell state).
     """
 
     xw: Any
@@ -47,6 +50,8 @@ class Instance:
     out_column: int = 0
     w_next: Any = None
     b_next: Any = None
+    saved_gates: Any = None
+    saved_c: Any = None
 
 
 def _address(t: Any, offset: int = 0) -> Any:
@@ -113,6 +118,8 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
                      _address(c_n, b0 * H), int(i.reverse)]
             if config.pipeline:
                 args += [_address(i.w_next), _address(i.b_next)]
+            if config.save_gates:
+                args += [_address(i.saved_gates, b0 * GH), _address(i.saved_c, b0 * H)]
         args += [np.uint64(own.exchange), np.uint64(own.counters), _address(pipe), _address(lengths, b0), steps,
                  per_slice, nb, batch, out_row, np.uint64(own.status), report, timeout, abandon]
         runtime.launch(kernel, launch_config, *runtime.kernel_args(*args))

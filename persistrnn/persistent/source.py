@@ -24,6 +24,8 @@ def instance_fields(config: KernelConfig) -> list[tuple[str, str]]:
               (f"const {io}*", "c0"), (f"{io}*", "out"), (f"{io}*", "h_n"), (f"{io}*", "c_n"), ("int", "reverse")]
     if config.pipeline:
         fields += [(f"const {io}*", "w_next"), (f"const {io}*", "b_next")]
+    if config.save_gates:
+        fields += [("float*", "saved_gates"), ("float*", "saved_c")]
     return fields
 
 
@@ -77,7 +79,9 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_PIPELINE": int(config.pipeline),
         "PRNN_RELEASE_EVERY": PIPELINE_RELEASE_EVERY,
         "PRNN_LENGTHS": int(config.lengths),
+        "PRNN_FUSED": int(config.fused_step),
         "PRNN_TEST_HOOK": int(config.test_hook),
+        "PRNN_SAVE_GATES": int(config.save_gates),
         "PRNN_N_RPW": max(config.next_rows_per_group, 1),
         "PRNN_N_KREG": config.register_k,
         "PRNN_INSTANCE_PARAMS": _instance_params(config),

@@ -14,7 +14,9 @@ its dimensions, in GRNN's terms (§6-7), are
   or all in shared memory (``shared_k_chunks``);
 * math path: FFMA, or mma.sync on tensor cores for 16-bit layers (with its
   K split);
-* for the reset-before GRU, one exchange per step or two (``one_sync``).
+* for the reset-before GRU, one exchange per step or two (``one_sync``);
+* for one-stage cells with a work group per unit, the fused step
+  (``fused_step``: the pointwise update in the product's lanes).
 
 :func:`prune` keeps a configuration only if it fits the device (registers,
 shared memory, co-residency) and leaves at most :data:`IDLE_BOUND` of its
@@ -107,17 +109,22 @@ def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: 
     running ``instances`` recurrences per launch (a ``pipeline`` of layers)."""
     one_sync_options = (False, True) if cell == "gru_reset_before" else (False,)
     for sync, blocks in block_counts(hidden_size, facts.sm_count):
+        units = math.ceil(hidden_size / blocks)
         for threads in THREADS:
             if threads > facts.max_threads_per_block:
                 continue
             for mapping in _mappings(dtype, threads, batch, lambda g: math.ceil(hidden_size / g)):
+                # The fused step needs a work group per unit of the block.
+                fused_options = (False, True) if threads // mapping["group_size"] == units else (False,)
                 for one_sync in one_sync_options:
-                    try:
-                        yield KernelConfig(cell, hidden_size, sync, blocks, threads, prefetch_steps=PREFETCH_STEPS,
-                                           dtype=dtype, one_sync=one_sync, instances=instances, pipeline=pipeline,
-                                           **mapping)
-                    except ConfigError:
-                        continue
+                    for fused_step in fused_options:
+                        try:
+                            yield KernelConfig(cell, hidden_size, sync, blocks, threads,
+                                               prefetch_steps=PREFETCH_STEPS, dtype=dtype, one_sync=one_sync,
+                                               instances=instances, pipeline=pipeline, fused_step=fused_step,
+                                               **mapping)
+                        except ConfigError:
+                            continue
 
 
 def register_limit(threads: int, facts: DeviceFacts) -> int:

@@ -42,7 +42,7 @@ the configuration says); fallback: the non-persistent path
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,8 @@ class Plan:
                          f"{c.group_size}, batch tile {c.batch_tile}, {c.units_per_block} units per block, "
                          f"{c.register_k} register / {c.shared_k_chunks} shared chunks per lane, math {c.math}"
                          + (f", k_split {c.k_split}" if c.math == "mma" else "")
-                         + (", one sync" if c.one_sync else "") + _layout(c))
+                         + (", one sync" if c.one_sync else "") + (", fused step" if c.fused_step else "")
+                         + _layout(c))
         if self.predicted_us is not None:
             lines.append(f"  predicted: {self.predicted_us:.2f} µs per step")
         for label, ms in sorted(self.measured_ms.items(), key=lambda kv: kv[1]):
@@ -443,6 +444,7 @@ def _layout(c: KernelConfig) -> str:
 def _config_label(c: KernelConfig, batch_slice: int | None = None) -> str:
     return (f"persistent {c.sync}x{c.blocks} t{c.threads} g{c.group_size} bt{c.batch_tile} sk{c.shared_k_chunks}"
             f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else "")
+            + (" fused" if c.fused_step else "")
             + (f" pipeline{c.instances}" if c.pipeline else f" x{c.instances}" if c.instances > 1 else "")
             + (f" slices of {batch_slice}" if batch_slice else ""))
 

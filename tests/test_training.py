@@ -1,0 +1,396 @@
+"""Training: the backward's math against float64 autograd of the reference
+and finite differences (CPU), the save_gates kernel variant (sm_90 builds on
+the CPU), and on a GPU the kernels' gradients against float64 and cuDNN, and
+their determinism."""
+
+import dataclasses
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_close_to_reference, exact_torch
+
+from persistrnn import cells, persistent, reference, training
+from persistrnn.errors import UnsupportedError
+from persistrnn.nn import TORCH_FUNCTIONS, torch_forward
+
+CELL_NAMES = tuple(cells.CELLS)
+
+
+def random_model(cell, input_size, hidden, num_layers, bidirectional, has_biases, steps, batch, *,
+                 dtype=torch.float64, device="cpu", seed=0):
+    """torch's flat weight list (uniform in ±1/sqrt(H), as torch initialises),
+    x and initial states of standard-normal scale (h0, c0 halved), all leaves
+    that require grad."""
+    spec = cells.get_cell(cell)
+    gen = torch.Generator().manual_seed(seed)
+    directions = 2 if bidirectional else 1
+    bound = hidden ** -0.5
+    weights = []
+    for layer in range(num_layers):
+        layer_input = input_size if layer == 0 else directions * hidden
+        for _ in range(directions):
+            shapes = [(spec.num_gates * hidden, layer_input), (spec.num_gates * hidden, hidden)]
+            shapes += [(spec.num_gates * hidden,)] * (2 if has_biases else 0)
+            weights += [(torch.rand(s, generator=gen, dtype=torch.float64) * 2 - 1) * bound for s in shapes]
+    x = torch.randn(steps, batch, input_size, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(num_layers * directions, batch, hidden, generator=gen, dtype=torch.float64) * 0.5
+    c0 = torch.randn(h0.shape, generator=gen, dtype=torch.float64) * 0.5 if spec.has_cell_state else None
+
+    def leaf(t):
+        return None if t is None else t.to(device=device, dtype=dtype).requires_grad_()
+
+    return leaf(x), leaf(h0), leaf(c0), [leaf(w) for w in weights]
+
+
+def reference_autograd(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases):
+    """torch autograd through the reference's step (the cell spec's statements
+    on tensors, persistrnn.nn.torch_forward): (out, h_n, c_n or None)."""
+    spec = cells.get_cell(cell)
+    model = types.SimpleNamespace(num_layers=num_layers, bidirectional=bidirectional, bias=has_biases,
+                                  _flat_weights=weights, training=False, dropout=0.0)
+    out, state = torch_forward(spec, model, x, (h0, c0) if spec.has_cell_state else h0)
+    return (out, *state) if spec.has_cell_state else (out, state, None)
+
+
+def ours(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases):
+    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
+                                                          has_biases)
+    return out, h_n, (c_n if cells.get_cell(cell).has_cell_state else None)
+
+
+def loss_of(result, seed=1):
+    """A loss that weighs every output element and both final states
+    differently (a plain sum would hide transposed or swapped gradients)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = 0
+    for t in result:
+        if t is not None:
+            total = total + (t * torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t)).sum()
+    return total
+
+
+def gradients(fn, cell, x, h0, c0, weights, *options):
+    leaves = [t for t in (x, h0, c0, *weights) if t is not None]
+    return torch.autograd.grad(loss_of(fn(cell, x, h0, c0, weights, *options)), leaves)
+
+
+# ---- the cell, differentiated from its spec ------------------------------------
+
+
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_step_backward_equals_autograd_of_the_cell_step(cell):
+    spec = cells.get_cell(cell)
+    gen = torch.Generator().manual_seed(3)
+    B, H = 3, 5
+    xg, h, w, b = (torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
+                   for s in ((B, spec.num_gates * H), (B, H), (spec.num_gates * H, H), (spec.num_gates * H,)))
+    c = torch.randn(B, H, generator=gen, dtype=torch.float64, requires_grad=True) if spec.has_cell_state else None
+    dh, dc = torch.randn(B, H, generator=gen, dtype=torch.float64), torch.randn(B, H, generator=gen,
+                                                                                  dtype=torch.float64)
+    h_new, c_new = spec.step_reference(xg, h, c, w, b, TORCH_FUNCTIONS)
+    outputs, grads = [h_new], [dh]
+    if c is not None:
+        outputs.append(c_new)
+        grads.append(dc)
+    want = torch.autograd.grad(outputs, [xg, h] + ([c] if c is not None else []), grads)
+    with torch.no_grad():  # the recurrent products the forward keeps, as the kernel writes them
+        products = []
+        env = {"h": h, **({"c": c} if c is not None else {}),
+               **{f"x_{g}": xg[:, i * H:(i + 1) * H] for i, g in enumerate(spec.gates)}}
+        for k, (stage, operand) in enumerate(zip(spec.stages, spec.stage_operands)):
+            if k:
+                env = cells.evaluate(spec.between_stages[k - 1], env, TORCH_FUNCTIONS)
+            rows = slice(spec.gates.index(stage[0]) * H, (spec.gates.index(stage[-1]) + 1) * H)
+            products.append(env[operand] @ w[rows].T + b[rows])
+            env.update({f"h_{g}": products[-1][:, i * H:(i + 1) * H] for i, g in enumerate(stage)})
+        w_stages = [w[slice(spec.gates.index(s[0]) * H, (spec.gates.index(s[-1]) + 1) * H)] for s in spec.stages]
+        d_xg, _, dh_prev, dc_prev, _ = training.step_backward(spec, xg, torch.cat(products, 1), h, c, w_stages, dh,
+                                                              dc if c is not None else None)
+    torch.testing.assert_close(d_xg, want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dh_prev, want[1], rtol=1e-12, atol=1e-12)
+    if c is not None:
+        torch.testing.assert_close(dc_prev, want[2], rtol=1e-12, atol=1e-12)
+
+
+# ---- the operators in float64 on the CPU ---------------------------------------
+
+# Finite differences cost two forwards per input element: sizes of a few
+# units (odd, and input != hidden) keep all five cells under seconds.
+GRADCHECK_CASES = [
+    (cell, layers, bidirectional, bias)
+    for cell in CELL_NAMES
+    for layers, bidirectional, bias in ((1, False, True), (2, True, True), (2, False, False))
+]
+
+
+@pytest.mark.parametrize("cell,num_layers,bidirectional,has_biases", GRADCHECK_CASES)
+def test_gradcheck_of_the_training_operators(cell, num_layers, bidirectional, has_biases):
+    x, h0, c0, weights = random_model(cell, 2, 3, num_layers, bidirectional, has_biases, steps=3, batch=2, seed=5)
+    leaves = [t for t in (x, h0, c0, *weights) if t is not None]
+    has_c = c0 is not None
+
+    def fn(*leaves):
+        x, h0, c0 = leaves[0], leaves[1], leaves[2] if has_c else None
+        ws = list(leaves[3 if has_c else 2:])
+        return ours(cell, x, h0, c0, ws, num_layers, bidirectional, has_biases)[:3 if has_c else 2]
+
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def _cpu_matrix(n, seed):
+    rng = random.Random(seed)
+    for cell in CELL_NAMES:
+        for _ in range(n):
+            yield (cell, rng.choice([1, 4, 7]), rng.choice([1, 5, 11]), rng.choice([1, 2, 3]), rng.random() < 0.5,
+                   rng.random() < 0.8, rng.choice([1, 2, 6]), rng.choice([1, 3]))
+
+
+@pytest.mark.parametrize("cell,input_size,hidden,num_layers,bidirectional,has_biases,steps,batch",
+                         list(_cpu_matrix(3, seed=16)))
+def test_gradients_equal_float64_autograd_of_the_reference(cell, input_size, hidden, num_layers, bidirectional,
+                                                           has_biases, steps, batch):
+    options = (num_layers, bidirectional, has_biases)
+    x, h0, c0, weights = random_model(cell, input_size, hidden, *options, steps, batch, seed=hidden + steps)
+    mine = ours(cell, x, h0, c0, weights, *options)
+    want = reference_autograd(cell, x, h0, c0, weights, *options)
+    for got, expected in zip(mine, want):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    got = gradients(ours, cell, x, h0, c0, weights, *options)
+    expected = gradients(reference_autograd, cell, x, h0, c0, weights, *options)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru_reset_before"])
+def test_forward_equals_the_numpy_reference(cell):
+    x, h0, c0, weights = random_model(cell, 4, 6, 2, True, True, steps=5, batch=3, seed=2)
+    out, h_n, c_n = ours(cell, x, h0, c0, weights, 2, True, True)
+    names = ("w_ih", "w_hh", "b_ih", "b_hh")
+    params = [[{n: weights[(layer * 2 + d) * 4 + k].detach().numpy() for k, n in enumerate(names)}
+               for d in range(2)] for layer in range(2)]
+    hx = (h0.detach().numpy(), c0.detach().numpy()) if c0 is not None else h0.detach().numpy()
+    want_out, want_state = reference.rnn_forward(cell, x.detach().numpy(), params, num_layers=2, bidirectional=True,
+                                                 hx=hx)
+    np.testing.assert_allclose(out.detach().numpy(), want_out, rtol=1e-12, atol=1e-12)
+    want_h = want_state[0] if c0 is not None else want_state
+    np.testing.assert_allclose(h_n.detach().numpy(), want_h, rtol=1e-12, atol=1e-12)
+
+
+def test_outputs_without_gradient_count_as_zeros():
+    x, h0, c0, weights = random_model("lstm", 3, 5, 2, False, True, steps=4, batch=2, seed=9)
+    (got,) = torch.autograd.grad(ours("lstm", x, h0, c0, weights, 2, False, True)[1].sum(), [x])
+    (want,) = torch.autograd.grad(reference_autograd("lstm", x, h0, c0, weights, 2, False, True)[1].sum(), [x])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_gradients_are_bit_identical_run_to_run():
+    x, h0, c0, weights = random_model("gru", 5, 7, 2, True, True, steps=6, batch=3, dtype=torch.float32, seed=4)
+    first = gradients(ours, "gru", x, h0, c0, weights, 2, True, True)
+    second = gradients(ours, "gru", x, h0, c0, weights, 2, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_double_backward_raises_and_names_the_alternative():
+    x, h0, c0, weights = random_model("lstm", 3, 4, 1, False, True, steps=2, batch=2, seed=1)
+    (dx,) = torch.autograd.grad(ours("lstm", x, h0, c0, weights, 1, False, True)[0].square().sum(), [x],
+                                create_graph=True)
+    with pytest.raises(UnsupportedError, match="double backward.*torch.nn.LSTM"):
+        dx.sum().backward()
+
+
+def test_torch_compile_traces_forward_and_backward_without_a_graph_break():
+    x, h0, c0, weights = random_model("lstm", 3, 5, 1, False, True, steps=3, batch=2, seed=6)
+
+    def step(x, h0, c0, *weights):
+        out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(weights), "lstm", 1, False, True)
+        return out.square().sum() + h_n.sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, h0, c0, *weights), [x, *weights])
+    want = torch.autograd.grad(step(x, h0, c0, *weights), [x, *weights])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ---- the save_gates kernel variant (sm_90 builds on the CPU) -----------------------
+
+
+def save_gates_config(cell, hidden, batch, dtype="float32", sync=None):
+    """The default configuration a training forward compiles, with save_gates."""
+    config = persistent.default_config(cell, hidden, batch, sm_count=132, dtype=dtype)
+    if sync == "grid":  # the default takes a cluster wherever one holds the weights
+        config = dataclasses.replace(config, sync="grid", blocks=persistent.blocks_for(hidden, 32))
+    return dataclasses.replace(config, save_gates=True)
+
+
+# Every cell in each sync mode (single block, cluster, grid), both 16-bit
+# paths through fp16/bf16, odd H: what the GPU tests run, and more.
+SAVE_GATES_CONFIGS = sorted({
+    save_gates_config(cell, hidden, batch, dtype, sync)
+    for cell in CELL_NAMES
+    for hidden, batch, dtype, sync in ((33, 1, "float32", None), (333, 4, "float32", None),
+                                       (257, 8, "float32", "grid"), (100, 3, "bfloat16", None),
+                                       (64, 8, "float16", None))
+}, key=str)
+
+
+@pytest.mark.parametrize("config", SAVE_GATES_CONFIGS, ids=str)
+def test_save_gates_variant_compiles_for_sm90_without_local_memory(config):
+    binary = persistent.compile_config(config, arch="sm_90")
+    res = binary.kernel_resources(persistent.KERNEL_NAME)
+    assert not res.uses_local_memory, res
+
+
+def test_save_gates_is_compiled_into_training_binaries_only():
+    config = persistent.default_config("lstm", 64, 4, sm_count=132)
+    inference = persistent.render_source(config)
+    train = persistent.render_source(dataclasses.replace(config, save_gates=True))
+    assert "#define PRNN_SAVE_GATES 0" in inference and "saved_gates" not in inference.split("// ---- kernel")[0]
+    assert "#define PRNN_SAVE_GATES 1" in train and "float* saved_gates_0, float* saved_c_0" in train
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(cell="gru_reset_before", one_sync=True, hidden_size=64, sync="cluster", blocks=4), "one_sync True"),
+    (dict(cell="lstm", hidden_size=64, sync="cluster", blocks=4, instances=2, pipeline=True), "pipeline True"),
+])
+def test_save_gates_refuses_variants_without_per_layer_gates(changes, message):
+    with pytest.raises(persistent.ConfigError, match=f"save_gates: expected one_sync and pipeline off.*{message}"):
+        persistent.KernelConfig(**changes, save_gates=True)
+
+
+def test_saved_shapes_match_what_the_forward_keeps():
+    x, h0, c0, weights = random_model("lstm", 3, 5, 2, True, True, steps=4, batch=2, seed=8)
+    _, _, _, saved = torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, True, True)
+    shapes = training.saved_shapes(cells.get_cell("lstm"), 4, 2, 5, 2, 2)
+    assert [tuple(t.shape) for t in saved] == [s for s, _ in shapes]
+
+
+# ---- GPU ----------------------------------------------------------------------------------
+
+
+def _gpu_matrix(n, seed):
+    """Random models over every cell; hidden sizes cover one block (33),
+    clusters (100, 333) and, with batch 8, the 16-bit paths."""
+    rng = random.Random(seed)
+    for i in range(n):
+        yield dict(cell=CELL_NAMES[i % len(CELL_NAMES)], input_size=rng.choice([7, 32]),
+                   hidden=rng.choice([33, 100, 333]), num_layers=rng.choice([1, 2]),
+                   bidirectional=rng.random() < 0.5, has_biases=rng.random() < 0.8, steps=rng.choice([1, 7, 30]),
+                   batch=rng.choice([1, 3, 8]), dtype=rng.choice(["float32", "float32", "bfloat16", "float16"]))
+
+
+GPU_MATRIX = list(_gpu_matrix(20, seed=16))
+
+
+def _f64_gradients(fn, case, tensors):
+    """(outputs, gradients of every input) of ``fn`` on float64 CPU copies of ``tensors``."""
+    leaves = [None if t is None else t.detach().double().cpu().requires_grad_() for t in tensors]
+    x, h0, c0, *weights = leaves
+    options = (case["num_layers"], case["bidirectional"], case["has_biases"])
+    result = fn(case["cell"], x, h0, c0, weights, *options)
+    return result, torch.autograd.grad(loss_of(result), [t for t in leaves if t is not None])
+
+
+def _peer_gradients(case, tensors):
+    """cuDNN's gradients (torch's module, TF32 off) on the same rounded tensors, or None without a torch cell."""
+    kinds = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
+    cell = case["cell"]
+    if cell not in kinds:
+        return None
+    x, h0, c0, *weights = tensors
+    kwargs = dict(num_layers=case["num_layers"], bidirectional=case["bidirectional"], bias=case["has_biases"])
+    if cell.startswith("rnn_"):
+        kwargs["nonlinearity"] = cell.removeprefix("rnn_")
+    module = getattr(torch.nn, kinds[cell])(x.shape[2], h0.shape[2], **kwargs).to(x.device, x.dtype)
+    with torch.no_grad():
+        for p, w in zip(module._flat_weights, weights):
+            p.copy_(w)
+    leaves = [t.detach().clone().requires_grad_() for t in tensors if t is not None]
+    with exact_torch():
+        out, state = module(leaves[0], (leaves[1], leaves[2]) if c0 is not None else leaves[1])
+        h_n, c_n = state if c0 is not None else (state, None)
+        loss = loss_of((out.double(), h_n.double(), None if c_n is None else c_n.double()))
+        grads = torch.autograd.grad(loss, leaves[:2 + (c0 is not None)] + list(module._flat_weights))
+    return grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_MATRIX, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_gpu_gradients_match_float64_reference_and_cudnn(case):
+    dtype = getattr(torch, case["dtype"])
+    options = (case["num_layers"], case["bidirectional"], case["has_biases"])
+    x, h0, c0, weights = random_model(case["cell"], case["input_size"], case["hidden"], *options, case["steps"],
+                                      case["batch"], dtype=dtype, device="cuda", seed=case["hidden"])
+    tensors = [x, h0, c0, *weights]
+    assert training.training_config(case["cell"], case["hidden"], case["batch"], case["dtype"],
+                                    x.device.index) is not None, "the kernel path must run, not the torch-op one"
+    result = ours(case["cell"], x, h0, c0, weights, *options)
+    got = torch.autograd.grad(loss_of(tuple(None if t is None else t.double() for t in result)),
+                              [t for t in tensors if t is not None])
+    _, want = _f64_gradients(reference_autograd, case, tensors)
+    peer = _peer_gradients(case, tensors)
+    names = ["x", "h0"] + (["c0"] if c0 is not None else []) + [f"weight{i}" for i in range(len(weights))]
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)),
+                              None if peer is None else dict(zip(names, peer)), dtype=case["dtype"],
+                              context=str(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_gpu_saved_gates_equal_the_torch_op_forward(cell):
+    x, h0, c0, weights = random_model(cell, 16, 100, 1, True, True, steps=9, batch=3, dtype=torch.float32,
+                                      device="cuda", seed=2)
+    with torch.no_grad():
+        kernel = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, 1, True, True)
+        cpu = [None if t is None else t.cpu() for t in (x, h0, c0, *weights)]
+        ops_path = torch.ops.persistrnn.train_forward(cpu[0], cpu[1], cpu[2], cpu[3:], cell, 1, True, True)
+    for got, want in zip(kernel[3], ops_path[3]):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell,dtype", [("lstm", torch.float32), ("gru", torch.bfloat16),
+                                        ("gru_reset_before", torch.float32), ("rnn_relu", torch.float16)])
+def test_gpu_gradients_are_bit_identical_run_to_run(cell, dtype):
+    x, h0, c0, weights = random_model(cell, 32, 333, 2, True, True, steps=20, batch=8, dtype=dtype, device="cuda",
+                                      seed=3)
+    runs = [gradients(ours, cell, x, h0, c0, weights, 2, True, True) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+MODULES = [("LSTM", dict(num_layers=2)), ("GRU", dict(bidirectional=True)), ("GRU", dict(reset_after=False)),
+           ("RNN", dict(nonlinearity="relu", batch_first=True))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,kw", MODULES)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_module_training_call_gives_float64_gradients(kind, kw, compiled, recwarn):
+    import persistrnn
+
+    torch.manual_seed(5)
+    model = getattr(persistrnn, kind)(16, 65, **kw).cuda().train()
+    x = torch.randn(3, 11, 16, device="cuda", requires_grad=True)
+    if compiled:  # Dynamo traces RNN modules only with allow_rnn
+        with torch._dynamo.config.patch(allow_rnn=True):
+            out, state = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    else:
+        out, state = model(x)
+    h_n = state[0] if model.cell == "lstm" else state
+    loss_of((out.double(), h_n.double())).backward()
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)], "the call ran torch's implementation"
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, *model._flat_weights)]
+    xs = leaves[0].transpose(0, 1) if model.batch_first else leaves[0]
+    D = 2 if model.bidirectional else 1
+    h0 = torch.zeros(model.num_layers * D, xs.shape[1], 65, dtype=torch.float64)
+    want_out, want_h, _ = reference_autograd(model.cell, xs, h0, h0 if model.cell == "lstm" else None, leaves[1:],
+                                             model.num_layers, model.bidirectional, model.bias)
+    want_out = want_out.transpose(0, 1) if model.batch_first else want_out
+    want = torch.autograd.grad(loss_of((want_out, want_h)), leaves)
+    got = [x.grad] + [w.grad for w in model._flat_weights]
+    names = ["x"] + list(model._flat_weights_names)
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32", context=f"{kind} {kw}")
