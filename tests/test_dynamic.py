@@ -38,10 +38,10 @@ def tree_lstm_loss(builder: dynamic.TreeLSTM, P: dict[str, torch.Tensor], tree: 
         if kids:
             hs = [h for h, _, _ in kids]
             h_in = torch.cat(hs) if builder.variant == "binary" else torch.stack(hs).sum(0)
-            iou = iou + P["U_iou"] @ h_in
+            iou = iou + (P["U"][:3 * H] if builder.variant == "binary" else P["U_iou"]) @ h_in
         c = torch.sigmoid(iou[:H]) * torch.tanh(iou[2 * H:])
         if builder.variant == "binary" and kids:
-            f = torch.sigmoid(P["U_f"] @ h_in + b_f)
+            f = torch.sigmoid(P["U"][3 * H:] @ h_in + b_f)
             c = c + f[:H] * kids[0][1] + f[H:] * kids[1][1]
         for h_k, c_k, _ in kids if builder.variant == "childsum" else ():
             c = c + torch.sigmoid(P["U_f"] @ h_k + b_f) * c_k
@@ -129,9 +129,9 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-300))
 
 
-def reference_against_torch(model, graph, blocks, loss_fn):
+def reference_against_torch(model, graph, blocks, loss_fn, placement="partition"):
     flat = model.initial_values()
-    script = dynamic.schedule(graph, blocks)
+    script = dynamic.schedule(graph, blocks, placement=placement)
     got = dynamic.run_script(script, flat)
     P = torch_params(model, flat)
     want = loss_fn(P)
@@ -139,15 +139,17 @@ def reference_against_torch(model, graph, blocks, loss_fn):
     return got, float(want.detach()), flat_grads(model, P)
 
 
-# Block counts: 1 (everything on one block), 7 (rows of 36 split 6/6/.../0:
-# odd remainders and a matrix of 5 rows on 5 of 7 blocks), 64 (more blocks than
-# most matrices have rows).
-@pytest.mark.parametrize("blocks", [1, 7, 64])
+# Block counts: 1 (everything on one block), 3 (fewer blocks than the binary
+# model's 3 matrices plus... exactly 3: one block per matrix), 7 (odd row
+# remainders), 64 (more blocks than most matrices have rows), 132 (an H100's
+# SMs: most blocks idle). Hidden 13 and embedding 10: odd sizes.
+@pytest.mark.parametrize("placement", dynamic.PLACEMENTS)
+@pytest.mark.parametrize("blocks", [1, 3, 7, 64, 132])
 @pytest.mark.parametrize("variant", ["binary", "childsum"])
-def test_tree_lstm_reference_matches_torch_on_sst(variant, blocks):
-    model, builder, trees, vocab, graph = sst_batch(5, variant=variant, seed=blocks)
+def test_tree_lstm_reference_matches_torch_on_sst(variant, blocks, placement):
+    model, builder, trees, vocab, graph = sst_batch(5, hidden=13, variant=variant, seed=blocks)
     got, loss, grads = reference_against_torch(
-        model, graph, blocks, lambda P: sum(tree_lstm_loss(builder, P, t, vocab.ids) for t in trees))
+        model, graph, blocks, lambda P: sum(tree_lstm_loss(builder, P, t, vocab.ids) for t in trees), placement)
     assert abs(got.loss - loss) <= TOLERANCE * abs(loss)
     assert rel(got.param_grads, grads) <= TOLERANCE
     for p in model.parameters:  # every parameter got a gradient, none is silently skipped
@@ -166,11 +168,13 @@ def test_childsum_takes_any_number_of_children():
     assert rel(got.param_grads, grads) <= TOLERANCE
 
 
-@pytest.mark.parametrize("blocks", [1, 5, 33])
-def test_tagger_reference_matches_torch_on_wikiner(blocks):
+@pytest.mark.parametrize("placement", dynamic.PLACEMENTS)
+@pytest.mark.parametrize("blocks", [1, 4, 5, 33, 132])
+def test_tagger_reference_matches_torch_on_wikiner(blocks, placement):
+    # 4 blocks: fewer than the tagger's 5 matrices (the partition falls back to spread).
     model, builder, sentences, graph = wikiner_batch(3, seed=blocks)
     got, loss, grads = reference_against_torch(
-        model, graph, blocks, lambda P: sum(tagger_loss(builder, P, w, t) for w, t in sentences))
+        model, graph, blocks, lambda P: sum(tagger_loss(builder, P, w, t) for w, t in sentences), placement)
     assert abs(got.loss - loss) <= TOLERANCE * abs(loss)
     assert rel(got.param_grads, grads) <= TOLERANCE
 
@@ -213,33 +217,117 @@ def test_inference_script_gives_the_training_loss():
 # ---- script structure ----------------------------------------------------------
 
 def test_script_structure():
-    from persistrnn.dynamic.script import BACKWARD, OPCODES
+    from persistrnn.dynamic.graph import OP
+    from persistrnn.dynamic.script import BACKWARD, OPCODES, WORDS
 
     model, builder, trees, vocab, graph = sst_batch(4)
     blocks = 9
     script = dynamic.schedule(graph, blocks)
-    assert script.starts[0] == 0 and script.starts[-1] == len(script.program)
+    assert script.starts[0] == 0 and script.starts[-1] == script.instructions <= len(script.program)
     assert np.all(np.diff(script.starts) >= 0)
     signals = 0
+    operands = {}  # forward opcode -> operand rows over all instructions
     for b in range(blocks):
         prog = script.block_program(b)
-        targets = prog[prog[:, 0] == OPCODES["wait"], 5]
+        targets = prog[prog[:, 0] == OPCODES["wait"], 3]
         assert np.all(np.diff(targets) > 0), "a block's wait targets only grow"
         signals += int((prog[:, 0] == OPCODES["signal"]).sum())
-        assert prog[-1, 0] == OPCODES["wait"] and prog[-1, 5] == script.signals  # the closing barrier
+        assert prog[-1, 0] == OPCODES["wait"] and prog[-1, 3] == script.signals  # the closing barrier
+        for inst in prog[(prog[:, 0] > OPCODES["signal"]) & (prog[:, 0] < BACKWARD)]:
+            rows = script.operands(inst)
+            assert len(rows) == inst[2] > 0
+            if inst[0] == OPCODES["matvec"]:  # one matrix per instruction, on a block that holds rows of it
+                assert np.all(rows[:, 3] == rows[0, 3]) and script.layout.block_rows(rows[0, 3], b)[1] > 0
+            operands.setdefault(int(inst[0]), []).append(rows)
     assert signals == script.signals
-    # Every node but a slice runs once forward and once backward; a matvec once per holder block.
-    ops = script.program[:, 0]
+    # Every node but a slice and a concat is one operand row forward (a matvec
+    # one per holder block), a concat one row per part; backward mirrors forward.
     g = graph.arrays()
-    from persistrnn.dynamic.graph import OP
-    holders = dict(zip(range(len(model.matrices)), script.layout.holders))
+    count = {k: sum(len(r) for r in v) for k, v in operands.items()}
+    holders = np.asarray(script.layout.holders)
     slot = {m.index: k for k, m in enumerate(model.matrices)}
-    expected_mv = sum(holders[slot[e]] for o, e in zip(g["op"], g["extra"]) if o == OP["matvec"])
-    assert (ops == OPCODES["matvec"]).sum() == expected_mv == (ops == OPCODES["matvec"] + BACKWARD).sum()
-    copies = sum(len(p) for p in graph.parts.values())
-    assert (ops == OPCODES["copy"]).sum() == copies
-    assert (ops == OPCODES["loss"]).sum() == len(script.losses) == sum(len(t.nodes()) for t in trees)
-    assert script.program.dtype == np.int32 and script.program.shape[1] == 8
+    assert count[OPCODES["matvec"]] == sum(holders[slot[e]] for o, e in zip(g["op"], g["extra"]) if o == OP["matvec"])
+    assert count[OPCODES["copy"]] == len(g["concat_part"])
+    assert count[OPCODES["loss"]] == len(script.losses) == sum(len(t.nodes()) for t in trees)
+    for name in ("add", "mul", "tanh", "sigmoid", "lookup"):
+        assert count[OPCODES[name]] == (g["op"] == OP[name]).sum(), name
+    ops = script.program[:script.instructions, 0]
+    for code in count:
+        assert (ops == code).sum() == (ops == code + BACKWARD).sum()
+    assert script.program.dtype == np.int32 and script.program.shape[1] == WORDS
+
+
+def test_a_stage_costs_one_instruction_per_block_and_op_not_one_per_node():
+    # VPPS placement: the matvecs of a stage on one matrix are one instruction
+    # per holder block, and the elementwise nodes of one depth and op on a
+    # block are one instruction, so 16 trees take far fewer instructions than
+    # 16 times one tree.
+    from persistrnn.dynamic.script import OPCODES
+
+    model, builder, trees, vocab, _ = sst_batch(16, hidden=256, embedding=256)
+    one, batch = dynamic.Graph(model), dynamic.Graph(model)
+    builder.build(one, trees[0], vocab)
+    for t in trees:
+        builder.build(batch, t, vocab)
+    single, many = dynamic.schedule(one, 132), dynamic.schedule(batch, 132)
+    assert many.instructions < 4 * single.instructions
+    program = many.program[:many.instructions]
+    matvecs = program[program[:, 0] == OPCODES["matvec"]]
+    stages = many.stages // 2
+    assert len(matvecs) <= stages * 132  # at most one per block and stage
+    assert matvecs[:, 2].max() > 16  # some list many vectors
+
+
+def test_the_partition_gives_each_matrix_its_own_blocks():
+    model = dynamic.Model(0)
+    dynamic.TreeLSTM(model, 50, 256, 256)
+    lay = dynamic.matrix_layout(model, 132)
+    owner = np.full(132, -1)
+    for k in range(len(lay.rows)):
+        blocks = [b for b in range(132) if lay.block_rows(k, b)[1] > 0]
+        assert blocks == list(range(lay.first_block[k], lay.first_block[k] + lay.holders[k]))
+        assert np.all(owner[blocks] == -1), "matrices do not share blocks"
+        owner[blocks] = k
+        covered = sorted(r for b in blocks for r in range(*lay.block_rows(k, b)))
+        assert covered == list(range(lay.rows[k])), "every row on exactly one block"
+    assert lay.shared_offset == (0,) * len(lay.rows)
+    # The cache per block is within 30% of an even split of all matrices.
+    even = sum(r * c for r, c in zip(lay.rows, lay.cols)) / 132
+    assert lay.shared_floats <= 1.3 * even
+    spread = dynamic.matrix_layout(model, 132, "spread")
+    # 768, 1280 and 5 rows: 6, 10 and 1 per block, from block 0.
+    assert spread.first_block == (0, 0, 0) and spread.holders == (128, 128, 5)
+    with pytest.raises(ArgumentError, match="placement must be one of"):
+        dynamic.matrix_layout(model, 132, "diagonal")
+
+
+def test_a_tree_level_costs_two_stages():
+    # Binary Tree-LSTM: one matvec for all five gates of a node, then its
+    # cell in one elementwise stage; the output layer runs beside the parent's
+    # gates. A chain of c leaves (height c - 1) takes 2 (c + 1) + 1 stages
+    # forward: lookups, then (matvec, cell) per height, then the root's output.
+    vocab = dynamic.Vocabulary(["a", "b", "c"])
+    model = dynamic.Model(0)
+    builder = dynamic.TreeLSTM(model, len(vocab), 6, 8)
+    graph = dynamic.Graph(model)
+    builder.build(graph, dynamic.parse_tree("(1 (2 a) (1 (2 b) (3 (2 c) (0 a))))"), vocab)
+    assert dynamic.schedule(graph, 5, train=False).stages == 2 * 5 + 1
+
+
+def test_training_on_more_blocks_than_work_waits_before_every_signal():
+    # Regression: blocks with no work in the last stages used to send their
+    # closing signal at once, so the counter reached the targets of later
+    # stages early and the float64 reference read unwritten (NaN) values. One
+    # small tree on 132 blocks (an H100's SMs) leaves most blocks idle.
+    model, builder, trees, vocab, _ = sst_batch(1, hidden=32, embedding=24)
+    graph = dynamic.Graph(model)
+    builder.build(graph, trees[0], vocab)
+    flat = model.initial_values()
+    for placement in dynamic.PLACEMENTS:
+        train = dynamic.run_script(dynamic.schedule(graph, 132, placement=placement), flat)
+        infer = dynamic.run_script(dynamic.schedule(graph, 132, train=False, placement=placement), flat)
+        assert np.isfinite(train.loss) and abs(train.loss - infer.loss) <= TOLERANCE * infer.loss
+        assert np.all(np.isfinite(train.param_grads))
 
 
 def test_a_missing_wait_poisons_the_loss_and_a_missing_signal_deadlocks():
@@ -248,15 +336,15 @@ def test_a_missing_wait_poisons_the_loss_and_a_missing_signal_deadlocks():
     model, builder, trees, vocab, graph = sst_batch(2)
     script = dynamic.schedule(graph, 4, train=False)
     flat = model.initial_values()
-    waits = np.flatnonzero(script.program[:, 0] == OPCODES["wait"])
+    waits = np.flatnonzero(script.program[:script.instructions, 0] == OPCODES["wait"])
     no_wait = script.program.copy()
-    no_wait[waits, 5] = 0  # every wait satisfied at once
+    no_wait[waits, 3] = 0  # every wait satisfied at once
     broken = dataclasses_replace(script, program=no_wait)
     assert not np.isfinite(dynamic.run_script(broken, flat).loss)
     no_signal = script.program.copy()
-    first_signal = np.flatnonzero(no_signal[:, 0] == OPCODES["signal"])[0]
+    first_signal = np.flatnonzero(no_signal[:script.instructions, 0] == OPCODES["signal"])[0]
     no_signal[first_signal, 0] = OPCODES["wait"]
-    no_signal[first_signal, 5] = 0
+    no_signal[first_signal, 3] = 0
     with pytest.raises(ArgumentError, match="deadlocks"):
         dynamic.run_script(dataclasses_replace(script, program=no_signal), flat)
 
@@ -361,9 +449,9 @@ def test_expression_errors():
 # ---- the kernel compiles for sm_90 without a GPU ---------------------------------
 
 def _specs():
-    """Every variant (training, inference) of both builders, at the benchmark
-    size (hidden 256, embedding 256, 132 blocks: one per H100 SM) and at an
-    odd small size on few blocks."""
+    """Every variant (training, inference; both placements) of both
+    builders, at the benchmark size (hidden 256, embedding 256, 132 blocks:
+    one per H100 SM) and at an odd small size on few blocks."""
     specs = []
     for hidden, blocks in ((256, 132), (37, 5)):
         tree_model = dynamic.Model(0)
@@ -371,7 +459,8 @@ def _specs():
         tagger_model = dynamic.Model(0)
         dynamic.BiLSTMTagger(tagger_model, 100, 5, hidden, hidden)
         for model in (tree_model, tagger_model):
-            specs += [dynamic.KernelSpec.of(model, blocks, train=train) for train in (True, False)]
+            specs += [dynamic.KernelSpec.of(model, blocks, train=train, placement=placement)
+                      for train in (True, False) for placement in dynamic.PLACEMENTS]
     return specs
 
 
@@ -396,7 +485,7 @@ def compiled(tmp_path_factory):
 def test_every_kernel_variant_compiles_without_local_memory(compiled):
     from persistrnn.dynamic.kernel import KERNEL_NAME
 
-    assert len(compiled) == 8
+    assert len(compiled) == 16
     for spec, binary in compiled:
         res = binary.kernel_resources(KERNEL_NAME)
         assert not res.uses_local_memory, (spec.describe(), res)
@@ -424,7 +513,37 @@ def test_benchmark_peers_compute_the_same_loss():
 
     model, builder, trees, vocab, graph = sst_batch(6, seed=5)
     want = dynamic.run_script(dynamic.schedule(graph, 3, train=False), model.initial_values()).loss
-    peer = TorchTreeLSTM(model, builder, torch.device("cpu"))
-    eager = peer.eager_loss(trees, vocab).item()
-    batched = peer.batched_loss(peer.levels(trees, vocab)).item()
+    peer = TorchTreeLSTM(model, builder, vocab, torch.device("cpu"))
+    eager = peer.eager_loss(trees).item()
+    batched = peer.batched_loss(peer.plan(trees)).item()
     assert abs(eager - want) <= 1e-5 * want and abs(batched - want) <= 1e-5 * want
+
+
+def test_tagger_benchmark_peers_compute_the_same_loss():
+    # `bench tagger`: the packed level-batched peer gathers each token's two
+    # directions from rows that differ per sentence; a wrong row would still
+    # give a finite loss, so compare with the reference interpreter.
+    from persistrnn.bench.tagger import TorchTagger
+
+    model, builder, sentences, graph = wikiner_batch(5, seed=2)
+    want = dynamic.run_script(dynamic.schedule(graph, 3, train=False), model.initial_values()).loss
+    peer = TorchTagger(model, builder, torch.device("cpu"))
+    eager = peer.eager_loss(sentences).item()
+    batched = peer.batched_loss(peer.plan(sentences)).item()
+    assert abs(eager - want) <= 1e-5 * want and abs(batched - want) <= 1e-5 * want
+
+
+def test_benchmark_outputs_name_an_absent_peer_and_use_the_best_one(tmp_path):
+    from persistrnn.bench.treelstm import COLUMNS, format_table, write_outputs
+
+    row = {key: 1.0 for key, _, _ in COLUMNS}
+    row.update(batch=4, ours_train_sent_s=300.0, torch_batched_train_sent_s=100.0, torch_eager_train_sent_s=10.0,
+               torch_graph_train_sent_s=None, torch_graph_infer_ms=None, ours_infer_ms=0.5,
+               torch_batched_infer_ms=2.0, torch_eager_infer_ms=4.0)
+    result = {"suite": "tagger", "rows": [row]}
+    table = format_table(result)
+    assert "absent" in table and "| 3.0× | 4.0× |" in table
+    written = write_outputs(result, table, tmp_path)
+    for ext in ("md", "csv", "json", "png"):
+        assert (tmp_path / f"tagger.{ext}").stat().st_size > 0, ext
+    assert len(written) == 4

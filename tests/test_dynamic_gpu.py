@@ -23,10 +23,10 @@ def _sm_count() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def _run_both(model, graph, blocks, optimizer, *, train=True):
+def _run_both(model, graph, blocks, optimizer, *, train=True, placement="partition"):
     import torch
 
-    interp = dynamic.Interpreter(model, blocks=blocks, optimizer=optimizer)
+    interp = dynamic.Interpreter(model, blocks=blocks, optimizer=optimizer, placement=placement)
     flat = interp.params.double().cpu().numpy()
     script = interp.schedule(graph, train=train)
     launched = interp.launch(script, poison=True)
@@ -48,12 +48,14 @@ def _check(interp, launched, want, train=True):
         assert rel(interp.params.double().cpu().numpy(), want.params) <= TOLERANCE
 
 
+@pytest.mark.parametrize("placement", dynamic.PLACEMENTS)
 @pytest.mark.parametrize("variant", ["binary", "childsum"])
 @pytest.mark.parametrize("blocks", [7, "sms"])
-def test_tree_lstm_kernel_matches_reference_and_torch(variant, blocks):
+def test_tree_lstm_kernel_matches_reference_and_torch(variant, blocks, placement):
+    # Hidden 61: odd rows per block; 12 trees: a matvec list longer than one group of 8 vectors.
     blocks = _sm_count() if blocks == "sms" else blocks
-    model, builder, trees, vocab, graph = sst_batch(8, hidden=64, embedding=48, variant=variant, seed=blocks)
-    interp, launched, want, flat = _run_both(model, graph, blocks, dynamic.SGD(0.2))
+    model, builder, trees, vocab, graph = sst_batch(12, hidden=61, embedding=48, variant=variant, seed=blocks)
+    interp, launched, want, flat = _run_both(model, graph, blocks, dynamic.SGD(0.2), placement=placement)
     _check(interp, launched, want)
     P = torch_params(model, flat)
     loss = sum(tree_lstm_loss(builder, P, t, vocab.ids) for t in trees)

@@ -7,18 +7,25 @@ of consecutive SST train trees. Providers, in one process on one GPU:
 * **ours**: one launch per batch (forward, backward and update; inference:
   forward only). Training throughput runs ``step()``, which schedules batch
   k+1 on the host while batch k runs; the host time of building and
-  scheduling a batch and the kernel's device time (CUDA events, script
-  already built) are reported beside it (VPPS Fig. 10).
+  scheduling a batch (VPPS Fig. 10) and the kernel's device time (CUDA
+  events, script already built) are reported beside it.
 * **torch eager**: the same model in PyTorch, one node at a time (fp32).
 * **torch level-batched**: every node of one height across the batch in one
-  op per gate group, as DGL does (fp32).
+  op per gate group, as DGL does (fp32); the host plans each batch (child
+  indices per level) inside the timing.
+* **torch level-batched + CUDA graph**: the same ops captured once per batch
+  (forward, backward and the SGD step) and replayed; capture and planning
+  happen in the warm-up, outside the timing: the strongest PyTorch peer.
+  Where capture fails the provider is reported absent.
 
 Training: sentences per second over ``iterations`` batches, wall clock with
 the GPU synchronised at both ends, median of ``repeats``. Inference: ms per
-batch, wall clock from the trees to the loss on the host (ours: build,
+batch, wall clock from the inputs to the loss on the host (ours: build,
 schedule, launch, read), median of ``repeats``. Each provider warms up first.
 Before timing, ours is checked against the float64 reference interpreter on
 the same parameters and script (relative error of the loss, reported).
+Outputs (``--out``): ``<suite>.md``, ``.csv``, ``.json`` and, with
+matplotlib, ``<suite>.png`` (throughput and latency against batch).
 """
 
 from __future__ import annotations
@@ -47,7 +54,20 @@ class Settings:
     iterations: int = 5  # batches per timing
     repeats: int = 3
     lr: float = 0.05
-    trees: int = 2048  # SST train trees read (the vocabulary is theirs)
+    inputs: int = 2048  # training inputs read (the vocabulary is theirs)
+
+
+@dataclasses.dataclass
+class Workload:
+    """What a suite runs: the inputs, the model and its builder, how one
+    input goes into a graph, and the PyTorch peer (``eager_loss(items)``,
+    ``plan(items)``, ``batched_loss(plan)``, ``optimizer(lr)``)."""
+
+    name: str
+    inputs: list
+    model: Any
+    add_to_graph: Callable[[Any, Any], None]
+    peer: Any
 
 
 def _wall_ms(run: Callable[[], None], repeats: int) -> float:
@@ -64,17 +84,21 @@ def _wall_ms(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _torch_params(model: Any, device: Any) -> dict[str, Any]:
+    import torch
+
+    flat = model.initial_values()
+    return {p.name: torch.tensor(model.view(flat, p), device=device).squeeze(-1).requires_grad_()
+            for p in model.parameters}
+
+
 class TorchTreeLSTM:
-    """The same binary Tree-LSTM in PyTorch (fp32, on the GPU), from the
-    interpreter's initial parameters."""
+    """The same binary Tree-LSTM in PyTorch (fp32), from the interpreter's
+    initial parameters; ``U`` holds ``[U_iou; U_f]`` as the builder's does."""
 
-    def __init__(self, model: Any, builder: Any, device: Any) -> None:
-        import torch
-
-        flat = model.initial_values()
-        self.p = {p.name: torch.tensor(model.view(flat, p), device=device).squeeze(-1).requires_grad_()
-                  for p in model.parameters}
-        self.H, self.device = builder.hidden, device
+    def __init__(self, model: Any, builder: Any, vocab: Any, device: Any) -> None:
+        self.p = _torch_params(model, device)
+        self.H, self.vocab, self.device = builder.hidden, vocab, device
 
     def optimizer(self, lr: float) -> Any:
         import torch
@@ -85,12 +109,12 @@ class TorchTreeLSTM:
         import torch
 
         H = self.H
-        c = torch.sigmoid(iou[..., :H]) * torch.tanh(iou[..., 2 * H:])
+        c = torch.sigmoid(iou[..., :H]) * torch.tanh(iou[..., 2 * H:3 * H])
         if c_in is not None:
             c = c + c_in
         return torch.sigmoid(iou[..., H:2 * H]) * torch.tanh(c), c
 
-    def eager_loss(self, trees: list, vocab: Any) -> Any:
+    def eager_loss(self, trees: list) -> Any:
         """One node at a time."""
         import torch
 
@@ -99,13 +123,13 @@ class TorchTreeLSTM:
 
         def visit(node: Any) -> tuple[Any, Any]:
             if node.word is not None:
-                x = p["embed"][vocab[node.word]]
+                x = p["embed"][self.vocab[node.word]]
                 h, c = self._cell(p["W_iou"] @ x + p["b_iou"], None)
             else:
                 (hl, cl), (hr, cr) = visit(node.children[0]), visit(node.children[1])
-                hcat = torch.cat([hl, hr])
-                f = torch.sigmoid(p["U_f"] @ hcat + p["b_f"])
-                h, c = self._cell(p["U_iou"] @ hcat + p["b_iou"], f[:H] * cl + f[H:] * cr)
+                gates = p["U"] @ torch.cat([hl, hr])
+                f = torch.sigmoid(gates[3 * H:] + p["b_f"])
+                h, c = self._cell(gates[:3 * H] + p["b_iou"], f[:H] * cl + f[H:] * cr)
             logits.append(p["W_out"] @ h + p["b_out"])
             labels.append(node.label)
             return h, c
@@ -115,7 +139,7 @@ class TorchTreeLSTM:
         target = torch.tensor(labels, device=self.device)
         return torch.nn.functional.cross_entropy(torch.stack(logits), target, reduction="sum")
 
-    def levels(self, trees: list, vocab: Any) -> dict[str, Any]:
+    def plan(self, trees: list) -> dict[str, Any]:
         """Host-side plan of a batch: nodes numbered level by level (height from the leaves)."""
         import torch
 
@@ -135,12 +159,11 @@ class TorchTreeLSTM:
                 number[id(node)] = count
                 count += 1
         dev = self.device
-        plan = {"words": torch.tensor([vocab[n.word] for n in order[0]], device=dev),
+        return {"words": torch.tensor([self.vocab[n.word] for n in order[0]], device=dev),
                 "labels": torch.tensor([n.label for level in order for n in level], device=dev),
                 "children": [(torch.tensor([number[id(n.children[0])] for n in level], device=dev),
                               torch.tensor([number[id(n.children[1])] for n in level], device=dev))
                              for level in order[1:]]}
-        return plan
 
     def batched_loss(self, plan: dict[str, Any]) -> Any:
         import torch
@@ -149,41 +172,77 @@ class TorchTreeLSTM:
         h, c = self._cell(p["embed"][plan["words"]] @ p["W_iou"].t() + p["b_iou"], None)
         h_all, c_all = h, c
         for left, right in plan["children"]:
-            hcat = torch.cat([h_all[left], h_all[right]], 1)
-            f = torch.sigmoid(hcat @ p["U_f"].t() + p["b_f"])
-            h, c = self._cell(hcat @ p["U_iou"].t() + p["b_iou"], f[:, :H] * c_all[left] + f[:, H:] * c_all[right])
+            gates = torch.cat([h_all[left], h_all[right]], 1) @ p["U"].t()
+            f = torch.sigmoid(gates[:, 3 * H:] + p["b_f"])
+            h, c = self._cell(gates[:, :3 * H] + p["b_iou"], f[:, :H] * c_all[left] + f[:, H:] * c_all[right])
             h_all, c_all = torch.cat([h_all, h]), torch.cat([c_all, c])
         logits = h_all @ p["W_out"].t() + p["b_out"]
         return torch.nn.functional.cross_entropy(logits, plan["labels"], reduction="sum")
 
 
-def run_batch(batch: int, data: dict[str, Any], settings: Settings) -> dict[str, Any]:
+def _graphed(peer: Any, plan: dict[str, Any], opt: Any | None) -> tuple[Any, Any]:
+    """``peer.batched_loss(plan)`` (and, with ``opt``, its backward and the
+    SGD step) captured in a CUDA graph: (graph, the static loss tensor)."""
+    import torch
+
+    def body() -> Any:
+        if opt is None:
+            with torch.no_grad():
+                return peer.batched_loss(plan)
+        opt.zero_grad(set_to_none=False)
+        loss = peer.batched_loss(plan)
+        loss.backward()
+        opt.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = body()
+    return graph, loss
+
+
+def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> dict[str, Any]:
     import torch
 
     from .. import dynamic
 
-    trees, vocab, model, builder, interp = (data[k] for k in ("trees", "vocab", "model", "builder", "interp"))
-    batches = [trees[(i * batch) % len(trees):(i * batch) % len(trees) + batch] for i in range(settings.iterations)]
+    items = work.inputs
+    batches = [items[(i * batch) % len(items):(i * batch) % len(items) + batch] for i in range(settings.iterations)]
     batches = [b for b in batches if len(b) == batch]
-    row: dict[str, Any] = {"batch": batch, "nodes": sum(len(t.nodes()) for t in batches[0])}
 
-    def graph_of(items: list) -> Any:
-        g = dynamic.Graph(model)
-        for t in items:
-            builder.build(g, t, vocab)
+    def graph_of(group: list) -> Any:
+        g = dynamic.Graph(work.model)
+        for item in group:
+            work.add_to_graph(g, item)
         return g
 
+    first = graph_of(batches[0])
+    row: dict[str, Any] = {"batch": batch, "nodes": len(first)}
+
     # ---- refcheck: the kernel against the float64 reference on one batch
-    script = interp.schedule(graph_of(batches[0]), train=False)
+    script = interp.schedule(first, train=False)
     want = dynamic.run_script(script, interp.params.double().cpu().numpy()).loss
     launched = interp.launch(script, poison=True)
-    row["ours_loss_error"] = abs(float(launched.loss.item()) - want) / abs(want)
-    row["levels"] = script.stages
+    row["ours_loss_error"] = abs(launched.result() - want) / abs(want)
+    row["stages_infer"] = script.stages
 
     # ---- ours
     started = time.perf_counter()
-    scripts = [interp.schedule(graph_of(b)) for b in batches]
-    row["ours_host_ms_per_batch"] = (time.perf_counter() - started) * 1e3 / len(batches)
+    graphs = [graph_of(b) for b in batches]
+    built = time.perf_counter()
+    scripts = [interp.schedule(g) for g in graphs]
+    done = time.perf_counter()
+    row["ours_build_ms_per_batch"] = (built - started) * 1e3 / len(batches)
+    row["ours_schedule_ms_per_batch"] = (done - built) * 1e3 / len(batches)
+    row["ours_host_ms_per_batch"] = row["ours_build_ms_per_batch"] + row["ours_schedule_ms_per_batch"]
+    row["ours_instructions_per_input"] = scripts[0].instructions / batch
+    row["stages_train"] = scripts[0].stages
     row["ours_train_kernel_ms"] = time_cuda_ms(lambda: interp.launch(scripts[0]), warmup=2, repeats=settings.repeats)
 
     def ours_train() -> None:
@@ -192,12 +251,12 @@ def run_batch(batch: int, data: dict[str, Any], settings: Settings) -> dict[str,
         interp.sync()
 
     row["ours_train_sent_s"] = batch * len(batches) / (_wall_ms(ours_train, settings.repeats) / 1e3)
-    infer = interp.schedule(graph_of(batches[0]), train=False)
+    infer = interp.schedule(first, train=False)
     row["ours_infer_kernel_ms"] = time_cuda_ms(lambda: interp.launch(infer), warmup=2, repeats=settings.repeats)
     row["ours_infer_ms"] = _wall_ms(lambda: interp.run(graph_of(batches[0]), train=False), settings.repeats)
 
     # ---- PyTorch
-    peer = data["peer"]
+    peer = work.peer
     opt = peer.optimizer(settings.lr)
 
     def torch_train(loss_of: Callable[[list], Any]) -> Callable[[], None]:
@@ -208,13 +267,10 @@ def run_batch(batch: int, data: dict[str, Any], settings: Settings) -> dict[str,
                 opt.step()
         return run
 
-    def eager(b: list) -> Any:
-        return peer.eager_loss(b, vocab)
-
     def level_batched(b: list) -> Any:
-        return peer.batched_loss(peer.levels(b, vocab))
+        return peer.batched_loss(peer.plan(b))
 
-    for name, loss_of in (("eager", eager), ("batched", level_batched)):
+    for name, loss_of in (("eager", peer.eager_loss), ("batched", level_batched)):
         row[f"torch_{name}_train_sent_s"] = batch * len(batches) / (
             _wall_ms(torch_train(loss_of), settings.repeats) / 1e3)
 
@@ -223,88 +279,156 @@ def run_batch(batch: int, data: dict[str, Any], settings: Settings) -> dict[str,
                 float(loss_of(batches[0]))
 
         row[f"torch_{name}_infer_ms"] = _wall_ms(infer_once, settings.repeats)
+
+    try:
+        captured = [_graphed(peer, peer.plan(b), opt) for b in batches]
+        row["torch_graph_train_sent_s"] = batch * len(batches) / (
+            _wall_ms(lambda: [g.replay() for g, _ in captured], settings.repeats) / 1e3)
+        infer_graph, infer_loss = _graphed(peer, peer.plan(batches[0]), None)
+
+        def graph_infer() -> None:
+            infer_graph.replay()
+            float(infer_loss)
+
+        row["torch_graph_infer_ms"] = _wall_ms(graph_infer, settings.repeats)
+    except RuntimeError as exc:  # an op that cannot be captured: the provider is absent, with the reason
+        row["torch_graph_train_sent_s"] = row["torch_graph_infer_ms"] = None
+        row["torch_graph_error"] = str(exc).splitlines()[0]
     return row
 
 
-def run(settings: Settings, progress: bool = True) -> dict[str, Any]:
+def tree_lstm_workload(settings: Settings, device: Any) -> Workload:
+    from .. import dynamic
+
+    trees = dynamic.read_sst(dynamic.DATA_DIR / "sst" / "train.txt", limit=settings.inputs)
+    vocab = dynamic.Vocabulary(w for t in trees for w in t.words())
+    model = dynamic.Model(0)
+    builder = dynamic.TreeLSTM(model, len(vocab), settings.embedding, settings.hidden)
+    return Workload("treelstm", trees, model, lambda g, tree: builder.build(g, tree, vocab),
+                    TorchTreeLSTM(model, builder, vocab, device))
+
+
+def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] = tree_lstm_workload,
+        progress: bool = True) -> dict[str, Any]:
     import torch
 
     from .. import dynamic
 
-    trees = dynamic.read_sst(dynamic.DATA_DIR / "sst" / "train.txt", limit=settings.trees)
-    vocab = dynamic.Vocabulary(w for t in trees for w in t.words())
-    model = dynamic.Model(0)
-    builder = dynamic.TreeLSTM(model, len(vocab), settings.embedding, settings.hidden)
+    work = make_workload(settings, torch.device("cuda"))
     started = time.perf_counter()
-    interp = dynamic.Interpreter(model, optimizer=dynamic.SGD(settings.lr))
+    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
     interp.load()
     jit_s = time.perf_counter() - started
-    data = {"trees": trees, "vocab": vocab, "model": model, "builder": builder, "interp": interp,
-            "peer": TorchTreeLSTM(model, builder, torch.device("cuda"))}
-    result: dict[str, Any] = {"environment": environment(), "settings": dataclasses.asdict(settings),
-                              "jit_s": jit_s, "blocks": interp.blocks, "rows": []}
+    result: dict[str, Any] = {"suite": work.name, "environment": environment(),
+                              "settings": dataclasses.asdict(settings), "jit_s": jit_s, "blocks": interp.blocks,
+                              "placement": interp.placement, "rows": []}
     batches = settings.batches
     if progress:
         from rich.progress import track
 
-        batches = track(batches, description="treelstm", transient=True)
+        batches = track(batches, description=work.name, transient=True)
     for batch in batches:
-        result["rows"].append(run_batch(batch, data, settings))
+        result["rows"].append(run_batch(batch, work, interp, settings))
     return result
 
 
 COLUMNS = [
     ("batch", "batch", "{}"),
-    ("nodes", "nodes", "{}"),
-    ("levels", "levels (script stages)", "{}"),
+    ("nodes", "graph nodes", "{}"),
+    ("stages_train", "stages (train)", "{}"),
     ("ours_train_sent_s", "ours train sent/s", "{:.0f}"),
+    ("torch_graph_train_sent_s", "torch level-batched + graph sent/s", "{:.0f}"),
     ("torch_batched_train_sent_s", "torch level-batched sent/s", "{:.0f}"),
     ("torch_eager_train_sent_s", "torch eager sent/s", "{:.0f}"),
     ("ours_train_kernel_ms", "ours train kernel ms", "{:.3f}"),
-    ("ours_host_ms_per_batch", "ours host ms/batch", "{:.3f}"),
+    ("ours_host_ms_per_batch", "ours host ms/batch (build + schedule)", "{:.2f}"),
+    ("ours_instructions_per_input", "ours instructions/input", "{:.0f}"),
     ("ours_infer_ms", "ours infer ms", "{:.3f}"),
     ("ours_infer_kernel_ms", "ours infer kernel ms", "{:.3f}"),
+    ("torch_graph_infer_ms", "torch level-batched + graph infer ms", "{:.3f}"),
     ("torch_batched_infer_ms", "torch level-batched infer ms", "{:.3f}"),
     ("torch_eager_infer_ms", "torch eager infer ms", "{:.3f}"),
     ("ours_loss_error", "ours loss error vs float64", "{:.1e}"),
 ]
+PEERS = ("graph", "batched", "eager")
+
+
+def best_peer(row: dict[str, Any]) -> tuple[float, float]:
+    """The best PyTorch training throughput and inference latency of a row."""
+    train = [row[f"torch_{p}_train_sent_s"] for p in PEERS if row.get(f"torch_{p}_train_sent_s") is not None]
+    infer = [row[f"torch_{p}_infer_ms"] for p in PEERS if row.get(f"torch_{p}_infer_ms") is not None]
+    return max(train), min(infer)
 
 
 def format_table(result: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " | train speed-up | infer speed-up |",
              "|" + "---|" * (len(COLUMNS) + 2)]
     for r in result["rows"]:
-        best_train = max(r["torch_batched_train_sent_s"], r["torch_eager_train_sent_s"])
-        best_infer = min(r["torch_batched_infer_ms"], r["torch_eager_infer_ms"])
-        cells = [fmt.format(r[key]) for key, _, fmt in COLUMNS]
+        best_train, best_infer = best_peer(r)
+        cells = ["absent" if r.get(key) is None else fmt.format(r[key]) for key, _, fmt in COLUMNS]
         cells += [f"{r['ours_train_sent_s'] / best_train:.1f}×", f"{best_infer / r['ours_infer_ms']:.1f}×"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m persistrnn bench treelstm", description=__doc__.split("\n\n")[0])
+def plot(result: dict[str, Any], path: Path) -> str | None:
+    """Training throughput and inference latency against batch; None without matplotlib."""
+    from .compare import _pyplot
+
+    plt = _pyplot()
+    if plt is None:
+        return None
+    rows = result["rows"]
+    batch = [r["batch"] for r in rows]
+    fig, (train, infer) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label, style in (("ours", "persistrnn.dynamic", "-o"), ("torch_graph", "torch level-batched + graph",
+                              "--s"), ("torch_batched", "torch level-batched", "--^"), ("torch_eager", "torch eager",
+                              ":v")):
+        train.plot(batch, [r.get(f"{key}_train_sent_s") for r in rows], style, label=label)
+        infer.plot(batch, [r.get(f"{key}_infer_ms") for r in rows], style, label=label)
+    for ax, title, unit in ((train, "training", "sentences/s"), (infer, "inference", "ms per batch")):
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel=unit, title=f"{result['suite']} {title}")
+        ax.grid(True, which="both", alpha=0.3)
+    train.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def write_outputs(result: dict[str, Any], text: str, out: Path) -> list[str]:
+    """``<suite>.md``, ``.csv``, ``.json`` and ``.png`` (with matplotlib) in ``out``; the paths written."""
+    name = result["suite"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=sorted({k for r in result["rows"] for k in r}))
+    writer.writeheader()
+    writer.writerows(result["rows"])
+    (out / f"{name}.csv").write_text(buffer.getvalue())
+    written = [str(out / f"{name}.{ext}") for ext in ("md", "json", "csv")]
+    picture = plot(result, out / f"{name}.png")
+    return written + ([picture] if picture else [])
+
+
+def main(argv: list[str] | None = None, suite: str = "treelstm",
+         make_workload: Callable[[Settings, Any], Workload] = tree_lstm_workload) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m persistrnn bench {suite}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--hidden", type=int, default=Settings.hidden)
     parser.add_argument("--embedding", type=int, default=Settings.embedding)
     parser.add_argument("--iterations", type=int, default=Settings.iterations)
     parser.add_argument("--repeats", type=int, default=Settings.repeats)
-    parser.add_argument("--out", type=Path, default=None, help="write treelstm.{md,csv,json} into this folder")
+    parser.add_argument("--out", type=Path, default=None, help=f"write {suite}.{{md,csv,json,png}} into this folder")
     args = parser.parse_args(argv)
     settings = Settings(hidden=args.hidden, embedding=args.embedding, batches=tuple(args.batch),
                         iterations=args.iterations, repeats=args.repeats)
-    result = run(settings)
+    result = run(settings, make_workload)
     header = describe(result["environment"]) + (f"\n- JIT (compile and load both variants): {result['jit_s']:.2f} s; "
-                                                f"{result['blocks']} blocks")
+                                                f"{result['blocks']} blocks, placement {result['placement']}")
     text = header + "\n\n" + format_table(result)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "treelstm.md").write_text(text + "\n")
-        (args.out / "treelstm.json").write_text(json.dumps(result, indent=2, default=str))
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(result["rows"][0]))
-        writer.writeheader()
-        writer.writerows(result["rows"])
-        (args.out / "treelstm.csv").write_text(buffer.getvalue())
+        text += "\n\n" + "\n".join(f"- wrote {p}" for p in write_outputs(result, text, args.out))
     print(text)
     return 0

@@ -15,8 +15,8 @@ from .interpreter import Result, run_script
 from .kernel import Interpreter, KernelSpec, compile_spec, render_source
 from .model import Model, Parameter
 from .optimizers import SGD, Adam
-from .script import MatrixLayout, Script, matrix_layout, schedule
+from .script import PLACEMENTS, MatrixLayout, Script, matrix_layout, schedule
 
 __all__ = ["Adam", "BiLSTMTagger", "DATA_DIR", "Expr", "Graph", "Interpreter", "KernelSpec", "MatrixLayout", "Model",
-           "Parameter", "Result", "SGD", "Script", "Tree", "TreeLSTM", "Vocabulary", "compile_spec", "matrix_layout",
-           "parse_tree", "read_sst", "read_wikiner", "render_source", "run_script", "schedule"]
+           "PLACEMENTS", "Parameter", "Result", "SGD", "Script", "Tree", "TreeLSTM", "Vocabulary", "compile_spec",
+           "matrix_layout", "parse_tree", "read_sst", "read_wikiner", "render_source", "run_script", "schedule"]

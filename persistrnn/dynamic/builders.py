@@ -28,7 +28,10 @@ class TreeLSTM:
     cross-entropy loss against the node's label.
 
     * ``binary`` (N-ary with N = 2): ``h_in = [h_l; h_r]``, forget gates
-      ``[f_l; f_r] = sigmoid(U_f [h_l; h_r] + b_f)``; every inner node has two children.
+      ``[f_l; f_r] = sigmoid(U_f [h_l; h_r] + b_f)``; every inner node has two
+      children. ``U_iou`` and ``U_f`` are one matrix ``U`` (rows ``[U_iou; U_f]``):
+      one matvec over the concatenated children gives all five gates, so an
+      inner node costs one matvec stage, not two.
     * ``childsum``: ``h_in = sum_k h_k``, ``f_k = sigmoid(U_f h_k + b_f)``; any number of children.
     """
 
@@ -41,8 +44,11 @@ class TreeLSTM:
         H = hidden
         self.embed = model.embedding("embed", vocabulary, embedding)
         self.w_iou = model.matrix("W_iou", 3 * H, embedding)
-        self.u_iou = model.matrix("U_iou", 3 * H, arity * H)
-        self.u_f = model.matrix("U_f", arity * H, arity * H)
+        if variant == "binary":
+            self.u = model.matrix("U", 5 * H, 2 * H)
+        else:
+            self.u_iou = model.matrix("U_iou", 3 * H, H)
+            self.u_f = model.matrix("U_f", H, H)
         self.w_out = model.matrix("W_out", classes, H)
         self.b_iou = model.bias("b_iou", 3 * H, fan_in=embedding)
         self.b_f = model.bias("b_f", arity * H, fan_in=arity * H)
@@ -73,9 +79,11 @@ class TreeLSTM:
                 if self.variant == "binary" and len(kids) != 2:
                     raise ArgumentError(f"the binary Tree-LSTM takes nodes of 0 or 2 children, got one of "
                                         f"{len(kids)} (use variant='childsum')")
-                h_in = (g.concat([h for h, _ in kids]) if self.variant == "binary"
-                        else g.sum([h for h, _ in kids]))
-                recurrent = g.matvec(self.u_iou, h_in)
+                if self.variant == "binary":
+                    gates = g.matvec(self.u, g.concat([h for h, _ in kids]))
+                    recurrent = gates[0:3 * H]
+                else:
+                    recurrent = g.matvec(self.u_iou, g.sum([h for h, _ in kids]))
                 iou = recurrent if iou is None else iou + recurrent
             elif node.word is None:
                 raise ArgumentError("a tree node has neither a word nor children")
@@ -83,11 +91,11 @@ class TreeLSTM:
             c = g.sigmoid(iou[0:H]) * g.tanh(iou[2 * H:3 * H])
             if kids:
                 if self.variant == "binary":
-                    f = g.sigmoid(g.matvec(self.u_f, h_in) + g.parameter(self.b_f))
-                    gates = [f[k * H:(k + 1) * H] for k in range(2)]
+                    f = g.sigmoid(gates[3 * H:5 * H] + g.parameter(self.b_f))
+                    forget = [f[k * H:(k + 1) * H] for k in range(2)]
                 else:
-                    gates = [g.sigmoid(g.matvec(self.u_f, h) + g.parameter(self.b_f)) for h, _ in kids]
-                c = g.sum([c] + [fk * ck for fk, (_, ck) in zip(gates, kids)])
+                    forget = [g.sigmoid(g.matvec(self.u_f, h) + g.parameter(self.b_f)) for h, _ in kids]
+                c = g.sum([c] + [fk * ck for fk, (_, ck) in zip(forget, kids)])
             h = g.sigmoid(iou[H:2 * H]) * g.tanh(c)
             state[id(node)] = (h, c)
             losses.append(g.loss(g.matvec(self.w_out, h) + g.parameter(self.b_out), node.label))

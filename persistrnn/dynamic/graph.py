@@ -3,10 +3,21 @@ inputs' computation graphs side by side.
 
 Every expression is a node with a vector value. Nodes are recorded in
 creation order, which is a topological order (an expression's inputs exist
-before it), and each node's depth (1 + its inputs' deepest) is known when it
-is made: the scheduler sorts by it. A slice is a view of its parent's storage
-and runs nothing; the loss of a node (softmax cross-entropy) ends a path and
-adds into the batch's loss, the sum over every loss node.
+before it). Two numbers are known when a node is made:
+
+* its **depth**, 1 + its inputs' deepest: nodes of one depth never depend on
+  each other, so the scheduler runs them as one batched instruction;
+* its **stage**, the barrier-separated step of the script it runs in. Stages
+  alternate: even stages run the elementwise nodes, odd stages the
+  matrix-vector products. A matvec runs in the first odd stage after its
+  input is complete; any other node in the first even stage in which all its
+  inputs are complete (a matvec's output one stage after it). So a chain of
+  elementwise nodes stays in one stage, on one block, without a barrier: a
+  Tree-LSTM level costs two stages (its gates' matvec, then its cell).
+
+A slice is a view of its parent's storage and runs nothing (``root`` is the
+node that owns the storage); the loss of a node (softmax cross-entropy) ends a
+path and adds into the batch's loss, the sum over every loss node.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ __all__ = ["Expr", "Graph", "OPS"]
 OPS = ("lookup", "matvec", "add", "mul", "tanh", "sigmoid", "relu", "concat", "loss", "slice")
 """Node kinds; ``lookup`` covers embedding rows and whole bias vectors."""
 OP = {name: i for i, name in enumerate(OPS)}
+_MATVEC = OP["matvec"]
 
 
 class Expr:
@@ -56,7 +68,8 @@ class Graph:
     Columns per node: ``op`` (index in :data:`OPS`), ``size``, inputs ``a`` and
     ``b`` (node ids, -1 for none), ``extra`` (parameter index for lookup and
     matvec, label for a loss, start for a slice), ``row`` (a lookup's table
-    row), ``depth``; ``parts`` lists a concat's inputs.
+    row), ``depth``, ``stage`` and ``root`` (see the module's docstring). A
+    concat's inputs are the pairs (``concat_node``, ``concat_part``), in order.
     """
 
     def __init__(self, model: Model) -> None:
@@ -68,17 +81,39 @@ class Graph:
         self.extra: list[int] = []
         self.row: list[int] = []
         self.depth: list[int] = []
-        self.parts: dict[int, list[int]] = {}
+        self.stage: list[int] = []
+        self.root: list[int] = []
+        self.concat_node: list[int] = []
+        self.concat_part: list[int] = []
 
     def __len__(self) -> int:
         return len(self.op)
 
     # ---- recording -------------------------------------------------------
 
+    def _ready(self, node: int) -> int:
+        """The first even stage in which ``node``'s value can be read."""
+        root = self.root[node]
+        return self.stage[root] + (self.op[root] == _MATVEC)
+
     def _node(self, op: str, size: int, a: int = -1, b: int = -1, extra: int = 0, row: int = 0,
-              depth: int | None = None) -> Expr:
-        if depth is None:
-            depth = 1 + max(self.depth[i] for i in (a, b) if i >= 0)
+              inputs: Sequence[int] = ()) -> Expr:
+        # Called for every node of every batch: the common cases (no input,
+        # one, two) are written out, as the graph's build time is host time.
+        node = len(self.op)
+        depth_of, ready = self.depth, self._ready
+        if op == "slice":
+            depth, stage, root = depth_of[a], self.stage[a], self.root[a]
+        elif op == "matvec":  # the first odd stage after the input is complete
+            depth, stage, root = 1 + depth_of[a], ready(a) + 1, node
+        elif inputs:
+            depth, stage, root = 1 + max(depth_of[i] for i in inputs), max(ready(i) for i in inputs), node
+        elif b >= 0:
+            depth, stage, root = 1 + max(depth_of[a], depth_of[b]), max(ready(a), ready(b)), node
+        elif a >= 0:
+            depth, stage, root = 1 + depth_of[a], ready(a), node
+        else:
+            depth, stage, root = 0, 0, node
         self.op.append(OP[op])
         self.size.append(size)
         self.a.append(a)
@@ -86,7 +121,9 @@ class Graph:
         self.extra.append(extra)
         self.row.append(row)
         self.depth.append(depth)
-        return Expr(self, len(self.op) - 1)
+        self.stage.append(stage)
+        self.root.append(root)
+        return Expr(self, node)
 
     def _own(self, what: str, x: Expr) -> int:
         if not isinstance(x, Expr):
@@ -115,12 +152,12 @@ class Graph:
         self._param("lookup", table, ("embedding",))
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < table.rows:
             raise ArgumentError(f"lookup: row must be an int in [0, {table.rows}) for {table.name!r}, got {row!r}")
-        return self._node("lookup", table.cols, extra=table.index, row=int(row), depth=0)
+        return self._node("lookup", table.cols, extra=table.index, row=int(row))
 
     def parameter(self, bias: Parameter) -> Expr:
         """A bias vector as an expression."""
         self._param("parameter", bias, ("bias",))
-        return self._node("lookup", bias.rows, extra=bias.index, depth=0)
+        return self._node("lookup", bias.rows, extra=bias.index)
 
     def matvec(self, matrix: Parameter, x: Expr) -> Expr:
         """``matrix @ x`` with the matrix cached on chip."""
@@ -171,9 +208,9 @@ class Graph:
         ids = [self._own("concat", x) for x in xs]
         if not ids:
             raise ArgumentError("concat: expected at least one expression, got none")
-        node = self._node("concat", sum(self.size[i] for i in ids),
-                          depth=1 + max(self.depth[i] for i in ids))
-        self.parts[node.id] = ids
+        node = self._node("concat", sum(self.size[i] for i in ids), inputs=ids)
+        self.concat_node.extend([node.id] * len(ids))
+        self.concat_part.extend(ids)
         return node
 
     def slice(self, x: Expr, start: int, stop: int) -> Expr:
@@ -181,7 +218,7 @@ class Graph:
         a = self._own("slice", x)
         if not 0 <= start < stop <= self.size[a]:
             raise ArgumentError(f"slice: expected 0 <= start < stop <= {self.size[a]}, got [{start}, {stop})")
-        return self._node("slice", stop - start, a=a, extra=start, depth=self.depth[a])
+        return self._node("slice", stop - start, a=a, extra=start)
 
     def loss(self, logits: Expr, label: int) -> Expr:
         """Softmax cross-entropy of ``logits`` against class ``label``, added into the batch loss."""
@@ -193,8 +230,9 @@ class Graph:
     # ---- arrays for the scheduler ----------------------------------------
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The node columns as int64 arrays."""
+        """The node columns (and the concat pairs) as int64 arrays."""
         if not self.op:
             raise ArgumentError("the graph is empty: build at least one input's expressions first")
         return {k: np.asarray(getattr(self, k), dtype=np.int64)
-                for k in ("op", "size", "a", "b", "extra", "row", "depth")}
+                for k in ("op", "size", "a", "b", "extra", "row", "depth", "stage", "root", "concat_node",
+                          "concat_part")}

@@ -64,19 +64,26 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
         cols, base = layout.cols[k], layout.param_offset[k]
         return params[base + r0 * cols:base + r1 * cols].reshape(r1 - r0, cols), r0, r1
 
+    def softmax(z: np.ndarray) -> np.ndarray:
+        e = np.exp(z - z.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
     def execute(block: int, word: np.ndarray) -> None:
         nonlocal loss
-        op, n, out, a, b, p0 = (int(v) for v in word[:6])
-        y, x = slice(out, out + n), slice(a, a + n)
+        op, n = int(word[0]), int(word[1])
+        items = program[word[3]:word[3] + word[2]]
+        # (count, n) index grids of the operands
+        span = np.arange(n)
+        y, x, z = (items[:, k, None] + span for k in range(3))
         if op == O["lookup"]:
-            values[y] = params[p0:p0 + n]
+            values[y] = params[items[:, 3, None] + span]
         elif op == O["matvec"]:
-            w, r0, r1 = matrix(p0, block)
-            values[out + r0:out + r1] = w @ values[a:a + w.shape[1]]
+            w, r0, r1 = matrix(int(items[0, 3]), block)
+            values[items[:, 0, None] + np.arange(r0, r1)] = values[x] @ w.T
         elif op == O["add"]:
-            values[y] = values[x] + values[b:b + n]
+            values[y] = values[x] + values[z]
         elif op == O["mul"]:
-            values[y] = values[x] * values[b:b + n]
+            values[y] = values[x] * values[z]
         elif op == O["tanh"]:
             values[y] = np.tanh(values[x])
         elif op == O["sigmoid"]:
@@ -86,38 +93,38 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
         elif op == O["copy"]:
             values[y] = values[x]
         elif op == O["loss"]:
-            z = values[x]
-            top = z.max()
-            values[out] = top + np.log(np.exp(z - top).sum()) - z[p0]
-            loss += values[out]
+            logits = values[x]
+            top = logits.max(axis=1)
+            each = top + np.log(np.exp(logits - top[:, None]).sum(axis=1)) - logits[np.arange(len(items)), items[:, 3]]
+            values[items[:, 0]] = each
+            loss += each.sum()
         elif op == O["lookup"] + BACKWARD:
-            param_grads[p0:p0 + n] += grads[y]
+            np.add.at(param_grads, items[:, 3, None] + span, grads[y])
         elif op == O["matvec"] + BACKWARD:
-            w, r0, r1 = matrix(p0, block)
-            dy = grads[out + r0:out + r1]
-            cols, base = w.shape[1], layout.param_offset[p0]
-            grads[a:a + cols] += w.T @ dy
-            param_grads[base + r0 * cols:base + r1 * cols] += np.outer(dy, values[a:a + cols]).ravel()
+            k = int(items[0, 3])
+            w, r0, r1 = matrix(k, block)
+            dy = grads[items[:, 0, None] + np.arange(r0, r1)]
+            base = layout.param_offset[k]
+            np.add.at(grads, x, dy @ w)
+            param_grads[base + r0 * n:base + r1 * n] += (dy.T @ values[x]).ravel()
         elif op == O["add"] + BACKWARD:
-            grads[x] += grads[y]
-            grads[b:b + n] += grads[y]
+            np.add.at(grads, x, grads[y])
+            np.add.at(grads, z, grads[y])
         elif op == O["mul"] + BACKWARD:
-            grads[x] += grads[y] * values[b:b + n]
-            grads[b:b + n] += grads[y] * values[x]
+            np.add.at(grads, x, grads[y] * values[z])
+            np.add.at(grads, z, grads[y] * values[x])
         elif op == O["tanh"] + BACKWARD:
-            grads[x] += grads[y] * (1.0 - values[y] ** 2)
+            np.add.at(grads, x, grads[y] * (1.0 - values[y] ** 2))
         elif op == O["sigmoid"] + BACKWARD:
-            grads[x] += grads[y] * values[y] * (1.0 - values[y])
+            np.add.at(grads, x, grads[y] * values[y] * (1.0 - values[y]))
         elif op == O["relu"] + BACKWARD:
-            grads[x] += grads[y] * (values[y] > 0)
+            np.add.at(grads, x, grads[y] * (values[y] > 0))
         elif op == O["copy"] + BACKWARD:
-            grads[x] += grads[y]
+            np.add.at(grads, x, grads[y])
         elif op == O["loss"] + BACKWARD:
-            z = values[x]
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            p[p0] -= 1.0
-            grads[x] += p
+            p = softmax(values[x])
+            p[np.arange(len(items)), items[:, 3]] -= 1.0
+            np.add.at(grads, x, p)
         else:
             raise ArgumentError(f"block {block}: unknown opcode {op} in the script")
 
@@ -128,7 +135,7 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
             while position[block] < ends[block]:
                 word = program[position[block]]
                 if word[0] == O["wait"]:
-                    if counter < word[5]:
+                    if counter < word[3]:
                         break
                 elif word[0] == O["signal"]:
                     counter += 1
@@ -139,7 +146,7 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
             if position[block] == ends[block]:
                 running.discard(block)
         if not moved and running:
-            stuck = {b: int(program[position[b]][5]) for b in sorted(running)}
+            stuck = {b: int(program[position[b]][3]) for b in sorted(running)}
             raise ArgumentError(f"the script deadlocks: counter {counter}, blocks waiting for targets {stuck}")
     if counter != script.signals:
         raise ArgumentError(f"the script signalled {counter} times; its final target is {script.signals}")

@@ -1,8 +1,8 @@
 """The interpreter kernel: spec -> source -> binary -> launch.
 
 A :class:`KernelSpec` fixes what is compiled in: the weight matrices (their
-shapes and offsets, hence each block's rows), the number of blocks and
-threads, and the variant (training: forward, backward and update; or
+shapes and offsets, and which block keeps which rows: the placement), the
+number of blocks and threads, and the variant (training: forward, backward and update; or
 inference: forward only). A batch's script, the workspace, the learning rate
 and the wait bound are run-time values: a new batch never recompiles.
 :func:`render_source` prepends the spec as macros and a constant table to
@@ -32,7 +32,8 @@ __all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "render_s
 
 KERNEL_NAME = "dynamic_interpreter"
 THREADS = 256  # VPPS §III-A: 256 threads per block use the whole register file at one block per SM
-CHUNK = 128  # instructions fetched into shared memory at a time (4 KB)
+CHUNK = 128  # instructions fetched into shared memory at a time (2 KB)
+GROUP = 8  # vectors a matvec takes at a time: 8 x 512 columns of input is 16 KB of shared memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +44,11 @@ class KernelSpec:
     train: bool = True
     threads: int = THREADS
     chunk: int = CHUNK
+    group: int = GROUP
 
     @classmethod
-    def of(cls, model: Model, blocks: int, *, train: bool = True) -> KernelSpec:
-        return cls(matrix_layout(model, blocks), train)
+    def of(cls, model: Model, blocks: int, *, train: bool = True, placement: str = "partition") -> KernelSpec:
+        return cls(matrix_layout(model, blocks, placement), train)
 
     @property
     def blocks(self) -> int:
@@ -55,14 +57,16 @@ class KernelSpec:
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory per block: the script chunk, the vector
-        buffers, the weight cache and (training) the gradient cache."""
+        buffers (a group of inputs and of output gradients), the weight cache
+        and (training) the gradient cache."""
         lay = self.layout
-        floats = (self.chunk * WORDS + max(lay.cols, default=1) + max(lay.rows_per_block, default=1)
+        floats = (self.chunk * WORDS + self.group * (max(lay.cols) + max(lay.rows_per_block))
                   + lay.shared_floats * (2 if self.train else 1))
         return 4 * floats
 
     def describe(self) -> str:
-        shapes = ",".join(f"{r}x{c}" for r, c in zip(self.layout.rows, self.layout.cols))
+        lay = self.layout
+        shapes = ",".join(f"{r}x{c}/{h}" for r, c, h in zip(lay.rows, lay.cols, lay.holders))
         return f"{'train' if self.train else 'infer'}-b{self.blocks}-t{self.threads}-{shapes}"
 
 
@@ -74,6 +78,7 @@ def render_source(spec: KernelSpec) -> str:
     defines = {
         "PRNN_DYN_THREADS": spec.threads,
         "PRNN_DYN_CHUNK": spec.chunk,
+        "PRNN_DYN_GROUP": spec.group,
         "PRNN_DYN_MATRICES": len(lay.rows),
         "PRNN_DYN_MAX_COLS": max(lay.cols),
         "PRNN_DYN_MAX_ROWS": max(lay.rows_per_block),
@@ -82,11 +87,12 @@ def render_source(spec: KernelSpec) -> str:
         "PRNN_OP_BACKWARD": BACKWARD,
         **{f"PRNN_OP_{name.upper()}": code for name, code in OPCODES.items()},
     }
-    rows = ", ".join(f"{{{r}, {c}, {p}, {o}, {s}}}" for r, c, p, o, s in
-                     zip(lay.rows, lay.cols, lay.rows_per_block, lay.param_offset, lay.shared_offset))
+    table = zip(lay.rows, lay.cols, lay.rows_per_block, lay.param_offset, lay.shared_offset, lay.first_block,
+                lay.holders)
+    rows = ", ".join("{" + ", ".join(str(v) for v in entry) + "}" for entry in table)
     prelude = [f"// dynamic interpreter: {spec.describe()}"]
     prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    prelude.append(f"__constant__ int prnn_dyn_matrix[{len(lay.rows)}][5] = {{{rows}}};")
+    prelude.append(f"__constant__ int prnn_dyn_matrix[{len(lay.rows)}][7] = {{{rows}}};")
     return "\n".join(prelude) + "\n" + runtime.read_source("dynamic.cu")
 
 
@@ -101,28 +107,46 @@ def compile_spec(spec: KernelSpec, arch: str | None = None) -> runtime.CompiledB
     return binary
 
 
-def _device_array(array: np.ndarray, device: Any) -> Any:
-    """One pinned copy to the device, issued on the current stream."""
+def _device_script(script: Script, device: Any) -> tuple[Any, Any]:
+    """The prefix offsets and the program in one pinned buffer, one copy to
+    the device on the current stream: (starts, program) views of it. The
+    program starts on a 16-byte boundary (the kernel reads operands as int4)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(device, non_blocking=True)
+    head = -(-len(script.starts) // WORDS) * WORDS
+    packed = np.zeros(head + script.program.size, dtype=np.int32)
+    packed[:len(script.starts)] = script.starts
+    packed[head:] = script.program.ravel()
+    on_device = torch.from_numpy(packed).pin_memory().to(device, non_blocking=True)
+    return on_device[:len(script.starts)], on_device[head:]
 
 
 @dataclasses.dataclass
 class Launched:
-    """A launch in flight: its loss word and workspace stay valid until dropped."""
+    """A launch in flight: its workspace stays valid until dropped; ``loss``
+    is the device word, ``loss_host`` its pinned copy, complete once ``done``
+    (an event after the copy) has passed."""
 
     script: Script
     loss: Any  # float32 (1,) on the device
     values: Any
     grads: Any
+    loss_host: Any
+    done: Any
+
+    def result(self) -> float:
+        """The batch loss, waiting for this launch only (not for later ones)."""
+        self.done.synchronize()
+        return float(self.loss_host.item())
 
 
 class Interpreter:
     """The model's parameters on the GPU and the kernels that run its scripts.
 
-    ``blocks`` defaults to the SM count (one block per SM; each holds
-    1/blocks of every matrix and its gradient in shared memory). ``train``
+    ``blocks`` defaults to the SM count (one block per SM). ``placement``
+    ``partition`` gives each matrix its own blocks (VPPS), ``spread`` gives
+    every block rows of every matrix; either way a block caches about
+    1/blocks of all matrices, and their gradients, in shared memory. ``train``
     runs forward, backward and the ``optimizer``'s update in one launch and
     leaves every parameter's gradient in :attr:`param_grads`; ``infer`` runs
     forward only. ``step``/``sync`` overlap the host's script generation for
@@ -130,7 +154,7 @@ class Interpreter:
     """
 
     def __init__(self, model: Model, *, blocks: int | None = None, optimizer: Optimizer | None = None,
-                 device: Any = "cuda") -> None:
+                 placement: str = "partition", device: Any = "cuda") -> None:
         import torch
 
         facts = runtime.device_facts()
@@ -144,9 +168,10 @@ class Interpreter:
         self.adam_v = torch.zeros_like(self.params)
         self.updates = 0
         self._pending: Launched | None = None
-        self.layout = matrix_layout(model, self.blocks)
+        self.placement = placement
+        self.layout = matrix_layout(model, self.blocks, placement)
         for train in (True, False):
-            spec = KernelSpec.of(model, self.blocks, train=train)
+            spec = KernelSpec(self.layout, train)
             limit = facts.shared_per_block_optin
             if spec.shared_bytes > limit:
                 raise ConfigError(f"the model's matrices need {spec.shared_bytes} bytes of shared memory per block "
@@ -161,7 +186,7 @@ class Interpreter:
     def _kernels(self) -> dict[bool, tuple[Any, Any]]:
         out = {}
         for train in (True, False):
-            spec = KernelSpec.of(self.model, self.blocks, train=train)
+            spec = KernelSpec(self.layout, train)
             kernel = runtime.get_kernel(compile_spec(spec), KERNEL_NAME)
             out[train] = (kernel, kernel.config(self.blocks, spec.threads, shared=spec.shared_bytes,
                                                 cooperative=True))
@@ -170,7 +195,7 @@ class Interpreter:
     def schedule(self, graph: Graph, *, train: bool = True) -> Script:
         if graph.model is not self.model:
             raise ArgumentError("the graph was built over another model than this interpreter's")
-        return schedule(graph, self.blocks, train=train)
+        return schedule(graph, self.blocks, train=train, placement=self.placement)
 
     def launch(self, script: Script, *, poison: bool = False) -> Launched:
         """Launch ``script`` on the current stream; returns without waiting.
@@ -181,11 +206,10 @@ class Interpreter:
         import torch
 
         if script.layout != self.layout:
-            raise ArgumentError(f"the script was scheduled for {script.blocks} blocks; this interpreter runs "
-                                f"{self.blocks}")
+            raise ArgumentError(f"the script was scheduled for {script.layout}; this interpreter runs "
+                                f"{self.layout}")
         kernel, config = self._kernels[script.train]
-        program = _device_array(script.program, self.device)
-        starts = _device_array(script.starts, self.device)
+        starts, program = _device_script(script, self.device)
         fill = float("nan") if poison else 0.0
         values = torch.full((script.workspace_floats,), fill, dtype=torch.float32, device=self.device)
         grads = torch.zeros_like(values) if script.train else values
@@ -201,22 +225,27 @@ class Interpreter:
                                    np.uint64(own.status), np.uint64(runtime.report_word(self.device.index)),
                                    np.uint64(runtime.wait_timeout_ns()))
         runtime.launch(kernel, config, *args)
-        return Launched(script, loss, values, grads)
+        loss_host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+        loss_host.copy_(loss, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(script, loss, values, grads, loss_host, done)
 
     def run(self, graph: Graph, *, train: bool = True) -> float:
         """Schedule, launch, wait: the batch loss (sum over loss nodes)."""
         launched = self.launch(self.schedule(graph, train=train))
         runtime.raise_reported_failure(self.device.index, KERNEL_NAME, synchronize=True)
-        return float(launched.loss.item())
+        return launched.result()
 
     def step(self, graph: Graph, *, train: bool = True) -> float | None:
         """Schedule and launch ``graph``, then return the previous batch's loss
-        (None for the first): the host builds batch k+1 while batch k runs."""
+        (None for the first). The wait is for the previous launch only, so
+        batch k+1 runs while the caller builds and schedules batch k+2."""
         script = self.schedule(graph, train=train)
         previous, self._pending = self._pending, self.launch(script)
         if previous is None:
             return None
-        value = float(previous.loss.item())
+        value = previous.result()
         runtime.raise_reported_failure(self.device.index, KERNEL_NAME)
         return value
 
@@ -225,5 +254,5 @@ class Interpreter:
         if self._pending is None:
             return None
         runtime.raise_reported_failure(self.device.index, KERNEL_NAME, synchronize=True)
-        value, self._pending = float(self._pending.loss.item()), None
+        value, self._pending = self._pending.result(), None
         return value

@@ -3,21 +3,29 @@ virtual processor (block), packed into one buffer with prefix offsets.
 
 * Every node gets storage in one float workspace (values, and gradients at
   the same offsets); a slice is a view, at its parent's offset plus its start.
-* Nodes are sorted by depth. A weight matrix's rows are spread over the
-  blocks (:class:`MatrixLayout`), so a matrix-vector node runs on every block
-  that holds rows of its matrix, each writing its rows; any other node goes to
-  the least-loaded block of its level (longest first, VPPS §III-B1).
-* Levels are ordered by one counter that only grows: every block that works
-  in a level signals (+1) when its part is done, and every block that works in
-  the next level first waits until the counter reaches the number of signals
-  of all earlier levels. A level's signals can only start after the level
-  before it has completed, so reaching a target means every earlier level is
-  done. Training appends the backward levels in reverse depth order on the
-  same counter (targets keep growing), then a barrier of every block before
-  the optimiser updates the biases and embeddings.
+* Placement (VPPS §III-A): each weight matrix lives on its own subset of the
+  blocks, a slice of rows per block (:class:`MatrixLayout`). All matvec nodes
+  of one stage and one matrix are one instruction on each block that holds
+  rows of it, over the list of their vectors.
+* The other nodes of a stage form components (nodes joined by an input of
+  the same stage): a component runs on one block, so its chain needs no
+  barrier. Components go round-robin over the blocks, the costliest first
+  (VPPS §III-B1); on each block, the nodes of one depth, op and size are one
+  instruction over the list of their operands.
+* Stages are ordered by one counter that only grows: every block that works
+  in a stage signals (+1) when its part is done, and every block that works
+  in a later stage first waits until the counter reaches the number of
+  signals of all earlier stages. A block signals only after it waited for the
+  stage before its own, so reaching a target means every earlier stage is
+  done. Training appends the backward stages in reverse order on the same
+  counter (targets keep growing); then every block waits for the last
+  backward stage before the optimiser updates the parameters.
 
-Instructions are :data:`WORDS` int32 each: ``op, n, out, a, b, p0, p1, p2``
-(offsets count floats of the workspace; see :data:`OPCODES`).
+The buffer is (rows, :data:`WORDS`) int32: the instructions of block 0, 1, …,
+then the operand lists. An instruction is ``op, n, count, arg``: ``count``
+operands of ``n`` floats each, listed from row ``arg``; a wait's ``arg`` is its
+counter target. An operand row is ``out, a, b, p`` (workspace offsets; ``p``:
+a lookup's parameter offset, a loss's label, a matvec's matrix slot).
 """
 
 from __future__ import annotations
@@ -30,20 +38,24 @@ from ..errors import ArgumentError
 from .graph import OP, Graph
 from .model import Model
 
-__all__ = ["BACKWARD", "MatrixLayout", "OPCODES", "Script", "WORDS", "matrix_layout", "schedule"]
+__all__ = ["BACKWARD", "MatrixLayout", "OPCODES", "PLACEMENTS", "Script", "WORDS", "matrix_layout", "schedule"]
 
-WORDS = 8
+WORDS = 4
 OPCODES = {
-    "wait": 1,  # p0: counter target
+    "wait": 1,  # arg: counter target
     "signal": 2,
-    "lookup": 3,  # out[0:n] = params[p0:p0+n]
-    "matvec": 4,  # out[rows of this block] = W[p0] @ a (n = the matrix's rows)
+    "lookup": 3,  # out[0:n] = params[p:p+n]
+    "matvec": 4,  # out[rows of this block] = W[p] @ a (n = the matrix's columns)
     "add": 5, "mul": 6, "tanh": 7, "sigmoid": 8, "relu": 9,
     "copy": 10,  # out[0:n] = a[0:n] (one part of a concat)
-    "loss": 11,  # out[0] = logsumexp(a[0:n]) - a[p0]; added into the batch loss
+    "loss": 11,  # out[0] = logsumexp(a[0:n]) - a[p]; added into the batch loss
 }
 BACKWARD = 16
-"""Added to a forward opcode: the same node's backward instruction."""
+"""Added to a forward opcode: the same nodes' backward instruction."""
+
+PLACEMENTS = ("partition", "spread")
+"""``partition``: each matrix on its own blocks (VPPS); ``spread``: every
+matrix's rows over all blocks (every block works on every matvec)."""
 
 _KERNEL_OP = np.full(len(OP), -1, dtype=np.int64)
 for _name, _code in OPCODES.items():
@@ -55,10 +67,11 @@ for _name, _code in OPCODES.items():
 class MatrixLayout:
     """Where the blocks keep the rows of every weight matrix.
 
-    Matrix ``k`` (in declaration order among matrices) keeps rows
-    [p * rows_per_block[k], min(rows, (p + 1) * rows_per_block[k])) on block
-    ``p``, at ``shared_offset[k]`` floats into the block's weight cache; blocks
-    past ``holders[k]`` keep none of it.
+    Matrix ``k`` (in declaration order among matrices) lives on blocks
+    [first_block[k], first_block[k] + holders[k]); its ``j``-th holder keeps
+    rows [j * rows_per_block[k], min(rows, (j + 1) * rows_per_block[k])), at
+    ``shared_offset[k]`` floats into its weight cache (matrices that share a
+    block have disjoint cache ranges).
     """
 
     blocks: int
@@ -66,39 +79,75 @@ class MatrixLayout:
     cols: tuple[int, ...]
     rows_per_block: tuple[int, ...]
     holders: tuple[int, ...]
+    first_block: tuple[int, ...]
     param_offset: tuple[int, ...]
     shared_offset: tuple[int, ...]
 
     @property
     def shared_floats(self) -> int:
         """Weight-cache floats per block (the gradient cache is as large again)."""
-        return sum(r * c for r, c in zip(self.rows_per_block, self.cols))
+        return max(o + r * c for o, r, c in zip(self.shared_offset, self.rows_per_block, self.cols))
 
     def block_rows(self, k: int, block: int) -> tuple[int, int]:
-        start = block * self.rows_per_block[k]
-        return min(start, self.rows[k]), min(start + self.rows_per_block[k], self.rows[k])
+        """Rows [r0, r1) of matrix ``k`` on ``block`` (empty where it holds none)."""
+        holder = block - self.first_block[k]
+        if not 0 <= holder < self.holders[k]:
+            return 0, 0
+        start = holder * self.rows_per_block[k]
+        return start, min(start + self.rows_per_block[k], self.rows[k])
 
 
-def matrix_layout(model: Model, blocks: int) -> MatrixLayout:
+def _partition(sizes: np.ndarray, rows: np.ndarray, blocks: int) -> np.ndarray:
+    """Blocks per matrix, in proportion to its floats (VPPS: the cache per
+    block is even), at least one each and at most one per row."""
+    count = np.clip(np.floor(blocks * sizes / sizes.sum()).astype(np.int64), 1, rows)
+    while count.sum() > blocks:  # the floor of one raised small matrices: take from the least loaded
+        load = np.where(count > 1, sizes / np.maximum(count - 1, 1), np.inf)
+        count[np.argmin(load)] -= 1
+    while count.sum() < blocks and np.any(count < rows):
+        load = np.where(count < rows, sizes / count, -1.0)
+        count[np.argmax(load)] += 1
+    return count
+
+
+def matrix_layout(model: Model, blocks: int, placement: str = "partition") -> MatrixLayout:
+    """Place ``model``'s matrices on ``blocks`` blocks. ``partition`` falls
+    back to ``spread`` when there are more matrices than blocks."""
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ArgumentError(f"blocks must be an int >= 1, got {blocks!r}")
+    if placement not in PLACEMENTS:
+        raise ArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     offsets = model.layout()
     mats = model.matrices
-    rpb = [-(-m.rows // blocks) for m in mats]
-    shared = np.concatenate([[0], np.cumsum([r * m.cols for r, m in zip(rpb, mats)])])[:-1]
-    return MatrixLayout(blocks, tuple(m.rows for m in mats), tuple(m.cols for m in mats), tuple(rpb),
-                        tuple(-(-m.rows // r) for m, r in zip(mats, rpb)), tuple(offsets[m.name] for m in mats),
-                        tuple(int(s) for s in shared))
+    rows = np.asarray([m.rows for m in mats], dtype=np.int64)
+    cols = np.asarray([m.cols for m in mats], dtype=np.int64)
+    if placement == "partition" and len(mats) <= blocks:
+        count = _partition(rows * cols, rows, blocks)
+    else:
+        count = np.minimum(rows, blocks)
+    rpb = -(-rows // count)
+    holders = -(-rows // rpb)
+    first = (np.concatenate([[0], np.cumsum(holders)[:-1]]) if placement == "partition" and len(mats) <= blocks
+             else np.zeros(len(mats), dtype=np.int64))
+    shared = []
+    for k in range(len(mats)):  # below every earlier matrix that shares a block with this one
+        overlap = [shared[j] + rpb[j] * cols[j] for j in range(k)
+                   if first[j] < first[k] + holders[k] and first[k] < first[j] + holders[j]]
+        shared.append(max(overlap, default=0))
+    as_tuple = lambda a: tuple(int(v) for v in a)  # noqa: E731
+    return MatrixLayout(blocks, as_tuple(rows), as_tuple(cols), as_tuple(rpb), as_tuple(holders), as_tuple(first),
+                        tuple(offsets[m.name] for m in mats), as_tuple(shared))
 
 
 @dataclasses.dataclass(frozen=True)
 class Script:
     """A scheduled batch.
 
-    program: (instructions, WORDS) int32, block 0's script first; starts:
-    (blocks + 1,) prefix offsets in instructions. offsets: each node's
-    workspace offset. losses: the loss nodes. signals: the counter's final
-    value. stages: levels (forward, then backward when training).
+    program: (rows, WORDS) int32, block 0's instructions first, then the
+    operand lists; starts: (blocks + 1,) prefix offsets of the instructions.
+    offsets: each node's workspace offset. losses: the loss nodes. signals:
+    the counter's final value. stages: barrier-separated stages (forward,
+    then backward when training).
     """
 
     program: np.ndarray
@@ -115,8 +164,16 @@ class Script:
     def blocks(self) -> int:
         return self.layout.blocks
 
+    @property
+    def instructions(self) -> int:
+        return int(self.starts[-1])
+
     def block_program(self, block: int) -> np.ndarray:
         return self.program[self.starts[block]:self.starts[block + 1]]
+
+    def operands(self, instruction: np.ndarray) -> np.ndarray:
+        """The (count, WORDS) operand rows of one instruction."""
+        return self.program[instruction[3]:instruction[3] + instruction[2]]
 
 
 def _storage(g: dict[str, np.ndarray]) -> tuple[np.ndarray, int]:
@@ -137,151 +194,171 @@ def _storage(g: dict[str, np.ndarray]) -> tuple[np.ndarray, int]:
     return offsets, total
 
 
-def _costs(g: dict[str, np.ndarray], layout: MatrixLayout, matrix_slot: np.ndarray) -> np.ndarray:
-    """A load estimate per node, in floats touched (VPPS weighs the cached
-    matrices above the other operations)."""
-    cost = g["size"].astype(np.float64)
-    cost[g["op"] == OP["loss"]] = 4 * g["size"][g["a"][g["op"] == OP["loss"]]]
-    mv = g["op"] == OP["matvec"]
-    k = matrix_slot[g["extra"][mv]]
-    cost[mv] = np.asarray(layout.rows_per_block)[k] * np.asarray(layout.cols)[k]
-    return cost
+def _components(g: dict[str, np.ndarray]) -> np.ndarray:
+    """A label per node: nodes joined by an input read in the same stage
+    (never through a matvec) share the smallest id among them."""
+    op, root, stage = g["op"], g["root"], g["stage"]
+    consumer = np.concatenate([np.arange(len(op)), np.arange(len(op)), g["concat_node"]])
+    source = np.concatenate([g["a"], g["b"], g["concat_part"]])
+    keep = (source >= 0) & (op[consumer] != OP["matvec"]) & (op[consumer] != OP["slice"])
+    consumer, source = consumer[keep], root[source[keep]]
+    keep = (op[source] != OP["matvec"]) & (stage[source] == stage[consumer])
+    u, v = consumer[keep], source[keep]
+    label = np.arange(len(op))
+    while u.size:  # min-label propagation with pointer jumping: a few passes (chains are one cell long)
+        low = np.minimum(label[u], label[v])
+        new = label.copy()
+        np.minimum.at(new, u, low)
+        np.minimum.at(new, v, low)
+        new = new[new]
+        if np.array_equal(new, label):
+            break
+        label = new
+    return label
 
 
-def schedule(graph: Graph, blocks: int, *, train: bool = True) -> Script:
+def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = "partition") -> Script:
     """Schedule ``graph`` on ``blocks`` virtual processors (forward only
     unless ``train``)."""
     model = graph.model
-    layout = matrix_layout(model, blocks)
+    layout = matrix_layout(model, blocks, placement)
     g = graph.arrays()
     offsets, workspace = _storage(g)
+    op, size, stage, depth = g["op"], g["size"], g["stage"], g["depth"]
     poff = np.asarray([model.layout()[p.name] for p in model.parameters], dtype=np.int64)
     pcols = np.asarray([p.cols for p in model.parameters], dtype=np.int64)
     matrix_slot = np.full(len(model.parameters), -1, dtype=np.int64)
     for k, m in enumerate(model.matrices):
         matrix_slot[m.index] = k
 
-    op = g["op"]
-    run = np.flatnonzero(op != OP["slice"])
-    # One row per instruction of a node: (node, block, words). A node's words.
-    words = np.zeros((len(run), WORDS), dtype=np.int64)
-    r_op = op[run]
-    words[:, 0] = _KERNEL_OP[r_op]
-    words[:, 1] = g["size"][run]
-    words[:, 2] = offsets[run]
-    has_a, has_b = g["a"][run] >= 0, g["b"][run] >= 0
-    words[has_a, 3] = offsets[g["a"][run][has_a]]
-    words[has_b, 4] = offsets[g["b"][run][has_b]]
-    lk = r_op == OP["lookup"]
-    words[lk, 5] = poff[g["extra"][run][lk]] + g["row"][run][lk] * pcols[g["extra"][run][lk]]
-    ls = r_op == OP["loss"]
-    words[ls, 1] = g["size"][g["a"][run][ls]]
-    words[ls, 5] = g["extra"][run][ls]
-    mv = r_op == OP["matvec"]
-    words[mv, 5] = matrix_slot[g["extra"][run][mv]]
-    nodes = run.copy()
+    # Blocks of the elementwise components: round-robin in order of
+    # (stage, cost descending); the rank runs on across stages, so the blocks
+    # that take one stage's remainder change from stage to stage.
+    label = _components(g)
+    elementwise = (op != OP["slice"]) & (op != OP["matvec"])
+    comp_floats = np.bincount(label[elementwise], weights=size[elementwise], minlength=len(op))
+    comps = np.unique(label[elementwise])
+    rank = np.empty(len(op), dtype=np.int64)
+    rank[comps[np.lexsort((-comp_floats[comps], stage[comps]))]] = np.arange(comps.size)
+    node_block = rank[label] % blocks
 
-    # A concat is one copy per part, on one block.
-    cat = np.flatnonzero(r_op == OP["concat"])
+    # Operand rows of the elementwise nodes: one per node, one per concat part.
+    run = np.flatnonzero(elementwise & (op != OP["concat"]))
+    items = np.zeros((run.size, WORDS), dtype=np.int64)
+    items[:, 0] = offsets[run]
+    a, b = g["a"][run], g["b"][run]
+    items[:, 1] = np.where(a >= 0, offsets[np.maximum(a, 0)], 0)
+    items[:, 2] = np.where(b >= 0, offsets[np.maximum(b, 0)], 0)
+    is_lookup, is_loss = op[run] == OP["lookup"], op[run] == OP["loss"]
+    extra = g["extra"][run]
+    items[is_lookup, 3] = poff[extra[is_lookup]] + g["row"][run][is_lookup] * pcols[extra[is_lookup]]
+    items[is_loss, 3] = extra[is_loss]
+    kop = _KERNEL_OP[op[run]]
+    width = np.where(is_loss, size[np.maximum(a, 0)], size[run])
+    owner = run
+    cat, part = g["concat_node"], g["concat_part"]
     if cat.size:
-        extra_nodes, extra_words = [], []
-        for i in run[cat]:
-            start = offsets[i]
-            for part in graph.parts[int(i)]:
-                extra_nodes.append(i)
-                extra_words.append((OPCODES["copy"], g["size"][part], start, offsets[part], 0, 0, 0, 0))
-                start += g["size"][part]
-        keep = np.ones(len(run), dtype=bool)
-        keep[cat] = False
-        nodes = np.concatenate([nodes[keep], extra_nodes])
-        words = np.concatenate([words[keep], np.asarray(extra_words, dtype=np.int64)])
+        part_size = size[part]
+        ends = np.cumsum(part_size)
+        first_of = np.flatnonzero(np.r_[True, cat[1:] != cat[:-1]])
+        before = np.repeat(ends[first_of] - part_size[first_of], np.diff(np.r_[first_of, cat.size]))
+        copies = np.zeros((cat.size, WORDS), dtype=np.int64)
+        copies[:, 0] = offsets[cat] + ends - part_size - before
+        copies[:, 1] = offsets[part]
+        items = np.concatenate([items, copies])
+        kop = np.concatenate([kop, np.full(cat.size, OPCODES["copy"])])
+        width = np.concatenate([width, part_size])
+        owner = np.concatenate([owner, cat])
 
-    # Assign blocks level by level: matvec rows to their holders, the rest
-    # longest first to the least-loaded block of the level.
-    depth = g["depth"][nodes]
-    cost = _costs(g, layout, matrix_slot)[nodes]
-    is_mv = words[:, 0] == OPCODES["matvec"]
-    holders = np.asarray(layout.holders)
-    mv_rows = np.flatnonzero(is_mv)
-    mv_count = holders[words[mv_rows, 5]]
-    mv_index = np.repeat(mv_rows, mv_count)
-    mv_block = np.arange(mv_count.sum()) - np.repeat(np.cumsum(mv_count) - mv_count, mv_count)
-    other = np.flatnonzero(~is_mv)
-    block = np.empty(len(nodes), dtype=np.int64)
-    levels = np.unique(depth)
-    by_level = np.argsort(depth[other], kind="stable")
-    bounds = np.append(np.searchsorted(depth[other][by_level], levels), len(other))
-    # The matvec rows' load of each (level, block), for the balance of the rest.
-    mv_stage = np.searchsorted(levels, depth[mv_index])
-    mv_load = np.bincount(mv_stage * blocks + mv_block, weights=cost[mv_index],
-                          minlength=len(levels) * blocks).reshape(len(levels), blocks)
-    for li in range(len(levels)):
-        items = other[by_level[bounds[li]:bounds[li + 1]]]
-        if items.size:
-            items = items[np.argsort(-cost[items], kind="stable")]
-            block[items] = np.argsort(mv_load[li], kind="stable")[np.arange(items.size) % blocks]
-    inst_index = np.concatenate([other, mv_index])
-    inst_block = np.concatenate([block[other], mv_block])
-    inst_words = words[inst_index]
-    inst_level = depth[inst_index]
+    # One instruction per (block, stage, depth, op, width) of elementwise
+    # operands, one per (stage, matrix) of matvec operands on each holder.
+    mv = np.flatnonzero(op == OP["matvec"])
+    mv_items = np.zeros((mv.size, WORDS), dtype=np.int64)
+    mv_items[:, 0] = offsets[mv]
+    mv_items[:, 1] = offsets[g["a"][mv]]
+    mv_items[:, 3] = matrix_slot[g["extra"][mv]]
+    keys = np.stack([node_block[owner], stage[owner], depth[owner], kop, width])
+    order = np.lexsort(keys[::-1])
+    keys, items = keys[:, order], items[order]
+    mv_order = np.lexsort((mv_items[:, 3], stage[mv]))
+    mv_items, mv_stage = mv_items[mv_order], stage[mv][mv_order]
+    new_group = np.r_[True, np.any(keys[:, 1:] != keys[:, :-1], axis=0)]
+    first_row = np.flatnonzero(new_group)
+    mv_new = np.r_[mv.size > 0, (mv_stage[1:] != mv_stage[:-1]) | (mv_items[1:, 3] != mv_items[:-1, 3])]
+    mv_first = np.flatnonzero(mv_new)
+    list_rows = np.concatenate([items, mv_items])
+    ew_count = np.diff(np.r_[first_row, len(items)])
+    mv_count = np.diff(np.r_[mv_first, len(mv_items)])
+    slot = mv_items[mv_first, 3]
+    holders, first_block = np.asarray(layout.holders), np.asarray(layout.first_block)
+    per = holders[slot]
+    mv_group = np.repeat(np.arange(mv_first.size), per)
+    mv_block = first_block[slot][mv_group] + np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+    cols = np.asarray(layout.cols)
+    # Instructions: (block, stage, order in stage, words); arg is a row of the
+    # operand lists, made absolute once the instruction count is known.
+    inst_block = np.concatenate([keys[0, first_row], mv_block])
+    inst_stage = np.concatenate([keys[1, first_row], mv_stage[mv_first][mv_group]])
+    inst_order = np.concatenate([keys[2, first_row], slot[mv_group]])
+    inst = np.zeros((inst_block.size, WORDS), dtype=np.int64)
+    inst[:, 0] = np.concatenate([keys[3, first_row], np.full(mv_group.size, OPCODES["matvec"])])
+    inst[:, 1] = np.concatenate([keys[4, first_row], cols[slot][mv_group]])
+    inst[:, 2] = np.concatenate([ew_count, mv_count[mv_group]])
+    inst[:, 3] = np.concatenate([first_row, len(items) + mv_first[mv_group]])
 
-    # Stages: forward levels in depth order, then (training) backward levels
-    # in reverse depth order.
-    stage_of_level = np.searchsorted(levels, inst_level)
-    stage_words = [inst_words]
-    stage = [stage_of_level]
-    stage_block = [inst_block]
+    # Stages: forward in order, then (training) backward in reverse order,
+    # the nodes of a stage in reverse depth order.
+    levels = np.unique(inst_stage)
+    rank_of = np.searchsorted(levels, inst_stage)
+    ops_words, ops_stage, ops_block, ops_order = [inst], [rank_of], [inst_block], [inst_order]
     if train:
-        back = inst_words.copy()
+        back = inst.copy()
         back[:, 0] += BACKWARD
-        stage_words.append(back)
-        stage.append(2 * len(levels) - 1 - stage_of_level)
-        stage_block.append(inst_block)
-    ops_words = np.concatenate(stage_words)
-    ops_stage = np.concatenate(stage)
-    ops_block = np.concatenate(stage_block)
+        ops_words.append(back)
+        ops_stage.append(2 * len(levels) - 1 - rank_of)
+        ops_block.append(inst_block)
+        ops_order.append(-inst_order)
+    ops_words, ops_stage = np.concatenate(ops_words), np.concatenate(ops_stage)
+    ops_block, ops_order = np.concatenate(ops_block), np.concatenate(ops_order)
     stages = len(levels) * (2 if train else 1)
 
-    # Who works in each stage: those signal at its end and wait before it.
+    # Who works in each stage: those wait before it and signal at its end.
     key = np.unique(ops_stage * blocks + ops_block)
     part_stage, part_block = key // blocks, key % blocks
-    per_stage = np.bincount(part_stage, minlength=stages)
-    through = np.cumsum(per_stage)  # counter value once stage s is done
+    through = np.cumsum(np.bincount(part_stage, minlength=stages))  # counter value once stage s is done
     waits = part_stage > 0
     wait_words = np.zeros((int(waits.sum()), WORDS), dtype=np.int64)
     wait_words[:, 0] = OPCODES["wait"]
-    wait_words[:, 5] = through[part_stage[waits] - 1]
-    signal_words = np.zeros((len(key), WORDS), dtype=np.int64)
+    wait_words[:, 3] = through[part_stage[waits] - 1]
+    signal = part_stage < stages - 1 if not train else np.ones(key.size, dtype=bool)  # nobody waits on the last
+    signal_words = np.zeros((int(signal.sum()), WORDS), dtype=np.int64)
     signal_words[:, 0] = OPCODES["signal"]
     all_words = [wait_words, ops_words, signal_words]
-    all_block = [part_block[waits], ops_block, part_block]
-    all_stage = [part_stage[waits], ops_stage, part_stage]
-    all_phase = [np.zeros(len(wait_words)), np.ones(len(ops_words)), np.full(len(key), 2)]
-    if not train:
-        # Nobody waits on the last level's signals.
-        last = part_stage == stages - 1
-        all_words[2], all_block[2] = signal_words[~last], part_block[~last]
-        all_stage[2], all_phase[2] = part_stage[~last], all_phase[2][~last]
-        signals = int(through[-2]) if stages > 1 else 0
-    else:
-        # Every block, then the update of biases and embeddings.
-        final = np.zeros((2 * blocks, WORDS), dtype=np.int64)
-        final[:blocks, 0] = OPCODES["signal"]
-        final[blocks:, 0] = OPCODES["wait"]
-        signals = int(through[-1]) + blocks
-        final[blocks:, 5] = signals
-        all_words.append(final)
-        all_block.append(np.tile(np.arange(blocks), 2))
-        all_stage.append(np.full(2 * blocks, stages))
-        all_phase.append(np.repeat([0, 1], blocks))
-    w = np.concatenate(all_words)
-    b = np.concatenate(all_block)
-    order = np.lexsort((np.concatenate(all_phase), np.concatenate(all_stage), b))
-    program = w[order]
+    all_block = [part_block[waits], ops_block, part_block[signal]]
+    all_stage = [part_stage[waits], ops_stage, part_stage[signal]]
+    big = np.iinfo(np.int64).max
+    all_order = [np.full(wait_words.shape[0], -big), ops_order, np.full(signal_words.shape[0], big)]
+    signals = int(through[-1]) if train else (int(through[-2]) if stages > 1 else 0)
+    if train:
+        # Every block waits for the last backward stage (so for all of them)
+        # before the update.
+        closing = np.zeros((blocks, WORDS), dtype=np.int64)
+        closing[:, 0] = OPCODES["wait"]
+        closing[:, 3] = signals
+        all_words.append(closing)
+        all_block.append(np.arange(blocks))
+        all_stage.append(np.full(blocks, stages))
+        all_order.append(np.zeros(blocks, dtype=np.int64))
+    block_of = np.concatenate(all_block)
+    order = np.lexsort((np.concatenate(all_order), np.concatenate(all_stage), block_of))
+    program = np.concatenate(all_words)[order]
+    is_list = (program[:, 0] != OPCODES["wait"]) & (program[:, 0] != OPCODES["signal"])
+    program[is_list, 3] += len(program)
+    program = np.concatenate([program, list_rows])
     if program.max() >= 2**31:
-        raise ArgumentError(f"the batch needs a workspace of {workspace} floats; offsets must fit in int32: "
-                            "split the batch")
-    starts = np.concatenate([[0], np.cumsum(np.bincount(b, minlength=blocks))])
+        raise ArgumentError(f"the batch needs a workspace of {workspace} floats and {len(program)} script rows; "
+                            "offsets must fit in int32: split the batch")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(block_of, minlength=blocks))])
     losses = np.flatnonzero(op == OP["loss"])
     return Script(program.astype(np.int32), starts.astype(np.int32), offsets, workspace, losses, signals,
                   stages, train, layout)

@@ -1,20 +1,24 @@
 // The dynamic-network interpreter (VPPS): every block is a virtual processor
 // that runs its own script of fixed-width instructions (persistrnn/dynamic/
-// script.py) from shared memory. The rows of every weight matrix are spread
-// over the blocks and cached in shared memory for the whole launch, with their
-// gradients beside them when training; forward, backward and the optimiser
-// update run in one launch. Blocks order their work through one counter that
-// only grows (signal: +1 after a level's work; wait: until the counter reaches
-// the number of signals of all earlier levels), with bounded waits.
+// script.py) from shared memory. Each weight matrix lives on its own subset
+// of the blocks, a slice of rows per block in shared memory for the whole
+// launch, with its gradient beside it when training; forward, backward and
+// the optimiser update run in one launch. An instruction is one op over a
+// list of operands (all nodes of one depth, op and size on this block, or all
+// matvecs of one matrix in one stage). Blocks order their stages through one
+// counter that only grows (signal: +1 after a stage's work; wait: until the
+// counter reaches the number of signals of all earlier stages), with bounded
+// waits.
 //
 // The generated prelude defines (persistrnn/dynamic/kernel.py):
 //   PRNN_DYN_THREADS, PRNN_DYN_CHUNK (instructions fetched into shared memory
-//   at a time), PRNN_DYN_MATRICES, PRNN_DYN_MAX_COLS, PRNN_DYN_MAX_ROWS (rows
-//   of one matrix on one block), PRNN_DYN_WEIGHT_FLOATS (cache floats per
-//   block), PRNN_DYN_TRAIN, the opcodes PRNN_OP_*, and
-//   prnn_dyn_matrix[k] = {rows, cols, rows per block, parameter offset, cache offset}.
+//   at a time), PRNN_DYN_GROUP (vectors a matvec takes at a time),
+//   PRNN_DYN_MATRICES, PRNN_DYN_MAX_COLS, PRNN_DYN_MAX_ROWS (rows of one
+//   matrix on one block), PRNN_DYN_WEIGHT_FLOATS (cache floats per block),
+//   PRNN_DYN_TRAIN, the opcodes PRNN_OP_*, and prnn_dyn_matrix[k] = {rows,
+//   cols, rows per block, parameter offset, cache offset, first block, holders}.
 
-#define PRNN_DYN_WORDS 8
+#define PRNN_DYN_WORDS 4
 #define PRNN_DYN_WARPS (PRNN_DYN_THREADS / 32)
 
 // Values and gradients are written by other SMs during the launch: read them
@@ -31,11 +35,19 @@ struct prnn_dyn_rows {
     int cols, begin, count, cache;
 };
 
-// This block's rows of matrix k.
+// This block's rows of matrix k (count 0 where it holds none).
 __device__ __forceinline__ prnn_dyn_rows prnn_dyn_block_rows(int k) {
     const int rows = prnn_dyn_matrix[k][0], per_block = prnn_dyn_matrix[k][2];
-    const int begin = min((int)blockIdx.x * per_block, rows);
-    return {prnn_dyn_matrix[k][1], begin, min(begin + per_block, rows) - begin, prnn_dyn_matrix[k][4]};
+    const int holder = (int)blockIdx.x - prnn_dyn_matrix[k][5];
+    const bool holds = holder >= 0 && holder < prnn_dyn_matrix[k][6];
+    const int begin = holds ? holder * per_block : 0;
+    return {prnn_dyn_matrix[k][1], begin, holds ? min(begin + per_block, rows) - begin : 0, prnn_dyn_matrix[k][4]};
+}
+
+// Operand j of an instruction: {out, a, b, p}. The script is read-only for
+// the whole launch, so the read-only path may cache it.
+__device__ __forceinline__ int4 prnn_dyn_operand(const int* program, int first, int j) {
+    return __ldg(reinterpret_cast<const int4*>(program) + first + j);
 }
 
 // log-sum-exp of z[0:n] minus z[label], by one thread: the classes of a
@@ -49,133 +61,153 @@ __device__ __forceinline__ void prnn_dyn_softmax(const float* z, int n, float* t
     *total = s;
 }
 
-// One instruction other than wait/signal, by every thread of the block; the
-// caller synchronises the block after it.
-__device__ __forceinline__ void prnn_dyn_execute(const int* in, float* values, float* grads, const float* params,
-                                                 float* param_grads, float* loss, float* vec, float* dy,
-                                                 const float* weights, float* wgrads) {
-    const int op = in[0], n = in[1], out = in[2], a = in[3], b = in[4], p0 = in[5];
-    const int tid = threadIdx.x;
-    switch (op) {
-    case PRNN_OP_LOOKUP:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) values[out + i] = params[p0 + i];
-        break;
-    case PRNN_OP_MATVEC: {
-        const prnn_dyn_rows m = prnn_dyn_block_rows(p0);
-        for (int i = tid; i < m.cols; i += PRNN_DYN_THREADS) vec[i] = prnn_dyn_ld(values + a + i);
-        __syncthreads();
-        // A warp per row: lanes stride the row in shared memory (consecutive
-        // banks), then a shuffle reduction.
-        const int warp = tid / 32, lane = tid % 32;
-        for (int r = warp; r < m.count; r += PRNN_DYN_WARPS) {
-            const float* w = weights + m.cache + r * m.cols;
-            float s = 0.0f;
-            for (int c = lane; c < m.cols; c += 32) s = fmaf(w[c], vec[c], s);
-            s = prnn_dyn_warp_sum(s);
-            if (lane == 0) values[out + m.begin + r] = s;
+// A matvec instruction: this block's rows of matrix k times every listed
+// vector, PRNN_DYN_GROUP vectors at a time so that each weight read from
+// shared memory serves the whole group. Forward: a warp per row, lanes along
+// the row, a shuffle reduction per vector. Backward: a thread per column, its
+// part of W^T dy for every vector (atomics: other blocks hold the other rows)
+// and its column of sum_j dy_j x_j^T into the cached gradient.
+__device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* program, int first, int count,
+                                                float* values, float* grads, float* vec, float* dy,
+                                                const float* weights, float* wgrads) {
+    const int k = prnn_dyn_operand(program, first, 0).w;
+    const prnn_dyn_rows m = prnn_dyn_block_rows(k);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    for (int g0 = 0; g0 < count; g0 += PRNN_DYN_GROUP) {
+        const int in_group = min(PRNN_DYN_GROUP, count - g0);
+        // Vectors past the group's end are zeros: they add nothing to the gradient.
+        for (int e = tid; e < PRNN_DYN_GROUP * m.cols; e += PRNN_DYN_THREADS) {
+            const int j = e / m.cols, c = e - j * m.cols;
+            vec[j * PRNN_DYN_MAX_COLS + c] =
+                j < in_group ? prnn_dyn_ld(values + prnn_dyn_operand(program, first, g0 + j).y + c) : 0.0f;
         }
-        break;
+        if (backward)
+            for (int e = tid; e < PRNN_DYN_GROUP * m.count; e += PRNN_DYN_THREADS) {
+                const int j = e / m.count, r = e - j * m.count;
+                dy[j * PRNN_DYN_MAX_ROWS + r] =
+                    j < in_group ? prnn_dyn_ld(grads + prnn_dyn_operand(program, first, g0 + j).x + m.begin + r)
+                                 : 0.0f;
+            }
+        __syncthreads();
+        if (!backward) {
+            for (int r = warp; r < m.count; r += PRNN_DYN_WARPS) {
+                const float* w = weights + m.cache + r * m.cols;
+                float s[PRNN_DYN_GROUP];
+#pragma unroll
+                for (int j = 0; j < PRNN_DYN_GROUP; ++j) s[j] = 0.0f;
+                for (int c = lane; c < m.cols; c += 32) {
+                    const float wc = w[c];
+#pragma unroll
+                    for (int j = 0; j < PRNN_DYN_GROUP; ++j) s[j] = fmaf(wc, vec[j * PRNN_DYN_MAX_COLS + c], s[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < PRNN_DYN_GROUP; ++j) {
+                    const float total = prnn_dyn_warp_sum(s[j]);
+                    if (lane == 0 && j < in_group)
+                        values[prnn_dyn_operand(program, first, g0 + j).x + m.begin + r] = total;
+                }
+            }
+        }
+#if PRNN_DYN_TRAIN
+        else {
+            for (int c = tid; c < m.cols; c += PRNN_DYN_THREADS) {
+                float s[PRNN_DYN_GROUP], x[PRNN_DYN_GROUP];
+#pragma unroll
+                for (int j = 0; j < PRNN_DYN_GROUP; ++j) {
+                    s[j] = 0.0f;
+                    x[j] = vec[j * PRNN_DYN_MAX_COLS + c];
+                }
+                for (int r = 0; r < m.count; ++r) {
+                    const int at = m.cache + r * m.cols + c;
+                    const float w = weights[at];
+                    float acc = wgrads[at];
+#pragma unroll
+                    for (int j = 0; j < PRNN_DYN_GROUP; ++j) {
+                        const float d = dy[j * PRNN_DYN_MAX_ROWS + r];
+                        s[j] = fmaf(w, d, s[j]);
+                        acc = fmaf(d, x[j], acc);
+                    }
+                    wgrads[at] = acc;
+                }
+#pragma unroll
+                for (int j = 0; j < PRNN_DYN_GROUP; ++j)
+                    if (j < in_group) atomicAdd(grads + prnn_dyn_operand(program, first, g0 + j).y + c, s[j]);
+            }
+        }
+#endif
+        __syncthreads();  // the group's buffers are free for the next
     }
-    case PRNN_OP_ADD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS)
-            values[out + i] = prnn_dyn_ld(values + a + i) + prnn_dyn_ld(values + b + i);
-        break;
-    case PRNN_OP_MUL:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS)
-            values[out + i] = prnn_dyn_ld(values + a + i) * prnn_dyn_ld(values + b + i);
-        break;
-    case PRNN_OP_TANH:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) values[out + i] = tanhf(prnn_dyn_ld(values + a + i));
-        break;
-    case PRNN_OP_SIGMOID:
-        // The precise form: the gradients are checked to 1e-5 against float64.
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS)
-            values[out + i] = 1.0f / (1.0f + expf(-prnn_dyn_ld(values + a + i)));
-        break;
-    case PRNN_OP_RELU:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) values[out + i] = fmaxf(prnn_dyn_ld(values + a + i), 0.0f);
-        break;
-    case PRNN_OP_COPY:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) values[out + i] = prnn_dyn_ld(values + a + i);
-        break;
-    case PRNN_OP_LOSS:
-        if (tid == 0) {
+}
+
+// Any other instruction, by every thread of the block over the flattened
+// (operand, element) range; the caller synchronises the block after it.
+__device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, const int* program, int first,
+                                                     float* values, float* grads, const float* params,
+                                                     float* param_grads, float* loss) {
+    const int tid = threadIdx.x;
+    if (op == PRNN_OP_LOSS) {
+        for (int j = tid; j < count; j += PRNN_DYN_THREADS) {
+            const int4 o = prnn_dyn_operand(program, first, j);
             float top, total;
-            prnn_dyn_softmax(values + a, n, &top, &total);
-            const float l = top + logf(total) - prnn_dyn_ld(values + a + p0);
-            values[out] = l;
+            prnn_dyn_softmax(values + o.y, n, &top, &total);
+            const float l = top + logf(total) - prnn_dyn_ld(values + o.y + o.w);
+            values[o.x] = l;
             atomicAdd(loss, l);
         }
-        break;
+        return;
+    }
+    for (int e = tid; e < count * n; e += PRNN_DYN_THREADS) {
+        const int j = e / n, i = e - j * n;
+        const int4 o = prnn_dyn_operand(program, first, j);
+        const int out = o.x + i, a = o.y + i, b = o.z + i;
+        switch (op) {
+        case PRNN_OP_LOOKUP: values[out] = params[o.w + i]; break;
+        case PRNN_OP_ADD: values[out] = prnn_dyn_ld(values + a) + prnn_dyn_ld(values + b); break;
+        case PRNN_OP_MUL: values[out] = prnn_dyn_ld(values + a) * prnn_dyn_ld(values + b); break;
+        case PRNN_OP_TANH: values[out] = tanhf(prnn_dyn_ld(values + a)); break;
+        // The precise form: the gradients are checked to 1e-5 against float64.
+        case PRNN_OP_SIGMOID: values[out] = 1.0f / (1.0f + expf(-prnn_dyn_ld(values + a))); break;
+        case PRNN_OP_RELU: values[out] = fmaxf(prnn_dyn_ld(values + a), 0.0f); break;
+        case PRNN_OP_COPY: values[out] = prnn_dyn_ld(values + a); break;
 #if PRNN_DYN_TRAIN
-    // Backward: a node's gradient gathers from every consumer, which may run
-    // on other blocks in the same level, so every accumulation is an atomic
-    // add in L2.
-    case PRNN_OP_LOOKUP + PRNN_OP_BACKWARD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) atomicAdd(param_grads + p0 + i, prnn_dyn_ld(grads + out + i));
-        break;
-    case PRNN_OP_MATVEC + PRNN_OP_BACKWARD: {
-        const prnn_dyn_rows m = prnn_dyn_block_rows(p0);
-        for (int i = tid; i < m.cols; i += PRNN_DYN_THREADS) vec[i] = prnn_dyn_ld(values + a + i);
-        for (int r = tid; r < m.count; r += PRNN_DYN_THREADS) dy[r] = prnn_dyn_ld(grads + out + m.begin + r);
-        __syncthreads();
-        // A thread per column: its part of W^T dy over this block's rows,
-        // and its column of the outer product dy x^T into the cached gradient.
-        for (int c = tid; c < m.cols; c += PRNN_DYN_THREADS) {
-            const float x = vec[c];
-            float s = 0.0f;
-            for (int r = 0; r < m.count; ++r) {
-                const int at = m.cache + r * m.cols + c;
-                s = fmaf(weights[at], dy[r], s);
-                wgrads[at] = fmaf(dy[r], x, wgrads[at]);
-            }
-            atomicAdd(grads + a + c, s);
+        // Backward: a node's gradient gathers from every consumer, which may
+        // run on other blocks, so every accumulation is an atomic add in L2.
+        case PRNN_OP_LOOKUP + PRNN_OP_BACKWARD: atomicAdd(param_grads + o.w + i, prnn_dyn_ld(grads + out)); break;
+        case PRNN_OP_ADD + PRNN_OP_BACKWARD: {
+            const float g = prnn_dyn_ld(grads + out);
+            atomicAdd(grads + a, g);
+            atomicAdd(grads + b, g);
+            break;
         }
-        break;
-    }
-    case PRNN_OP_ADD + PRNN_OP_BACKWARD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) {
-            const float g = prnn_dyn_ld(grads + out + i);
-            atomicAdd(grads + a + i, g);
-            atomicAdd(grads + b + i, g);
+        case PRNN_OP_MUL + PRNN_OP_BACKWARD: {
+            const float g = prnn_dyn_ld(grads + out);
+            atomicAdd(grads + a, g * prnn_dyn_ld(values + b));
+            atomicAdd(grads + b, g * prnn_dyn_ld(values + a));
+            break;
         }
-        break;
-    case PRNN_OP_MUL + PRNN_OP_BACKWARD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) {
-            const float g = prnn_dyn_ld(grads + out + i);
-            atomicAdd(grads + a + i, g * prnn_dyn_ld(values + b + i));
-            atomicAdd(grads + b + i, g * prnn_dyn_ld(values + a + i));
+        case PRNN_OP_TANH + PRNN_OP_BACKWARD: {
+            const float y = prnn_dyn_ld(values + out);
+            atomicAdd(grads + a, prnn_dyn_ld(grads + out) * (1.0f - y * y));
+            break;
         }
-        break;
-    case PRNN_OP_TANH + PRNN_OP_BACKWARD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) {
-            const float y = prnn_dyn_ld(values + out + i);
-            atomicAdd(grads + a + i, prnn_dyn_ld(grads + out + i) * (1.0f - y * y));
+        case PRNN_OP_SIGMOID + PRNN_OP_BACKWARD: {
+            const float y = prnn_dyn_ld(values + out);
+            atomicAdd(grads + a, prnn_dyn_ld(grads + out) * y * (1.0f - y));
+            break;
         }
-        break;
-    case PRNN_OP_SIGMOID + PRNN_OP_BACKWARD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) {
-            const float y = prnn_dyn_ld(values + out + i);
-            atomicAdd(grads + a + i, prnn_dyn_ld(grads + out + i) * y * (1.0f - y));
+        case PRNN_OP_RELU + PRNN_OP_BACKWARD:
+            if (prnn_dyn_ld(values + out) > 0.0f) atomicAdd(grads + a, prnn_dyn_ld(grads + out));
+            break;
+        case PRNN_OP_COPY + PRNN_OP_BACKWARD: atomicAdd(grads + a, prnn_dyn_ld(grads + out)); break;
+        case PRNN_OP_LOSS + PRNN_OP_BACKWARD: {
+            float top, total;
+            prnn_dyn_softmax(values + o.y, n, &top, &total);
+            atomicAdd(grads + a, expf(prnn_dyn_ld(values + a) - top) / total - (i == o.w ? 1.0f : 0.0f));
+            break;
         }
-        break;
-    case PRNN_OP_RELU + PRNN_OP_BACKWARD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS)
-            if (prnn_dyn_ld(values + out + i) > 0.0f) atomicAdd(grads + a + i, prnn_dyn_ld(grads + out + i));
-        break;
-    case PRNN_OP_COPY + PRNN_OP_BACKWARD:
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS) atomicAdd(grads + a + i, prnn_dyn_ld(grads + out + i));
-        break;
-    case PRNN_OP_LOSS + PRNN_OP_BACKWARD: {
-        float top, total;
-        prnn_dyn_softmax(values + a, n, &top, &total);
-        for (int i = tid; i < n; i += PRNN_DYN_THREADS)
-            atomicAdd(grads + a + i, expf(prnn_dyn_ld(values + a + i) - top) / total - (i == p0 ? 1.0f : 0.0f));
-        break;
-    }
 #endif
-    default:
-        break;
+        default: break;
+        }
     }
 }
 
@@ -204,8 +236,8 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     extern __shared__ float4 prnn_dyn_shared[];
     int* script = reinterpret_cast<int*>(prnn_dyn_shared);
     float* vec = reinterpret_cast<float*>(script + PRNN_DYN_CHUNK * PRNN_DYN_WORDS);
-    float* dy = vec + PRNN_DYN_MAX_COLS;
-    float* weights = dy + PRNN_DYN_MAX_ROWS;
+    float* dy = vec + PRNN_DYN_GROUP * PRNN_DYN_MAX_COLS;
+    float* weights = dy + PRNN_DYN_GROUP * PRNN_DYN_MAX_ROWS;
     float* wgrads = PRNN_DYN_TRAIN ? weights + PRNN_DYN_WEIGHT_FLOATS : nullptr;
     __shared__ int failed;
     const prnn_watch watch{status, report, timeout_ns};
@@ -232,7 +264,7 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
             const int* in = script + k * PRNN_DYN_WORDS;
             if (in[0] == PRNN_OP_WAIT) {
                 prnn_u32 seen;
-                if (tid == 0 && !prnn_wait_counter(counter, (prnn_u32)in[5], watch, PRNN_STATUS_GRID_BARRIER_TIMEOUT,
+                if (tid == 0 && !prnn_wait_counter(counter, (prnn_u32)in[3], watch, PRNN_STATUS_GRID_BARRIER_TIMEOUT,
                                                    &seen))
                     failed = 1;
                 __syncthreads();
@@ -241,8 +273,11 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
                 // Every thread's writes of the level precede this (the
                 // barrier after each instruction); the release publishes them.
                 if (tid == 0) prnn_red_release_gpu_add(counter, 1u);
+            } else if (in[0] == PRNN_OP_MATVEC || in[0] == PRNN_OP_MATVEC + PRNN_OP_BACKWARD) {
+                prnn_dyn_matvec(in[0] != PRNN_OP_MATVEC, program, in[3], in[2], values, grads, vec, dy, weights,
+                                wgrads);
             } else {
-                prnn_dyn_execute(in, values, grads, params, param_grads, loss, vec, dy, weights, wgrads);
+                prnn_dyn_elementwise(in[0], in[1], in[2], program, in[3], values, grads, params, param_grads, loss);
                 __syncthreads();
             }
         }
