@@ -8,15 +8,16 @@ Every error the package raises derives from :class:`persistrnn.errors.PersistRNN
 __version__ = "0.1.0"
 
 from .errors import (ArgumentError, ArgumentTypeError, CalibrationError, CompileError, ConfigError,  # noqa: E402
-                     GPUUnavailableError,
+                     EngineFullError, GPUUnavailableError,
                      InputShapeError, InputTypeError, KernelLaunchError, KernelTimeoutError, PersistRNNError,
                      UnsupportedError)
 from .plan import ModelShape, Plan, explain, tune  # noqa: E402
 from .nn import GRU, LSTM, RNN, StreamSession, convert, from_torch  # noqa: E402
 from .onnx_import import from_onnx  # noqa: E402
+from . import serve  # noqa: E402
 
 __all__ = ["__version__", "PersistRNNError", "ArgumentError", "ArgumentTypeError", "GPUUnavailableError",
            "CompileError", "KernelLaunchError",
            "KernelTimeoutError", "ConfigError", "CalibrationError", "InputShapeError", "InputTypeError",
            "UnsupportedError", "ModelShape", "Plan", "explain", "tune", "LSTM", "GRU", "RNN", "StreamSession",
-           "convert", "from_torch", "from_onnx"]
+           "convert", "from_torch", "from_onnx", "EngineFullError", "serve"]

@@ -23,6 +23,7 @@ __all__ = [
     "UnsupportedError",
     "ArgumentError",
     "ArgumentTypeError",
+    "EngineFullError",
 ]
 
 
@@ -79,3 +80,8 @@ class ArgumentError(PersistRNNError, ValueError):
 class ArgumentTypeError(PersistRNNError, TypeError):
     """An argument of a library function of the wrong type; the message names
     the argument, what was expected and what came."""
+
+
+class EngineFullError(PersistRNNError, RuntimeError):
+    """The serving engine has no room: every stream slot is taken (``open``),
+    or a stream holds ``max_pending`` chunks not yet pulled (``push``)."""

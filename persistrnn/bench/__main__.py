@@ -16,6 +16,8 @@ SUITES = {
     "compile": "persistrnn.bench.compiled",
     "planner-regret": "persistrnn.bench.planner_regret",
     "treelstm": "persistrnn.bench.treelstm",
+    "tagger": "persistrnn.bench.tagger",
+    "serve": "persistrnn.bench.serve",
 }
 
 

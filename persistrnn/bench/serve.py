@@ -1,0 +1,438 @@
+"""The serving engine under a voice-activity load: ``python -m persistrnn bench serve``.
+
+For each model and each number of live streams N, two providers run the same
+load for ``seconds`` (after ``warmup_seconds`` that are not measured):
+
+* ``persistrnn``: :class:`persistrnn.serve.Engine` over the persistrnn module
+  (cellular batching: a tick runs the streams that have input, padded to a
+  power of two, on the planner's path);
+* ``cudnn-padded``: the peer, a padding batcher over the ``torch.nn`` module
+  (cuDNN) with the same tick policy and the same engine machinery: every
+  tick pads its batch to all live streams (the padding rows' states are not
+  written back), as a batcher that pads every active stream's chunk into one
+  batch does.
+
+The load. N streams are live at the start, each at a random point of its
+life; new streams arrive as a Poisson process of rate N / mean life (so N
+stay live on average, Little's law) and are refused when all slots are
+taken (the engine has N + 4 sqrt(N) + 8 slots). A stream's length in chunks
+is exponential with mean ``mean_chunks`` (at least 1). Every stream submits
+a chunk of ``steps`` steps every ``chunk_ms`` (32 ms), at its own phase,
+from one of ``threads`` client threads. Latency is push→pull: from the call
+that queues a chunk to the moment its output is delivered (its future
+completes, when a waiting pull returns), for chunks pushed inside the
+measured window. Throughput counts the chunks delivered in the window.
+
+Before the load, each provider's outputs on one stream of 4 chunks are
+compared with the float64 reference (``--no-refcheck`` skips that). Every
+padded batch size is planned and captured before the load (ours), so no
+first call's tuning falls inside it. The clients are Python threads: their
+own time under the GIL is part of what is measured, as it is for a Python
+server. Not built: a resident mode (a kernel that keeps running between
+ticks and takes inputs from a queue in memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import heapq
+import json
+import math
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PROVIDERS = ("persistrnn", "cudnn-padded")
+REAL_TIME_P99_MS = 10.0
+"""A stream is served in real time while the p99 latency stays at or under this."""
+
+
+@dataclasses.dataclass
+class Settings:
+    seconds: float = 10.0
+    warmup_seconds: float = 2.0
+    chunk_ms: float = 32.0
+    steps: int = 1
+    mean_chunks: float = 100.0
+    threads: int = 8
+    max_pending: int = 8
+    seed: int = 0
+    refcheck: bool = True
+
+
+def parse_model(text: str) -> tuple[str, int, int]:
+    """``lstm:128:1`` -> (cell, hidden size (= input size), layers)."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in ("lstm", "gru") or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+        raise argparse.ArgumentTypeError(f"expected a model as cell:hidden:layers with cell lstm or gru, e.g. "
+                                         f"lstm:128:1, got {text!r}")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+def slots_for(streams: int) -> int:
+    """Slots for an average of ``streams`` live: room for Poisson fluctuations of ~4 standard deviations."""
+    return streams + int(4 * math.sqrt(streams)) + 8
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def _engines(cell: str, hidden: int, layers: int) -> dict[str, Any]:
+    """(torch module, persistrnn module) sharing parameters, on the GPU, in eval mode."""
+    import torch
+
+    import persistrnn
+
+    torch.manual_seed(0)
+    theirs = getattr(torch.nn, cell.upper())(hidden, hidden, num_layers=layers).cuda().eval()
+    return {"cudnn-padded": theirs, "persistrnn": persistrnn.from_torch(theirs)}
+
+
+def _padding_engine_class() -> Any:
+    from ..serve import Engine
+
+    class PaddingEngine(Engine):
+        """The peer's batching: every tick runs one batch as large as the number of live streams."""
+
+        def _padded_size(self, n: int) -> int:
+            return max(n, self.live_streams)
+
+    return PaddingEngine
+
+
+def _make_engine(provider: str, module: Any, slots: int, s: Settings) -> Any:
+    from ..serve import Engine
+
+    if provider == "persistrnn":
+        return Engine(module, slots, max_pending=s.max_pending)
+    return _padding_engine_class()(module, slots, max_pending=s.max_pending, convert=False)
+
+
+def _refcheck(engine: Any, module: Any, steps: int) -> float:
+    """Relative error of one stream's 4 chunks through the engine against the float64 reference."""
+    import copy
+
+    import torch
+
+    x = torch.randn(4 * steps, module.input_size, generator=torch.Generator().manual_seed(1))
+    stream = engine.open()
+    try:
+        for chunk in x.split(steps):
+            stream.push(chunk)
+        got = torch.cat([stream.pull() for _ in range(4)]).double()
+    finally:
+        stream.close()
+    reference = copy.deepcopy(module).cpu().double()
+    with torch.no_grad():
+        want = reference(x.double())[0]
+    return float((got - want).norm() / want.norm())
+
+
+class _Load:
+    """The load generator of one run (see the module docstring)."""
+
+    def __init__(self, engine: Any, streams: int, s: Settings) -> None:
+        import torch
+
+        self.engine, self.streams, self.s = engine, streams, s
+        self.chunk_s = s.chunk_ms / 1000
+        self.rng = random.Random(s.seed)
+        gen = torch.Generator().manual_seed(s.seed)
+        self.inputs = [torch.randn(s.steps, engine.input_size, generator=gen) for _ in range(64)]
+        self.inboxes: list[collections.deque] = [collections.deque() for _ in range(s.threads)]
+        self.latencies: list[float] = []
+        self.delivered = 0
+        self.counts = collections.Counter()
+        self.live_samples: list[int] = []
+        self.lock = threading.Lock()
+        self.measure_from = self.measure_until = 0.0
+        self.stop = threading.Event()
+
+    def life(self) -> int:
+        return max(1, round(self.rng.expovariate(1 / self.s.mean_chunks)))
+
+    def arrive(self, chunks: int, due: float) -> None:
+        try:
+            stream = self.engine.open()
+        except Exception as exc:  # EngineFullError: counted, as a server refusing a call
+            with self.lock:
+                self.counts[f"streams refused ({type(exc).__name__})"] += 1
+            return
+        self.inboxes[stream.number % self.s.threads].append((due, stream.number, stream, chunks))
+
+    def done(self, future: Any, pushed: float) -> None:
+        now = time.perf_counter()
+        if future.cancelled() or future.exception() is not None:
+            if self.stop.is_set():  # cancelled by the close after the load: not a failure of the run
+                return
+            with self.lock:
+                self.counts["chunks failed or cancelled"] += 1
+            return
+        if self.measure_from <= pushed < self.measure_until:
+            with self.lock:  # list.append is atomic, the counter is not
+                self.latencies.append(now - pushed)
+        if self.measure_from <= now < self.measure_until:
+            with self.lock:
+                self.delivered += 1
+
+    def client(self, k: int) -> None:
+        due_heap: list = []
+        inbox = self.inboxes[k]
+        while not self.stop.is_set():
+            while inbox:
+                heapq.heappush(due_heap, inbox.popleft())
+            now = time.perf_counter()
+            if not due_heap or due_heap[0][0] > now:
+                wake = due_heap[0][0] if due_heap else now + 0.001
+                time.sleep(min(max(wake - now, 0.0), 0.001))
+                continue
+            due, number, stream, left = heapq.heappop(due_heap)
+            if left == 0:  # its last chunk was pushed one period ago: the stream leaves
+                stream.close()
+                continue
+            pushed = time.perf_counter()
+            try:
+                future = stream.submit(self.inputs[(number + left) % len(self.inputs)])
+            except Exception as exc:  # EngineFullError: the stream is too far behind
+                with self.lock:
+                    self.counts[f"pushes refused ({type(exc).__name__})"] += 1
+            else:
+                future.add_done_callback(lambda f, pushed=pushed: self.done(f, pushed))
+            heapq.heappush(due_heap, (due + self.chunk_s, number, stream, left - 1))
+
+    def arrivals(self, end: float) -> None:
+        rate = self.streams / (self.s.mean_chunks * self.chunk_s)  # streams per second
+        next_arrival = time.perf_counter() + self.rng.expovariate(rate)
+        next_sample = time.perf_counter()
+        while not self.stop.is_set() and time.perf_counter() < end:
+            now = time.perf_counter()
+            if now >= next_arrival:
+                self.arrive(self.life(), now)
+                next_arrival += self.rng.expovariate(rate)
+                continue
+            if now >= next_sample:
+                self.live_samples.append(self.engine.live_streams)
+                next_sample += 0.1
+            time.sleep(min(next_arrival - now, 0.001))
+
+    def run(self) -> None:
+        s = self.s
+        start = time.perf_counter()
+        for _ in range(self.streams):  # live at the start, each at a random point of its life and phase
+            self.arrive(self.life(), start + self.rng.random() * self.chunk_s)
+        self.measure_from = start + s.warmup_seconds
+        self.measure_until = self.measure_from + s.seconds
+        clients = [threading.Thread(target=self.client, args=(k,), daemon=True) for k in range(s.threads)]
+        for c in clients:
+            c.start()
+        self.arrivals(self.measure_until)
+        self.stop.set()
+        for c in clients:
+            c.join(10.0)
+
+
+def run_case(model: str, streams: int, provider: str, s: Settings) -> dict[str, Any]:
+    cell, hidden, layers = parse_model(model)
+    module = _engines(cell, hidden, layers)[provider]
+    slots = slots_for(streams)
+    row: dict[str, Any] = {"model": model, "streams": streams, "provider": provider, "slots": slots}
+    try:
+        with _make_engine(provider, module, slots, s) as engine:
+            row["rel_error"] = _refcheck(engine, module, s.steps) if s.refcheck else None
+            engine.warm_up(steps=(s.steps,), batches=None if provider == "persistrnn" else (streams, slots))
+            load = _Load(engine, streams, s)
+            ticks, chunks = engine.ticks, engine.chunks_run
+            load.run()
+            ticks, chunks = engine.ticks - ticks, engine.chunks_run - chunks
+    except Exception as exc:  # a provider that fails is a row that says so
+        return {**row, "status": "failed", "note": f"{type(exc).__name__}: {exc}"}
+    lat_ms = [v * 1e3 for v in load.latencies]
+    return {**row, "status": "ok", "note": "",
+            "mean_live": statistics.fmean(load.live_samples) if load.live_samples else None,
+            "chunks_per_s": load.delivered / s.seconds, "measured_chunks": len(lat_ms),
+            "p50_ms": _percentile(lat_ms, 50), "p90_ms": _percentile(lat_ms, 90), "p99_ms": _percentile(lat_ms, 99),
+            "max_ms": max(lat_ms) if lat_ms else None, "mean_batch": chunks / ticks if ticks else None,
+            "counts": dict(load.counts)}
+
+
+def run(models: list[str], streams: list[int], providers: list[str], s: Settings, progress: bool = True,
+        after_case: Any = None) -> dict[str, Any]:
+    from ..progress import track
+    from .environment import environment
+
+    result: dict[str, Any] = {"suite": "serve", "environment": environment(), "settings": dataclasses.asdict(s),
+                              "cases": []}
+    runs = [(m, n, p) for m in models for n in streams for p in providers]
+    for model, n, provider in track(runs, progress, "serving load"):
+        result["cases"].append(run_case(model, n, provider, s))
+        if after_case:
+            after_case(result)
+    return result
+
+
+# ----------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------
+
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def capacity(result: dict[str, Any], model: str, provider: str) -> int | None:
+    """The most live streams of the run held at p99 <= REAL_TIME_P99_MS (None: none was)."""
+    held = [c["streams"] for c in result["cases"] if c["model"] == model and c["provider"] == provider
+            and c["status"] == "ok" and c["p99_ms"] is not None and c["p99_ms"] <= REAL_TIME_P99_MS]
+    return max(held) if held else None
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = ["| model | live streams | provider | mean live | chunks/s | p50 ms | p90 ms | p99 ms | max ms "
+             "| mean batch | p99 of peer / ours | rel. error | refused or failed |", "|" + "---|" * 13]
+    ours = {(c["model"], c["streams"]): c for c in result["cases"] if c["provider"] == "persistrnn"}
+    for c in result["cases"]:
+        head = f"| {c['model']} | {c['streams']} | {c['provider']} "
+        if c["status"] != "ok":
+            lines.append(head + f"| {c['status']}: {c['note']} |" + " |" * 9)
+            continue
+        mine = ours.get((c["model"], c["streams"]), {})
+        ratio = "—"
+        if c["provider"] != "persistrnn" and mine.get("status") == "ok" and mine.get("p99_ms") and c["p99_ms"]:
+            ratio = f"{c['p99_ms'] / mine['p99_ms']:.2f}×"
+        error = "—" if c.get("rel_error") is None else f"{c['rel_error']:.1e}"
+        refused = ", ".join(f"{k}: {v}" for k, v in sorted(c["counts"].items())) or "none"
+        lines.append(head + f"| {_fmt(c['mean_live'], 1)} | {_fmt(c['chunks_per_s'], 0)} | {_fmt(c['p50_ms'])} "
+                     f"| {_fmt(c['p90_ms'])} | {_fmt(c['p99_ms'])} | {_fmt(c['max_ms'])} | {_fmt(c['mean_batch'], 1)} "
+                     f"| {ratio} | {error} | {refused} |")
+    models = list(dict.fromkeys(c["model"] for c in result["cases"]))
+    providers = list(dict.fromkeys(c["provider"] for c in result["cases"]))
+    lines += ["", f"Real-time capacity (the most live streams of this run at p99 ≤ {REAL_TIME_P99_MS:g} ms):"]
+    for model in models:
+        held = ", ".join(f"{p} {capacity(result, model, p) or 'none'}" for p in providers)
+        lines.append(f"- {model}: {held}")
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    from .environment import describe
+
+    s = result["settings"]
+    method = (f"- Method: {s['seconds']} s measured after {s['warmup_seconds']} s of load; a chunk of {s['steps']} "
+              f"step(s) every {s['chunk_ms']} ms per stream; stream lengths exponential, mean {s['mean_chunks']} "
+              f"chunks; Poisson arrivals keeping the live count on average; {s['threads']} client threads; "
+              f"latency from push to delivery. Resident mode: not built.")
+    return (f"# Serving engine under a voice-activity load (`python -m persistrnn bench serve`)\n\n"
+            f"{describe(result['environment'])}\n{method}\n\n{format_table(result)}\n")
+
+
+def plot(result: dict[str, Any], path: Path) -> str | None:
+    """p50 and p99 latency against live streams, one panel per model; None, or why no plot was written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    models = list(dict.fromkeys(c["model"] for c in result["cases"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for provider in dict.fromkeys(c["provider"] for c in result["cases"]):
+            cases = [c for c in result["cases"] if c["model"] == model and c["provider"] == provider
+                     and c["status"] == "ok" and c["p99_ms"] is not None]
+            for key, style in (("p50_ms", "--"), ("p99_ms", "-")):
+                ax.plot([c["streams"] for c in cases], [c[key] for c in cases], style, marker="o",
+                        label=f"{provider} {key[:3]}")
+        ax.set(xscale="log", yscale="log", xlabel="live streams", ylabel="push→pull latency (ms)", title=model)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+def _load_json(path: Path, p: argparse.ArgumentParser) -> dict[str, Any]:
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        p.error(f"--from-json {path}: could not read it ({exc})")
+    if not isinstance(result, dict) or result.get("suite") != "serve" or "cases" not in result:
+        got = result.get("suite") if isinstance(result, dict) else type(result).__name__
+        p.error(f"--from-json {path}: expected a serve result, got {got!r}")
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m persistrnn bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", type=parse_model, default=[parse_model("lstm:128:1"),
+                                                                     parse_model("lstm:256:2")],
+                   help="cell:hidden:layers, input size = hidden (default: lstm:128:1 lstm:256:2)")
+    p.add_argument("--streams", nargs="+", type=int, default=[64, 256, 1000], help="live streams on average")
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--seconds", type=float, default=Settings.seconds, help="measured seconds per run")
+    p.add_argument("--warmup-seconds", type=float, default=Settings.warmup_seconds)
+    p.add_argument("--chunk-ms", type=float, default=Settings.chunk_ms)
+    p.add_argument("--steps", type=int, default=Settings.steps, help="steps per chunk")
+    p.add_argument("--mean-chunks", type=float, default=Settings.mean_chunks, help="mean stream length in chunks")
+    p.add_argument("--threads", type=int, default=Settings.threads, help="client threads")
+    p.add_argument("--seed", type=int, default=Settings.seed)
+    p.add_argument("--no-refcheck", dest="refcheck", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--markdown", type=Path)
+    p.add_argument("--plot", type=Path, help="p50/p99 latency against live streams (needs matplotlib)")
+    p.add_argument("--from-json", type=Path, help="write the table and files of an earlier run's --json instead "
+                                                  "of running (no GPU needed)")
+    return p
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    p = parser()
+    args = p.parse_args(argv)
+    for name in ("streams",):
+        if any(v < 1 for v in getattr(args, name)):
+            p.error(f"--{name}: expected positive integers, got {getattr(args, name)}")
+    for name in ("seconds", "chunk_ms", "mean_chunks", "steps", "threads"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')}: expected a positive number, got {getattr(args, name)}")
+    if args.warmup_seconds < 0:
+        p.error(f"--warmup-seconds: expected a number >= 0, got {args.warmup_seconds}")
+    return args, p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, p = parse(argv)
+    if args.from_json:
+        result = _load_json(args.from_json, p)
+    else:
+        from ..runtime import require_gpu
+
+        require_gpu()
+        settings = Settings(seconds=args.seconds, warmup_seconds=args.warmup_seconds, chunk_ms=args.chunk_ms,
+                            steps=args.steps, mean_chunks=args.mean_chunks, threads=args.threads, seed=args.seed,
+                            refcheck=args.refcheck)
+        models = [f"{c}:{h}:{layers}" for c, h, layers in args.models]
+
+        def save(result: dict[str, Any]) -> None:
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+
+        result = run(models, args.streams, args.providers, settings, progress=args.progress, after_case=save)
+        save(result)
+    if args.markdown:
+        args.markdown.write_text(markdown(result))
+    if args.plot:
+        why = plot(result, args.plot)
+        if why:
+            print(f"no plot: {why}")
+    print(format_table(result))
+    return 0

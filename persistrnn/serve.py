@@ -1,0 +1,689 @@
+"""A serving engine: many live streams share one recurrent model, batched step by step.
+
+``Engine(model, max_streams)`` holds the states of up to ``max_streams``
+streams as rows ("slots") of one state tensor on the model's device. A client
+opens a stream, pushes chunks of input and pulls their outputs::
+
+    with persistrnn.serve.Engine(lstm.cuda().eval(), max_streams=1000) as engine:
+        stream = engine.open()             # EngineFullError when every slot is taken
+        stream.push(features)              # (T, I) or (I,); EngineFullError past max_pending unpulled
+        y = stream.pull(timeout=1.0)       # that chunk's output: (T, H) or (H,)
+        stream.close()                     # the slot is free for the next stream
+
+**Continuous (cellular) batching.** One worker thread per engine runs ticks.
+A tick takes the oldest queued chunk of every stream that has one, gathers
+those streams' states (``index_select`` on the slot rows), runs the model's
+own forward on the gathered batch with those states, and scatters the new
+states back (``index_copy_``). Streams join free slots and leave at step
+boundaries; a slot without input is not in the batch, so it does not
+advance. There is no batching window: a tick starts as soon as the previous
+one ends and some stream has input, so a chunk waits at most one tick
+before it runs. Chunks of different lengths pending in one tick run as one
+batch per length (in the same tick), so every batch is one rectangular call
+of the model: no step of a stream is padded.
+
+On CUDA, each batch is padded to the next power of two (at most
+``max_streams``) with rows of a spare slot whose results are dropped: the
+model's forward is captured once per input shape (one CUDA graph per batch
+size), and the planner keeps one plan per power-of-two batch already, so
+these few shapes are all an engine runs. ``warm_up`` plans and captures them
+before traffic arrives. The worker runs on a CUDA stream of its own; chunks
+on the host are stacked into one pinned buffer and copied once per batch, and
+outputs come back the same way. A pulled output is ready (the worker waits
+for the batch's event, polling with a bound, before delivering it) and lives
+where its chunk came from: on the host for a host chunk, on the engine's
+device for a device chunk.
+
+**Threads and locks.** Any number of client threads may open, push, pull and
+close. One lock per engine guards every queue and slot; clients hold it only
+to queue or take a chunk, the worker only to form a tick and to settle it,
+never while the model runs or while it waits for the device. Pulls wait on
+the chunk's ``concurrent.futures.Future``, outside the lock.
+
+**Limits.** Every wait is bounded: ``pull(timeout=None)``, ``close`` and
+``warm_up`` wait at most the engine's ``timeout``; the worker waits at most
+that long for the device. A stream may hold at most ``max_pending`` chunks
+that were pushed and not yet pulled (or submitted and not yet run);
+``push(chunk, timeout=0.0)`` waits up to ``timeout`` for room, then raises
+:class:`~persistrnn.errors.EngineFullError`. A stream whose client stops
+pulling only fills its own queue; the others run on.
+
+**Errors.** An exception of the model in a tick is set on every chunk of
+that tick (a pull raises it) and on every chunk those streams queued after
+it; those streams are failed (their state missed a chunk) and refuse further
+pushes until closed. A closed stream refuses pushes with
+:class:`~persistrnn.errors.ArgumentError`. Closing a stream or the engine
+cancels the chunks that have not run: their pulls raise
+``concurrent.futures.CancelledError`` saying so. A pull that times out raises
+``TimeoutError`` and leaves the chunk to a later pull. ``Engine.close`` (also
+on leaving a ``with`` block and at interpreter exit) stops the worker.
+
+Not built: a resident mode, where the persistent kernel keeps running
+between ticks and reads new inputs from a queue in memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+from .errors import ArgumentError, ArgumentTypeError, EngineFullError, InputShapeError, InputTypeError
+
+__all__ = ["Engine", "Stream"]
+
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    """Stops every engine still open when the interpreter exits (workers are
+    daemon threads: the interpreter would not wait for them)."""
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.close()
+        except TimeoutError as exc:  # the process is ending: say so, and let the daemon worker die with it
+            logging.getLogger("persistrnn").warning("closing %r at exit: %s", engine, exc)
+
+
+def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a future's outcome unless it already has one (a close that gave up
+    on the worker may have failed it first)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class _Chunk:
+    """One pushed chunk: its input (T, I), whether it came as (I,), and the future of its output."""
+
+    __slots__ = ("stream", "x", "single_step", "ready", "future", "for_pull")
+
+    def __init__(self, stream: "Stream", x: torch.Tensor, single_step: bool, ready: Any, for_pull: bool) -> None:
+        self.stream, self.x, self.single_step, self.ready, self.for_pull = stream, x, single_step, ready, for_pull
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+
+class Stream:
+    """One client's sequence in an :class:`Engine` (made by :meth:`Engine.open`)."""
+
+    def __init__(self, engine: "Engine", slot: int, number: int) -> None:
+        self.engine = engine
+        self.slot = slot
+        self.number = number
+        self._queued: collections.deque[_Chunk] = collections.deque()  # not yet taken by a tick
+        self._unpulled: collections.deque[concurrent.futures.Future] = collections.deque()
+        self._held = 0  # chunks counted against max_pending
+        self._in_tick = False
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._changed = threading.Condition(engine._lock)  # a push, a pull, a chunk done, or a close
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "failed" if self._failure else "open"
+        return f"Stream({self.number}, slot {self.slot}, {state})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def push(self, chunk: torch.Tensor, timeout: float = 0.0) -> None:
+        """Queue ``chunk`` ((T, I) or (I,)) for :meth:`pull`. Waits up to
+        ``timeout`` seconds while the stream holds ``max_pending`` unpulled
+        chunks, then raises :class:`~persistrnn.errors.EngineFullError`."""
+        self._queue(chunk, timeout, for_pull=True)
+
+    def submit(self, chunk: torch.Tensor, timeout: float = 0.0) -> concurrent.futures.Future:
+        """Queue ``chunk`` and return the future of its output instead of
+        keeping it for :meth:`pull`; it counts against ``max_pending`` until it
+        has run. A device output belongs to the engine's CUDA stream: call
+        ``out.record_stream(torch.cuda.current_stream())`` before using it on
+        another (``pull`` does this). Cancelling the future before its tick
+        skips the chunk (the state does not advance)."""
+        return self._queue(chunk, timeout, for_pull=False).future
+
+    def _queue(self, chunk: torch.Tensor, timeout: float, for_pull: bool) -> _Chunk:
+        engine = self.engine
+        x, single_step, ready = engine._chunk_input(chunk)
+        deadline = time.monotonic() + timeout
+        with engine._lock:
+            while True:
+                self._check_open("push")
+                if self._held < engine.max_pending:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EngineFullError(
+                        f"push: stream {self.number} holds {self._held} chunks that were not pulled (or submitted "
+                        f"and not run); expected fewer than max_pending={engine.max_pending} (waited {timeout} s)")
+                self._changed.wait(remaining)
+            item = _Chunk(self, x, single_step, ready, for_pull)
+            self._held += 1
+            self._queued.append(item)
+            if for_pull:
+                self._unpulled.append(item.future)
+            if not self._in_tick and self not in engine._ready:
+                engine._ready[self] = None
+                engine._wake.notify()
+            self._changed.notify_all()
+        return item
+
+    def _check_open(self, what: str) -> None:
+        if self._failure is not None:
+            raise ArgumentError(f"{what}: expected a stream that can run, got stream {self.number} failed by "
+                                f"{self._failure!r}; close it and open another") from self._failure
+        if self._closed:
+            raise ArgumentError(f"{what}: expected an open stream, got stream {self.number} closed")
+
+    def pull(self, timeout: float | None = None) -> torch.Tensor:
+        """The output of the oldest pushed chunk not yet pulled: (T, H) for a
+        (T, I) chunk, (H,) for an (I,) one. Waits at most ``timeout`` seconds
+        (None: the engine's ``timeout``) for the chunk to be pushed and run,
+        then raises ``TimeoutError`` and leaves the chunk to a later pull.
+        Raises the model's error if the chunk's tick failed, and
+        ``concurrent.futures.CancelledError`` if a close cancelled it."""
+        engine = self.engine
+        timeout = engine.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with engine._lock:
+            while not self._unpulled:
+                if self._closed or self._failure is not None:
+                    raise ArgumentError(f"pull: expected a pushed chunk not yet pulled, got none left in stream "
+                                        f"{self.number}, {'failed' if self._failure else 'closed'}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"pull: no chunk was pushed to stream {self.number} within {timeout} s")
+                self._changed.wait(remaining)
+            future = self._unpulled.popleft()
+        try:
+            out = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError as exc:
+            if not (future.done() and future.exception() is exc):  # the wait ran out, not the chunk's own error
+                with engine._lock:
+                    self._unpulled.appendleft(future)
+                raise TimeoutError(f"pull: stream {self.number}'s chunk did not run within {timeout} s") from None
+            self._pulled()
+            raise
+        except Exception:
+            self._pulled()
+            raise
+        self._pulled()
+        if out.is_cuda:
+            out.record_stream(torch.cuda.current_stream(out.device))
+        return out
+
+    def _pulled(self) -> None:
+        with self.engine._lock:
+            self._held -= 1
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Free the slot: chunks that have not run are cancelled (a chunk in
+        the running tick completes, and outputs already made can still be
+        pulled); later pushes raise. Closing twice does nothing."""
+        with self.engine._lock:
+            cancelled = self.engine._close_stream(self, "the stream was closed")
+        for future, error in cancelled:
+            _settle(future, error=error)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Engine:
+    """Serves up to ``max_streams`` streams of ``model`` (a persistrnn or
+    ``torch.nn`` LSTM/GRU/RNN, unidirectional; a torch module is converted
+    with :func:`persistrnn.from_torch`, sharing its parameters, unless
+    ``convert=False``, which runs torch's implementation). See the module
+    docstring for the tick policy, threads and limits.
+
+    ``max_pending``: chunks one stream may hold unpulled. ``timeout``: the
+    bound, in seconds, of every wait that is not given one (pulls, closing,
+    warm-up, and the worker's wait for the device)."""
+
+    def __init__(self, model: torch.nn.Module, max_streams: int, *, max_pending: int = 8,
+                 timeout: float = 30.0, convert: bool = True) -> None:
+        from .nn import _Persistent, from_torch
+
+        if not isinstance(model, torch.nn.RNNBase):
+            raise ArgumentTypeError(f"Engine: expected a persistrnn or torch.nn LSTM, GRU or RNN, got "
+                                    f"{type(model).__name__}")
+        if convert and not isinstance(model, _Persistent):
+            model = from_torch(model)
+        if model.bidirectional:
+            raise ArgumentError("Engine: expected a unidirectional model, got bidirectional=True (the reverse "
+                                "direction needs a stream's whole sequence)")
+        if model.training and model.dropout > 0 and model.num_layers > 1:
+            raise ArgumentError(f"Engine: expected a model in eval mode, got one in training mode with dropout "
+                                f"{model.dropout} between layers (call model.eval())")
+        for name, value, low in (("max_streams", max_streams, 1), ("max_pending", max_pending, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ArgumentError(f"Engine: expected a positive int {name}, got {value!r}")
+        if not timeout > 0:
+            raise ArgumentError(f"Engine: expected a positive timeout in seconds, got {timeout!r}")
+        self.model = model
+        self.max_streams = max_streams
+        self.max_pending = max_pending
+        self.timeout = float(timeout)
+        weight = model.weight_hh_l0
+        self.device, self.dtype = weight.device, weight.dtype
+        self.input_size = model.input_size
+        self.output_size = getattr(model, "proj_size", 0) or model.hidden_size
+        self._has_cell_state = isinstance(model, torch.nn.LSTM)
+        # One row per slot, and a spare last row: the padding rows of a batch read it, and nothing is written back.
+        self._h = weight.new_zeros(model.num_layers, max_streams + 1, self.output_size)
+        self._c = weight.new_zeros(model.num_layers, max_streams + 1, model.hidden_size) \
+            if self._has_cell_state else None
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the worker's alone: input queued, a call, or closing
+        self._settled = threading.Condition(self._lock)  # a tick settled (a draining close waits on it)
+        self._free_slots = collections.deque(range(max_streams))
+        self._streams: dict[int, Stream] = {}  # by slot
+        self._ready: dict[Stream, None] = {}  # streams with queued input and none in the running tick
+        self._fresh_slots: list[int] = []  # slots of new streams, zeroed by the worker before their first tick
+        self._calls: collections.deque[tuple[Any, concurrent.futures.Future]] = collections.deque()
+        self._in_tick: list[_Chunk] = []
+        self._numbers = itertools.count()
+        self._closing = False
+        self._failure: BaseException | None = None
+        self.ticks = 0  # ticks run, and chunks run in them: chunks_run / ticks is the mean batch
+        self.chunks_run = 0
+
+        self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._worker = threading.Thread(target=self._serve, name=f"persistrnn-engine-{id(self):x}", daemon=True)
+        self._worker.start()
+        _LIVE_ENGINES.add(self)
+
+    def __repr__(self) -> str:
+        return (f"Engine({type(self.model).__name__}, {len(self._streams)}/{self.max_streams} streams, "
+                f"{'closed' if self._closing else 'running'})")
+
+    @property
+    def live_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- clients -----------------------------------------------------------------
+
+    def open(self) -> Stream:
+        """A new stream in a free slot, starting from zero states. Raises
+        :class:`~persistrnn.errors.EngineFullError` when all ``max_streams``
+        slots are taken."""
+        with self._lock:
+            self._check_running("open")
+            if not self._free_slots:
+                raise EngineFullError(f"open: expected a free slot, got all {self.max_streams} slots taken by live "
+                                      "streams (close one, or make the engine with a larger max_streams)")
+            slot = self._free_slots.popleft()
+            stream = self._streams[slot] = Stream(self, slot, next(self._numbers))
+            self._fresh_slots.append(slot)
+        return stream
+
+    def _check_running(self, what: str) -> None:
+        if self._failure is not None:
+            raise ArgumentError(f"{what}: expected a running engine, got one stopped by {self._failure!r}") \
+                from self._failure
+        if self._closing:
+            raise ArgumentError(f"{what}: expected a running engine, got a closed one")
+
+    def _chunk_input(self, chunk: Any) -> tuple[torch.Tensor, bool, Any]:
+        """(the chunk as a private (T, I) copy in the engine's dtype, whether it
+        came as (I,), and for a device chunk the event its copy is ready at)."""
+        if not isinstance(chunk, torch.Tensor):
+            raise InputTypeError(f"push: expected a chunk tensor, got {type(chunk).__name__}")
+        if chunk.dim() not in (1, 2) or chunk.shape[-1] != self.input_size or chunk.dim() == 2 and chunk.shape[0] < 1:
+            raise InputShapeError(f"push: expected a chunk of shape (T, {self.input_size}) with T >= 1 or "
+                                  f"({self.input_size},), got {tuple(chunk.shape)}")
+        if not chunk.is_floating_point():
+            raise InputShapeError(f"push: expected a floating-point chunk, got {chunk.dtype}")
+        if chunk.device.type != "cpu" and chunk.device != self.device:
+            raise InputShapeError(f"push: expected a chunk on the host or on {self.device}, got one on {chunk.device}")
+        # A copy, so that the client may reuse its buffer at once.
+        x = chunk.detach().to(self.dtype, copy=True)
+        ready = None
+        if x.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(x.device))
+        return (x[None] if chunk.dim() == 1 else x), chunk.dim() == 1, ready
+
+    def warm_up(self, steps: Iterable[int] = (1,), batches: Iterable[int] | None = None) -> None:
+        """Plan and capture the forward for chunks of each length in ``steps``
+        at each batch size the engine runs (default: every padded batch size),
+        on the spare slot, before traffic arrives (a first call of a new shape
+        plans, ~2-4 s). Waits at most ``timeout`` per shape. On the host it
+        does nothing unless ``batches`` are given (torch's implementation
+        plans nothing)."""
+        if batches is None and self.device.type != "cuda":
+            return
+        sizes = list(self._batch_sizes() if batches is None else batches)
+        for T in steps:
+            for size in sizes:
+                self._call_in_worker(lambda T=T, size=size: self._warm_shape(T, size))
+
+    def _warm_shape(self, T: int, size: int) -> None:
+        x = self._h.new_zeros(T, size, self.input_size)
+        spare = torch.full((size,), self.max_streams, dtype=torch.long, device=self.device)
+        self._forward(x, spare)
+        self._wait_device()
+
+    def _call_in_worker(self, fn: Any) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._check_running("warm_up")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the engine's worker did not finish a call within {self.timeout} s") from None
+
+    # ---- closing -----------------------------------------------------------------
+
+    def close(self, cancel: bool = True) -> None:
+        """Stop the worker: chunks that have not run are cancelled (their
+        pulls raise ``CancelledError``), the running tick completes, and the
+        worker ends within ``timeout``; if it does not (the device stopped
+        answering), the running tick's chunks fail with ``TimeoutError``.
+        ``cancel=False`` first lets the queued chunks run (up to
+        ``timeout``). Closing twice does nothing."""
+        if not cancel:
+            self._drain()
+        settle = []
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            for stream in list(self._streams.values()):
+                settle += self._close_stream(stream, "the engine was closed")
+            for _, future in self._calls:
+                settle.append((future, concurrent.futures.CancelledError("the engine was closed before this call")))
+            self._calls.clear()
+            self._wake.notify_all()
+        for future, error in settle:
+            _settle(future, error=error)
+        _LIVE_ENGINES.discard(self)
+        if threading.current_thread() is self._worker:  # a done-callback closing the engine
+            return
+        self._worker.join(self.timeout + 1.0)
+        if self._worker.is_alive():
+            with self._lock:
+                stuck = list(self._in_tick)
+            for chunk in stuck:
+                _settle(chunk.future, error=TimeoutError(f"the engine closed and its worker did not finish the "
+                                                         f"running tick within {self.timeout} s"))
+            raise TimeoutError(f"Engine.close: the worker did not stop within {self.timeout} s")
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while self._ready or self._in_tick:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._failure is not None:
+                    break
+                self._settled.wait(min(remaining, 0.01))
+
+    def _close_stream(self, stream: Stream, why: str) -> list[tuple[concurrent.futures.Future, BaseException]]:
+        """Under the lock: mark ``stream`` closed, free its slot unless a tick
+        holds it, and return its queued chunks' futures with the error to set
+        on them (set outside the lock)."""
+        if stream._closed:
+            return []
+        stream._closed = True
+        cancelled = []
+        for chunk in stream._queued:
+            error = concurrent.futures.CancelledError(f"stream {stream.number}: {why} before this chunk ran")
+            cancelled.append((chunk.future, error))
+            if not chunk.for_pull:
+                stream._held -= 1
+        stream._queued.clear()
+        self._ready.pop(stream, None)
+        if not stream._in_tick:
+            self._release_slot(stream)
+        stream._changed.notify_all()
+        return cancelled
+
+    def _release_slot(self, stream: Stream) -> None:
+        if self._streams.get(stream.slot) is stream:
+            del self._streams[stream.slot]
+            self._free_slots.append(stream.slot)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- the worker ----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            if self._cuda_stream is not None:
+                torch.cuda.set_device(self.device)
+                torch.cuda.set_stream(self._cuda_stream)
+            with torch.no_grad():
+                while self._tick():
+                    pass
+        except Exception as exc:  # whatever stops the worker is delivered to the waiting pulls
+            self._stop(exc)
+
+    def _tick(self) -> bool:
+        """One tick; False when the engine is closing and nothing is left."""
+        with self._lock:
+            while not (self._ready or self._calls or self._closing):
+                self._wake.wait(self.timeout)
+            if self._closing:
+                return False
+            calls = list(self._calls)
+            self._calls.clear()
+            fresh, self._fresh_slots = self._fresh_slots, []
+            chunks = self._take_chunks()
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                _settle(future, error=exc)
+        if fresh:
+            index = torch.tensor(fresh, dtype=torch.long).to(self.device)
+            for state in (self._h, self._c) if self._c is not None else (self._h,):
+                state.index_fill_(1, index, 0)
+        if not chunks:
+            return True
+        outcomes: list[tuple[_Chunk, Any, BaseException | None]] = []
+        by_steps: dict[int, list[_Chunk]] = {}
+        for chunk in chunks:
+            by_steps.setdefault(chunk.x.shape[0], []).append(chunk)
+        stalled = None
+        for group in by_steps.values():
+            try:
+                outputs = self._run_batch(group)
+            except Exception as exc:
+                outcomes += [(chunk, None, exc) for chunk in group]
+                if isinstance(exc, _DeviceStalled):
+                    stalled = exc
+            else:
+                outcomes += [(chunk, out, None) for chunk, out in zip(group, outputs)]
+        self._settle_tick(outcomes)
+        if stalled is not None:
+            raise stalled
+        return True
+
+    def _take_chunks(self) -> list[_Chunk]:
+        """Under the lock: the oldest queued chunk of every ready stream (a
+        future cancelled by its client is skipped: its stream does not advance)."""
+        chunks = []
+        for stream in self._ready:
+            while stream._queued:
+                chunk = stream._queued.popleft()
+                if chunk.future.set_running_or_notify_cancel():
+                    stream._in_tick = True
+                    chunks.append(chunk)
+                    break
+                stream._held -= 1
+                stream._changed.notify_all()
+        self._ready.clear()
+        self._in_tick = chunks
+        return chunks
+
+    def _settle_tick(self, outcomes: list[tuple[_Chunk, Any, BaseException | None]]) -> None:
+        settle = []
+        with self._lock:
+            self.ticks += 1
+            for chunk, out, error in outcomes:
+                stream = chunk.stream
+                stream._in_tick = False
+                settle.append((chunk.future, out, error))
+                if not chunk.for_pull:
+                    stream._held -= 1
+                if error is not None and stream._failure is None:
+                    stream._failure = error
+                    for later in stream._queued:
+                        settle.append((later.future, None, error))
+                        if not later.for_pull:
+                            stream._held -= 1
+                    stream._queued.clear()
+                if error is None:
+                    self.chunks_run += 1
+                if stream._closed:
+                    self._release_slot(stream)
+                elif stream._queued:
+                    self._ready[stream] = None
+                stream._changed.notify_all()
+            self._in_tick = []
+            self._settled.notify_all()
+        for future, out, error in settle:
+            _settle(future, out, error)
+
+    def _stop(self, error: BaseException) -> None:
+        """The worker failed outside a model call: every queued and running
+        chunk gets the error, and the engine refuses new work."""
+        settle = []
+        with self._lock:
+            self._failure = error
+            for chunk in self._in_tick:
+                settle.append(chunk.future)
+            for stream in self._streams.values():
+                stream._failure = stream._failure or error
+                settle += [chunk.future for chunk in stream._queued]
+                stream._queued.clear()
+                stream._changed.notify_all()
+            settle += [future for _, future in self._calls]
+            self._calls.clear()
+            self._ready.clear()
+        for future in settle:
+            _settle(future, error=error)
+        _LIVE_ENGINES.discard(self)
+
+    # ---- one batch -------------------------------------------------------------------
+
+    def _batch_sizes(self) -> list[int]:
+        """Every batch size :meth:`_padded_size` gives."""
+        return sorted({self._padded_size(n) for n in range(1, self.max_streams + 1)})
+
+    def _padded_size(self, n: int) -> int:
+        """The batch ``n`` chunks run as: the next power of two on CUDA (one
+        captured forward and one plan per size), ``n`` on the host."""
+        if self.device.type != "cuda":
+            return n
+        return min(1 << (n - 1).bit_length(), self.max_streams)
+
+    def _run_batch(self, chunks: list[_Chunk]) -> list[torch.Tensor]:
+        """The outputs of ``chunks`` (all of one length), ready where each came from."""
+        n = len(chunks)
+        size = self._padded_size(n)
+        on_host = [c for c in chunks if not c.x.is_cuda]
+        on_device = [c for c in chunks if c.x.is_cuda]
+        order = on_host + on_device  # batch rows: host chunks, device chunks, then padding
+        slots = [c.stream.slot for c in order] + [self.max_streams] * (size - n)
+        T = chunks[0].x.shape[0]
+        if self.device.type != "cuda":
+            x = torch.stack([c.x for c in order], 1)
+            if size > n:
+                x = torch.cat([x, x.new_zeros(T, size - n, self.input_size)], 1)
+            index = torch.tensor(slots, dtype=torch.long)
+        else:
+            x = self._device_input(on_host, on_device, size, T)
+            index = torch.tensor(slots, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        out = self._forward(x, index, n)  # (T, size, H)
+        if self.device.type != "cuda":
+            return self._in_order(chunks, order, [out[:, row] for row in range(n)])
+        rows = out.transpose(0, 1)
+        outputs = []
+        if on_host:
+            host = torch.empty((len(on_host), T, self.output_size), dtype=out.dtype, pin_memory=True)
+            host.copy_(rows[:len(on_host)], non_blocking=True)
+            outputs += list(host.unbind(0))
+        if on_device:
+            outputs += list(rows[len(on_host):n].contiguous().unbind(0))
+        self._wait_device()
+        return self._in_order(chunks, order, outputs)
+
+    @staticmethod
+    def _in_order(chunks: list[_Chunk], order: list[_Chunk], outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        by_chunk = {id(c): (out[0] if c.single_step else out) for c, out in zip(order, outputs)}
+        return [by_chunk[id(c)] for c in chunks]
+
+    def _device_input(self, on_host: list[_Chunk], on_device: list[_Chunk], size: int, T: int) -> torch.Tensor:
+        """(T, size, I) on the device: host chunks stacked into one pinned
+        buffer and copied at once, device chunks stacked there, zero padding."""
+        parts = []
+        if on_host:
+            staged = torch.empty((len(on_host), T, self.input_size), dtype=self.dtype, pin_memory=True)
+            torch.stack([c.x for c in on_host], 0, out=staged)
+            parts.append(staged.to(self.device, non_blocking=True))
+        if on_device:
+            stream = torch.cuda.current_stream(self.device)
+            for c in on_device:
+                stream.wait_event(c.ready)
+            parts.append(torch.stack([c.x for c in on_device], 0))
+        padding = size - len(on_host) - len(on_device)
+        if padding:
+            parts.append(torch.zeros((padding, T, self.input_size), dtype=self.dtype, device=self.device))
+        return (torch.cat(parts, 0) if len(parts) > 1 else parts[0]).transpose(0, 1)
+
+    def _forward(self, x: torch.Tensor, index: torch.Tensor, keep: int = 0) -> torch.Tensor:
+        """Run the model on ``x`` (T, B, I) from the states of slots ``index``
+        (B,), write the new states of the first ``keep`` rows back, and return
+        the output (T, B, H)."""
+        h0 = self._h.index_select(1, index)
+        hx = (h0, self._c.index_select(1, index)) if self._c is not None else h0
+        model_input = x.transpose(0, 1) if self.model.batch_first else x
+        out, state = self.model(model_input, hx)
+        if keep:
+            h_n, c_n = state if self._c is not None else (state, None)
+            self._h.index_copy_(1, index[:keep], h_n[:, :keep])
+            if c_n is not None:
+                self._c.index_copy_(1, index[:keep], c_n[:, :keep])
+        return out.transpose(0, 1) if self.model.batch_first else out
+
+    def _wait_device(self) -> None:
+        """Wait for the worker's CUDA stream, polling so that the wait is
+        bounded (a blocking synchronise has no timeout)."""
+        if self._cuda_stream is None:
+            return
+        done = torch.cuda.Event()
+        done.record(self._cuda_stream)
+        deadline = time.monotonic() + self.timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise _DeviceStalled(f"the engine's batch did not finish on {self.device} within {self.timeout} s")
+            time.sleep(0)  # lets client threads run while the batch finishes
+
+
+class _DeviceStalled(TimeoutError):
+    """The device did not finish a batch within the engine's timeout: the
+    engine stops, since every later batch would wait as long."""

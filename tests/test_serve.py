@@ -1,0 +1,545 @@
+"""The serving engine (persistrnn.serve): every stream's outputs equal running
+that stream alone through the module, under random arrival and departure
+from many client threads; back-pressure, closing and errors never hang.
+
+The CPU tests run the module's torch implementation; the ``gpu`` tests run the
+same checks on CUDA, where batches are padded to powers of two and the
+forward is the planner's path."""
+
+import concurrent.futures
+import dataclasses
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import persistrnn
+from persistrnn import serve
+from persistrnn.errors import ArgumentError, ArgumentTypeError, EngineFullError, InputShapeError, InputTypeError
+
+TOLERANCES = {"cpu": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=1e-5, atol=2e-6)}
+"""fp32 rounding: a stream's rows in a batch and the same stream alone go
+through GEMMs of different shapes, which sum in different orders."""
+
+WAIT = 20.0  # seconds: a bound on every wait of a test, far above what a passing test takes
+
+
+def make_model(cell: str, input_size: int = 7, hidden: int = 13, layers: int = 2, **kw):
+    torch.manual_seed(0)
+    if cell == "lstm":
+        return persistrnn.LSTM(input_size, hidden, num_layers=layers, **kw).eval()
+    if cell == "gru":
+        return persistrnn.GRU(input_size, hidden, num_layers=layers, **kw).eval()
+    if cell == "gru_reset_before":
+        return persistrnn.GRU(input_size, hidden, num_layers=layers, reset_after=False, **kw).eval()
+    return persistrnn.RNN(input_size, hidden, num_layers=layers, **kw).eval()
+
+
+def alone(model, chunks):
+    """The stream run alone through the module: all its steps in one call."""
+    steps = torch.cat([c if c.dim() == 2 else c[None] for c in chunks])
+    with torch.no_grad():
+        return model(steps.to(model.weight_hh_l0.device))[0].cpu()
+
+
+def random_streams(rng: random.Random, count: int, input_size: int, lengths=(1, 3), max_chunks: int = 12):
+    """``count`` streams of 1..max_chunks chunks; each chunk (T, I) with T
+    from ``lengths``, or (I,) (one step, unbatched) now and then."""
+    streams = []
+    for _ in range(count):
+        chunks = []
+        for _ in range(rng.randint(1, max_chunks)):
+            T = rng.choice(lengths)
+            chunks.append(torch.randn(input_size) if T == 1 and rng.random() < 0.3 else torch.randn(T, input_size))
+        streams.append(chunks)
+    return streams
+
+
+def open_waiting(engine, deadline):
+    """Open a stream, waiting (bounded) while the engine is full."""
+    while True:
+        try:
+            return engine.open()
+        except EngineFullError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
+
+
+def serve_clients(engine, streams, threads: int, seed: int, to_device=None):
+    """Serve ``streams`` from ``threads`` client threads: each opens its
+    streams as slots free up, pushes and pulls in a random interleaving (or
+    submits and waits on futures), and closes; returns each stream's outputs."""
+    outputs = [None] * len(streams)
+    deadline = time.monotonic() + WAIT
+    errors = []
+
+    def client(k: int) -> None:
+        rng = random.Random(seed + k)
+        try:
+            for i in range(k, len(streams), threads):
+                chunks = streams[i] if to_device is None else [c.to(to_device) for c in streams[i]]
+                stream = open_waiting(engine, deadline)
+                got = []
+                if rng.random() < 0.25:  # futures instead of pulls
+                    futures = [stream.submit(c, timeout=WAIT) for c in chunks]
+                    got = [f.result(timeout=WAIT) for f in futures]
+                else:
+                    pushed = 0
+                    while len(got) < len(chunks):
+                        ahead = pushed - len(got)
+                        if pushed < len(chunks) and ahead < engine.max_pending and (ahead == 0 or rng.random() < 0.6):
+                            stream.push(chunks[pushed])
+                            pushed += 1
+                        else:
+                            got.append(stream.pull(timeout=WAIT))
+                stream.close()
+                outputs[i] = got
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(WAIT + 5)
+    assert not any(w.is_alive() for w in workers), "a client thread did not finish"
+    if errors:
+        raise errors[0]
+    return outputs
+
+
+def serve_interleaved(engine, streams, threads: int, seed: int):
+    """Many streams live at once: each client thread holds its share of
+    ``streams`` open together, each joining at a random round and leaving
+    after its last chunk; every round it pushes one chunk to each of its
+    live streams, then pulls them all. Returns each stream's outputs."""
+    outputs = [[] for _ in streams]
+    errors = []
+
+    def client(k: int) -> None:
+        rng = random.Random(seed + k)
+        mine = list(range(k, len(streams), threads))
+        joins = {i: rng.randrange(4) for i in mine}
+        live = {}
+        try:
+            for round_ in range(max(joins[i] + len(streams[i]) for i in mine) if mine else 0):
+                for i in mine:
+                    if joins[i] == round_:
+                        live[i] = engine.open()
+                for i, stream in live.items():
+                    stream.push(streams[i][round_ - joins[i]])
+                for i, stream in list(live.items()):
+                    outputs[i].append(stream.pull(timeout=WAIT))
+                    if len(outputs[i]) == len(streams[i]):
+                        stream.close()
+                        del live[i]
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(WAIT + 5)
+    assert not any(w.is_alive() for w in workers), "a client thread did not finish"
+    if errors:
+        raise errors[0]
+    return outputs
+
+
+def check_outputs(model, streams, outputs, tolerance):
+    for i, (chunks, got) in enumerate(zip(streams, outputs)):
+        assert len(got) == len(chunks)
+        for chunk, out in zip(chunks, got):  # each output has its chunk's shape: (T, H) or (H,)
+            assert out.shape == (*chunk.shape[:-1], model.hidden_size), (i, chunk.shape, out.shape)
+        joined = torch.cat([o.cpu() if o.dim() == 2 else o.cpu()[None] for o in got])
+        torch.testing.assert_close(joined, alone(model, chunks), **tolerance, msg=lambda m, i=i: f"stream {i}: {m}")
+
+
+# ---- outputs under random arrival and departure ------------------------------------------
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "gru_reset_before", "rnn_tanh"])
+def test_every_stream_equals_running_it_alone_under_random_arrival_and_departure(cell):
+    model = make_model(cell)
+    streams = random_streams(random.Random(1), count=48, input_size=7)
+    # 6 slots for 48 streams: slots are reused many times, so a new stream's state must start from zero
+    with serve.Engine(model, max_streams=6, max_pending=3, timeout=WAIT) as engine:
+        outputs = serve_clients(engine, streams, threads=8, seed=2)
+        assert engine.live_streams == 0
+        assert engine.chunks_run == sum(len(s) for s in streams)
+        assert engine.chunks_run > engine.ticks  # chunks of several streams did share ticks
+    check_outputs(model, streams, outputs, TOLERANCES["cpu"])
+
+
+def test_hundreds_of_streams_live_at_once_from_eight_threads():
+    model = make_model("lstm", input_size=5, hidden=8, layers=1)
+    streams = random_streams(random.Random(18), count=240, input_size=5, lengths=(1, 2), max_chunks=6)
+    with serve.Engine(model, max_streams=240, max_pending=2) as engine:
+        outputs = serve_interleaved(engine, streams, threads=8, seed=19)
+        assert engine.chunks_run / engine.ticks > 8  # the live streams did share ticks
+    check_outputs(model, streams, outputs, TOLERANCES["cpu"])
+
+
+def test_a_torch_module_is_converted_and_batch_first_and_one_layer_work():
+    torch.manual_seed(3)
+    lstm = torch.nn.LSTM(5, 9, batch_first=True)
+    streams = random_streams(random.Random(4), count=10, input_size=5, lengths=(1, 2, 5))
+    with serve.Engine(lstm, max_streams=4) as engine:
+        assert isinstance(engine.model, persistrnn.LSTM) and engine.model.weight_hh_l0 is lstm.weight_hh_l0
+        outputs = serve_clients(engine, streams, threads=3, seed=5)
+    with torch.no_grad():
+        for chunks, got in zip(streams, outputs):  # alone, through torch's own batch_first module
+            steps = torch.cat([c if c.dim() == 2 else c[None] for c in chunks])
+            want = lstm(steps[None])[0][0]
+            torch.testing.assert_close(torch.cat([o if o.dim() == 2 else o[None] for o in got]), want,
+                                       **TOLERANCES["cpu"])
+
+
+def test_a_slot_without_input_does_not_advance():
+    model = make_model("gru", layers=1)
+    with serve.Engine(model, max_streams=2) as engine:
+        idle, busy = engine.open(), engine.open()
+        first = torch.randn(2, 7)
+        idle.push(first)
+        idle.pull(timeout=WAIT)
+        for _ in range(20):  # the other slot runs 20 ticks
+            busy.push(torch.randn(1, 7))
+            busy.pull(timeout=WAIT)
+        second = torch.randn(3, 7)
+        idle.push(second)
+        got = idle.pull(timeout=WAIT)
+    torch.testing.assert_close(got, alone(model, [first, second])[2:], **TOLERANCES["cpu"])
+
+
+# ---- limits and back-pressure ----------------------------------------------------------------
+
+def test_a_full_engine_refuses_a_new_stream_and_takes_one_when_a_slot_frees():
+    with serve.Engine(make_model("lstm"), max_streams=2) as engine:
+        a, _ = engine.open(), engine.open()
+        with pytest.raises(EngineFullError, match="all 2 slots taken"):
+            engine.open()
+        a.close()
+        assert engine.open().slot == a.slot
+
+
+def test_push_is_bounded_by_max_pending_and_waits_for_a_pull():
+    model = make_model("lstm")
+    with serve.Engine(model, max_streams=2, max_pending=3) as engine:
+        stream = engine.open()
+        chunks = [torch.randn(1, 7) for _ in range(4)]
+        for c in chunks[:3]:
+            stream.push(c)
+        t0 = time.monotonic()
+        with pytest.raises(EngineFullError, match="holds 3 chunks that were not pulled.*max_pending=3"):
+            stream.push(chunks[3], timeout=0.1)
+        assert 0.1 <= time.monotonic() - t0 < WAIT
+        first = []
+        puller = threading.Timer(0.1, lambda: first.append(stream.pull(timeout=WAIT)))
+        puller.start()
+        stream.push(chunks[3], timeout=WAIT)  # waits for the pull above to make room
+        puller.join(WAIT)
+        got = first + [stream.pull(timeout=WAIT) for _ in range(3)]
+    check_outputs(model, [chunks], [got], TOLERANCES["cpu"])
+
+
+def test_a_stream_that_never_pulls_does_not_stall_the_others():
+    model = make_model("lstm")
+    with serve.Engine(model, max_streams=3, max_pending=2) as engine:
+        stuck = engine.open()
+        stuck.push(torch.randn(1, 7))
+        stuck.push(torch.randn(1, 7))
+        with pytest.raises(EngineFullError):
+            stuck.push(torch.randn(1, 7))
+        streams = random_streams(random.Random(6), count=6, input_size=7)
+        outputs = serve_clients(engine, streams, threads=2, seed=7)
+    check_outputs(model, streams, outputs, TOLERANCES["cpu"])
+
+
+# ---- closing -------------------------------------------------------------------------------
+
+class GatedLSTM(persistrnn.LSTM):
+    """An LSTM whose forward waits (bounded) for ``gate``: holds a tick running."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def forward(self, *args, **kw):
+        self.entered.set()
+        self.gate.wait(WAIT)
+        return super().forward(*args, **kw)
+
+
+def gated_model():
+    torch.manual_seed(0)
+    return GatedLSTM(7, 13).eval()
+
+
+def test_closing_the_engine_cancels_what_has_not_run_and_pending_pulls_raise():
+    model = gated_model()
+    engine = serve.Engine(model, max_streams=2, timeout=WAIT)
+    stream = engine.open()
+    chunks = [torch.randn(1, 7) for _ in range(3)]
+    for c in chunks:
+        stream.push(c)
+    assert model.entered.wait(WAIT)  # chunk 0 is in a running tick; 1 and 2 are queued
+    threading.Timer(0.2, model.gate.set).start()
+    engine.close()  # the running tick completes; the rest is cancelled
+    torch.testing.assert_close(stream.pull(timeout=WAIT), alone(model, chunks[:1]), **TOLERANCES["cpu"])
+    for _ in range(2):
+        with pytest.raises(concurrent.futures.CancelledError, match="the engine was closed before this chunk ran"):
+            stream.pull(timeout=WAIT)
+    with pytest.raises(ArgumentError, match="none left in stream 0, closed"):
+        stream.pull(timeout=WAIT)
+    with pytest.raises(ArgumentError, match="expected an open stream, got stream 0 closed"):
+        stream.push(chunks[0])
+    with pytest.raises(ArgumentError, match="expected a running engine, got a closed one"):
+        engine.open()
+    engine.close()  # twice: nothing
+
+
+def test_a_pull_times_out_and_leaves_the_chunk_for_a_later_pull():
+    model = gated_model()
+    with serve.Engine(model, max_streams=1) as engine:
+        stream = engine.open()
+        with pytest.raises(TimeoutError, match="no chunk was pushed"):
+            stream.pull(timeout=0.05)
+        chunk = torch.randn(2, 7)
+        stream.push(chunk)
+        with pytest.raises(TimeoutError, match="did not run within"):
+            stream.pull(timeout=0.05)
+        model.gate.set()
+        torch.testing.assert_close(stream.pull(timeout=WAIT), alone(model, [chunk]), **TOLERANCES["cpu"])
+
+
+def test_a_close_whose_worker_does_not_finish_raises_and_fails_the_running_tick():
+    model = gated_model()
+    engine = serve.Engine(model, max_streams=1, timeout=0.2)
+    stream = engine.open()
+    stream.push(torch.randn(1, 7))
+    assert model.entered.wait(WAIT)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not stop within 0.2 s"):
+        engine.close()
+    with pytest.raises(TimeoutError, match="did not finish the running tick"):
+        stream.pull(timeout=WAIT)
+    assert time.monotonic() - t0 < WAIT
+    model.gate.set()  # let the worker end
+
+
+def test_closing_a_stream_frees_its_slot_and_cancels_its_queue_only():
+    model = gated_model()
+    with serve.Engine(model, max_streams=2) as engine:
+        a, b = engine.open(), engine.open()
+        a.push(torch.randn(1, 7))
+        assert model.entered.wait(WAIT)
+        a.push(torch.randn(1, 7))
+        b_chunk = torch.randn(1, 7)
+        b.push(b_chunk)
+        a.close()
+        model.gate.set()
+        a.pull(timeout=WAIT)  # ran before the close
+        with pytest.raises(concurrent.futures.CancelledError, match="stream 0: the stream was closed"):
+            a.pull(timeout=WAIT)
+        torch.testing.assert_close(b.pull(timeout=WAIT), alone(model, [b_chunk]), **TOLERANCES["cpu"])
+        assert engine.open().slot == a.slot
+
+
+def test_an_engine_left_open_is_closed_at_exit():
+    code = ("import torch, persistrnn; e = persistrnn.serve.Engine(torch.nn.GRU(3, 4), 2); s = e.open(); "
+            "[s.push(torch.randn(1, 3)) for _ in range(3)]; print(s.pull(timeout=10).shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch.Size([1, 4])"
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+class FailingLSTM(persistrnn.LSTM):
+    """An LSTM that raises on a batch holding a NaN."""
+
+    def forward(self, input, hx=None):
+        if torch.isnan(input).any():
+            raise RuntimeError("the model saw a NaN")
+        return super().forward(input, hx)
+
+
+def test_an_error_in_the_model_is_delivered_and_fails_only_its_stream():
+    torch.manual_seed(0)
+    model = FailingLSTM(7, 13).eval()
+    with serve.Engine(model, max_streams=2) as engine:
+        bad, good = engine.open(), engine.open()
+        bad.push(torch.full((1, 7), float("nan")))
+        with pytest.raises(RuntimeError, match="the model saw a NaN"):
+            bad.pull(timeout=WAIT)
+        with pytest.raises(ArgumentError, match="stream 0 failed by RuntimeError"):
+            bad.push(torch.randn(1, 7))
+        chunks = [torch.randn(2, 7) for _ in range(3)]
+        got = []
+        for c in chunks:
+            good.push(c)
+            got.append(good.pull(timeout=WAIT))
+        check_outputs(model, [chunks], [got], TOLERANCES["cpu"])
+
+
+def test_a_failure_of_the_worker_itself_reaches_every_waiting_pull(monkeypatch):
+    model = gated_model()
+    engine = serve.Engine(model, max_streams=2)
+
+    def broken(self):
+        raise RuntimeError("the worker broke")
+
+    monkeypatch.setattr(serve.Engine, "_take_chunks", broken)
+    stream = engine.open()
+    stream.push(torch.randn(1, 7))
+    with pytest.raises(RuntimeError, match="the worker broke"):
+        stream.pull(timeout=WAIT)
+    with pytest.raises(ArgumentError, match="stopped by RuntimeError"):
+        engine.open()
+    engine.close()
+
+
+def test_a_cancelled_future_skips_its_chunk():
+    model = gated_model()
+    with serve.Engine(model, max_streams=1) as engine:
+        stream = engine.open()
+        first = torch.randn(1, 7)
+        running = stream.submit(first)
+        assert model.entered.wait(WAIT)
+        skipped = stream.submit(torch.randn(1, 7))
+        assert skipped.cancel()
+        last = torch.randn(1, 7)
+        after = stream.submit(last)
+        model.gate.set()
+        got = [running.result(WAIT), after.result(WAIT)]
+    check_outputs(model, [[first, last]], [got], TOLERANCES["cpu"])
+
+
+def test_bad_arguments_and_chunks_say_what_was_expected():
+    with pytest.raises(ArgumentTypeError, match="expected a persistrnn or torch.nn LSTM, GRU or RNN, got Linear"):
+        serve.Engine(torch.nn.Linear(2, 2), 4)
+    with pytest.raises(ArgumentError, match="unidirectional"):
+        serve.Engine(torch.nn.LSTM(2, 2, bidirectional=True), 4)
+    with pytest.raises(ArgumentError, match="eval mode"):
+        serve.Engine(torch.nn.LSTM(2, 2, num_layers=2, dropout=0.5), 4)
+    with pytest.raises(ArgumentError, match="positive int max_streams, got 0"):
+        serve.Engine(torch.nn.LSTM(2, 2), 0)
+    with serve.Engine(make_model("lstm"), 1) as engine:
+        stream = engine.open()
+        with pytest.raises(InputShapeError, match=r"expected a chunk of shape \(T, 7\) with T >= 1 or \(7,\), "
+                                                  r"got \(3, 8\)"):
+            stream.push(torch.randn(3, 8))
+        with pytest.raises(InputShapeError, match="got \\(0, 7\\)"):
+            stream.push(torch.randn(0, 7))
+        with pytest.raises(InputTypeError, match="got list"):
+            stream.push([0.0] * 7)
+
+
+# ---- the load generator (python -m persistrnn bench serve) -----------------------------------
+
+def test_the_padding_peer_pads_to_every_live_stream_and_still_equals_each_stream_alone():
+    from persistrnn.bench import serve as bench
+
+    torch.manual_seed(0)
+    model = torch.nn.GRU(7, 13).eval()
+    streams = random_streams(random.Random(16), count=12, input_size=7)
+    with bench._padding_engine_class()(model, max_streams=5, convert=False) as engine:
+        assert engine.model is model
+        outputs = serve_clients(engine, streams, threads=4, seed=17)
+    check_outputs(model, streams, outputs, TOLERANCES["cpu"])
+
+
+def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
+    from persistrnn.bench import serve as bench
+    from persistrnn.bench.__main__ import SUITES
+
+    assert SUITES["serve"] == "persistrnn.bench.serve"
+    settings = bench.Settings(seconds=0.5, warmup_seconds=0.2, mean_chunks=8, threads=2)
+    model = torch.nn.LSTM(16, 16).eval()
+    cases = []
+    for provider, engine in (("persistrnn", serve.Engine(model, bench.slots_for(16))),
+                             ("cudnn-padded", bench._padding_engine_class()(model, bench.slots_for(16),
+                                                                            convert=False))):
+        with engine:
+            error = bench._refcheck(engine, model, settings.steps)
+            load = bench._Load(engine, 16, settings)
+            load.run()
+        assert error < 1e-6 and load.counts == {} and load.latencies and load.delivered > 0
+        assert 8 <= statistics.fmean(load.live_samples) <= 24  # Poisson arrivals keep ~16 live
+        ms = [v * 1e3 for v in load.latencies]
+        cases.append({"model": "lstm:16:1", "streams": 16, "provider": provider, "slots": 40, "status": "ok",
+                      "note": "", "rel_error": error, "mean_live": 16.0, "chunks_per_s": load.delivered / 0.5,
+                      "measured_chunks": len(ms), "p50_ms": bench._percentile(ms, 50), "p90_ms": 1.0,
+                      "p99_ms": bench._percentile(ms, 99), "max_ms": max(ms), "mean_batch": 2.0, "counts": {}})
+    result = {"suite": "serve", "settings": dataclasses.asdict(settings), "cases": cases,
+              "environment": {"torch": "t", "cuda_runtime": None, "cudnn": None, "cuda_core": None, "nvrtc": "n",
+                              "persistrnn": "p", "commit": "c", "date": "d"}}
+    table = bench.format_table(result)
+    assert "| lstm:16:1 | 16 | cudnn-padded |" in table and "Real-time capacity" in table
+    assert "Resident mode: not built" in bench.markdown(result)
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert bench.main(["--from-json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")]) == 0
+    assert "| lstm:16:1 | 16 | persistrnn |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--models", "lstm:0:1"])
+    with pytest.raises(SystemExit):
+        bench.main(["--streams", "0"])
+
+
+# ---- on the GPU ------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru_reset_before"])
+def test_gpu_every_stream_equals_running_it_alone(cell, untuned):
+    model = make_model(cell, input_size=32, hidden=64).cuda()
+    streams = random_streams(random.Random(8), count=96, input_size=32)
+    with serve.Engine(model, max_streams=24, max_pending=3, timeout=WAIT) as engine:
+        engine.warm_up(steps=(1, 3))
+        assert engine._batch_sizes() == [1, 2, 4, 8, 16, 24]
+        outputs = serve_clients(engine, streams, threads=8, seed=9)
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_device_chunks_come_back_on_the_device(untuned):
+    model = make_model("lstm", input_size=32, hidden=64, layers=1).cuda()
+    streams = random_streams(random.Random(10), count=16, input_size=32)
+    with serve.Engine(model, max_streams=8) as engine:
+        outputs = serve_clients(engine, streams, threads=4, seed=11, to_device="cuda")
+    assert all(o.is_cuda for got in outputs for o in got)
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_a_thousand_streams_from_eight_threads(untuned):
+    # One step per chunk (the voice-activity shape), 1,000 slots all live at once.
+    model = make_model("lstm", input_size=40, hidden=128, layers=1).cuda()
+    streams = random_streams(random.Random(12), count=1000, input_size=40, lengths=(1,), max_chunks=16)
+    with serve.Engine(model, max_streams=1000, max_pending=4, timeout=WAIT) as engine:
+        engine.warm_up(steps=(1,))
+        outputs = serve_interleaved(engine, streams, threads=8, seed=13)
+        assert engine.chunks_run == sum(len(s) for s in streams)
+        assert engine.chunks_run / engine.ticks > 8  # the live streams did share ticks
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_a_stream_that_never_pulls_and_an_error_do_not_stall_the_others(untuned):
+    model = make_model("gru", input_size=32, hidden=64).cuda()
+    with serve.Engine(model, max_streams=8, max_pending=2) as engine:
+        stuck = engine.open()
+        stuck.push(torch.randn(1, 32))
+        stuck.push(torch.randn(1, 32))
+        with pytest.raises(EngineFullError):
+            stuck.push(torch.randn(1, 32), timeout=0.05)
+        streams = random_streams(random.Random(14), count=24, input_size=32)
+        outputs = serve_clients(engine, streams, threads=8, seed=15)
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
