@@ -150,6 +150,11 @@ def test_two_modules_at_once():
     a, ta = pair(persistrnn.LSTM, 256, 256)
     b, tb = pair(persistrnn.RNN, 96, 160, num_layers=2)
     force_plan(a, "persistent", persistent.KernelConfig("lstm", 256, "cluster", 8))
+    # b runs its tuned plans, tuned here first: tuning while other threads
+    # run cuDNN and cuBLAS measured CUDNN_STATUS_INTERNAL_ERROR and
+    # CUBLAS_STATUS_EXECUTION_FAILED in those threads (README: known gaps).
+    for i in range(0, THREADS, 2):
+        b.plan_for(BATCHES[i])
     worst = []
 
     def work(i, stream):

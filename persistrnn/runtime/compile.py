@@ -25,7 +25,7 @@ from .. import __version__
 from ..log import logger
 from ..errors import ArgumentError, ArgumentTypeError, CompileError
 from .cache import atomic_write, cache_dir, entry_name, key_lock
-from .device import device_facts
+from .device import device_facts, import_cuda_core
 
 __all__ = ["CompiledBinary", "KernelResources", "cache_key", "compile_source", "map_in_threads", "nvrtc_compiles",
            "nvrtc_version", "parse_ptxas_report", "program_options", "read_source", "sources_dir"]
@@ -264,6 +264,7 @@ def compile_source(
     if not isinstance(source, str) or not source.strip():
         raise ArgumentError("source must be a non-empty str of CUDA C++")
     arch = _check_arch(arch) if arch is not None else device_facts().arch
+    import_cuda_core()
     defines = dict(defines or {})
     key = cache_key(source, arch, defines)
     path = _cache_path(name, f"{tag}-{arch}" if tag else arch, key)

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import threading
 
 from ..errors import GPUUnavailableError
 
-__all__ = ["DeviceFacts", "device_facts", "facts_of", "require_gpu"]
+__all__ = ["DeviceFacts", "device_facts", "facts_of", "import_cuda_core", "require_gpu"]
+
+
+_CUDA_CORE_LOCK = threading.Lock()
+
+
+def import_cuda_core() -> None:
+    """Import cuda.core once, under a lock. Its first import from several
+    threads at once raised ``ImportError: cannot import name 'Device' from
+    'cuda.core.cu13'`` in one of them on the H100 machine (cuda.core picks
+    its CUDA-major submodule while it imports), so every path that reaches
+    cuda.core first comes through here (:func:`require_gpu`, compilation)."""
+    if "cuda.core" not in sys.modules or not hasattr(sys.modules["cuda.core"], "Device"):
+        with _CUDA_CORE_LOCK:
+            import cuda.core  # noqa: F401
 
 
 def require_gpu() -> int:
@@ -23,6 +39,7 @@ def require_gpu() -> int:
             "compilation for a named arch (persistrnn.runtime.compile_source(..., arch='sm_90')) "
             "work without a GPU."
         )
+    import_cuda_core()
     index = torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
