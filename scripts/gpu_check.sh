@@ -7,11 +7,13 @@
 #
 #   STAGES       which stages run, in this order (default: all of them):
 #                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
-#                targets sync recurrence (models is the real-models suite; host, compile and regret come
+#                dynamic serve targets sync recurrence (models is the real-models suite; host, compile and regret come
 #                after grnn and models, whose tuning leaves every case's plan in the cache)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
+#   DYNAMIC_ARGS, SERVE_ARGS  narrow the treelstm/tagger and serve suites (e.g. DYNAMIC_ARGS="--batch 1 16")
+#   PACK=1       pack everything under $OUT into $OUT/results.tgz at the end
 #   HOST_ARGS, COMPILE_ARGS  narrow the host-time and torch.compile suites (e.g. HOST_ARGS="--batch 1",
 #                COMPILE_ARGS="--cases lstm-2x128-b1 --no-torch-compile")
 #   PERSISTRNN_COMMIT  names the commit where the copy has no .git
@@ -22,7 +24,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -160,6 +162,16 @@ stage_host() { own_suite host host ${HOST_ARGS:-}; }
 stage_compile() { own_suite compile compile ${COMPILE_ARGS:-}; }
 stage_regret() { own_suite planner-regret regret ${REGRET_ARGS:-}; }
 
+# Dynamic networks and the serving engine: each suite writes its own files.
+stage_dynamic() {
+    RC[dynamic]=0
+    for suite in treelstm tagger; do
+        $PY -m persistrnn bench "$suite" ${DYNAMIC_ARGS:-} --out "$OUT" >"$OUT/bench_$suite.log" 2>&1 || RC[dynamic]=$?
+        SUMMARY+=("bench $suite: $(sed -n '/^| batch/,/^$/p' "$OUT/$suite.md" 2>/dev/null | cut -c1-200 || tail -n 5 "$OUT/bench_$suite.log")")
+    done
+}
+stage_serve() { own_suite serve serve ${SERVE_ARGS:-}; }
+
 stage_targets() {
     local results=()
     for suite in grnn-table real-models host compile scaling dtypes; do
@@ -191,4 +203,8 @@ echo "==== summary (commit ${PERSISTRNN_COMMIT:-$(git rev-parse --short=12 HEAD 
 printf '%s\n' "${SUMMARY[@]}"
 status=0
 for stage in $STAGES; do [ "${RC[$stage]}" -eq 0 ] || status=1; done
+# PACK=1: everything under $OUT in one archive (a remote runner may return only a few files).
+if [ "${PACK:-0}" = 1 ]; then
+    tar czf "$PWD/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$PWD/results.tgz" "$OUT/"
+fi
 exit $status
