@@ -87,6 +87,9 @@ path may cost no more than this beyond the device work."""
 COMPILED_OVER_EAGER = 1.1
 """Under ``torch.compile`` (default mode), at most this times the eager module's time."""
 KERNELS_V2 = "kernels v2: the floor at every batch and dtype"
+SAME_CALL_NOISE = 0.02
+"""Where the plan is cuDNN, "ours" and "cuDNN" are two graph timings of the same
+cuDNN call: they measured up to 1% apart (grnn-table, LSTM/GRU 1024 at batch 20)."""
 V2_CELLS = ("lstm", "gru", "gru_reset_before")
 """The kernels-v2 targets hold for LSTM and both GRU forms alike."""
 STEP_CHAIN = ("A step still runs as a chain of block-wide phases (product, barrier, pointwise, barrier, exchange): "
@@ -173,10 +176,12 @@ TARGETS = (
     Target("v2: text classification (2-layer LSTM 256, T=20), batch 40: ≤ 0.08 ms", KERNELS_V2,
            (("model", "text classification"), ("batch", 40)), max_ms=0.08, cause=SLICE_STEP,
            suites=COMPARISON_SUITES),
-    Target("v2: never slower than cuDNN's faster setting (graph against graph): every case with a cuDNN peer",
-           KERNELS_V2, (), min_speedup=1.0, against=("graph",),
-           cause="Where the planner picks cuDNN the ratio is 1.00× within noise; below it, a plan that lost to "
-                 "cuDNN at the exact batch (planner-regret).", suites=COMPARISON_SUITES, name_model=True),
+    Target(f"v2: never slower than cuDNN's faster setting (graph against graph, within {SAME_CALL_NOISE:.0%}, "
+           "the spread of two timings of one cuDNN call): every case with a cuDNN peer", KERNELS_V2, (),
+           relations=(Relation(("persistrnn", "graph_ms"), ("cudnn", "graph_ms"), factor=1 + SAME_CALL_NOISE,
+                               labels=("ours graph", "cuDNN graph")),),
+           cause="A plan that lost to cuDNN at this batch in this run (planner-regret re-times the plans).",
+           suites=COMPARISON_SUITES, name_model=True),
     Target(f"eager call ≤ its graph device time + {EAGER_OVER_GRAPH_US:.0f} µs: every grnn-table and real-models "
            "case",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("persistrnn", "graph_ms"),
