@@ -7,7 +7,7 @@
 #
 #   STAGES       which stages run, in this order (default: all of them):
 #                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
-#                dynamic serve targets sync recurrence (models is the real-models suite; host, compile and regret come
+#                dynamic serve training targets sync recurrence (models is the real-models suite; host, compile and regret come
 #                after grnn and models, whose tuning leaves every case's plan in the cache)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve training targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -171,6 +171,7 @@ stage_dynamic() {
     done
 }
 stage_serve() { own_suite serve serve ${SERVE_ARGS:-}; }
+stage_training() { own_suite training training ${TRAINING_ARGS:-}; }
 
 stage_targets() {
     local results=()

@@ -15,6 +15,7 @@ SUITES = {
     "host": "persistrnn.bench.host",
     "compile": "persistrnn.bench.compiled",
     "planner-regret": "persistrnn.bench.planner_regret",
+    "training": "persistrnn.bench.training",
     "treelstm": "persistrnn.bench.treelstm",
     "tagger": "persistrnn.bench.tagger",
     "serve": "persistrnn.bench.serve",
