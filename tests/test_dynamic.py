@@ -547,3 +547,98 @@ def test_benchmark_outputs_name_an_absent_peer_and_use_the_best_one(tmp_path):
     for ext in ("md", "csv", "json", "png"):
         assert (tmp_path / f"tagger.{ext}").stat().st_size > 0, ext
     assert len(written) == 4
+
+
+@pytest.mark.parametrize("suite", ["treelstm", "tagger"])
+def test_benchmark_plans_index_within_their_tables_on_the_real_data(suite):
+    # Every index tensor the PyTorch peers gather with (word ids, child
+    # rows, per-token rows, labels) is inside the table it indexes, for the
+    # data and batches `bench treelstm` / `bench tagger` run; an index out of
+    # range is a device-side assert on the GPU and no error at all in some
+    # CPU kernels.
+    from persistrnn.bench.tagger import tagger_workload
+    from persistrnn.bench.treelstm import BATCHES, Settings, consecutive_batches, tree_lstm_workload
+
+    data = dynamic.DATA_DIR / ("sst/train.txt" if suite == "treelstm" else "wikiner/dev.txt")
+    if not data.is_file():
+        pytest.skip(f"{data} is not here")
+    settings = Settings(hidden=4, embedding=4)
+    make = tree_lstm_workload if suite == "treelstm" else tagger_workload
+    work = make(settings, torch.device("cpu"))
+    peer = work.peer
+    words, classes = peer.p["embed"].shape[0], peer.p["W_out"].shape[0]
+    for batch in BATCHES:
+        for group in consecutive_batches(work.inputs, batch, settings.iterations):
+            plan = peer.plan(group)
+            assert 0 <= int(plan["labels"].min()) and int(plan["labels"].max()) < classes
+            if suite == "treelstm":
+                assert 0 <= int(plan["words"].min()) and int(plan["words"].max()) < words
+                below = len(plan["words"])  # a level's children are numbered before it
+                for left, right in plan["children"]:
+                    assert 0 <= int(torch.cat([left, right]).min()) and int(torch.cat([left, right]).max()) < below
+                    below += len(left)
+                assert below == len(plan["labels"])
+            else:
+                tokens = sum(plan["running"])
+                assert tokens == len(plan["labels"])
+                for d in ("fwd", "bwd"):
+                    assert 0 <= int(plan["words"][d].min()) and int(plan["words"][d].max()) < words
+                    assert sorted(plan["rows"][d].tolist()) == list(range(tokens))
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    # type(), not isinstance: the latter touches deprecated lazy attributes of torch.distributed
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+@pytest.mark.parametrize("suite", ["treelstm", "tagger"])
+def test_captured_peer_holds_its_plan_and_nothing_grows_per_replay(suite):
+    # The CUDA-graph peer of `bench treelstm` / `bench tagger`, on the CPU
+    # where it runs uncaptured. A graph reads its plan's index tensors by
+    # address, so the step must keep them alive (dropped, the next plan was
+    # allocated over them and replays gathered out of range); it must not
+    # keep the captured autograd graph (its AccumulateGrad nodes, bound to
+    # the capture stream, leaked into later backward passes), and replays
+    # must not accumulate tensors; dropping the steps frees their plans.
+    import gc
+    import weakref
+
+    from persistrnn.bench.tagger import TorchTagger
+    from persistrnn.bench.treelstm import TorchTreeLSTM, capture_step
+
+    if suite == "treelstm":
+        model, builder, items, vocab, _ = sst_batch(12, seed=3)
+        peer = TorchTreeLSTM(model, builder, vocab, torch.device("cpu"))
+    else:
+        model, builder, items, _ = wikiner_batch(12, seed=3)
+        peer = TorchTagger(model, builder, torch.device("cpu"))
+    opt = peer.optimizer(0.05)
+    groups = [items[k:k + 4] for k in range(0, 12, 4)]
+    steps = [capture_step(peer, peer.plan(g), opt) for g in groups]
+    held = [weakref.ref(t) for step in steps for t in step.plan.values() if isinstance(t, torch.Tensor)]
+    gc.collect()
+    assert held and all(r() is not None for r in held)
+    for step in steps:
+        assert step.loss.grad_fn is None and not step.loss.requires_grad
+
+    for step in steps:  # the first replay settles the parameters' gradients
+        step.replay()
+    before = _live_tensors()
+    for _ in range(5):
+        for step in steps:
+            step.replay()
+            assert step.loss.grad_fn is None
+    assert _live_tensors() == before
+
+    infer = capture_step(peer, peer.plan(groups[0]), None)
+    peer.plan(groups[1])  # a later plan must not disturb the captured one
+    infer.replay()
+    with torch.no_grad():
+        assert float(infer.loss) == pytest.approx(float(peer.batched_loss(peer.plan(groups[0]))), rel=1e-6)
+
+    del steps, step, infer
+    gc.collect()
+    assert all(r() is None for r in held)

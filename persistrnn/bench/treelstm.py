@@ -180,9 +180,38 @@ class TorchTreeLSTM:
         return torch.nn.functional.cross_entropy(logits, plan["labels"], reduction="sum")
 
 
-def _graphed(peer: Any, plan: dict[str, Any], opt: Any | None) -> tuple[Any, Any]:
+@dataclasses.dataclass
+class CapturedStep:
+    """One batch of the level-batched peer captured in a CUDA graph.
+
+    ``plan`` is held here because the graph reads its index tensors by
+    address: dropped, their memory goes back to the caching allocator, the
+    next plan is allocated over it and replays gather with another batch's
+    (out-of-range) indices. ``loss`` is the static output, detached: keeping
+    the captured autograd graph would keep its AccumulateGrad nodes, bound to
+    the capture stream, alive into later backward passes on other streams.
+    Where the device cannot capture (the CPU), ``graph`` is None and
+    :meth:`replay` runs the same step eagerly on the same plan.
+    """
+
+    graph: Any
+    loss: Any
+    plan: dict[str, Any]
+    body: Callable[[], Any]
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.loss = self.body()
+        else:
+            self.graph.replay()
+
+
+def capture_step(peer: Any, plan: dict[str, Any], opt: Any | None, stream: Any | None = None,
+                 pool: Any | None = None) -> CapturedStep:
     """``peer.batched_loss(plan)`` (and, with ``opt``, its backward and the
-    SGD step) captured in a CUDA graph: (graph, the static loss tensor)."""
+    SGD step) captured in a CUDA graph on ``stream`` into the memory pool
+    ``pool`` (None: a pool of its own). Graphs that share a pool must be
+    replayed in the order they were captured, as the training loop does."""
     import torch
 
     def body() -> Any:
@@ -193,18 +222,40 @@ def _graphed(peer: Any, plan: dict[str, Any], opt: Any | None) -> tuple[Any, Any
         loss = peer.batched_loss(plan)
         loss.backward()
         opt.step()
-        return loss
+        return loss.detach()
 
-    side = torch.cuda.Stream()
+    if plan["labels"].device.type != "cuda":
+        return CapturedStep(None, body(), plan, body)
+    side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
+    with torch.cuda.stream(side):  # warm-up on the capture stream, off the default one, as torch.cuda.graph asks
         for _ in range(2):
             body()
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool, stream=side):
         loss = body()
-    return graph, loss
+    torch.cuda.current_stream().wait_stream(side)
+    return CapturedStep(graph, loss, plan, body)
+
+
+def release_device_memory() -> None:
+    """Return the memory of dropped graphs, pools and cached blocks to the
+    device, so that one batch size's captures do not crowd out the next."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def consecutive_batches(items: list, batch: int, iterations: int) -> list[list]:
+    """``iterations`` batches of ``batch`` consecutive inputs, wrapping
+    around; a batch that would run past the end is left out."""
+    batches = [items[(i * batch) % len(items):(i * batch) % len(items) + batch] for i in range(iterations)]
+    return [b for b in batches if len(b) == batch]
 
 
 def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> dict[str, Any]:
@@ -212,9 +263,7 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
 
     from .. import dynamic
 
-    items = work.inputs
-    batches = [items[(i * batch) % len(items):(i * batch) % len(items) + batch] for i in range(settings.iterations)]
-    batches = [b for b in batches if len(b) == batch]
+    batches = consecutive_batches(work.inputs, batch, settings.iterations)
 
     def graph_of(group: list) -> Any:
         g = dynamic.Graph(work.model)
@@ -280,20 +329,37 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
 
         row[f"torch_{name}_infer_ms"] = _wall_ms(infer_once, settings.repeats)
 
+    # One capture stream and one pool for this batch size's training graphs
+    # (replayed in capture order); everything is dropped and the cache
+    # emptied before the next batch size, on failure too.
+    captured: list[CapturedStep] = []
+    infer_step: CapturedStep | None = None
     try:
-        captured = [_graphed(peer, peer.plan(b), opt) for b in batches]
-        row["torch_graph_train_sent_s"] = batch * len(batches) / (
-            _wall_ms(lambda: [g.replay() for g, _ in captured], settings.repeats) / 1e3)
-        infer_graph, infer_loss = _graphed(peer, peer.plan(batches[0]), None)
+        # A capture that fails can leave its stream current; leaving this
+        # context makes the default stream current again.
+        with torch.cuda.stream(torch.cuda.current_stream()):
+            side, train_pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+            captured = [capture_step(peer, peer.plan(b), opt, side, train_pool) for b in batches]
 
-        def graph_infer() -> None:
-            infer_graph.replay()
-            float(infer_loss)
+            def graph_train() -> None:
+                for step in captured:
+                    step.replay()
 
-        row["torch_graph_infer_ms"] = _wall_ms(graph_infer, settings.repeats)
+            row["torch_graph_train_sent_s"] = batch * len(batches) / (
+                _wall_ms(graph_train, settings.repeats) / 1e3)
+            infer_step = capture_step(peer, peer.plan(batches[0]), None, side)
+
+            def graph_infer() -> None:
+                infer_step.replay()
+                float(infer_step.loss)
+
+            row["torch_graph_infer_ms"] = _wall_ms(graph_infer, settings.repeats)
     except RuntimeError as exc:  # an op that cannot be captured: the provider is absent, with the reason
         row["torch_graph_train_sent_s"] = row["torch_graph_infer_ms"] = None
         row["torch_graph_error"] = str(exc).splitlines()[0]
+    finally:
+        captured, infer_step = [], None
+        release_device_memory()
     return row
 
 
@@ -329,6 +395,7 @@ def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] =
         batches = track(batches, description=work.name, transient=True)
     for batch in batches:
         result["rows"].append(run_batch(batch, work, interp, settings))
+        release_device_memory()
     return result
 
 
