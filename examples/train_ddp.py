@@ -34,6 +34,7 @@ class Tagger(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.rnn = persistrnn.LSTM(INPUT, HIDDEN, LAYERS)
+        self.rnn.training_kernels = True  # persistrnn's training operators (else torch's implementation trains)
         self.head = torch.nn.Linear(HIDDEN, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,10 @@
   persistent;
 * everything else runs torch's own implementation: a CPU input, a
   ``PackedSequence`` on another plan, ``proj_size``, dropout between layers
-  in training mode, and (with a one-time warning) a packed or autocast call
-  that needs gradients. Any other CUDA call that needs gradients runs
-  :mod:`persistrnn.training`'s forward and backward, through autograd.
+  in training mode, and (with a one-time warning) a call that needs
+  gradients, unless the module's ``training_kernels`` is set: then a padded
+  CUDA call outside autocast runs :mod:`persistrnn.training`'s forward and
+  backward, through autograd.
 
 Every call is independent: any number of threads and streams may call one
 module at once, and each call gets its own answer (the captured forwards are
@@ -107,6 +108,13 @@ class _Persistent:
     """The persistent forward shared by the three modules (a mixin before the torch class)."""
 
     cell: str
+    training_kernels: bool = False
+    """Whether a CUDA call that needs gradients runs :mod:`persistrnn.training`'s
+    operators (deterministic gradients, through autograd) instead of torch's
+    implementation. Off by default: their backward runs the recurrence as
+    torch ops, one step at a time, and a training step measured 11-16x slower
+    than cuDNN's (LSTM 256 and 1024, T=100, batch 1-32, H100;
+    ``python -m persistrnn bench training``)."""
 
     def _init_persistent(self) -> None:
         self._checked: set[tuple] = set()
@@ -145,13 +153,14 @@ class _Persistent:
         if input.dtype not in _DTYPES:
             return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
         if self._needs_grad(input):
-            if trains and not torch.is_autocast_enabled("cuda") and input.numel():  # torch's path returns empties
+            if (trains and self.training_kernels and not torch.is_autocast_enabled("cuda")
+                    and input.numel()):  # torch's path returns empties
                 return None
             if warn:
                 _warn_once(f"grad-{type(self).__name__}",
-                           f"persistrnn.{type(self).__name__}: this call needs gradients, which the persistent "
-                           "kernels compute for a padded input outside autocast only; it runs torch's "
-                           "implementation")
+                           f"persistrnn.{type(self).__name__}: this call needs gradients; it runs torch's "
+                           "implementation (training_kernels=True runs persistrnn's training operators on a padded "
+                           "input outside autocast: deterministic gradients, today slower than cuDNN)")
             return "gradients"
         return None
 

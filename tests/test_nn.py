@@ -282,6 +282,9 @@ def test_gpu_bad_device_and_grad_paths(untuned):
         model(torch.randn(3, 2, 8))
     pnn._warned.clear()
     x = torch.randn(3, 2, 8, device="cuda", requires_grad=True)
+    with pytest.warns(UserWarning, match="gradients"):  # by default torch's implementation trains
+        model(x)
+    model.training_kernels = True
     import warnings
 
     with warnings.catch_warnings():

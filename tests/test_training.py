@@ -374,6 +374,7 @@ def test_gpu_module_training_call_gives_float64_gradients(kind, kw, compiled, re
 
     torch.manual_seed(5)
     model = getattr(persistrnn, kind)(16, 65, **kw).cuda().train()
+    model.training_kernels = True
     x = torch.randn(3, 11, 16, device="cuda", requires_grad=True)
     if compiled:  # Dynamo traces RNN modules only with allow_rnn
         with torch._dynamo.config.patch(allow_rnn=True):
