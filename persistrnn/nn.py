@@ -505,7 +505,7 @@ class StreamSession:
         chosen = module.plan_for(batch)
         key = (x.shape, x.dtype, chosen.launch, ops.launch_settings(),
                tuple(w.data_ptr() for w in weights))
-        out = self._graphs.get(key, lambda: self._capture(chosen, x), x.device.index)(x, *self._buffers)[0]
+        out = self._graphs.call(key, lambda: self._capture(chosen, x), x.device.index, x, *self._buffers)[0]
         return out.transpose(0, 1) if module.batch_first else out
 
     def _capture(self, chosen: Any, x: torch.Tensor) -> runtime.CapturedCall:

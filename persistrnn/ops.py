@@ -121,8 +121,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     else:
         key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
-        captured = GRAPHS.get(key, lambda: runtime.CapturedCall(run, (x, h0, c0)), x.device.index)
-        result = captured(x, h0, c0)
+        result = GRAPHS.call(key, lambda: runtime.CapturedCall(run, (x, h0, c0)), x.device.index, x, h0, c0)
     return result[0], result[1], (result[2] if has_c else None)
 
 

@@ -199,3 +199,34 @@ def test_the_wait_timeout_and_the_failure_hook_are_validated(monkeypatch):
     with runtime.inject_failure(3):
         assert runtime.failure_hook() == 3
     assert runtime.failure_hook() == -1
+
+
+def test_a_call_that_took_an_evicted_graph_replays_the_current_one(monkeypatch):
+    # A thread that took an instance from the cache just before another
+    # thread evicted it must not replay it (its graph and pool are being
+    # freed): the instance refuses once retired and the call takes the
+    # cache's current one.
+    import torch
+
+    from persistrnn.runtime import GraphCache
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+
+    class Instance:
+        def __init__(self, name):
+            self.name, self.retired, self.retired_on = name, False, None
+
+        def __call__(self, *args):
+            return None if self.retired else [self.name, *args]
+
+        def retire(self, stream):
+            self.retired, self.retired_on = True, stream
+
+    cache = GraphCache(capacity=1)
+    first = Instance("first")
+    taken = cache.get("k", lambda: first, 0)
+    cache.get("other", lambda: Instance("other"), 0)  # another thread's key evicts "k"
+    assert first.retired and first.retired_on == 7
+    assert taken(1) is None
+    assert cache.call("k", lambda: Instance("again"), 0, 1) == ["again", 1]
+    assert len(cache) == 1

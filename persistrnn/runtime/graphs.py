@@ -99,27 +99,40 @@ class CapturedCall:
         self.outputs = list(outs)
         self.device = self.outputs[0].device
         self.lock = threading.Lock()
+        self.retired = False
 
-    def __call__(self, *args: Any) -> list[Any]:
+    def __call__(self, *args: Any) -> list[Any] | None:
+        """The outputs of one replay on ``args``; None if the instance was
+        retired (evicted from its cache) before this call took its lock: the
+        caller then takes the cache's current instance
+        (:meth:`GraphCache.call`)."""
         import torch
 
         given = [a for a, c in zip(args, self.copy_in) if c]
         results = [torch.empty_like(o) for o in self.outputs]
         with self.lock:
+            if self.retired:
+                return None
             if given:
                 torch._foreach_copy_(self.copied, given)
             self.graph.replay()
             torch._foreach_copy_(results, self.outputs)
         return results
 
-    def release(self, stream: int) -> None:
-        """Wait for the replays on ``stream`` (the raw handle of the only
-        stream this instance is replayed on) to finish, before the graph and
-        its pool are freed: a wait on that stream only, on eviction only (an
+    def retire(self, stream: int) -> None:
+        """No replay after this, and every replay queued before it finished,
+        before the graph and its pool are freed. Replays queue under the
+        instance's lock, so once it is taken here every earlier replay is on
+        ``stream`` (the raw handle of the only stream this instance is
+        replayed on), and a thread that took the instance from the cache just
+        before its eviction finds it retired instead of replaying a graph
+        about to be freed. A wait on that stream only, on eviction only (an
         event recorded per call would cost every call, and a device-wide wait
         is refused while another thread captures)."""
         import torch
 
+        with self.lock:
+            self.retired = True
         torch.cuda.ExternalStream(stream, device=self.device).synchronize()
 
 
@@ -127,8 +140,9 @@ class GraphCache:
     """Captured calls, one per (key, device, stream), the oldest dropped
     first beyond ``capacity`` (a hit moves nothing: no lock on the call path).
 
-    ``get(key, make, device)`` returns the instance of ``key`` for torch's
-    current stream on ``device``, capturing it with ``make()`` on first use.
+    ``call(key, make, device, *args)`` replays the instance of ``key`` for
+    torch's current stream on ``device`` on ``args``, capturing it with
+    ``make()`` on first use.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -138,6 +152,13 @@ class GraphCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def call(self, key: tuple, make: Callable[[], CapturedCall], device: int, *args: Any) -> list[Any]:
+        """One replay of ``key``'s instance on ``args`` (again with the
+        current instance if another thread evicted the one taken)."""
+        while (results := self.get(key, make, device)(*args)) is None:
+            pass
+        return results
 
     def get(self, key: tuple, make: Callable[[], CapturedCall], device: int) -> CapturedCall:
         import torch
@@ -154,11 +175,11 @@ class GraphCache:
             while len(self._entries) > self.capacity:
                 evicted.append(self._entries.popitem(last=False))
         for (_, _, stream), old in evicted:
-            old.release(stream)
+            old.retire(stream)
         return entry
 
     def clear(self) -> None:
         with self._lock:
             entries, self._entries = list(self._entries.items()), collections.OrderedDict()
         for (_, _, stream), entry in entries:
-            entry.release(stream)
+            entry.retire(stream)
