@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 from ..runtime import capture_graph
 from .timing import time_cuda_ms
+from .environment import load_result
 
 CELL_NAMES = {"lstm": "LSTM", "gru": "GRU", "gru_reset_before": "GRU (reset-before)", "rnn_tanh": "RNN (tanh)",
               "rnn_relu": "RNN (relu)"}
@@ -643,17 +644,6 @@ _AXES = {
 }
 
 
-def _load(path: Path, suite: Suite, p: argparse.ArgumentParser) -> dict[str, Any]:
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        p.error(f"--from-json {path}: could not read it ({exc})")
-    if not isinstance(result, dict) or result.get("suite") != suite.name or "cases" not in result:
-        got = result.get("suite") if isinstance(result, dict) else type(result).__name__
-        p.error(f"--from-json {path}: expected a {suite.name} result, got {got!r}")
-    return result
-
-
 def main(suite_name: str, argv: list[str] | None = None) -> int:
     suite = SUITES[suite_name]
     p = argparse.ArgumentParser(prog=f"python -m persistrnn bench {suite.name}", description=__doc__,
@@ -678,7 +668,7 @@ def main(suite_name: str, argv: list[str] | None = None) -> int:
         if any(v < 1 for v in values):
             p.error(f"--{axis}: expected positive integers, got {values}")
     if args.from_json:
-        result = _load(args.from_json, suite, p)
+        result = load_result(args.from_json, suite.name, p)
     else:
         from ..runtime import require_gpu
 

@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from . import compare, targets
 from .compare import Case, Row
+from .environment import load_result
 
 CASES = {
     "lstm-2x128-b1": Case("2-layer LSTM 128", "lstm", 128, 128, 2, False, "float32", 50, 1),
@@ -256,13 +257,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
     if args.from_json:
-        try:
-            result = json.loads(args.from_json.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            p.error(f"--from-json {args.from_json}: could not read it ({exc})")
-        if not isinstance(result, dict) or result.get("suite") != "compile" or "cases" not in result:
-            got = result.get("suite") if isinstance(result, dict) else type(result).__name__
-            p.error(f"--from-json {args.from_json}: expected a compile result, got {got!r}")
+        result = load_result(args.from_json, "compile", p)
     else:
         from ..runtime import require_gpu
 

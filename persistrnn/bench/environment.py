@@ -1,8 +1,11 @@
-"""What every result file records: GPU, clocks, driver, CUDA, torch, cuDNN, commit, date."""
+"""What every result file records (GPU, clocks, driver, CUDA, torch, cuDNN,
+commit, date), and reading a saved result back (``--from-json``)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -60,3 +63,16 @@ def environment() -> dict[str, Any]:
                        str(torch.cuda.current_device())])
         info["nvidia_smi"] = dict(zip(query.split(","), (f.strip() for f in fields.split(","))))
     return info
+
+
+def load_result(path: Path, suite: str, p: argparse.ArgumentParser) -> dict[str, Any]:
+    """A suite's saved ``--json`` result, for ``--from-json``; a parser error
+    (exit 2) naming what was expected if it is unreadable or another suite's."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        p.error(f"--from-json {path}: could not read it ({exc})")
+    if not isinstance(result, dict) or result.get("suite") != suite or "cases" not in result:
+        got = result.get("suite") if isinstance(result, dict) else type(result).__name__
+        p.error(f"--from-json {path}: expected a {suite} result, got {got!r}")
+    return result

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from . import compare, targets
 from .compare import DTYPE_NAMES, Case, Row
+from .environment import load_result
 
 CASE_SUITES = ("grnn-table", "real-models")
 """The suites whose cases this suite runs."""
@@ -200,17 +201,6 @@ def markdown(result: dict[str, Any]) -> str:
             f"{targets.format_targets([result])}\n")
 
 
-def _load(path: Path, p: argparse.ArgumentParser) -> dict[str, Any]:
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        p.error(f"--from-json {path}: could not read it ({exc})")
-    if not isinstance(result, dict) or result.get("suite") != "host" or "cases" not in result:
-        got = result.get("suite") if isinstance(result, dict) else type(result).__name__
-        p.error(f"--from-json {path}: expected a host result, got {got!r}")
-    return result
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m persistrnn bench host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,7 +239,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
     if args.from_json:
-        result = _load(args.from_json, p)
+        result = load_result(args.from_json, "host", p)
     else:
         from ..runtime import require_gpu
 

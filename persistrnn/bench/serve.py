@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .environment import load_result
+
 PROVIDERS = ("persistrnn", "cudnn-padded")
 REAL_TIME_P99_MS = 10.0
 """A stream is served in real time while the p99 latency stays at or under this."""
@@ -359,17 +361,6 @@ def plot(result: dict[str, Any], path: Path) -> str | None:
     return None
 
 
-def _load_json(path: Path, p: argparse.ArgumentParser) -> dict[str, Any]:
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        p.error(f"--from-json {path}: could not read it ({exc})")
-    if not isinstance(result, dict) or result.get("suite") != "serve" or "cases" not in result:
-        got = result.get("suite") if isinstance(result, dict) else type(result).__name__
-        p.error(f"--from-json {path}: expected a serve result, got {got!r}")
-    return result
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m persistrnn bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -412,7 +403,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
     if args.from_json:
-        result = _load_json(args.from_json, p)
+        result = load_result(args.from_json, "serve", p)
     else:
         from ..runtime import require_gpu
 
