@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from . import compare, targets
 from .compare import Case, Row
-from .environment import load_result
+from .environment import run_or_load
 
 CASES = {
     "lstm-2x128-b1": Case("2-layer LSTM 128", "lstm", 128, 128, 2, False, "float32", 50, 1),
@@ -256,20 +255,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
-    if args.from_json:
-        result = load_result(args.from_json, "compile", p)
-    else:
-        from ..runtime import require_gpu
-
-        require_gpu()
-        settings = Settings(calls=args.calls, repeats=args.repeats, torch_compile=args.torch_compile)
-
-        def save(result: dict[str, Any]) -> None:
-            if args.json:
-                args.json.write_text(json.dumps(result, indent=1))
-
-        result = run(list(args.cases), settings, progress=args.progress, after_case=save)
-        save(result)
+    settings = Settings(calls=args.calls, repeats=args.repeats, torch_compile=args.torch_compile)
+    result = run_or_load(args, p, "compile",
+                         lambda save: run(list(args.cases), settings, progress=args.progress, after_case=save))
     if args.markdown:
         args.markdown.write_text(markdown(result))
     print(format_table(result))

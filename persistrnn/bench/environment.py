@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import __version__
 
@@ -75,4 +75,24 @@ def load_result(path: Path, suite: str, p: argparse.ArgumentParser) -> dict[str,
     if not isinstance(result, dict) or result.get("suite") != suite or "cases" not in result:
         got = result.get("suite") if isinstance(result, dict) else type(result).__name__
         p.error(f"--from-json {path}: expected a {suite} result, got {got!r}")
+    return result
+
+
+def run_or_load(args: argparse.Namespace, p: argparse.ArgumentParser, suite: str,
+                run: Callable[[Callable[[dict[str, Any]], None]], dict[str, Any]]) -> dict[str, Any]:
+    """A suite CLI's result: ``--from-json``'s, or ``run(save)`` on the GPU,
+    where ``save(result)`` writes ``--json`` (after each case, so a cut-off
+    run keeps what it measured) and runs once more at the end."""
+    if args.from_json:
+        return load_result(args.from_json, suite, p)
+    from ..runtime import require_gpu
+
+    require_gpu()
+
+    def save(result: dict[str, Any]) -> None:
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+
+    result = run(save)
+    save(result)
     return result

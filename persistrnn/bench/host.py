@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any, Callable
 
 from . import compare, targets
 from .compare import DTYPE_NAMES, Case, Row
-from .environment import load_result
+from .environment import run_or_load
 
 CASE_SUITES = ("grnn-table", "real-models")
 """The suites whose cases this suite runs."""
@@ -238,22 +237,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
-    if args.from_json:
-        result = load_result(args.from_json, "host", p)
-    else:
-        from ..runtime import require_gpu
-
-        require_gpu()
-        case_list = cases(tuple(args.suites), **{a: getattr(args, a) for a in AXES})
-        settings = Settings(calls=args.calls, host_calls=args.host_calls, repeats=args.repeats,
-                            refcheck=args.refcheck)
-
-        def save(result: dict[str, Any]) -> None:
-            if args.json:
-                args.json.write_text(json.dumps(result, indent=1))
-
-        result = run(case_list, settings, progress=args.progress, after_case=save)
-        save(result)
+    settings = Settings(calls=args.calls, host_calls=args.host_calls, repeats=args.repeats, refcheck=args.refcheck)
+    result = run_or_load(args, p, "host", lambda save: run(
+        cases(tuple(args.suites), **{a: getattr(args, a) for a in AXES}), settings, progress=args.progress,
+        after_case=save))
     if args.markdown:
         args.markdown.write_text(markdown(result))
     print(format_table(result))

@@ -38,7 +38,6 @@ import argparse
 import collections
 import dataclasses
 import heapq
-import json
 import math
 import random
 import statistics
@@ -47,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .environment import load_result
+from .environment import run_or_load
 
 PROVIDERS = ("persistrnn", "cudnn-padded")
 REAL_TIME_P99_MS = 10.0
@@ -402,23 +401,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 
 def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
-    if args.from_json:
-        result = load_result(args.from_json, "serve", p)
-    else:
-        from ..runtime import require_gpu
-
-        require_gpu()
-        settings = Settings(seconds=args.seconds, warmup_seconds=args.warmup_seconds, chunk_ms=args.chunk_ms,
-                            steps=args.steps, mean_chunks=args.mean_chunks, threads=args.threads, seed=args.seed,
-                            refcheck=args.refcheck)
-        models = [f"{c}:{h}:{layers}" for c, h, layers in args.models]
-
-        def save(result: dict[str, Any]) -> None:
-            if args.json:
-                args.json.write_text(json.dumps(result, indent=1))
-
-        result = run(models, args.streams, args.providers, settings, progress=args.progress, after_case=save)
-        save(result)
+    settings = Settings(seconds=args.seconds, warmup_seconds=args.warmup_seconds, chunk_ms=args.chunk_ms,
+                        steps=args.steps, mean_chunks=args.mean_chunks, threads=args.threads, seed=args.seed,
+                        refcheck=args.refcheck)
+    models = [f"{c}:{h}:{layers}" for c, h, layers in args.models]
+    result = run_or_load(args, p, "serve", lambda save: run(models, args.streams, args.providers, settings,
+                                                             progress=args.progress, after_case=save))
     if args.markdown:
         args.markdown.write_text(markdown(result))
     if args.plot:
