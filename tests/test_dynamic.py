@@ -14,6 +14,7 @@ import torch
 from pathlib import Path
 
 from persistrnn import dynamic
+from persistrnn.dynamic.graph import OP
 
 TEST_DATA = Path(__file__).resolve().parent / "data"
 """The first 64 SST dev trees and 32 WikiNER dev sentences (real data, small enough for CI)."""
@@ -444,6 +445,182 @@ def test_expression_errors():
         m2 = dynamic.Model(0)
         dynamic.TreeLSTM(m2, 4, 4, 4).build(dynamic.Graph(m2), dynamic.parse_tree("(1 (2 a) (2 b) (2 c))"),
                                             dynamic.Vocabulary(["a", "b", "c"]))
+
+
+# ---- the batch builder against the expression API ------------------------------
+
+def expression_tree_lstm(builder: dynamic.TreeLSTM, g: dynamic.Graph, tree: dynamic.Tree, ids: dict[str, int]):
+    """The Tree-LSTM made one expression at a time, as the builder did before
+    its batch path: the reference for the nodes and their order."""
+    H = builder.hidden
+    state = {}
+    for node in tree.nodes():
+        iou = None
+        if node.word is not None:
+            iou = g.matvec(builder.w_iou, g.lookup(builder.embed, ids[node.word]))
+        kids = [state.pop(id(c)) for c in node.children]
+        if kids:
+            if builder.variant == "binary":
+                gates = g.matvec(builder.u, g.concat([h for h, _ in kids]))
+                recurrent = gates[0:3 * H]
+            else:
+                recurrent = g.matvec(builder.u_iou, g.sum([h for h, _ in kids]))
+            iou = recurrent if iou is None else iou + recurrent
+        iou = iou + g.parameter(builder.b_iou)
+        c = g.sigmoid(iou[0:H]) * g.tanh(iou[2 * H:3 * H])
+        if kids:
+            if builder.variant == "binary":
+                f = g.sigmoid(gates[3 * H:5 * H] + g.parameter(builder.b_f))
+                forget = [f[k * H:(k + 1) * H] for k in range(2)]
+            else:
+                forget = [g.sigmoid(g.matvec(builder.u_f, h) + g.parameter(builder.b_f)) for h, _ in kids]
+            c = g.sum([c] + [fk * ck for fk, (_, ck) in zip(forget, kids)])
+        h = g.sigmoid(iou[H:2 * H]) * g.tanh(c)
+        state[id(node)] = (h, c)
+        g.loss(g.matvec(builder.w_out, h) + g.parameter(builder.b_out), node.label)
+
+
+def expression_tagger(builder: dynamic.BiLSTMTagger, g: dynamic.Graph, words: list[int], tags: list[int]):
+    """The tagger made one expression at a time (the reference, as :func:`expression_tree_lstm`)."""
+    H = builder.hidden
+
+    def run(xs, direction):
+        w_x, w_h, b = builder.directions[direction]
+        h = c = None
+        out = []
+        for x in xs:
+            z = g.matvec(w_x, x) + g.parameter(b)
+            if h is not None:
+                z = z + g.matvec(w_h, h)
+            c_new = g.sigmoid(z[0:H]) * g.tanh(z[2 * H:3 * H])
+            c = c_new if c is None else g.sigmoid(z[H:2 * H]) * c + c_new
+            h = g.sigmoid(z[3 * H:4 * H]) * g.tanh(c)
+            out.append(h)
+        return out
+
+    xs = [g.lookup(builder.embed, w) for w in words]
+    forward, backward = run(xs, 0), run(xs[::-1], 1)[::-1]
+    for hf, hb, t in zip(forward, backward, tags):
+        g.loss(g.matvec(builder.w_out, g.concat([hf, hb])) + g.parameter(builder.b_out), t)
+
+
+def assert_same_scripts(model, fast: dynamic.Graph, reference: dynamic.Graph, blocks_list) -> None:
+    got, want = fast.arrays(), reference.arrays()
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    for blocks in blocks_list:
+        for placement in dynamic.PLACEMENTS:
+            for train in (True, False):
+                a = dynamic.schedule(fast, blocks, train=train, placement=placement)
+                b = dynamic.schedule(reference, blocks, train=train, placement=placement)
+                assert a.program.dtype == b.program.dtype and a.starts.dtype == b.starts.dtype
+                for field in ("program", "starts", "offsets", "losses"):
+                    np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+                assert (a.workspace_floats, a.signals, a.stages, a.layout) == \
+                    (b.workspace_floats, b.signals, b.stages, b.layout)
+
+
+@pytest.mark.parametrize("variant", ["binary", "childsum"])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_tree_batch_builder_gives_the_expression_api_scripts(variant, batch):
+    # Real SST dev trees; the script buffers must be bit-for-bit those of the
+    # expression API, for every block count including an H100's 132.
+    model, builder, trees, vocab, _ = sst_batch(batch, hidden=13, variant=variant)
+    fast, reference = dynamic.Graph(model), dynamic.Graph(model)
+    losses = builder.build_batch(fast, trees, vocab)
+    for t in trees:
+        expression_tree_lstm(builder, reference, t, vocab.ids)
+    assert [len(x) for x in losses] == [len(t.nodes()) for t in trees]
+    assert [e.id for x in losses for e in x] == np.flatnonzero(reference.arrays()["op"] == OP["loss"]).tolist()
+    assert_same_scripts(model, fast, reference, [1, 3, 7, 132])
+
+
+@pytest.mark.parametrize("batch", [1, 5, 32])
+def test_tagger_batch_builder_gives_the_expression_api_scripts(batch):
+    model, builder, sentences, _ = wikiner_batch(batch)
+    fast, reference = dynamic.Graph(model), dynamic.Graph(model)
+    losses = builder.build_batch(fast, sentences)
+    for w, t in sentences:
+        expression_tagger(builder, reference, w, t)
+    assert [len(x) for x in losses] == [len(w) for w, _ in sentences]
+    assert [e.id for x in losses for e in x] == np.flatnonzero(reference.arrays()["op"] == OP["loss"]).tolist()
+    assert_same_scripts(model, fast, reference, [1, 4, 33, 132])
+
+
+def test_batch_builder_between_hand_built_expressions():
+    # Hand-built nodes before and after a batch: the batch's arrays join the
+    # lists when the expression API next makes a node.
+    model, builder, trees, vocab, _ = sst_batch(3, hidden=8, embedding=6, variant="childsum")
+    extra = model.bias("extra", 8)
+
+    def hand(g):
+        return g.tanh(g.parameter(extra))
+
+    fast, reference = dynamic.Graph(model), dynamic.Graph(model)
+    x = hand(fast)
+    builder.build_batch(fast, trees, vocab)
+    assert x.size == 8
+    fast.loss(fast.sigmoid(x) * hand(fast), 3)
+    y = hand(reference)
+    for t in trees:
+        expression_tree_lstm(builder, reference, t, vocab.ids)
+    reference.loss(reference.sigmoid(y) * hand(reference), 3)
+    assert_same_scripts(model, fast, reference, [5])
+
+
+@pytest.mark.parametrize("variant", ["binary", "childsum"])
+def test_batch_builders_on_the_smallest_inputs(variant):
+    # A one-leaf tree (no template has inputs) and a one-token sentence (no
+    # step after the first); an empty batch adds nothing.
+    vocab = dynamic.Vocabulary(["a", "b"])
+    model = dynamic.Model(0)
+    builder = dynamic.TreeLSTM(model, len(vocab), 4, 5, variant=variant)
+    tree = dynamic.parse_tree("(2 a)")
+    fast, reference = dynamic.Graph(model), dynamic.Graph(model)
+    assert builder.build_batch(fast, [], vocab) == [] and len(fast) == 0
+    builder.build(fast, tree, vocab)
+    expression_tree_lstm(builder, reference, tree, vocab.ids)
+    assert_same_scripts(model, fast, reference, [1, 132])
+    model = dynamic.Model(0)
+    tagger = dynamic.BiLSTMTagger(model, 5, 3, 4, 4)
+    fast, reference = dynamic.Graph(model), dynamic.Graph(model)
+    tagger.build_batch(fast, [([3], [2]), ([1, 4], [0, 1])])
+    expression_tagger(tagger, reference, [3], [2])
+    expression_tagger(tagger, reference, [1, 4], [0, 1])
+    assert_same_scripts(model, fast, reference, [1, 132])
+
+
+@pytest.mark.parametrize("blocks", [1, 132])
+def test_batch_built_reference_matches_torch(blocks):
+    model, builder, trees, vocab, _ = sst_batch(6, hidden=13, seed=blocks)
+    graph = dynamic.Graph(model)
+    builder.build_batch(graph, trees, vocab)
+    got, loss, grads = reference_against_torch(
+        model, graph, blocks, lambda P: sum(tree_lstm_loss(builder, P, t, vocab.ids) for t in trees))
+    assert abs(got.loss - loss) <= TOLERANCE * abs(loss)
+    assert rel(got.param_grads, grads) <= TOLERANCE
+    model, builder, sentences, _ = wikiner_batch(4, seed=blocks)
+    graph = dynamic.Graph(model)
+    builder.build_batch(graph, sentences)
+    got, loss, grads = reference_against_torch(
+        model, graph, blocks, lambda P: sum(tagger_loss(builder, P, w, t) for w, t in sentences))
+    assert abs(got.loss - loss) <= TOLERANCE * abs(loss)
+    assert rel(got.param_grads, grads) <= TOLERANCE
+
+
+def test_batch_builders_check_ids_and_labels():
+    model = dynamic.Model(0)
+    builder = dynamic.TreeLSTM(model, 4, 4, 4, classes=3)
+    tree = dynamic.parse_tree("(1 (2 a) (2 b))")
+    with pytest.raises(ArgumentError, match="row must be an int in \\[0, 4\\) for 'embed', got 4"):
+        builder.build(dynamic.Graph(model), tree, ids=[1, 4])
+    with pytest.raises(ArgumentError, match="label must be an int in \\[0, 3\\), got 4"):
+        builder.build(dynamic.Graph(model), dynamic.parse_tree("(4 (2 a) (2 b))"), ids=[1, 2])
+    tagger_model = dynamic.Model(0)
+    tagger = dynamic.BiLSTMTagger(tagger_model, 5, 3, 4, 4)
+    with pytest.raises(ArgumentError, match="label must be an int in \\[0, 3\\), got 3"):
+        tagger.build_batch(dynamic.Graph(tagger_model), [([1, 2], [0, 1]), ([1], [3])])
 
 
 # ---- the kernel compiles for sm_90 without a GPU ---------------------------------

@@ -121,7 +121,7 @@ def tagger_workload(settings: Settings, device: Any) -> Workload:
     model = dynamic.Model(0)
     builder = dynamic.BiLSTMTagger(model, len(words), len(tags), settings.embedding, settings.hidden)
     return Workload("tagger", encoded, model, lambda g, sentence: builder.build(g, *sentence),
-                    TorchTagger(model, builder, device))
+                    TorchTagger(model, builder, device), add_batch=lambda g, group: builder.build_batch(g, group))
 
 
 def main(argv: list[str] | None = None) -> int:

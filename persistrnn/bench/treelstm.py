@@ -61,13 +61,16 @@ class Settings:
 class Workload:
     """What a suite runs: the inputs, the model and its builder, how one
     input goes into a graph, and the PyTorch peer (``eager_loss(items)``,
-    ``plan(items)``, ``batched_loss(plan)``, ``optimizer(lr)``)."""
+    ``plan(items)``, ``batched_loss(plan)``, ``optimizer(lr)``).
+    ``add_batch``, where given, adds a whole batch at once (a builder's
+    ``build_batch``) in place of ``add_to_graph`` per input."""
 
     name: str
     inputs: list
     model: Any
     add_to_graph: Callable[[Any, Any], None]
     peer: Any
+    add_batch: Callable[[Any, list], None] | None = None
 
 
 def _wall_ms(run: Callable[[], None], repeats: int) -> float:
@@ -267,8 +270,11 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
 
     def graph_of(group: list) -> Any:
         g = dynamic.Graph(work.model)
-        for item in group:
-            work.add_to_graph(g, item)
+        if work.add_batch is not None:
+            work.add_batch(g, group)
+        else:
+            for item in group:
+                work.add_to_graph(g, item)
         return g
 
     first = graph_of(batches[0])
@@ -371,7 +377,8 @@ def tree_lstm_workload(settings: Settings, device: Any) -> Workload:
     model = dynamic.Model(0)
     builder = dynamic.TreeLSTM(model, len(vocab), settings.embedding, settings.hidden)
     return Workload("treelstm", trees, model, lambda g, tree: builder.build(g, tree, vocab),
-                    TorchTreeLSTM(model, builder, vocab, device))
+                    TorchTreeLSTM(model, builder, vocab, device),
+                    add_batch=lambda g, group: builder.build_batch(g, group, vocab))
 
 
 def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] = tree_lstm_workload,

@@ -1,14 +1,24 @@
 """Ready builders: a Tree-LSTM with a sentiment loss on every node (Tai et
 al. 2015; binary N-ary or child-sum) and a BiLSTM tagger with a tag loss per
-token. Each declares its parameters on a :class:`~.model.Model` once and
-adds one input's expressions to a :class:`~.graph.Graph` per call.
+token. Each declares its parameters on a :class:`~.model.Model` once and adds one
+input's expressions (``build``), or a whole batch's (``build_batch``), to a
+:class:`~.graph.Graph`.
+
+The cell code (``_cell``, ``_step``) is written with the expression API and
+runs once per cell shape, to record a :class:`~.batch.Template`; a batch's
+cells are then written as arrays (:func:`~.batch.instantiate`): the nodes and
+their order are those of calling the cell code per node and token, at
+~0.1 µs per node instead of ~2 µs.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from ..errors import ArgumentError
+from .batch import Instances, Template, instantiate
 from .data import Tree
 from .graph import Expr, Graph
 from .model import Model
@@ -53,6 +63,7 @@ class TreeLSTM:
         self.b_iou = model.bias("b_iou", 3 * H, fan_in=embedding)
         self.b_f = model.bias("b_f", arity * H, fan_in=arity * H)
         self.b_out = model.bias("b_out", classes, fan_in=H)
+        self._templates: dict[int, Template] = {}
 
     def build(self, g: Graph, tree: Tree, word_ids: dict[str, int] | None = None,
               ids: Sequence[int] | None = None) -> list[Expr]:
@@ -61,45 +72,109 @@ class TreeLSTM:
         Words map through ``word_ids`` (a :class:`~.data.Vocabulary`), or ``ids``
         gives the leaves' ids in order.
         """
+        return self.build_batch(g, [tree], word_ids, None if ids is None else [ids])[0]
+
+    def build_batch(self, g: Graph, trees: Sequence[Tree], word_ids: dict[str, int] | None = None,
+                    ids: Sequence[Sequence[int]] | None = None) -> list[list[Expr]]:
+        """Add every tree's expressions to ``g`` at once: the nodes of calling
+        :meth:`build` tree after tree. ``ids`` holds one sequence of leaf ids
+        per tree. Returns each tree's loss nodes."""
         if word_ids is None and ids is None:
             raise ArgumentError("build: pass word_ids (a Vocabulary) or ids (one per leaf)")
-        leaf_ids = iter(ids) if ids is not None else None
+        if not trees:
+            return []
+        kids, words, labels, level, tree_nodes = self._flatten(trees, word_ids, ids)
+        _check_range("lookup", "row", words, self.embed.rows, f" for {self.embed.name!r}")
+        _check_range("loss", "label", labels, self.classes, "")
+        kid_count = np.asarray([len(k) for k in kids], dtype=np.int64)
+        groups = []
+        for count in np.unique(kid_count).tolist():
+            members = np.flatnonzero(kid_count == count)
+            sources = (np.asarray([kids[i] for i in members], dtype=np.int64).repeat(2, axis=1) if count
+                       else np.zeros((members.size, 0), dtype=np.int64))
+            groups.append(Instances(self._template(g, count), members, sources, level[members], words[members],
+                                    labels[members]))
+        return _losses(g, instantiate(g, groups), groups, np.cumsum(tree_nodes)[:-1])
+
+    def _flatten(self, trees: Sequence[Tree], word_ids: dict[str, int] | None, ids: Sequence[Sequence[int]] | None
+                 ) -> tuple[list[list[int]], np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """The batch's tree nodes in creation order (tree after tree, post-order):
+        their children's positions, word ids (0 for inner nodes), labels and
+        levels (a leaf 0, else 1 + its children's deepest); nodes per tree."""
+        kids: list[list[int]] = []
+        words: list[int] = []
+        labels: list[int] = []
+        level: list[int] = []
+        tree_nodes: list[int] = []
+        binary = self.variant == "binary"
+        for t, tree in enumerate(trees):
+            leaf_ids = iter(ids[t]) if ids is not None else None
+            position: dict[int, int] = {}
+            nodes = tree.nodes()
+            for node in nodes:
+                if node.word is not None:
+                    if node.children:
+                        raise ArgumentError(f"a tree node has both a word ({node.word!r}) and children")
+                    words.append(next(leaf_ids) if leaf_ids is not None else word_ids[node.word])
+                    kids.append([])
+                    level.append(0)
+                elif not node.children:
+                    raise ArgumentError("a tree node has neither a word nor children")
+                else:
+                    if binary and len(node.children) != 2:
+                        raise ArgumentError(f"the binary Tree-LSTM takes nodes of 0 or 2 children, got one of "
+                                            f"{len(node.children)} (use variant='childsum')")
+                    inner = [position[id(c)] for c in node.children]
+                    words.append(0)
+                    kids.append(inner)
+                    level.append(1 + max(level[k] for k in inner))
+                position[id(node)] = len(labels)
+                labels.append(node.label)
+            tree_nodes.append(len(nodes))
+        as_array = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
+        return kids, as_array(words), as_array(labels), as_array(level), tree_nodes
+
+    def _template(self, g: Graph, children: int) -> Template:
+        """The cell of a leaf (``children`` 0) or of an inner node of ``children`` children."""
+        template = self._templates.get(children)
+        if template is None:
+            H = self.hidden
+
+            def cell(probe: Graph, slots: list[Expr]) -> tuple[Expr, Expr]:
+                pairs = [(slots[2 * k], slots[2 * k + 1]) for k in range(children)]
+                return self._cell(probe, None if children else 0, pairs, 0)
+
+            sizes = [H, H] * children
+            template = Template.record(g, sizes, [0, 1] * children, self.embed if not children else None, cell)
+            self._templates[children] = template
+        return template
+
+    def _cell(self, g: Graph, word: int | None, kids: list[tuple[Expr, Expr]], label: int) -> tuple[Expr, Expr]:
+        """One tree node's expressions (a leaf's ``word``, or its children's
+        ``(h, c)``), its loss last; returns its ``(h, c)``."""
         H = self.hidden
-        state: dict[int, tuple[Expr, Expr]] = {}
-        losses = []
-        for node in tree.nodes():
-            iou = None
-            if node.word is not None:
-                if node.children:
-                    raise ArgumentError(f"a tree node has both a word ({node.word!r}) and children")
-                row = next(leaf_ids) if leaf_ids is not None else word_ids[node.word]
-                iou = g.matvec(self.w_iou, g.lookup(self.embed, row))
-            kids = [state.pop(id(c)) for c in node.children]
-            if kids:
-                if self.variant == "binary" and len(kids) != 2:
-                    raise ArgumentError(f"the binary Tree-LSTM takes nodes of 0 or 2 children, got one of "
-                                        f"{len(kids)} (use variant='childsum')")
-                if self.variant == "binary":
-                    gates = g.matvec(self.u, g.concat([h for h, _ in kids]))
-                    recurrent = gates[0:3 * H]
-                else:
-                    recurrent = g.matvec(self.u_iou, g.sum([h for h, _ in kids]))
-                iou = recurrent if iou is None else iou + recurrent
-            elif node.word is None:
-                raise ArgumentError("a tree node has neither a word nor children")
-            iou = iou + g.parameter(self.b_iou)
-            c = g.sigmoid(iou[0:H]) * g.tanh(iou[2 * H:3 * H])
-            if kids:
-                if self.variant == "binary":
-                    f = g.sigmoid(gates[3 * H:5 * H] + g.parameter(self.b_f))
-                    forget = [f[k * H:(k + 1) * H] for k in range(2)]
-                else:
-                    forget = [g.sigmoid(g.matvec(self.u_f, h) + g.parameter(self.b_f)) for h, _ in kids]
-                c = g.sum([c] + [fk * ck for fk, (_, ck) in zip(forget, kids)])
-            h = g.sigmoid(iou[H:2 * H]) * g.tanh(c)
-            state[id(node)] = (h, c)
-            losses.append(g.loss(g.matvec(self.w_out, h) + g.parameter(self.b_out), node.label))
-        return losses
+        iou = None
+        if word is not None:
+            iou = g.matvec(self.w_iou, g.lookup(self.embed, word))
+        if kids:
+            if self.variant == "binary":
+                gates = g.matvec(self.u, g.concat([h for h, _ in kids]))
+                recurrent = gates[0:3 * H]
+            else:
+                recurrent = g.matvec(self.u_iou, g.sum([h for h, _ in kids]))
+            iou = recurrent if iou is None else iou + recurrent
+        iou = iou + g.parameter(self.b_iou)
+        c = g.sigmoid(iou[0:H]) * g.tanh(iou[2 * H:3 * H])
+        if kids:
+            if self.variant == "binary":
+                f = g.sigmoid(gates[3 * H:5 * H] + g.parameter(self.b_f))
+                forget = [f[k * H:(k + 1) * H] for k in range(2)]
+            else:
+                forget = [g.sigmoid(g.matvec(self.u_f, h) + g.parameter(self.b_f)) for h, _ in kids]
+            c = g.sum([c] + [fk * ck for fk, (_, ck) in zip(forget, kids)])
+        h = g.sigmoid(iou[H:2 * H]) * g.tanh(c)
+        g.loss(g.matvec(self.w_out, h) + g.parameter(self.b_out), label)
+        return h, c
 
 
 class BiLSTMTagger:
@@ -121,31 +196,127 @@ class BiLSTMTagger:
                                     model.bias(f"b_{d}", 4 * H, fan_in=H)))
         self.w_out = model.matrix("W_out", tags, 2 * H)
         self.b_out = model.bias("b_out", tags, fan_in=2 * H)
-
-    def _run(self, g: Graph, xs: list[Expr], direction: int) -> list[Expr]:
-        w_x, w_h, b = self.directions[direction]
-        H = self.hidden
-        h = c = None
-        out = []
-        for x in xs:
-            z = g.matvec(w_x, x) + g.parameter(b)
-            if h is not None:
-                z = z + g.matvec(w_h, h)
-            c_new = g.sigmoid(z[0:H]) * g.tanh(z[2 * H:3 * H])
-            c = c_new if c is None else g.sigmoid(z[H:2 * H]) * c + c_new
-            h = g.sigmoid(z[3 * H:4 * H]) * g.tanh(c)
-            out.append(h)
-        return out
+        self._templates: dict[str, Template] = {}
+        self._sentences: dict[int, dict[str, np.ndarray]] = {}
 
     def build(self, g: Graph, words: Sequence[int], tags: Sequence[int]) -> list[Expr]:
         """Add one sentence (word ids, tag ids) to ``g``; returns its loss nodes, one per token."""
-        if len(words) == 0:
-            raise ArgumentError("BiLSTMTagger.build: expected a sentence of at least one word, got an empty one")
-        if len(words) != len(tags):
-            raise ArgumentError(f"BiLSTMTagger.build: expected one tag per word, got {len(words)} words and "
-                                f"{len(tags)} tags")
-        xs = [g.lookup(self.embed, w) for w in words]
-        forward = self._run(g, xs, 0)
-        backward = self._run(g, xs[::-1], 1)[::-1]
-        return [g.loss(g.matvec(self.w_out, g.concat([hf, hb])) + g.parameter(self.b_out), t)
-                for hf, hb, t in zip(forward, backward, tags)]
+        return self.build_batch(g, [(words, tags)])[0]
+
+    def build_batch(self, g: Graph, sentences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[Expr]]:
+        """Add every sentence (word ids, tag ids) to ``g`` at once: the nodes of
+        calling :meth:`build` sentence after sentence. Returns each sentence's
+        loss nodes."""
+        for words, tags in sentences:
+            if len(words) == 0:
+                raise ArgumentError("BiLSTMTagger.build: expected a sentence of at least one word, got an empty "
+                                    "one")
+            if len(words) != len(tags):
+                raise ArgumentError(f"BiLSTMTagger.build: expected one tag per word, got {len(words)} words and "
+                                    f"{len(tags)} tags")
+        if not sentences:
+            return []
+        words = np.asarray([w for s, _ in sentences for w in s], dtype=np.int64)
+        tags = np.asarray([t for _, s in sentences for t in s], dtype=np.int64)
+        _check_range("lookup", "row", words, self.embed.rows, f" for {self.embed.name!r}")
+        _check_range("loss", "label", tags, self.tags, "")
+        # A sentence's nodes depend only on its length, up to the word and tag
+        # ids and a shift of every node id: the batch is its sentences' blocks
+        # one after another.
+        length = np.asarray([len(w) for w, _ in sentences], dtype=np.int64)
+        blocks = [self._sentence(g, n) for n in length.tolist()]
+        nodes = np.asarray([b["op"].size for b in blocks], dtype=np.int64)
+        base = len(g) + np.concatenate([[0], np.cumsum(nodes)[:-1]])
+        columns = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+        shift = np.repeat(base, nodes)
+        for k in ("a", "b", "root"):
+            columns[k] = np.where(columns[k] >= 0, columns[k] + shift, -1)
+        pairs = np.repeat(base, [b["concat_node"].size for b in blocks])
+        columns["concat_node"] += pairs
+        columns["concat_part"] += pairs
+        token_base = np.repeat(base, length)
+        lookups = columns.pop("lookups") + token_base
+        losses = columns.pop("losses") + token_base
+        columns["row"][lookups - len(g)] = words
+        columns["extra"][losses - len(g)] = tags
+        g._append(columns)
+        return [[Expr(g, i) for i in part.tolist()] for part in np.split(losses, np.cumsum(length)[:-1])]
+
+    def _sentence(self, g: Graph, length: int) -> dict[str, np.ndarray]:
+        """The node columns of one sentence of ``length`` tokens (word and tag
+        ids 0, node ids from 0), with its lookups' and losses' node ids in
+        token order; made once per length. Instances in order: the lookups,
+        the forward steps, the backward steps (last token first), the outputs."""
+        block = self._sentences.get(length)
+        if block is None:
+            t = np.arange(length)
+            lookup, forward, backward, output = t, length + t, 3 * length - 1 - t, 3 * length + t
+            zeros = np.zeros(length, dtype=np.int64)
+            groups = [Instances(self._template(g, "lookup"), lookup, zeros[:, None][:, :0], zeros, zeros)]
+            for d, step in enumerate((forward, backward)):
+                start = 0 if d == 0 else length - 1  # the token each direction starts from
+                later = t != start
+                groups.append(Instances(self._template(g, f"first{d}"), step[[start]], lookup[[start], None],
+                                        np.ones(1, dtype=np.int64)))
+                chain = t + 1 if d == 0 else length - t  # steps from the direction's start
+                groups.append(Instances(self._template(g, f"step{d}"), step[later],
+                                        np.stack([lookup, step - 1, step - 1], axis=1)[later], chain[later]))
+            groups.append(Instances(self._template(g, "output"), output, np.stack([forward, backward], axis=1),
+                                    np.full(length, length + 1), label=zeros))
+            scratch = Graph(g.model)
+            first = instantiate(scratch, groups)
+            block = scratch.arrays()
+            block["lookups"] = first[lookup]
+            block["losses"] = first[output] + groups[-1].template.label_row[0]
+            self._sentences[length] = block
+        return block
+
+    def _template(self, g: Graph, kind: str) -> Template:
+        """``lookup`` (a token's embedding), ``first<d>`` / ``step<d>`` (an LSTM
+        step of direction d from zero state / from the previous step), ``output``."""
+        template = self._templates.get(kind)
+        if template is None:
+            H, E = self.hidden, self.embed.cols
+            if kind == "lookup":
+                template = Template.record(g, [], [], self.embed, lambda p, s: [p.lookup(self.embed, 0)])
+            elif kind == "output":
+                template = Template.record(g, [H, H], [0, 0], None, lambda p, s: [self._output(p, s[0], s[1], 0)])
+            elif kind.startswith("first"):
+                d = int(kind[-1])
+                template = Template.record(g, [E], [0], None, lambda p, s: self._step(p, d, s[0], None))
+            else:
+                d = int(kind[-1])
+                template = Template.record(g, [E, H, H], [0, 0, 1], None,
+                                           lambda p, s: self._step(p, d, s[0], (s[1], s[2])))
+            self._templates[kind] = template
+        return template
+
+    def _step(self, g: Graph, direction: int, x: Expr, state: tuple[Expr, Expr] | None) -> tuple[Expr, Expr]:
+        """One LSTM step of ``direction`` on ``x`` from ``state`` (``h, c``; None: zero); returns ``(h, c)``."""
+        w_x, w_h, b = self.directions[direction]
+        H = self.hidden
+        z = g.matvec(w_x, x) + g.parameter(b)
+        if state is not None:
+            z = z + g.matvec(w_h, state[0])
+        c_new = g.sigmoid(z[0:H]) * g.tanh(z[2 * H:3 * H])
+        c = c_new if state is None else g.sigmoid(z[H:2 * H]) * state[1] + c_new
+        h = g.sigmoid(z[3 * H:4 * H]) * g.tanh(c)
+        return h, c
+
+    def _output(self, g: Graph, forward: Expr, backward: Expr, tag: int) -> Expr:
+        return g.loss(g.matvec(self.w_out, g.concat([forward, backward])) + g.parameter(self.b_out), tag)
+
+
+def _check_range(what: str, name: str, values: np.ndarray, bound: int, table: str) -> None:
+    """The expression API's check on a lookup row or a loss label, for a whole batch."""
+    bad = (values < 0) | (values >= bound)
+    if bad.any():
+        raise ArgumentError(f"{what}: {name} must be an int in [0, {bound}){table}, got {int(values[bad][0])}")
+
+
+def _losses(g: Graph, first: np.ndarray, groups: list[Instances], splits: np.ndarray) -> list[list[Expr]]:
+    """Each input's loss nodes: every instance's loss row, in creation order, split per input."""
+    node = np.empty(first.size, dtype=np.int64)
+    for gr in groups:
+        node[gr.index] = first[gr.index] + gr.template.label_row[0]
+    return [[Expr(g, i) for i in part.tolist()] for part in np.split(node, splits)]

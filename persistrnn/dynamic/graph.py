@@ -47,7 +47,10 @@ class Expr:
 
     @property
     def size(self) -> int:
-        return self.graph.size[self.id]
+        graph = self.graph
+        if graph._tail:
+            graph._absorb()
+        return graph.size[self.id]
 
     def __add__(self, other: Expr) -> Expr:
         return self.graph.add(self, other)
@@ -70,6 +73,10 @@ class Graph:
     matvec, label for a loss, start for a slice), ``row`` (a lookup's table
     row), ``depth``, ``stage`` and ``root`` (see the module's docstring). A
     concat's inputs are the pairs (``concat_node``, ``concat_part``), in order.
+
+    The ready builders append whole batches of nodes as arrays (``_tail``,
+    after the listed nodes); the expression API turns them into list entries
+    only when it next makes or reads a node.
     """
 
     def __init__(self, model: Model) -> None:
@@ -85,9 +92,23 @@ class Graph:
         self.root: list[int] = []
         self.concat_node: list[int] = []
         self.concat_part: list[int] = []
+        self._tail: list[dict[str, np.ndarray]] = []
+        self._tail_nodes = 0
 
     def __len__(self) -> int:
-        return len(self.op)
+        return len(self.op) + self._tail_nodes
+
+    def _append(self, columns: dict[str, np.ndarray]) -> None:
+        """Append nodes given as int64 columns (ids already counted from ``len(self)``)."""
+        self._tail.append(columns)
+        self._tail_nodes += len(columns["op"])
+
+    def _absorb(self) -> None:
+        """Move the appended arrays into the lists, for the expression API."""
+        for columns in self._tail:
+            for name, values in columns.items():
+                getattr(self, name).extend(values.tolist())
+        self._tail, self._tail_nodes = [], 0
 
     # ---- recording -------------------------------------------------------
 
@@ -98,8 +119,10 @@ class Graph:
 
     def _node(self, op: str, size: int, a: int = -1, b: int = -1, extra: int = 0, row: int = 0,
               inputs: Sequence[int] = ()) -> Expr:
-        # Called for every node of every batch: the common cases (no input,
-        # one, two) are written out, as the graph's build time is host time.
+        # Called for every node of a hand-built graph: the common cases (no
+        # input, one, two) are written out, as the graph's build time is host time.
+        if self._tail:
+            self._absorb()
         node = len(self.op)
         depth_of, ready = self.depth, self._ready
         if op == "slice":
@@ -130,6 +153,8 @@ class Graph:
             raise ArgumentTypeError(f"{what}: expected an expression of this graph, got {type(x).__name__}")
         if x.graph is not self:
             raise ArgumentError(f"{what}: the expression belongs to another graph")
+        if self._tail:
+            self._absorb()
         if self.op[x.id] == OP["loss"]:
             raise ArgumentError(f"{what}: a loss ends a path (it adds into the batch loss) and cannot be an input")
         return x.id
@@ -231,8 +256,11 @@ class Graph:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The node columns (and the concat pairs) as int64 arrays."""
-        if not self.op:
+        if not len(self):
             raise ArgumentError("the graph is empty: build at least one input's expressions first")
-        return {k: np.asarray(getattr(self, k), dtype=np.int64)
-                for k in ("op", "size", "a", "b", "extra", "row", "depth", "stage", "root", "concat_node",
-                          "concat_part")}
+        names = ("op", "size", "a", "b", "extra", "row", "depth", "stage", "root", "concat_node", "concat_part")
+        listed = [{k: np.asarray(getattr(self, k), dtype=np.int64) for k in names}] if self.op else []
+        chunks = listed + self._tail
+        if len(chunks) == 1:
+            return dict(chunks[0])
+        return {k: np.concatenate([c[k] for c in chunks]) for k in names}
