@@ -50,14 +50,13 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import ops, persistent, runtime, training
+from .training import TORCH_FUNCTIONS
 from .cells import CellSpec, get_cell
 from .errors import ArgumentError, ArgumentTypeError, InputShapeError, InputTypeError, UnsupportedError
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
            "torch_forward"]
 
-TORCH_FUNCTIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu}
-"""The cell expression language's functions on tensors (autograd included)."""
 
 
 _warned: set[str] = set()

@@ -55,12 +55,12 @@ from . import ops, persistent, runtime
 from .cells import NUMPY_FUNCTIONS, CellSpec, _parse, get_cell
 from .errors import ArgumentError, ConfigError, UnsupportedError
 
-__all__ = ["backward", "direction_backward", "direction_forward", "forward", "run_module", "saved_shapes",
-           "step_backward", "training_config"]
+__all__ = ["TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "forward", "run_module",
+           "saved_shapes", "step_backward", "training_config"]
 
-# The expression language's functions are torch's by the same names (sigmoid,
-# tanh, relu); persistrnn.nn, which imports this module, keeps the same map.
-_TORCH_FUNCTIONS = {name: getattr(torch, name) for name in NUMPY_FUNCTIONS}
+TORCH_FUNCTIONS = {name: getattr(torch, name) for name in NUMPY_FUNCTIONS}
+"""The cell expression language's functions on tensors (autograd included):
+torch's by the same names (sigmoid, tanh, relu)."""
 
 # ---- the cell, differentiated from its spec ------------------------------------
 
@@ -83,7 +83,7 @@ def _value(node: ast.expr, env: dict[str, Any], values: dict[int, Any]) -> Any:
     elif isinstance(node, ast.Constant):
         value = float(node.value)
     elif isinstance(node, ast.Call):
-        value = _TORCH_FUNCTIONS[node.func.id](_value(node.args[0], env, values))
+        value = TORCH_FUNCTIONS[node.func.id](_value(node.args[0], env, values))
     elif isinstance(node, ast.UnaryOp):
         value = -_value(node.operand, env, values)
     else:

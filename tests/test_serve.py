@@ -104,6 +104,13 @@ def serve_clients(engine, streams, threads: int, seed: int, to_device=None):
         except BaseException as exc:  # re-raised in the test's thread
             errors.append(exc)
 
+    run_clients(client, threads, errors)
+    return outputs
+
+
+def run_clients(client, threads: int, errors: list) -> None:
+    """``client(k)`` in ``threads`` threads, each bounded in time; re-raises a
+    client's first failure (``client`` appends them to ``errors``)."""
     workers = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
     for w in workers:
         w.start()
@@ -112,7 +119,6 @@ def serve_clients(engine, streams, threads: int, seed: int, to_device=None):
     assert not any(w.is_alive() for w in workers), "a client thread did not finish"
     if errors:
         raise errors[0]
-    return outputs
 
 
 def serve_interleaved(engine, streams, threads: int, seed: int):
@@ -143,14 +149,7 @@ def serve_interleaved(engine, streams, threads: int, seed: int):
         except BaseException as exc:  # re-raised in the test's thread
             errors.append(exc)
 
-    workers = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(WAIT + 5)
-    assert not any(w.is_alive() for w in workers), "a client thread did not finish"
-    if errors:
-        raise errors[0]
+    run_clients(client, threads, errors)
     return outputs
 
 

@@ -14,7 +14,8 @@ from helpers import assert_close_to_reference, exact_torch
 
 from persistrnn import cells, persistent, reference, training
 from persistrnn.errors import UnsupportedError
-from persistrnn.nn import TORCH_FUNCTIONS, torch_forward
+from persistrnn.nn import torch_forward
+from persistrnn.training import TORCH_FUNCTIONS
 
 CELL_NAMES = tuple(cells.CELLS)
 
