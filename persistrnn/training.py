@@ -30,29 +30,37 @@ the same values come from :func:`direction_forward`, the recurrence in torch
 ops.
 
 The backward (:func:`direction_backward`) runs the recurrence backwards step
-by step with torch ops, in the compute dtype: per step, the gradients of the
-gate pre-activations from ``dh``/``dc`` and the kept values (reverse-mode
-differentiation of the cell spec's own statements, :func:`step_backward`, so
-every cell is covered by its spec), then ``dh_{t-1} = W_hh^T dgates``. After
-the recurrence: one GEMM each for ``dW_hh`` (per stage: its gradients by its
-operands), ``dW_ih`` and ``dx``; bias gradients are sums. Nothing reduces
-with atomics, so the same inputs give bit-identical gradients. This step
-loop is the first version of the backward recurrence; a persistent backward
-kernel (``W_hh^T`` resident, one exchange per step) replaces it on the GPU.
+by step, in the compute dtype. The step is generated from the cell spec
+(:mod:`persistrnn.adjoint`: source-to-source reverse mode, once per spec),
+as straight-line statements per statement block, so every cell is covered by
+its spec; per step and block, the last first, the block's statements
+(recompute the forward values from the kept ones, then the adjoints), then
+one GEMM: the stage operand's adjoint (``dh_{t-1}``, or e.g. ``d(r * h)``)
+``+= d_product_j @ W_j``. On CUDA in fp32 (:func:`_fused_steps`) each block's
+statements are one generated kernel over (batch row, unit) and the GEMM is a
+``torch.mm``/``addmm_`` into buffers allocated before the loop: two
+launches per step and stage, no allocation. Elsewhere (the CPU; float64,
+also on CUDA) the same statements run as torch ops (:func:`step_backward`).
+After the recurrence: one GEMM each for ``dW_hh`` (per stage: its gradients
+by its operands), ``dW_ih`` and ``dx``; bias gradients are sums. Nothing
+reduces with atomics, so the same inputs give bit-identical gradients. A
+persistent backward kernel (``W_hh^T`` resident, one exchange per step)
+would take the step loop's launches off the GPU path.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import operator
+from types import CodeType
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
-from . import ops, persistent, runtime
-from .cells import NUMPY_FUNCTIONS, CellSpec, _parse, get_cell
+from . import adjoint, ops, persistent, runtime
+from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_program
+from .cells import NUMPY_FUNCTIONS, CellSpec, evaluate, get_cell
 from .errors import ArgumentError, ConfigError, UnsupportedError
 
 __all__ = ["TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "forward", "run_module",
@@ -76,86 +84,44 @@ def _blocks(spec: CellSpec) -> tuple[tuple[tuple[str, str], ...], ...]:
     return (*spec.between_stages, spec.pointwise)
 
 
-def _value(node: ast.expr, env: dict[str, Any], values: dict[int, Any]) -> Any:
-    """Evaluate a validated expression on tensors, keeping every node's value for :func:`_adjoint`."""
-    if isinstance(node, ast.Name):
-        value = env[node.id]
-    elif isinstance(node, ast.Constant):
-        value = float(node.value)
-    elif isinstance(node, ast.Call):
-        value = TORCH_FUNCTIONS[node.func.id](_value(node.args[0], env, values))
-    elif isinstance(node, ast.UnaryOp):
-        value = -_value(node.operand, env, values)
-    else:
-        value = _OPERATORS[type(node.op)](_value(node.left, env, values), _value(node.right, env, values))
-    values[id(node)] = value
-    return value
-
-
-_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {ast.Add: operator.add, ast.Sub: operator.sub,
-                                                     ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
-def _adjoint(node: ast.expr, grad: Any, values: dict[int, Any], adjoints: dict[str, Any]) -> None:
-    """Add ``grad`` (the gradient of ``node``'s value) into the adjoints of the names it reads."""
-    if isinstance(node, ast.Name):
-        adjoints[node.id] = adjoints[node.id] + grad if node.id in adjoints else grad
-    elif isinstance(node, ast.Call):
-        value, argument = values[id(node)], node.args[0]
-        function = node.func.id
-        if function == "sigmoid":
-            local = value * (1.0 - value)
-        elif function == "tanh":
-            local = 1.0 - value * value
-        else:  # relu; its derivative at 0 is 0, as torch's
-            local = (values[id(argument)] > 0).to(value.dtype)
-        _adjoint(argument, grad * local, values, adjoints)
-    elif isinstance(node, ast.UnaryOp):
-        _adjoint(node.operand, -grad, values, adjoints)
-    elif isinstance(node, ast.BinOp):
-        left, right = values[id(node.left)], values[id(node.right)]
-        op = type(node.op)
-        if op is ast.Add:
-            _adjoint(node.left, grad, values, adjoints)
-            _adjoint(node.right, grad, values, adjoints)
-        elif op is ast.Sub:
-            _adjoint(node.left, grad, values, adjoints)
-            _adjoint(node.right, -grad, values, adjoints)
-        elif op is ast.Mult:
-            _adjoint(node.left, grad * right, values, adjoints)
-            _adjoint(node.right, grad * left, values, adjoints)
-        else:
-            _adjoint(node.left, grad / right, values, adjoints)
-            _adjoint(node.right, -grad * values[id(node)] / right, values, adjoints)
-    # a constant reads no name
-
-
 def _run_cell(spec: CellSpec, xg: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
-              product: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[dict[str, Any], dict[int, Any], list]:
+              product: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[dict[str, Any], list]:
     """One step of the cell from its spec: ``product(stage, operand)`` gives
     that stage's gates' recurrent products with b_hh, (B, gates * H). Returns
-    every name's value, every expression node's value and each stage's products."""
+    every name's value and each stage's products."""
     hidden = h.shape[1]
     env: dict[str, Any] = {"h": h}
     if c is not None:
         env["c"] = c
     for i, gate in enumerate(spec.gates):
         env[f"x_{gate}"] = xg[:, i * hidden:(i + 1) * hidden]
-    values: dict[int, Any] = {}
     products = []
     for j, block in enumerate(_blocks(spec)):
         products.append(product(j, env[spec.stage_operands[j]]))
         for i, gate in enumerate(spec.stages[j]):
             env[f"h_{gate}"] = products[j][:, i * hidden:(i + 1) * hidden]
-        for name, expr in block:
-            env[name] = _value(_parse(expr), env, values)
-    return env, values, products
+        env = evaluate(block, env, TORCH_FUNCTIONS)
+    return env, products
+
+
+_ADJOINT_GLOBALS = {"__builtins__": {}, **TORCH_FUNCTIONS, RELU_GRAD: lambda x: (x > 0).to(x.dtype)}
+"""What the generated backward statements call, on tensors (no builtins:
+they need nothing but these functions)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_blocks(spec: CellSpec) -> tuple[tuple[BlockBackward, CodeType], ...]:
+    """The spec's generated backward blocks in walk order, each with its statements compiled to Python."""
+    return tuple((block, compile(render_python(block.statements), f"<{spec.name} backward, block {block.block}>",
+                                 "exec")) for block in step_backward_program(spec).blocks)
 
 
 def step_backward(spec: CellSpec, xg: torch.Tensor, gates: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
                   w_stages: list[torch.Tensor], dh: torch.Tensor,
                   dc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, list[Any]]:
-    """One step of the backward recurrence.
+    """One step of the backward recurrence with torch ops: the generated
+    statements (:func:`persistrnn.adjoint.step_backward_program`) evaluated on
+    tensors, the fused kernels' math.
 
     ``xg``, ``gates`` (B, G*H): the step's input projections and recurrent
     products (with b_hh); ``h``, ``c`` (B, H): the states it started from;
@@ -163,36 +129,28 @@ def step_backward(spec: CellSpec, xg: torch.Tensor, gates: torch.Tensor, h: torc
     its new states. Returns (d xg, d gates (both (B, G*H)), dh_{t-1},
     dc_{t-1} or None, every stage's operand (stage 0's is ``h``)).
     """
-    env, values, _ = _run_cell(spec, xg, h, c, lambda j, operand: gates[:, _stage_rows(spec, j, h.shape[1])])
-    adjoints: dict[str, Any] = {"h_new": dh}
-    if c is not None:
-        adjoints["c_new"] = dc
-    blocks = _blocks(spec)
-    d_products = []
-    for j in reversed(range(len(blocks))):
-        for name, expr in reversed(blocks[j]):
-            grad = adjoints.pop(name, None)
-            if grad is not None:
-                _adjoint(_parse(expr), grad, values, adjoints)
-        # Stage j's products are read only by blocks j and later, all walked:
-        # their gradients are whole, and reach the stage's operand through W.
-        d_product = torch.cat([_gradient(adjoints.pop(f"h_{gate}", None), h) for gate in spec.stages[j]], dim=1)
-        d_products.append(d_product)
+    hidden = h.shape[1]
+    values: dict[str, Any] = {"h": h, "c": c}
+    for i, gate in enumerate(spec.gates):
+        values[f"x_{gate}"] = xg[:, i * hidden:(i + 1) * hidden]
+        values[f"h_{gate}"] = gates[:, i * hidden:(i + 1) * hidden]
+    slots: dict[str, Any] = {"h_new": dh, "c_new": dc}  # each name's adjoint as the blocks leave it
+    operands = [h] * spec.num_stages
+    for block, code in _compiled_blocks(spec):
+        namespace = {name: values[name] for name in block.inputs}
+        namespace.update((statement_name, slots[name]) for name, statement_name in block.adjoints_in)
+        exec(code, _ADJOINT_GLOBALS, namespace)
+        for name, statement_name in block.adjoints_out:
+            slots[name] = namespace[statement_name] if statement_name else torch.zeros_like(h)
+        for stage, name in block.operands_out:
+            operands[stage] = namespace[name]
+        j = block.block
+        through_w = torch.cat([slots[f"h_{gate}"] for gate in spec.stages[j]], dim=1) @ w_stages[j]
         operand = spec.stage_operands[j]
-        through_w = d_product @ w_stages[j]
-        adjoints[operand] = adjoints[operand] + through_w if operand in adjoints else through_w
-    d_xg = torch.cat([_gradient(adjoints.get(f"x_{gate}"), h) for gate in spec.gates], dim=1)
-    dc_prev = _gradient(adjoints.get("c"), h) if c is not None else None
-    operands = [env[name] for name in spec.stage_operands]
-    return d_xg, torch.cat(d_products[::-1], dim=1), adjoints["h"], dc_prev, operands
-
-
-def _gradient(grad: Any, like: torch.Tensor) -> torch.Tensor:
-    """A gradient as a (B, H) tensor: zeros for a name nothing read, a
-    broadcast for one that only met constants."""
-    if grad is None:
-        return torch.zeros_like(like)
-    return grad.expand_as(like) if isinstance(grad, torch.Tensor) else torch.full_like(like, grad)
+        slots[operand] = slots[operand] + through_w if block.accumulate else through_w
+    d_xg = torch.cat([slots[f"x_{gate}"] for gate in spec.gates], dim=1)
+    d_gates = torch.cat([slots[f"h_{gate}"] for gate in spec.gates], dim=1)
+    return d_xg, d_gates, slots["h"], slots["c"] if c is not None else None, operands
 
 
 # ---- one direction of one layer ----------------------------------------------
@@ -222,8 +180,8 @@ def direction_forward(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, b_hh
     w_stages = [(w_hh[rows].T, b_hh[rows]) for rows in (_stage_rows(spec, j, hidden) for j in range(len(spec.stages)))]
     h, c = h0, c0
     for p in _positions(steps, reverse):
-        env, _, products = _run_cell(spec, xw[p], h, c,
-                                     lambda j, operand: torch.addmm(w_stages[j][1], operand, w_stages[j][0]))
+        env, products = _run_cell(spec, xw[p], h, c,
+                                  lambda j, operand: torch.addmm(w_stages[j][1], operand, w_stages[j][0]))
         gates[p] = torch.cat(products, dim=1)
         h = out[p] = env["h_new"]
         if cs is not None:
@@ -241,23 +199,104 @@ def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs
     outputs, ``d_out`` their gradients, ``dh_n``/``dc_n`` the final states'.
     Returns (d xw, d gates (T, B, G*H), dW_hh, dh0, dc0 or None).
     """
-    steps, hidden = xw.shape[0], w_hh.shape[1]
-    stage_rows = [_stage_rows(spec, j, hidden) for j in range(len(spec.stages))]
-    w_stages = [w_hh[rows] for rows in stage_rows]
+    hidden = w_hh.shape[1]
     h_prev = _previous(out, h0, reverse)
     c_prev = _previous(cs, c0, reverse) if cs is not None else None
-    d_xw, d_gates = torch.empty_like(xw), torch.empty_like(gates)
+    dense = torch.contiguous_format  # the fused steps write each step's rows by address
+    d_xw, d_gates = torch.empty_like(xw, memory_format=dense), torch.empty_like(gates, memory_format=dense)
     # Stage 0 multiplies h_{t-1}; a later stage's operand is computed in the step.
-    operands = [h_prev] + [torch.empty_like(out) for _ in stage_rows[1:]]
+    stage_operands = out.new_empty(spec.num_stages - 1, *out.shape)
+    steps_backward = _fused_steps if xw.is_cuda and xw.dtype == torch.float32 else _torch_steps
+    dh, dc = steps_backward(spec, xw, gates, h_prev, c_prev, w_hh, d_out, dh_n, dc_n, reverse, d_xw, d_gates,
+                            stage_operands)
+    operands = [h_prev if name == "h" else stage_operands[s - 1] for s, name in enumerate(spec.stage_operands)]
+    flat = d_gates.reshape(-1, d_gates.shape[2])
+    d_w_hh = torch.cat([flat[:, _stage_rows(spec, s, hidden)].T @ operand.reshape(-1, hidden)
+                        for s, operand in enumerate(operands)])
+    return d_xw, d_gates, d_w_hh, dh, dc
+
+
+def _torch_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: torch.Tensor, c_prev: Any,
+                 w_hh: torch.Tensor, d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: Any, reverse: bool,
+                 d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The step loop with torch ops (:func:`step_backward`), any device and
+    dtype: fills ``d_xw``, ``d_gates`` (T, B, G*H) and ``stage_operands``
+    (stages - 1, T, B, H: the operands of stages 1 and on, but ``h``);
+    returns (dh0, dc0 or None). ``h_prev``/``c_prev`` (T, B, H): the states
+    each position started from."""
+    w_stages = [w_hh[_stage_rows(spec, j, w_hh.shape[1])] for j in range(spec.num_stages)]
     dh, dc = dh_n, dc_n
-    for p in reversed(_positions(steps, reverse)):
+    for p in reversed(_positions(xw.shape[0], reverse)):
         d_xw[p], d_gates[p], dh, dc, step_operands = step_backward(
             spec, xw[p], gates[p], h_prev[p], None if c_prev is None else c_prev[p], w_stages, dh + d_out[p], dc)
-        for j in range(1, len(stage_rows)):
-            operands[j][p] = step_operands[j]
-    flat = d_gates.reshape(-1, d_gates.shape[2])
-    d_w_hh = torch.cat([flat[:, rows].T @ operand.reshape(-1, hidden) for rows, operand in zip(stage_rows, operands)])
-    return d_xw, d_gates, d_w_hh, dh, dc
+        for s in range(1, spec.num_stages):
+            if spec.stage_operands[s] != "h":
+                stage_operands[s - 1, p] = step_operands[s]
+    return dh, dc
+
+
+@functools.lru_cache(maxsize=64)
+def _block_kernels(spec: CellSpec, device: int) -> tuple[runtime.LoadedKernel, ...]:
+    """The spec's backward kernels on ``device``, in walk order (compiled once, then from the disk cache)."""
+    return tuple(runtime.get_kernel(adjoint.compile_block_kernel(spec, block.block), adjoint.KERNEL_NAME)
+                 for block in step_backward_program(spec).blocks)
+
+
+def _fused_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: torch.Tensor, c_prev: Any,
+                 w_hh: torch.Tensor, d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: Any, reverse: bool,
+                 d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """:func:`_torch_steps` on CUDA in fp32, fused: per step and statement
+    block (the last first) one generated kernel (:mod:`persistrnn.adjoint`),
+    then one GEMM into the block's stage operand's adjoint. The buffers are
+    allocated here, before the loop; the loop allocates nothing and passes
+    the kernels addresses computed from the step index."""
+    program = step_backward_program(spec)
+    steps, batch, hidden = h_prev.shape
+    kernels = _block_kernels(spec, xw.device.index)
+    config = kernels[0].config(-(-batch * hidden // adjoint.THREADS), adjoint.THREADS)
+    stream = torch.cuda.current_stream()
+    # The kernels read by address: every operand dense. A slot read before
+    # it is written would read NaN, so such a bug shows in the gradients.
+    xw, gates, d_out = xw.contiguous(), gates.contiguous(), d_out.contiguous()
+    dh = torch.full((2, batch, hidden), float("nan"), dtype=xw.dtype, device=xw.device)
+    dh[0].copy_(dh_n)
+    dc = torch.full_like(dh, float("nan")) if c_prev is not None else None
+    if dc is not None:
+        dc[0].copy_(dc_n)
+    carry = torch.full((len(program.carried), batch, hidden), float("nan"), dtype=xw.dtype, device=xw.device)
+    stage_rows = [_stage_rows(spec, j, hidden) for j in range(spec.num_stages)]
+    w_stages = [w_hh[rows] for rows in stage_rows]
+    d_products = [d_gates[:, :, rows] for rows in stage_rows]
+    targets = [None if name == "h" else carry[program.carried.index(name)] for name in spec.stage_operands]
+
+    def stepped(tensor: Any) -> tuple[int, int]:
+        """(address of ``tensor[0]``, bytes from one index of dim 0 to the next); (0, 0) for no tensor."""
+        return (0, 0) if tensor is None else (tensor.data_ptr(), tensor.stride(0) * tensor.element_size())
+
+    def at(base: tuple[int, int], index: int) -> np.uint64:
+        return np.uint64(base[0] + index * base[1])
+
+    xg_at, gates_at, h_at, c_at, d_out_at, d_xg_at, d_gates_at, dh_at, dc_at = map(
+        stepped, (xw, gates, h_prev, c_prev, d_out, d_xw, d_gates, dh, dc))
+    operands_at = stepped(stage_operands[0] if spec.num_stages > 1 else None)
+    carry_at = np.uint64(carry.data_ptr())
+    sizes = (np.int32(steps * batch * hidden), np.int32(batch), np.int32(hidden))
+    dh_buffers = dh.unbind(0)
+    for i, p in enumerate(reversed(_positions(steps, reverse))):
+        # dh_t and dc_t are in buffer i % 2; the step leaves dh_{t-1}, dc_{t-1} in the other.
+        now, previous = i % 2, 1 - i % 2
+        args = (at(xg_at, p), at(gates_at, p), at(h_at, p), at(c_at, p), at(dh_at, now), at(d_out_at, p),
+                at(dc_at, now), at(d_xg_at, p), at(d_gates_at, p), at(dh_at, previous), at(dc_at, previous),
+                carry_at, at(operands_at, p), *sizes)
+        for block, kernel in zip(program.blocks, kernels):
+            runtime.launch(kernel, config, *args, stream=stream)
+            j = block.block
+            target = dh_buffers[previous] if targets[j] is None else targets[j]
+            if block.accumulate:
+                target.addmm_(d_products[j][p], w_stages[j])
+            else:
+                torch.mm(d_products[j][p], w_stages[j], out=target)
+    return dh[steps % 2], (dc[steps % 2] if dc is not None else None)
 
 
 # ---- the whole model -------------------------------------------------------------

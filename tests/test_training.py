@@ -3,8 +3,11 @@ and finite differences (CPU), the save_gates kernel variant (sm_90 builds on
 the CPU), and on a GPU the kernels' gradients against float64 and cuDNN, and
 their determinism."""
 
+import ast
+import ctypes
 import dataclasses
 import random
+import re
 import types
 
 import numpy as np
@@ -12,7 +15,7 @@ import pytest
 import torch
 from helpers import assert_close_to_reference, exact_torch
 
-from persistrnn import cells, persistent, reference, training
+from persistrnn import adjoint, cells, persistent, reference, training
 from persistrnn.errors import UnsupportedError
 from persistrnn.nn import torch_forward
 from persistrnn.training import TORCH_FUNCTIONS
@@ -83,6 +86,9 @@ def gradients(fn, cell, x, h0, c0, weights, *options):
 
 @pytest.mark.parametrize("cell", CELL_NAMES)
 def test_step_backward_equals_autograd_of_the_cell_step(cell):
+    # The generated statements evaluated with torch in float64 (random
+    # inputs, never zeros; odd sizes), against autograd of the spec's step:
+    # every input's gradient, the weights' through d gates and the operands.
     spec = cells.get_cell(cell)
     gen = torch.Generator().manual_seed(3)
     B, H = 3, 5
@@ -96,7 +102,9 @@ def test_step_backward_equals_autograd_of_the_cell_step(cell):
     if c is not None:
         outputs.append(c_new)
         grads.append(dc)
-    want = torch.autograd.grad(outputs, [xg, h] + ([c] if c is not None else []), grads)
+    leaves = [xg, h, w, b] + ([c] if c is not None else [])
+    want = dict(zip(["xg", "h", "w", "b", "c"], torch.autograd.grad(outputs, leaves, grads)))
+    stage_rows = [slice(spec.gates.index(s[0]) * H, (spec.gates.index(s[-1]) + 1) * H) for s in spec.stages]
     with torch.no_grad():  # the recurrent products the forward keeps, as the kernel writes them
         products = []
         env = {"h": h, **({"c": c} if c is not None else {}),
@@ -104,16 +112,39 @@ def test_step_backward_equals_autograd_of_the_cell_step(cell):
         for k, (stage, operand) in enumerate(zip(spec.stages, spec.stage_operands)):
             if k:
                 env = cells.evaluate(spec.between_stages[k - 1], env, TORCH_FUNCTIONS)
-            rows = slice(spec.gates.index(stage[0]) * H, (spec.gates.index(stage[-1]) + 1) * H)
-            products.append(env[operand] @ w[rows].T + b[rows])
+            products.append(env[operand] @ w[stage_rows[k]].T + b[stage_rows[k]])
             env.update({f"h_{g}": products[-1][:, i * H:(i + 1) * H] for i, g in enumerate(stage)})
-        w_stages = [w[slice(spec.gates.index(s[0]) * H, (spec.gates.index(s[-1]) + 1) * H)] for s in spec.stages]
-        d_xg, _, dh_prev, dc_prev, _ = training.step_backward(spec, xg, torch.cat(products, 1), h, c, w_stages, dh,
-                                                              dc if c is not None else None)
-    torch.testing.assert_close(d_xg, want[0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dh_prev, want[1], rtol=1e-12, atol=1e-12)
-    if c is not None:
-        torch.testing.assert_close(dc_prev, want[2], rtol=1e-12, atol=1e-12)
+        d_xg, d_gates, dh_prev, dc_prev, operands = training.step_backward(
+            spec, xg, torch.cat(products, 1), h, c, [w[rows] for rows in stage_rows], dh,
+            dc if c is not None else None)
+    got = {"xg": d_xg, "h": dh_prev, "b": d_gates.sum(0), "c": dc_prev,
+           "w": torch.cat([d_gates[:, rows].T @ operand for rows, operand in zip(stage_rows, operands)])}
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_backward_statements_are_one_straight_line_program(cell):
+    # Each adjoint assigned once, each read defined before it (a forward
+    # input, a seed, a statement of this or an earlier block, or the matrix
+    # product after one): the blocks' statements concatenated in walk order
+    # are one valid program.
+    program = adjoint.step_backward_program(cell)
+    spec = program.spec
+    defined = {"h", "c", "prnn_d0_h_new", "prnn_d0_c_new"} | {f"{k}_{g}" for k in "xh" for g in spec.gates}
+    assigned = set()
+    for block in program.blocks:
+        assert {adjoint_name for _, adjoint_name in block.adjoints_in} <= defined, block
+        for name, expr in block.statements:
+            tree = ast.parse(expr, mode="eval")
+            reads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - set(adjoint.FUNCTIONS)
+            assert reads <= defined, (name, expr)
+            # the forward is recomputed per block; the adjoints are assigned once in the whole step
+            assert name not in assigned or not name.startswith("prnn_d"), name
+            assigned.add(name)
+            defined.add(name)
+        assert {a for _, a in block.adjoints_out if a} <= defined, block
+        defined.add(block.through_w)
 
 
 # ---- the operators in float64 on the CPU ---------------------------------------
@@ -270,6 +301,105 @@ def test_saved_shapes_match_what_the_forward_keeps():
     assert [tuple(t.shape) for t in saved] == [s for s, _ in shapes]
 
 
+# ---- the fused backward step (sm_90 builds, and its kernels emulated on the CPU) ----------
+
+
+BLOCK_KERNELS = [(cell, block.block) for cell in CELL_NAMES for block in adjoint.step_backward_program(cell).blocks]
+
+
+@pytest.mark.parametrize("cell,block", BLOCK_KERNELS)
+def test_backward_kernel_compiles_for_sm90_without_local_memory(cell, block):
+    binary = adjoint.compile_block_kernel(cell, block, arch="sm_90")
+    res = binary.kernel_resources(adjoint.KERNEL_NAME)
+    assert not res.uses_local_memory, res
+
+
+def direction_inputs(cell, steps, batch, hidden, seed):
+    """Random float64 inputs of one direction's backward recurrence (standard
+    normal, states halved; W_hh uniform in ±1/sqrt(H)), never zeros."""
+    spec = cells.get_cell(cell)
+    gen = torch.Generator().manual_seed(seed)
+    gh = spec.num_gates * hidden
+
+    def normal(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+    has_c = spec.has_cell_state
+    return dict(xw=normal(steps, batch, gh), gates=normal(steps, batch, gh),
+                h_prev=normal(steps, batch, hidden, scale=0.5),
+                c_prev=normal(steps, batch, hidden, scale=0.5) if has_c else None,
+                w_hh=(torch.rand(gh, hidden, generator=gen, dtype=torch.float64) * 2 - 1) * hidden ** -0.5,
+                d_out=normal(steps, batch, hidden), dh_n=normal(batch, hidden),
+                dc_n=normal(batch, hidden) if has_c else None)
+
+
+def run_steps(steps_backward, cell, inputs, reverse, device="cpu", dtype=torch.float64):
+    """One direction's step loop on copies of ``inputs``, every output poisoned
+    (NaN) first: an element the steps never write shows."""
+    spec = cells.get_cell(cell)
+    t = {k: None if v is None else v.to(device, dtype) for k, v in inputs.items()}
+    d_xw, d_gates = torch.full_like(t["xw"], float("nan")), torch.full_like(t["gates"], float("nan"))
+    stage_operands = torch.full((spec.num_stages - 1, *t["h_prev"].shape), float("nan"), dtype=dtype, device=device)
+    dh0, dc0 = steps_backward(spec, t["xw"], t["gates"], t["h_prev"], t["c_prev"], t["w_hh"], t["d_out"], t["dh_n"],
+                              t["dc_n"], reverse, d_xw, d_gates, stage_operands)
+    return {"d_xw": d_xw, "d_gates": d_gates, "stage_operands": stage_operands, "dh0": dh0, "dc0": dc0}
+
+
+class EmulatedBlockKernels:
+    """The generated backward kernels run on the CPU: a launch executes the
+    kernel body NVRTC compiles (its C statements read as Python, over every
+    (batch row, unit) element at once) on the memory its pointer arguments
+    point at, in float64. So the CUDA rendering (loads, stores, slots) and
+    the host loop (addresses, dh/dc buffers, GEMM targets) are checked
+    without a GPU."""
+
+    FUNCTIONS = {"prnn_sigmoid": torch.sigmoid, "tanhf": torch.tanh, "prnn_relu": torch.relu,
+                 "prnn_relu_grad": lambda x: (x > 0).to(x.dtype)}
+
+    def __init__(self, cell):
+        program = adjoint.step_backward_program(cell)
+        self.spec, self.extent = program.spec, max(program.spec.num_gates, program.spec.num_stages,
+                                                   len(program.carried))
+        self.kernels = [types.SimpleNamespace(source=adjoint.block_kernel_source(cell, block.block),
+                                              config=lambda grid, block: None) for block in program.blocks]
+
+    def __call__(self, kernel, config, *args, stream=None):
+        source = re.sub(r"//[^\n]*", "", kernel.source)
+        head, _, body = source.partition("prnn_step_backward(")
+        signature, _, body = body.partition(") {")
+        names = re.findall(r"(?:float\*\s*__restrict__|int)\s+(\w+)", signature)
+        assert len(names) == len(args), (names, args)
+        operand_stride, batch, hidden = (int(a) for a in args[-3:])
+        # Each pointer as a float64 view of host memory, long enough for any index the kernel takes.
+        count = operand_stride * self.extent
+        env = {name: int(arg) if name in ("prnn_operand_stride", "prnn_batch", "prnn_hidden") else
+               (None if int(arg) == 0 else
+                torch.from_numpy(np.ctypeslib.as_array((ctypes.c_double * count).from_address(int(arg)))))
+               for name, arg in zip(names, args)}
+        env.update(prnn_n=torch.arange(batch * hidden), PRNN_G=self.spec.num_gates)
+        body = body[:body.rindex("}")].split("return;", 1)[1]
+        for line in filter(None, (line.strip().rstrip(";") for line in body.splitlines())):
+            if line.startswith("const int "):
+                line = line.replace(" / ", " // ")  # C integer division
+            line = re.sub(r"^const (?:float|int) ", "", line)
+            exec(re.sub(r"\b(\d+\.\d*(?:e[+-]?\d+)?)f\b", r"\1", line), dict(self.FUNCTIONS), env)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_fused_step_loop_with_emulated_kernels_equals_the_torch_op_steps(cell, reverse, monkeypatch):
+    inputs = direction_inputs(cell, steps=4, batch=3, hidden=7, seed=11)
+    want = run_steps(training._torch_steps, cell, inputs, reverse)
+    kernels = EmulatedBlockKernels(cell)
+    monkeypatch.setattr(training, "_block_kernels", lambda spec, device: kernels.kernels)
+    monkeypatch.setattr(training.runtime, "launch", kernels)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    got = run_steps(training._fused_steps, cell, inputs, reverse)
+    for name, value in want.items():
+        if value is not None:
+            torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 
@@ -396,3 +526,20 @@ def test_gpu_module_training_call_gives_float64_gradients(kind, kw, compiled, re
     got = [x.grad] + [w.grad for w in model._flat_weights]
     names = ["x"] + list(model._flat_weights_names)
     assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32", context=f"{kind} {kw}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 333)])
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_gpu_fused_steps_equal_the_float64_torch_op_steps(cell, batch, hidden, reverse):
+    # The fp32 kernels and GEMMs against the torch-op steps in float64 on the
+    # same (fp32-rounded) inputs, outputs poisoned; odd sizes, one partial block.
+    inputs = {k: None if v is None else v.float().double()
+              for k, v in direction_inputs(cell, steps=5, batch=batch, hidden=hidden, seed=hidden).items()}
+    want = run_steps(training._torch_steps, cell, inputs, reverse)
+    got = run_steps(training._fused_steps, cell, inputs, reverse, device="cuda", dtype=torch.float32)
+    for name, value in want.items():
+        if value is not None:
+            torch.testing.assert_close(got[name].cpu().double(), value, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name: f"{n}: {m}")

@@ -63,12 +63,16 @@ def run_case(hidden: int, batch: int, calls: int, repeats: int) -> dict[str, Any
     theirs = torch.nn.LSTM(hidden, hidden).cuda()
     ours = persistrnn.LSTM(hidden, hidden).cuda()
     ours.load_state_dict(theirs.state_dict())
+    ours.training_kernels = True  # opt-in: without it the module trains on torch's implementation
     x = torch.randn(STEPS, batch, hidden, device="cuda", requires_grad=True)
     reference = torch.nn.LSTM(hidden, hidden).double()
     reference.load_state_dict(theirs.state_dict())
     x64 = x.detach().double().cpu().requires_grad_()
     reference(x64)[0].square().sum().backward()
     row: dict[str, Any] = {"hidden": hidden, "batch": batch, "steps": STEPS}
+    reason = ours._torch_reason(x, warn=False, trains=True)
+    if reason is not None:  # this row would time torch's implementation as ours
+        raise RuntimeError(f"persistrnn.LSTM would train on torch's implementation here ({reason})")
     row["ours_grad_error"] = _input_grad_error(ours, x, x64.grad)
     runtime.warm_up(_step(ours, x))
     row["ours_ms"] = _time_ms(_step(ours, x), calls, repeats)
