@@ -49,6 +49,7 @@ def main() -> None:
     model = persistrnn.LSTM(128, 128, num_layers=2).cuda().eval()
     x = torch.randn(50, args.batch, 128, device="cuda")
     compiled = torch.compile(model, fullgraph=True)
+    plus_one = torch.compile(lambda t: t + 1, fullgraph=True)
     weights = list(model._flat_weights)
     h0 = torch.zeros(2, args.batch, 128, device="cuda")
     with torch.no_grad():
@@ -56,10 +57,13 @@ def main() -> None:
             "eager module": lambda: model(x),
             "compiled module": lambda: compiled(x),
             "operator": lambda: torch.ops.persistrnn.forward(x, h0, h0, weights, "lstm", 2, False, True),
+            "operator, no h0": lambda: torch.ops.persistrnn.forward(x, None, None, weights, "lstm", 2, False, True),
+            # torch.compile's own per-call cost, for a graph of one pointwise op
+            "compiled x + 1": lambda: plus_one(x),
             "ops.forward": lambda: persistrnn.ops.forward(model._shape(torch.float32), weights, x, None, None, True),
         }
         for name, fn in runs.items():
-            print(f"{name:<16} host {host_us(fn, args.calls):7.1f} µs per call")
+            print(f"{name:<18} host {host_us(fn, args.calls):7.1f} µs per call")
         for name, fn in runs.items():
             print(f"\n== {name}\n{top(fn, args.calls)}")
 

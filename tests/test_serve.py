@@ -217,6 +217,53 @@ def test_a_slot_without_input_does_not_advance():
     torch.testing.assert_close(got, alone(model, [first, second])[2:], **TOLERANCES["cpu"])
 
 
+def test_one_tick_of_single_steps_one_step_rows_and_longer_chunks_gives_each_its_own_shape():
+    # (I,) and (1, I) chunks share one batch of length 1 and are split from it
+    # each way; a (3, I) chunk runs as a second batch of the same tick.
+    model = gated_model()
+    with serve.Engine(model, max_streams=4) as engine:
+        holder, single, row, longer = (engine.open() for _ in range(4))
+        holder.push(torch.randn(1, 7))
+        assert model.entered.wait(WAIT)  # the next tick takes the three chunks below together
+        chunks = {single: torch.randn(7), row: torch.randn(1, 7), longer: torch.randn(3, 7)}
+        for stream, chunk in chunks.items():
+            stream.push(chunk)
+        model.gate.set()
+        holder.pull(timeout=WAIT)
+        got = {stream: stream.pull(timeout=WAIT) for stream in chunks}
+        assert engine.ticks == 2
+    for stream, chunk in chunks.items():
+        assert got[stream].shape == (*chunk.shape[:-1], 13)
+        want = alone(model, [chunk])
+        torch.testing.assert_close(got[stream], want[0] if chunk.dim() == 1 else want, **TOLERANCES["cpu"])
+
+
+def test_a_waiting_pull_and_a_push_waiting_for_room_are_woken_when_a_chunk_runs():
+    model = gated_model()
+    with serve.Engine(model, max_streams=2, max_pending=1) as engine:
+        pulled, submitted = engine.open(), engine.open()
+        chunk = torch.randn(2, 7)
+        pulled.push(chunk)
+        first = submitted.submit(torch.randn(1, 7))  # holds the stream's one pending place until it has run
+        assert model.entered.wait(WAIT)
+        got, pushed = [], threading.Event()
+        # Their own timeouts (2 WAIT) outlast the joins below: a waiter the tick did not wake fails the test.
+        waiting_pull = threading.Thread(target=lambda: got.append(pulled.pull(timeout=2 * WAIT)))
+        waiting_push = threading.Thread(target=lambda: (submitted.push(torch.randn(1, 7), timeout=2 * WAIT),
+                                                        pushed.set()))
+        waiting_pull.start()
+        waiting_push.start()
+        time.sleep(0.05)
+        assert not got and not pushed.is_set()  # both wait on the running tick
+        model.gate.set()
+        waiting_pull.join(WAIT / 2)
+        assert got
+        waiting_push.join(WAIT / 2)
+        assert pushed.is_set() and first.result(WAIT).shape == (1, 13)
+        torch.testing.assert_close(got[0], alone(model, [chunk]), **TOLERANCES["cpu"])
+        submitted.pull(timeout=WAIT)
+
+
 # ---- limits and back-pressure ----------------------------------------------------------------
 
 def test_a_full_engine_refuses_a_new_stream_and_takes_one_when_a_slot_frees():
