@@ -10,6 +10,18 @@ opens a stream, pushes chunks of input and pulls their outputs::
         y = stream.pull(timeout=1.0)       # that chunk's output: (T, H) or (H,)
         stream.close()                     # the slot is free for the next stream
 
+**Groups.** A front end that receives chunks for many streams at once (a
+gateway) hands them over in one call: ``engine.push_many(streams, chunks)``
+queues row i of ``chunks`` ((n, T, I) or (n, I), or a sequence of n chunks)
+on ``streams[i]``, and ``engine.pull_many(streams)`` takes each stream's
+oldest output. Each holds the lock once and copies the group once, where a
+call per stream pays both (and a hand-off of the GIL) per chunk. A group is
+all or nothing: one closed, failed or full stream refuses the whole call
+(full: after waiting up to ``timeout`` for room) and nothing is queued; a
+pull of a group waits for every stream's chunk and takes none on a
+timeout. An output whose chunk failed comes back as its exception, in its
+place. A stream's chunks run in the order queued, by groups or singly.
+
 **Continuous (cellular) batching.** One worker thread per engine runs ticks.
 A tick takes the oldest queued chunk of every stream that has one, gathers
 those streams' states (``index_select`` on the slot rows), runs the model's
@@ -182,11 +194,18 @@ class Stream:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def pending(self) -> int:
+        """Chunks the stream holds against ``max_pending``: pushed and not yet
+        pulled, or submitted and not yet run."""
+        return self._held
+
     def push(self, chunk: torch.Tensor, timeout: float = 0.0) -> None:
         """Queue ``chunk`` ((T, I) or (I,)) for :meth:`pull`. Waits up to
         ``timeout`` seconds while the stream holds ``max_pending`` unpulled
         chunks, then raises :class:`~persistrnn.errors.EngineFullError`."""
-        self._queue(chunk, timeout, None)
+        engine = self.engine
+        engine._queue("push", [self], [engine._chunk_input(chunk, "push")], timeout)
 
     def submit(self, chunk: torch.Tensor, timeout: float = 0.0) -> concurrent.futures.Future:
         """Queue ``chunk`` and return the future of its output instead of
@@ -196,38 +215,9 @@ class Stream:
         another (``pull`` does this). Cancelling the future before its tick
         skips the chunk (the state does not advance)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue(chunk, timeout, future)
-        return future
-
-    def _queue(self, chunk: torch.Tensor, timeout: float, future: concurrent.futures.Future | None) -> None:
         engine = self.engine
-        x, single_step, ready = engine._chunk_input(chunk)
-        item = _Chunk(self, x, single_step, ready, future)
-        with engine._lock:
-            self._check_open("push")
-            if self._held >= engine.max_pending:
-                self._wait_for_room(timeout)
-            self._held += 1
-            self._queued.append(item)
-            if future is None:
-                self._unpulled.append(item)
-            if not self._in_tick:
-                engine._ready[self] = None
-                if engine._worker_waiting:
-                    engine._worker_waiting = False
-                    engine._wake.notify()
-
-    def _wait_for_room(self, timeout: float) -> None:
-        """Under the lock: wait up to ``timeout`` for the stream to hold fewer than ``max_pending`` chunks."""
-        deadline = time.monotonic() + timeout
-        while self._held >= self.engine.max_pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EngineFullError(
-                    f"push: stream {self.number} holds {self._held} chunks that were not pulled (or submitted "
-                    f"and not run); expected fewer than max_pending={self.engine.max_pending} (waited {timeout} s)")
-            self._wait(remaining)
-            self._check_open("push")
+        engine._queue("submit", [self], [engine._chunk_input(chunk, "submit")], timeout, future)
+        return future
 
     def _wait(self, seconds: float) -> None:
         self._waiting += 1
@@ -235,6 +225,14 @@ class Stream:
             self._changed.wait(seconds)
         finally:
             self._waiting -= 1
+
+    def _oldest_has_run(self) -> bool:
+        """Under the lock: the oldest pushed chunk not yet pulled has its outcome."""
+        return bool(self._unpulled) and self._unpulled[0].done
+
+    def _spent(self) -> bool:
+        """Under the lock: closed or failed, with nothing left to pull."""
+        return not self._unpulled and (self._closed or self._failure is not None)
 
     def _check_open(self, what: str) -> None:
         if self._failure is not None:
@@ -250,32 +248,10 @@ class Stream:
         then raises ``TimeoutError`` and leaves the chunk to a later pull.
         Raises the model's error if the chunk's tick failed, and
         ``concurrent.futures.CancelledError`` if a close cancelled it."""
-        engine = self.engine
-        timeout = engine.timeout if timeout is None else timeout
-        deadline = None
-        with engine._lock:
-            while not (self._unpulled and self._unpulled[0].done):
-                if not self._unpulled and (self._closed or self._failure is not None):
-                    raise ArgumentError(f"pull: expected a pushed chunk not yet pulled, got none left in stream "
-                                        f"{self.number}, {'failed' if self._failure else 'closed'}")
-                if deadline is None:
-                    deadline = time.monotonic() + timeout
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    if self._unpulled:
-                        raise TimeoutError(f"pull: stream {self.number}'s chunk did not run within {timeout} s")
-                    raise TimeoutError(f"pull: no chunk was pushed to stream {self.number} within {timeout} s")
-                self._wait(remaining)
-            chunk = self._unpulled.popleft()
-            self._held -= 1
-            if self._waiting:
-                self._changed.notify_all()
-        if chunk.error is not None:
-            raise chunk.error
-        out = chunk.out
-        if out.is_cuda:
-            out.record_stream(torch.cuda.current_stream(out.device))
-        return out
+        (outcome,) = self.engine._take("pull", [self], timeout)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def close(self) -> None:
         """Free the slot: chunks that have not run are cancelled (a chunk in
@@ -390,28 +366,212 @@ class Engine:
         if self._closing:
             raise ArgumentError(f"{what}: expected a running engine, got a closed one")
 
-    def _chunk_input(self, chunk: Any) -> tuple[torch.Tensor, bool, Any]:
-        """(the chunk as a private (T, I) copy in the engine's dtype, whether it
-        came as (I,), and for a device chunk the event its copy is ready at)."""
+    def push_many(self, streams: Sequence[Stream], chunks: torch.Tensor | Sequence[torch.Tensor],
+                  timeout: float = 0.0) -> None:
+        """Queue one chunk for each of ``streams`` (distinct streams of this
+        engine) under one hold of the lock, for :meth:`pull_many` or
+        :meth:`Stream.pull`. ``chunks`` is a tensor (n, T, I) or (n, I) whose
+        row i is stream i's chunk, copied at once, or a sequence of n chunks
+        shaped as for :meth:`Stream.push`, copied by one stack when they all
+        have one shape. The group is queued whole or not at all: a stream that
+        is closed or failed refuses it (``ArgumentError``); a stream holding
+        ``max_pending`` chunks makes it wait up to ``timeout`` seconds for
+        room, then refuses it with :class:`~persistrnn.errors.EngineFullError`
+        naming that stream. Each stream's chunks run in the order they were
+        queued, whether by this call or by :meth:`Stream.push`."""
+        streams = self._group_streams(streams, "push_many")
+        self._queue("push_many", streams, self._group_input(chunks, len(streams)), timeout)
+
+    def pull_many(self, streams: Sequence[Stream], timeout: float | None = None) -> list[Any]:
+        """For each of ``streams`` (distinct streams of this engine), the
+        outcome of its oldest pushed chunk not yet pulled, taken under one
+        hold of the lock: its output, shaped as :meth:`Stream.pull` returns
+        it, or, where that chunk failed or a close cancelled it, the exception
+        ``pull`` would raise, in its place (one stream's error does not cost
+        the others their outputs). Waits at most ``timeout`` seconds (None:
+        the engine's ``timeout``) for every one of them to have run, then
+        raises ``TimeoutError`` naming a stream still waiting; a stream closed
+        or failed with nothing left to pull raises ``ArgumentError``. Either
+        way nothing is taken."""
+        return self._take("pull_many", self._group_streams(streams, "pull_many"), timeout)
+
+    def _group_streams(self, streams: Iterable[Stream], what: str) -> list[Stream]:
+        streams = list(streams)
+        for stream in streams:
+            if not isinstance(stream, Stream):
+                raise ArgumentTypeError(f"{what}: expected Stream objects, got {type(stream).__name__}")
+            if stream.engine is not self:
+                raise ArgumentError(f"{what}: expected streams of {self!r}, got {stream!r} of another engine")
+        if len(set(streams)) < len(streams):
+            twice = next(stream for i, stream in enumerate(streams) if stream in streams[:i])
+            raise ArgumentError(f"{what}: expected distinct streams, got stream {twice.number} twice "
+                                "(one call queues or takes one chunk per stream)")
+        return streams
+
+    def _check_chunk(self, chunk: Any, what: str, rows: int | None = None) -> None:
+        """Raise unless ``chunk`` is a floating-point tensor (T, I) with T >= 1
+        or (I,), led by a dimension of ``rows`` when given, on the host or the
+        engine's device."""
         if not isinstance(chunk, torch.Tensor):
-            raise InputTypeError(f"push: expected a chunk tensor, got {type(chunk).__name__}")
-        if chunk.dim() not in (1, 2) or chunk.shape[-1] != self.input_size or chunk.dim() == 2 and chunk.shape[0] < 1:
-            raise InputShapeError(f"push: expected a chunk of shape (T, {self.input_size}) with T >= 1 or "
-                                  f"({self.input_size},), got {tuple(chunk.shape)}")
+            raise InputTypeError(f"{what}: expected a chunk tensor, got {type(chunk).__name__}")
+        lead = () if rows is None else (rows,)
+        shape = tuple(chunk.shape)
+        body = shape[len(lead):]
+        if shape[:len(lead)] != lead or len(body) not in (1, 2) or body[-1] != self.input_size \
+                or len(body) == 2 and body[0] < 1:
+            rows_first = "".join(f"{n}, " for n in lead)
+            one_step = f"({rows_first}{self.input_size})" if lead else f"({self.input_size},)"
+            raise InputShapeError(f"{what}: expected a chunk of shape ({rows_first}T, {self.input_size}) with "
+                                  f"T >= 1 or {one_step}, got {shape}")
         if not chunk.is_floating_point():
-            raise InputShapeError(f"push: expected a floating-point chunk, got {chunk.dtype}")
+            raise InputShapeError(f"{what}: expected a floating-point chunk, got {chunk.dtype}")
         if not chunk.is_cpu and chunk.device != self.device:
-            raise InputShapeError(f"push: expected a chunk on the host or on {self.device}, got one on {chunk.device}")
+            raise InputShapeError(f"{what}: expected a chunk on the host or on {self.device}, got one on "
+                                  f"{chunk.device}")
+
+    def _own_copy(self, chunk: torch.Tensor, copied: bool = False) -> tuple[torch.Tensor, Any]:
+        """(``chunk`` in the engine's dtype, in memory the engine owns, so that
+        the client may reuse its buffer at once; for a device chunk, the event
+        that copy is ready at). One torch call, or none for a ``copied``
+        chunk already in the dtype: each call releases the GIL, which then has
+        to be won back from the other threads."""
         if chunk.requires_grad:
             chunk = chunk.detach()
-        # A copy, so that the client may reuse its buffer at once: one torch call
-        # (each releases the GIL, which then has to be won back from the other threads).
-        x = chunk.clone() if chunk.dtype == self.dtype else chunk.to(self.dtype)
+        if chunk.dtype != self.dtype:
+            chunk = chunk.to(self.dtype)
+        elif not copied:
+            chunk = chunk.clone()
         ready = None
-        if x.is_cuda:
+        if chunk.is_cuda:
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(x.device))
+            ready.record(torch.cuda.current_stream(chunk.device))
+        return chunk, ready
+
+    def _chunk_input(self, chunk: Any, what: str) -> tuple[torch.Tensor, bool, Any]:
+        """(the chunk as a private (T, I) copy in the engine's dtype, whether it
+        came as (I,), and for a device chunk the event its copy is ready at)."""
+        self._check_chunk(chunk, what)
+        x, ready = self._own_copy(chunk)
         return (x[None] if chunk.dim() == 1 else x), chunk.dim() == 1, ready
+
+    def _group_input(self, chunks: Any, count: int) -> list[tuple[torch.Tensor, bool, Any]]:
+        """:meth:`_chunk_input` of each of ``count`` chunks, from one copy of
+        the group where they share a shape."""
+        what = "push_many"
+        if isinstance(chunks, torch.Tensor):
+            self._check_chunk(chunks, what, count)
+            x, ready = self._own_copy(chunks)
+            single_step = chunks.dim() == 2
+        else:
+            if not isinstance(chunks, Sequence):
+                raise InputTypeError(f"{what}: expected a chunk tensor (n, T, I) or (n, I), or a sequence of "
+                                     f"chunks, got {type(chunks).__name__}")
+            if len(chunks) != count:
+                raise InputShapeError(f"{what}: expected one chunk per stream ({count}), got {len(chunks)}")
+            for i, chunk in enumerate(chunks):
+                self._check_chunk(chunk, f"{what}: chunk {i}")
+            if not count:
+                return []
+            first = chunks[0]
+            if any(c.shape != first.shape or c.dtype != first.dtype or c.device != first.device for c in chunks):
+                return [self._chunk_input(chunk, what) for chunk in chunks]
+            x, ready = self._own_copy(torch.stack(list(chunks)), copied=True)
+            single_step = first.dim() == 1
+        rows = (x[:, None] if single_step else x).unbind(0)  # each (T, I); one torch call for the group
+        return [(row, single_step, ready) for row in rows]
+
+    def _queue(self, what: str, streams: list[Stream], inputs: list[tuple[torch.Tensor, bool, Any]],
+               timeout: float, future: concurrent.futures.Future | None = None) -> None:
+        """Queue chunk ``inputs[i]`` on ``streams[i]`` under one hold of the
+        lock, every one or none: each stream must be open, and have room under
+        ``max_pending``, which it is waited for (up to ``timeout``).
+        ``future``: the future of a single submitted chunk."""
+        items = [_Chunk(stream, x, single_step, ready, future)
+                 for stream, (x, single_step, ready) in zip(streams, inputs)]
+        with self._lock:
+            deadline = None
+            while True:
+                full = None
+                for stream in streams:
+                    stream._check_open(what)
+                    if full is None and stream._held >= self.max_pending:
+                        full = stream
+                if full is None:
+                    break
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    whole = "; no chunk of the group was queued" if len(streams) > 1 else ""
+                    raise EngineFullError(
+                        f"{what}: stream {full.number} holds {full._held} chunks that were not pulled (or "
+                        f"submitted and not run); expected fewer than max_pending={self.max_pending} (waited "
+                        f"{timeout} s){whole}")
+                full._wait(remaining)
+            became_ready = False
+            for stream, item in zip(streams, items):
+                stream._held += 1
+                stream._queued.append(item)
+                if item.future is None:
+                    stream._unpulled.append(item)
+                if not stream._in_tick:
+                    self._ready[stream] = None
+                    became_ready = True
+            if became_ready and self._worker_waiting:
+                self._worker_waiting = False
+                self._wake.notify()
+
+    def _take(self, what: str, streams: list[Stream], timeout: float | None) -> list[Any]:
+        """Under one hold of the lock, once the oldest unpulled chunk of every
+        one of ``streams`` has run (waiting at most ``timeout``, None: the
+        engine's), take them all: each one's output, ready for the caller's
+        CUDA stream, or its error."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None
+        with self._lock:
+            start, waited = 0, False
+            while True:
+                i = next((i for i in range(start, len(streams)) if not streams[i]._oldest_has_run()), None)
+                if i is None:
+                    if not waited:
+                        break
+                    # A chunk seen done before a wait may have been taken since by another thread's pull.
+                    start, waited = 0, False
+                    continue
+                # A stream with nothing left to pull is refused before any wait: that wait would never end.
+                spent = next((s for s in itertools.islice(streams, i, None) if s._spent()), None)
+                if spent is not None:
+                    raise ArgumentError(f"{what}: expected a pushed chunk not yet pulled, got none left in stream "
+                                        f"{spent.number}, {'failed' if spent._failure else 'closed'}")
+                waiting_on = streams[i]
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    whole = "; no chunk of the group was taken" if len(streams) > 1 else ""
+                    if waiting_on._unpulled:
+                        raise TimeoutError(f"{what}: stream {waiting_on.number}'s chunk did not run within "
+                                           f"{timeout} s{whole}")
+                    raise TimeoutError(f"{what}: no chunk was pushed to stream {waiting_on.number} within "
+                                       f"{timeout} s{whole}")
+                waiting_on._wait(remaining)
+                start, waited = i, True
+            chunks = []
+            for stream in streams:
+                chunks.append(stream._unpulled.popleft())
+                stream._held -= 1
+                if stream._waiting:
+                    stream._changed.notify_all()
+        outcomes: list[Any] = []
+        for chunk in chunks:
+            if chunk.error is not None:
+                outcomes.append(chunk.error)
+                continue
+            out = chunk.out
+            if out.is_cuda:
+                out.record_stream(torch.cuda.current_stream(out.device))
+            outcomes.append(out)
+        return outcomes
 
     def warm_up(self, steps: Iterable[int] = (1,), batches: Iterable[int] | None = None) -> None:
         """Plan and capture the forward for chunks of each length in ``steps``

@@ -39,13 +39,16 @@ one GEMM: the stage operand's adjoint (``dh_{t-1}``, or e.g. ``d(r * h)``)
 ``+= d_product_j @ W_j``. On CUDA in fp32 (:func:`_fused_steps`) each block's
 statements are one generated kernel over (batch row, unit) and the GEMM is a
 ``torch.mm``/``addmm_`` into buffers allocated before the loop: two
-launches per step and stage, no allocation. Elsewhere (the CPU; float64,
-also on CUDA) the same statements run as torch ops (:func:`step_backward`).
+launches per step and stage, no allocation. Those launches, with the dW_hh
+GEMMs after them, are captured once per shape and stream into a CUDA graph
+(:data:`GRAPHS`), so a direction's backward is a copy in, one replay and a
+copy out, and no step costs Python. Elsewhere (the CPU; float64, also on
+CUDA) the same statements run as torch ops (:func:`step_backward`).
 After the recurrence: one GEMM each for ``dW_hh`` (per stage: its gradients
 by its operands), ``dW_ih`` and ``dx``; bias gradients are sums. Nothing
 reduces with atomics, so the same inputs give bit-identical gradients. A
 persistent backward kernel (``W_hh^T`` resident, one exchange per step)
-would take the step loop's launches off the GPU path.
+would also take the per-step GEMM's reads of ``W_hh`` off the step chain.
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_prog
 from .cells import NUMPY_FUNCTIONS, CellSpec, evaluate, get_cell
 from .errors import ArgumentError, ConfigError, UnsupportedError
 
-__all__ = ["TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "forward", "run_module",
-           "saved_shapes", "step_backward", "training_config"]
+__all__ = ["GRAPHS", "TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "forward", "graph_key",
+           "run_module", "saved_shapes", "step_backward", "training_config"]
 
 TORCH_FUNCTIONS = {name: getattr(torch, name) for name in NUMPY_FUNCTIONS}
 """The cell expression language's functions on tensors (autograd included):
@@ -189,6 +192,41 @@ def direction_forward(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, b_hh
     return out, gates, cs
 
 
+# A backward graph holds its copies of the saved tensors and its outputs:
+# ~4 T B G H + 5 T B H floats, 0.3 GB at LSTM 1024, T=100, batch 32. A
+# bound of 8 keeps the worst case near 2.5 GB where many (T, B) shapes train.
+GRAPHS = runtime.GraphCache(capacity=8)
+"""Captured backward recurrences of one layer's direction on CUDA in fp32
+(:func:`direction_backward`), one per (:func:`graph_key`, device, stream),
+under the forward's rule (:data:`persistrnn.ops.GRAPHS`: 64, the oldest
+dropped first). Each holds its own buffers: the direction's inputs, outputs
+and intermediates, about 4 T·B·G·H + 5 T·B·H + 3 G·H² floats (LSTM 1024,
+T=100, batch 32: ~0.32 GB)."""
+
+
+def _matmul_settings() -> tuple:
+    """What a captured fp32 GEMM fixes beside shapes: whether cuBLAS may use
+    TF32, and the BLAS library torch calls. torch 2.9 and later read TF32 as
+    ``fp32_precision`` (reading the legacy ``allow_tf32`` there raises once
+    both APIs have set it); earlier ones have only ``allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
+    return getattr(matmul, "fp32_precision", None) or matmul.allow_tf32, torch.backends.cuda.preferred_blas_library()
+
+
+def graph_key(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, reverse: bool) -> tuple:
+    """What a captured direction backward fixes beside its device and stream:
+    the cell, (T, B, G*H), H, the direction, the dtype and the GEMM settings.
+    The tensors' addresses, strides and values are not in it: the graph reads
+    copies of them."""
+    return spec, xw.shape, w_hh.shape[1], reverse, xw.dtype, _matmul_settings()
+
+
+def _replays_graph(xw: torch.Tensor) -> bool:
+    """Whether :func:`direction_backward` replays a captured graph: on CUDA in
+    fp32 (the fused kernels' path), outside a caller's capture."""
+    return xw.is_cuda and xw.dtype == torch.float32 and not torch.cuda.is_current_stream_capturing()
+
+
 def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs: torch.Tensor | None,
                        out: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, w_hh: torch.Tensor,
                        d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
@@ -198,7 +236,35 @@ def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs
     ``xw``, ``gates``, ``cs`` as the forward kept them, ``out`` (T, B, H) its
     outputs, ``d_out`` their gradients, ``dh_n``/``dc_n`` the final states'.
     Returns (d xw, d gates (T, B, G*H), dW_hh, dh0, dc0 or None).
+
+    On CUDA in fp32 this replays the whole direction (:func:`_plain_direction_backward`)
+    from the graph captured for its :func:`graph_key` and torch's current
+    stream (:data:`GRAPHS`): the arguments are copied into the graph's input
+    buffers, and its outputs into fresh tensors, since a later replay on this
+    stream (the next layer's, or another thread's) rewrites the graph's own.
+    Inside a caller's capture (``torch.cuda.graph``, or torch.compile's
+    CUDA graphs) the launches go into the caller's graph instead: a capture
+    does not nest.
     """
+    args = (xw, gates, cs, out, h0, c0, w_hh, d_out, dh_n, dc_n)
+    if not _replays_graph(xw):
+        return _plain_direction_backward(spec, *args, reverse)
+
+    def run(*static: Any) -> list[torch.Tensor]:
+        return [t for t in _plain_direction_backward(spec, *static, reverse) if t is not None]
+
+    results = GRAPHS.call(graph_key(spec, xw, w_hh, reverse), lambda: runtime.CapturedCall(run, args),
+                          xw.device.index, *args)
+    return results[0], results[1], results[2], results[3], (results[4] if cs is not None else None)
+
+
+def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs: torch.Tensor | None,
+                              out: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, w_hh: torch.Tensor,
+                              d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
+                              reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """:func:`direction_backward` launched op by op: the step loop
+    (:func:`_fused_steps` on CUDA in fp32, else :func:`_torch_steps`), then
+    the dW_hh GEMMs."""
     hidden = w_hh.shape[1]
     h_prev = _previous(out, h0, reverse)
     c_prev = _previous(cs, c0, reverse) if cs is not None else None
@@ -320,17 +386,32 @@ def saved_shapes(spec: CellSpec, steps: int, batch: int, hidden: int, num_layers
 
 @functools.lru_cache(maxsize=256)
 def training_config(cell: str, hidden_size: int, batch: int, dtype: str,
-                    device: int) -> persistent.KernelConfig | None:
-    """The kernel configuration a training forward runs (the default one,
-    compiled with ``save_gates``), or None where none holds the layer on chip."""
+                    device: int) -> tuple[persistent.KernelConfig, int | None] | None:
+    """(the kernel configuration a training forward runs, compiled with
+    ``save_gates``, and its batch slice), or None where none holds the layer
+    on chip. The configuration is the plan of one such layer at ``batch``
+    (tuned on first use, as an inference call's) where that plan is
+    persistent: at batch 32 the default configuration in one slice measured
+    4.8 ms for the forward of LSTM 256 (T=100), 16x the planned inference
+    forward. Elsewhere (the plan runs cuDNN or the fallback) the default
+    configuration, in slices as large as a block holds."""
+    from . import plan as planner
+
+    chosen = planner.cached_plan(planner.ModelShape(cell, hidden_size, hidden_size, 1, dtype), batch)
+    candidates = [(chosen.config, chosen.batch_slice)] if chosen.path == "persistent" else []
     try:
-        config = dataclasses.replace(
-            persistent.default_config(cell, hidden_size, batch, sm_count=runtime.device_facts().sm_count,
-                                      dtype=dtype), save_gates=True)
-        persistent.batch_per_launch(config, device)  # compiles it; refuses one that spills or fits no sequence
+        candidates.append((persistent.default_config(cell, hidden_size, batch,
+                                                     sm_count=runtime.device_facts().sm_count, dtype=dtype), None))
     except ConfigError:
-        return None
-    return config
+        pass
+    for config, batch_slice in candidates:
+        config = dataclasses.replace(config, save_gates=True)
+        try:
+            persistent.batch_per_launch(config, device)  # compiles it; refuses one that spills or fits no sequence
+        except ConfigError:
+            continue
+        return config, batch_slice
+    return None
 
 
 def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,
@@ -347,10 +428,10 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
     steps, batch = x.shape[0], x.shape[1]
     hidden = layers[0][0]["w_hh"].shape[1]
     compute = _compute_dtype(x.dtype)
-    config = None
+    launch = None
     if x.is_cuda:
         runtime.raise_reported_failure(x.device.index)
-        config = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index)
+        launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index)
     h0 = h0.contiguous()
     c0 = c0.contiguous() if spec.has_cell_state else None
     h_n, c_n = torch.empty_like(h0), (torch.empty_like(c0) if c0 is not None else x.new_empty(0))
@@ -360,14 +441,15 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
         out = x.new_empty(steps, batch, directions * hidden)
         for d in range(directions):
             i, p = layer * directions + d, layers[layer][d]
-            if config is not None:
+            if launch is not None:
+                config, batch_slice = launch
                 xw = persistent.input_projection(layer_input, p["w_ih"], p["b_ih"])
                 gates = torch.empty_like(xw)
                 cs = xw.new_empty(steps, batch, hidden) if c0 is not None else None
                 persistent.run_instances(config, [persistent.Instance(
                     xw, p["w_hh"], p["b_hh"], h0[i], c0[i] if c0 is not None else None, out, h_n[i],
                     c_n[i] if c0 is not None else None, reverse=d == 1, out_column=d * hidden, saved_gates=gates,
-                    saved_c=cs)], steps, batch, check=False)
+                    saved_c=cs)], steps, batch, batch_slice=batch_slice, check=False)
             else:
                 w = {k: v.to(compute) for k, v in p.items()}
                 xw = torch.addmm(w["b_ih"], layer_input.reshape(steps * batch, -1).to(compute),

@@ -9,18 +9,24 @@ streams it reports:
 * the worker's host µs per tick split into its parts (forming the tick under
   the lock, the batch: stack, model, split; settling: outputs, futures and
   their callbacks) and the same per chunk, and the worker's share of the run;
-* the clients' host µs per chunk inside ``Stream.submit``;
+* the clients' host µs per chunk inside their calls to the engine:
+  ``Stream.submit`` (the ``stream`` hand-over: a call per chunk), or
+  ``Engine.push_many`` and ``Engine.pull_many`` (the ``gateway`` hand-over: a
+  call per group of due chunks);
 * the garbage collector's pauses by generation.
 
 Times are wall and per-thread CPU time: wall includes the waits for the GIL
 and the lock; CPU time does not, which makes it the steadier measure on a
 shared machine. ``--closed-loop ROUNDS`` first measures capacity: clients
-push a chunk to each of their streams and then take every output, unpaced.
+push a chunk to each of their streams and then take every output, unpaced
+(by a call per chunk, or by one ``push_many`` and one ``pull_many`` per
+round).
 ``--gc freeze`` moves every object alive before the load to the permanent
 generation (``gc.freeze()``); ``--gc off`` disables the collector during the
 load; ``--cprofile`` prints the worker thread's top functions by own time.
 
     PYTHONPATH=. python scripts/profile_serve.py [--streams 64 1000] [--seconds 5] [--closed-loop 30] [--gc freeze]
+        [--handovers stream gateway]
 """
 
 import argparse
@@ -44,16 +50,18 @@ worker's wait for input (and the calls of ``warm_up``)."""
 
 
 class Timers:
-    """Wall seconds, the calling thread's CPU seconds and calls per named part.
-    Wall time includes waits for the GIL and the lock; CPU time does not, so it
-    is the steadier measure of the work on a shared machine."""
+    """Wall seconds, the calling thread's CPU seconds, calls and chunks per
+    named part. Wall time includes waits for the GIL and the lock; CPU time
+    does not, so it is the steadier measure of the work on a shared machine."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter = collections.Counter()
         self.cpu: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
+        self.chunks: collections.Counter = collections.Counter()
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, chunks=lambda *args, **kw: 1):
+        """``fn`` timed under ``name``; ``chunks(*args, **kw)``: the chunks a call handles."""
         def timed(*args, **kw):
             start, start_cpu = time.perf_counter(), time.thread_time()
             try:
@@ -62,6 +70,7 @@ class Timers:
                 self.seconds[name] += time.perf_counter() - start
                 self.cpu[name] += time.thread_time() - start_cpu
                 self.calls[name] += 1
+                self.chunks[name] += chunks(*args, **kw)
         return timed
 
 
@@ -88,8 +97,12 @@ class GCPauses:
         return lines or ["  gc: no collection"]
 
 
+CLIENT_CALLS = ("submit", "push_many", "pull_many")
+"""The clients' calls to the engine that are timed (``Stream.submit``, ``Engine.push_many``, ``Engine.pull_many``)."""
+
+
 def instrumented_engine(model: torch.nn.Module, slots: int, timers: Timers, worker_profile: cProfile.Profile | None):
-    """An engine whose tick parts and whose clients' submits are timed."""
+    """An engine whose tick parts and whose clients' calls are timed."""
 
     class TimedEngine(serve.Engine):
         def _serve(self) -> None:
@@ -106,10 +119,13 @@ def instrumented_engine(model: torch.nn.Module, slots: int, timers: Timers, work
 
     for name in TICK_PARTS:
         setattr(TimedEngine, name, timers.wrap(name, getattr(serve.Engine, name)))
+    for name in CLIENT_CALLS[1:]:
+        setattr(TimedEngine, name, timers.wrap(name, getattr(serve.Engine, name),
+                                               lambda engine, streams, *args, **kw: len(streams)))
     return TimedEngine(model, slots)
 
 
-def run_load(model: torch.nn.Module, streams: int, settings: bench.Settings, gc_mode: str,
+def run_load(model: torch.nn.Module, streams: int, settings: bench.Settings, handover: str, gc_mode: str,
              cprofile: bool) -> list[str]:
     timers = Timers()
     worker_profile = cProfile.Profile() if cprofile else None
@@ -118,7 +134,7 @@ def run_load(model: torch.nn.Module, streams: int, settings: bench.Settings, gc_
     pauses = GCPauses()
     try:
         with instrumented_engine(model, bench.slots_for(streams), timers, worker_profile) as engine:
-            load = bench._Load(engine, streams, settings)
+            load = bench._Load(engine, streams, settings, handover)
             if gc_mode == "off":
                 gc.disable()
             gc.callbacks.append(pauses)
@@ -133,8 +149,9 @@ def run_load(model: torch.nn.Module, streams: int, settings: bench.Settings, gc_
         serve.Stream.submit = submit
     ms = [v * 1e3 for v in load.latencies]
     offered = streams / (settings.chunk_ms / 1e3)
-    lines = [f"{streams} live streams: delivered {load.delivered / settings.seconds:.0f} chunks/s of "
-             f"{offered:.0f} offered, mean batch {chunks / max(ticks, 1):.1f}, {ticks} ticks in {elapsed:.1f} s"]
+    lines = [f"{streams} live streams, {handover} hand-over: delivered {load.delivered / settings.seconds:.0f} "
+             f"chunks/s of {offered:.0f} offered, mean batch {chunks / max(ticks, 1):.1f}, {ticks} ticks in "
+             f"{elapsed:.1f} s"]
     if ms:
         lines.append("  latency ms: " + ", ".join(f"p{q} {bench._percentile(ms, q):.3f}" for q in (50, 90, 99))
                      + f", max {max(ms):.2f}")
@@ -149,10 +166,12 @@ def run_load(model: torch.nn.Module, streams: int, settings: bench.Settings, gc_
                      for t in (timers.seconds, timers.cpu))
         lines.append(f"    {name:<14} {wall / run_ticks * 1e6:9.1f} {cpu / run_ticks * 1e6:9.1f} "
                      f"{cpu / run_chunks * 1e6:9.2f}")
-    if timers.calls["submit"]:
-        calls = timers.calls["submit"]
-        lines.append(f"  clients: submit {timers.seconds['submit'] / calls * 1e6:.2f} µs wall, "
-                     f"{timers.cpu['submit'] / calls * 1e6:.2f} µs CPU per chunk")
+    for name in CLIENT_CALLS:
+        if timers.calls[name]:
+            calls, chunks = timers.calls[name], max(timers.chunks[name], 1)
+            lines.append(f"  clients: {name} {timers.seconds[name] / chunks * 1e6:.2f} µs wall, "
+                         f"{timers.cpu[name] / chunks * 1e6:.2f} µs CPU per chunk ({calls} calls, "
+                         f"{chunks / calls:.1f} chunks per call)")
     lines += pauses.report()
     if worker_profile is not None:
         out = io.StringIO()
@@ -165,8 +184,11 @@ def run_load(model: torch.nn.Module, streams: int, settings: bench.Settings, gc_
 def closed_loop(model: torch.nn.Module, streams: int, threads: int, rounds: int, mode: str) -> str:
     """Capacity: ``threads`` clients each push one chunk to each of their
     streams (or submit it), then take every output, ``rounds`` times; the
-    engine is never idle and never waits for a due time."""
+    engine is never idle and never waits for a due time. ``mode``: push and
+    pull, or submit, a call per chunk; or push_many, one call to push and one
+    to pull per round."""
     chunk = torch.randn(1, model.input_size)
+    rows = torch.randn(streams, 1, model.input_size)  # a gateway's receive buffer
     timers = Timers()
     with instrumented_engine(model, streams, timers, None) as engine:
         opened = [engine.open() for _ in range(streams)]
@@ -179,6 +201,9 @@ def closed_loop(model: torch.nn.Module, streams: int, threads: int, rounds: int,
                         stream.push(chunk)
                     for stream in mine:
                         stream.pull()
+                elif mode == "push_many":
+                    engine.push_many(mine, rows[:len(mine)])
+                    engine.pull_many(mine)
                 else:
                     for future in [stream.submit(chunk) for stream in mine]:
                         future.result(timeout=engine.timeout)
@@ -204,6 +229,10 @@ def main() -> None:
     ap.add_argument("--warmup-seconds", type=float, default=1.0)
     ap.add_argument("--hidden", type=int, default=16, help="LSTM hidden size (= input size)")
     ap.add_argument("--threads", type=int, default=bench.Settings.threads, help="client threads")
+    ap.add_argument("--handovers", nargs="+", choices=bench.HANDOVERS, default=list(bench.HANDOVERS),
+                    help="the paced load's hand-overs: a call per chunk (stream), per group of due chunks (gateway)")
+    ap.add_argument("--closed-loop-modes", nargs="+", choices=("push", "submit", "push_many"),
+                    default=["push", "submit", "push_many"], help="the closed loop's ways of handing chunks over")
     ap.add_argument("--gc", choices=("on", "freeze", "off"), default="on")
     ap.add_argument("--cprofile", action="store_true", help="the worker thread's top functions")
     ap.add_argument("--closed-loop", type=int, default=0, metavar="ROUNDS",
@@ -225,9 +254,12 @@ def main() -> None:
         gc.freeze()
     for streams in args.streams:
         if args.closed_loop:
-            for threads, mode in ((1, "push"), (1, "submit"), (args.threads, "push")):
-                print(closed_loop(model, streams, threads, args.closed_loop, mode), flush=True)
-        print("\n".join(run_load(model, streams, settings, args.gc, args.cprofile)), flush=True)
+            for threads in (1, args.threads):
+                for mode in args.closed_loop_modes:
+                    if threads == 1 or mode != "submit":
+                        print(closed_loop(model, streams, threads, args.closed_loop, mode), flush=True)
+        for handover in args.handovers:
+            print("\n".join(run_load(model, streams, settings, handover, args.gc, args.cprofile)), flush=True)
 
 
 if __name__ == "__main__":

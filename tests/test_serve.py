@@ -264,6 +264,198 @@ def test_a_waiting_pull_and_a_push_waiting_for_room_are_woken_when_a_chunk_runs(
         submitted.pull(timeout=WAIT)
 
 
+# ---- groups: push_many and pull_many ---------------------------------------------------------
+
+def serve_groups(engine, streams, threads: int, seed: int):
+    """Serve ``streams`` from ``threads`` client threads, each holding its
+    share open at once and, in random rounds, pushing the next chunk of a
+    random subset of them (one ``push_many`` of a tensor, of a sequence of
+    one shape or of mixed shapes, or single pushes), up to ``max_pending``
+    ahead, and taking the outputs of another subset (``pull_many`` or single
+    pulls). A group's tensor is overwritten once queued: the engine copied it.
+    Returns each stream's outputs."""
+    outputs = [[] for _ in streams]
+    errors = []
+
+    def client(k: int) -> None:
+        rng = random.Random(seed + k)
+        mine = list(range(k, len(streams), threads))
+        opened = {i: engine.open() for i in mine}
+        pushed = dict.fromkeys(mine, 0)
+        try:
+            while any(len(outputs[i]) < len(streams[i]) for i in mine):
+                can_push = [i for i in mine if pushed[i] < len(streams[i])
+                            and pushed[i] - len(outputs[i]) < engine.max_pending]
+                group = rng.sample(can_push, rng.randint(0, len(can_push)))
+                if group:
+                    chunks = [streams[i][pushed[i]] for i in group]
+                    how = rng.choice(("tensor", "sequence", "single"))
+                    if how == "tensor":  # only the streams whose next chunk has the first one's shape and device
+                        group = [i for i, c in zip(group, chunks)
+                                 if (c.shape, c.device) == (chunks[0].shape, chunks[0].device)]
+                        rows = torch.stack([streams[i][pushed[i]] for i in group])
+                        engine.push_many([opened[i] for i in group], rows)
+                        rows.fill_(float("nan"))
+                    elif how == "sequence":
+                        engine.push_many([opened[i] for i in group], chunks)
+                    else:
+                        for i, chunk in zip(group, chunks):
+                            opened[i].push(chunk)
+                    for i in group:
+                        pushed[i] += 1
+                can_pull = [i for i in mine if len(outputs[i]) < pushed[i]]
+                group = rng.sample(can_pull, rng.randint(0 if group else 1, len(can_pull)))
+                if rng.random() < 0.7:
+                    got = engine.pull_many([opened[i] for i in group], timeout=WAIT)
+                else:
+                    got = [opened[i].pull(timeout=WAIT) for i in group]
+                for i, out in zip(group, got):
+                    assert isinstance(out, torch.Tensor), out
+                    outputs[i].append(out)
+            for stream in opened.values():
+                stream.close()
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    run_clients(client, threads, errors)
+    return outputs
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_groups_mixed_with_single_pushes_give_every_stream_its_outputs_alone(cell):
+    model = make_model(cell)
+    streams = random_streams(random.Random(20), count=45, input_size=7, lengths=(1, 3), max_chunks=9)
+    with serve.Engine(model, max_streams=45, max_pending=3, timeout=WAIT) as engine:
+        outputs = serve_groups(engine, streams, threads=3, seed=21)
+        assert engine.chunks_run == sum(len(s) for s in streams)
+        assert engine.chunks_run > engine.ticks  # groups shared ticks
+    check_outputs(model, streams, outputs, TOLERANCES["cpu"])
+
+
+def test_a_streams_chunks_run_in_the_order_queued_across_groups_and_single_pushes():
+    model = gated_model()
+    with serve.Engine(model, max_streams=4, max_pending=4) as engine:
+        holder, s, t, u = (engine.open() for _ in range(4))
+        holder.push(torch.randn(1, 7))
+        assert model.entered.wait(WAIT)  # everything below is queued before any of it runs
+        chunks = {s: [torch.randn(2, 7), torch.randn(7), torch.randn(2, 7), torch.randn(1, 7)],
+                  t: [torch.randn(7), torch.randn(5, 7)], u: [torch.randn(7)]}
+        s.push(chunks[s][0])
+        engine.push_many([t, s], torch.stack([chunks[t][0], chunks[s][1]]))  # (2, I): one step each
+        engine.push_many([s, u, t], [chunks[s][2], chunks[u][0], chunks[t][1]])
+        s.push(chunks[s][3])
+        model.gate.set()
+        holder.pull(timeout=WAIT)
+        got = {stream: [] for stream in chunks}
+        got[s].append(s.pull(timeout=WAIT))
+        for order in ([t, s], [u, s, t], [s]):
+            for stream, out in zip(order, engine.pull_many(order, timeout=WAIT)):
+                got[stream].append(out)
+    check_outputs(model, list(chunks.values()), list(got.values()), TOLERANCES["cpu"])
+
+
+def test_a_group_with_a_full_stream_is_refused_whole_and_waits_for_room():
+    model = make_model("lstm")
+    with serve.Engine(model, max_streams=3, max_pending=2) as engine:
+        a, full, c = (engine.open() for _ in range(3))
+        first = [torch.randn(1, 7) for _ in range(2)]
+        for chunk in first:
+            full.push(chunk)
+        with pytest.raises(EngineFullError, match=f"push_many: stream {full.number} holds 2 chunks.*max_pending=2.*"
+                                                  "no chunk of the group was queued"):
+            engine.push_many([a, full, c], torch.randn(3, 1, 7))
+        assert (a.pending, full.pending, c.pending) == (0, 2, 0)
+        group = torch.randn(3, 1, 7)
+        pulled = []
+        puller = threading.Timer(0.05, lambda: pulled.append(full.pull(timeout=WAIT)))
+        puller.start()
+        engine.push_many([a, full, c], group, timeout=WAIT)  # waits for the pull above to make room
+        puller.join(WAIT)
+        got_a, got_c = engine.pull_many([a, c], timeout=WAIT)
+        pulled += [full.pull(timeout=WAIT) for _ in range(2)]
+    # The refused group never ran: a and c start from their zero states at the accepted one.
+    check_outputs(model, [[group[0]], first + [group[1]], [group[2]]], [[got_a], pulled, [got_c]],
+                  TOLERANCES["cpu"])
+
+
+def test_a_group_with_a_closed_failed_foreign_or_repeated_stream_is_refused_whole():
+    torch.manual_seed(0)
+    model = FailingLSTM(7, 13).eval()
+    with serve.Engine(model, max_streams=4) as engine, serve.Engine(model, max_streams=1) as other:
+        a, closed, bad = (engine.open() for _ in range(3))
+        closed.close()
+        bad.push(torch.full((1, 7), float("nan")))
+        with pytest.raises(RuntimeError, match="the model saw a NaN"):
+            bad.pull(timeout=WAIT)
+        for group, error, message in (
+                ([a, closed], ArgumentError, f"push_many: expected an open stream, got stream {closed.number} closed"),
+                ([a, bad], ArgumentError, f"stream {bad.number} failed by RuntimeError"),
+                ([a, other.open()], ArgumentError, "expected streams of Engine.*of another engine"),
+                ([a, a], ArgumentError, f"expected distinct streams, got stream {a.number} twice"),
+                ([a, 3], ArgumentTypeError, "expected Stream objects, got int")):
+            with pytest.raises(error, match=message):
+                engine.push_many(group, torch.randn(2, 7))
+            assert a.pending == 0
+        with pytest.raises(ArgumentError, match=f"pull_many: .*none left in stream {closed.number}, closed"):
+            engine.pull_many([a, closed], timeout=WAIT)
+        with pytest.raises(ArgumentError, match=f"got stream {a.number} twice"):
+            engine.pull_many([a, a])
+        chunk = torch.randn(7)
+        engine.push_many([a], [chunk])
+        torch.testing.assert_close(engine.pull_many([a], timeout=WAIT)[0], alone(model, [chunk])[0],
+                                   **TOLERANCES["cpu"])
+        assert engine.pull_many([]) == [] and engine.push_many([], torch.randn(0, 7)) is None
+
+
+def test_a_group_pull_that_times_out_takes_nothing_and_an_error_comes_back_in_its_place():
+    model = gated_model()
+    with serve.Engine(model, max_streams=4) as engine:
+        holder, a, b, idle = (engine.open() for _ in range(4))
+        holder.push(torch.randn(1, 7))
+        assert model.entered.wait(WAIT)
+        rows = torch.randn(2, 3, 7)
+        engine.push_many([a, b], rows)
+        with pytest.raises(TimeoutError, match=f"pull_many: stream {a.number}'s chunk did not run within 0.05 s; "
+                                               "no chunk of the group was taken"):
+            engine.pull_many([a, b], timeout=0.05)
+        a.close()  # a's chunk is cancelled; b's runs
+        model.gate.set()
+        holder.pull(timeout=WAIT)
+        with pytest.raises(TimeoutError, match=f"no chunk was pushed to stream {idle.number}"):
+            engine.pull_many([b, idle], timeout=0.05)
+        got_a, got_b = engine.pull_many([a, b], timeout=WAIT)  # b's output was left by the timed-out call
+        assert isinstance(got_a, concurrent.futures.CancelledError)
+        assert "the stream was closed before this chunk ran" in str(got_a)
+        torch.testing.assert_close(got_b, alone(model, [rows[1]]), **TOLERANCES["cpu"])
+
+
+def test_group_chunks_of_the_wrong_shape_kind_or_count_say_what_was_expected():
+    with serve.Engine(make_model("lstm"), 3) as engine:
+        streams = [engine.open() for _ in range(3)]
+        for chunks, error, message in (
+                (torch.randn(3, 2, 8), InputShapeError,
+                 r"push_many: expected a chunk of shape \(3, T, 7\) with T >= 1 or \(3, 7\), got \(3, 2, 8\)"),
+                (torch.randn(2, 7), InputShapeError, r"got \(2, 7\)"),
+                (torch.randn(3, 0, 7), InputShapeError, r"got \(3, 0, 7\)"),
+                (torch.ones(3, 7, dtype=torch.long), InputShapeError, "floating-point chunk, got torch.int64"),
+                ([torch.randn(7)] * 2, InputShapeError, r"one chunk per stream \(3\), got 2"),
+                ([torch.randn(7), torch.randn(1, 8), torch.randn(7)], InputShapeError,
+                 r"push_many: chunk 1: expected a chunk of shape \(T, 7\).*got \(1, 8\)"),
+                ([torch.randn(7), [0.0] * 7, torch.randn(7)], InputTypeError,
+                 "chunk 1: expected a chunk tensor, got list"),
+                (5, InputTypeError, r"expected a chunk tensor \(n, T, I\) or \(n, I\), or a sequence of chunks, "
+                                    "got int")):
+            with pytest.raises(error, match=message):
+                engine.push_many(streams, chunks)
+        assert [s.pending for s in streams] == [0, 0, 0]
+        # float64 chunks of one shape: one stack, converted to the engine's dtype
+        chunks = [torch.randn(2, 7, dtype=torch.float64) for _ in range(3)]
+        engine.push_many(streams, chunks)
+        for chunk, out in zip(chunks, engine.pull_many(streams, timeout=WAIT)):
+            assert out.dtype == torch.float32 and out.shape == (2, 13)
+            torch.testing.assert_close(out, alone(engine.model, [chunk.float()]), **TOLERANCES["cpu"])
+
+
 # ---- limits and back-pressure ----------------------------------------------------------------
 
 def test_a_full_engine_refuses_a_new_stream_and_takes_one_when_a_slot_frees():
@@ -516,24 +708,33 @@ def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
                                                                             convert=False))):
         with engine:
             error = bench._refcheck(engine, model, settings.steps)
-            load = bench._Load(engine, 16, settings)
-            load.run()
-        assert error < 1e-6 and load.counts == {} and load.latencies and load.delivered > 0
-        assert 8 <= statistics.fmean(load.live_samples) <= 24  # Poisson arrivals keep ~16 live
-        ms = [v * 1e3 for v in load.latencies]
-        cases.append({"model": "lstm:16:1", "streams": 16, "provider": provider, "slots": 40, "status": "ok",
-                      "note": "", "rel_error": error, "mean_live": 16.0, "chunks_per_s": load.delivered / 0.5,
-                      "measured_chunks": len(ms), "p50_ms": bench._percentile(ms, 50), "p90_ms": 1.0,
-                      "p99_ms": bench._percentile(ms, 99), "max_ms": max(ms), "mean_batch": 2.0, "counts": {}})
+            for handover in bench.HANDOVERS:  # one after the other on the same engine, as run_case does
+                load = bench._Load(engine, 16, settings, handover)
+                load.run()
+                assert engine.live_streams == 0  # the load closed its streams
+                assert error < 1e-6 and load.counts == {} and load.latencies and load.delivered > 0, handover
+                assert 8 <= statistics.fmean(load.live_samples) <= 24  # Poisson arrivals keep ~16 live
+                ms = [v * 1e3 for v in load.latencies]
+                cases.append({"model": "lstm:16:1", "streams": 16, "provider": provider, "handover": handover,
+                              "slots": 40, "status": "ok", "note": "", "rel_error": error, "mean_live": 16.0,
+                              "chunks_per_s": load.delivered / 0.5, "measured_chunks": len(ms),
+                              "p50_ms": bench._percentile(ms, 50), "p90_ms": 1.0, "p99_ms": bench._percentile(ms, 99),
+                              "max_ms": max(ms), "mean_batch": 2.0, "counts": {}})
+    cases.append({"model": "lstm:16:1", "streams": 64, "provider": "persistrnn", "slots": 104, "status": "ok",
+                  "note": "", "rel_error": None, "mean_live": 64.0, "chunks_per_s": 2000.0, "measured_chunks": 1,
+                  "p50_ms": 1.0, "p90_ms": 1.0, "p99_ms": 1.0, "max_ms": 1.0, "mean_batch": 2.0,
+                  "counts": {}})  # a case of a run from before the gateway hand-over: no "handover" key
     result = {"suite": "serve", "settings": dataclasses.asdict(settings), "cases": cases,
               "environment": {"torch": "t", "cuda_runtime": None, "cudnn": None, "cuda_core": None, "nvrtc": "n",
                               "persistrnn": "p", "commit": "c", "date": "d"}}
     table = bench.format_table(result)
-    assert "| lstm:16:1 | 16 | cudnn-padded |" in table and "Real-time capacity" in table
-    assert "Resident mode: not built" in bench.markdown(result)
+    assert "| lstm:16:1 | 16 | cudnn-padded | gateway |" in table
+    assert "| lstm:16:1 | 64 | persistrnn | stream |" in table  # no "handover": the stream hand-over
+    assert "- lstm:16:1: persistrnn (stream) 64, persistrnn (gateway) " in table
+    assert "Resident mode: not built" in bench.markdown(result) and "`Engine.push_many`" in bench.markdown(result)
     (tmp_path / "r.json").write_text(json.dumps(result))
     assert bench.main(["--from-json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")]) == 0
-    assert "| lstm:16:1 | 16 | persistrnn |" in capsys.readouterr().out
+    assert "| lstm:16:1 | 16 | persistrnn | gateway |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--models", "lstm:0:1"])
     with pytest.raises(SystemExit):
@@ -561,6 +762,19 @@ def test_gpu_device_chunks_come_back_on_the_device(untuned):
     with serve.Engine(model, max_streams=8) as engine:
         outputs = serve_clients(engine, streams, threads=4, seed=11, to_device="cuda")
     assert all(o.is_cuda for got in outputs for o in got)
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_groups_of_host_and_device_chunks_equal_each_stream_alone(untuned):
+    model = make_model("lstm", input_size=32, hidden=64).cuda()
+    streams = random_streams(random.Random(22), count=48, input_size=32)
+    streams = [[c.cuda() for c in chunks] if i % 2 else chunks for i, chunks in enumerate(streams)]
+    with serve.Engine(model, max_streams=48, max_pending=3, timeout=WAIT) as engine:
+        engine.warm_up(steps=(1, 3))
+        outputs = serve_groups(engine, streams, threads=3, seed=23)
+    for chunks, got in zip(streams, outputs):  # an output lives where its chunk came from
+        assert all(o.is_cuda == c.is_cuda for c, o in zip(chunks, got))
     check_outputs(model, streams, outputs, TOLERANCES["cuda"])
 
 

@@ -1,13 +1,15 @@
 """Training: the backward's math against float64 autograd of the reference
 and finite differences (CPU), the save_gates kernel variant (sm_90 builds on
-the CPU), and on a GPU the kernels' gradients against float64 and cuDNN, and
-their determinism."""
+the CPU), the captured backward's key and dispatch, and on a GPU the kernels'
+gradients against float64 and cuDNN, their determinism, and the captured
+backward against the launches it replays."""
 
 import ast
 import ctypes
 import dataclasses
 import random
 import re
+import threading
 import types
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import torch
 from helpers import assert_close_to_reference, exact_torch
 
-from persistrnn import adjoint, cells, persistent, reference, training
+from persistrnn import adjoint, cells, persistent, reference, runtime, training
 from persistrnn.errors import UnsupportedError
 from persistrnn.nn import torch_forward
 from persistrnn.training import TORCH_FUNCTIONS
@@ -400,6 +402,97 @@ def test_fused_step_loop_with_emulated_kernels_equals_the_torch_op_steps(cell, r
             torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# ---- the captured direction backward: key and dispatch (CPU) ----------------------------
+
+
+def direction_backward_args(cell, steps, batch, hidden, seed, *, device="cuda", dtype=torch.float32):
+    """Random arguments of training.direction_backward (xw, gates, cs, out,
+    h0, c0, w_hh, d_out, dh_n, dc_n), never zeros; ``out`` and ``d_out`` are
+    one direction's columns of a two-direction output, strided, as the
+    backward passes them."""
+    spec = cells.get_cell(cell)
+    gen = torch.Generator().manual_seed(seed)
+    gh, has_c = spec.num_gates * hidden, spec.has_cell_state
+
+    def normal(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+
+    w_hh = ((torch.rand(gh, hidden, generator=gen, dtype=torch.float64) * 2 - 1) * hidden ** -0.5).to(device, dtype)
+    return (normal(steps, batch, gh), normal(steps, batch, gh),
+            normal(steps, batch, hidden, scale=0.5) if has_c else None,
+            normal(steps, batch, 2 * hidden, scale=0.5)[:, :, hidden:], normal(batch, hidden, scale=0.5),
+            normal(batch, hidden, scale=0.5) if has_c else None, w_hh, normal(steps, batch, 2 * hidden)[:, :, :hidden],
+            normal(batch, hidden), normal(batch, hidden) if has_c else None)
+
+
+def assert_bitwise_equal(got, want):
+    """(d xw, d gates, dW_hh, dh0, dc0 or None) equal bit for bit (a NaN anywhere fails)."""
+    for name, a, b in zip(("d_xw", "d_gates", "d_w_hh", "dh0", "dc0"), got, want, strict=True):
+        assert (a is None) == (b is None), name
+        assert a is None or torch.equal(a, b), f"{name}: max difference {(a - b).abs().max().item()}"
+
+
+def test_graph_key_holds_what_the_capture_fixes():
+    lstm = cells.get_cell("lstm")
+    xw, w_hh = torch.zeros(5, 3, 28), torch.zeros(28, 7)
+    key = training.graph_key(lstm, xw, w_hh, False)
+    # The graph reads copies: other addresses, strides and values share it.
+    assert training.graph_key(lstm, torch.randn(5, 6, 28)[:, ::2], torch.randn(7, 28).T, False) == key
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = not previous  # cuBLAS's math mode is fixed at capture
+        other_tf32 = training.graph_key(lstm, xw, w_hh, False)
+    finally:
+        matmul.allow_tf32 = previous
+    others = [training.graph_key(cells.get_cell("gru"), torch.zeros(5, 3, 21), torch.zeros(21, 7), False),
+              training.graph_key(lstm, torch.zeros(6, 3, 28), w_hh, False),
+              training.graph_key(lstm, torch.zeros(5, 4, 28), w_hh, False),
+              training.graph_key(lstm, torch.zeros(5, 3, 32), torch.zeros(32, 8), False),
+              training.graph_key(lstm, xw, w_hh, True),
+              training.graph_key(lstm, xw.double(), w_hh.double(), False),
+              other_tf32]
+    assert len({key, *others}) == len(others) + 1
+
+
+class CopyingCall:
+    """runtime.CapturedCall's contract without a GPU: ``fn`` runs on dense
+    copies of the arguments, and a call returns copies of its outputs."""
+
+    def __init__(self, fn, args):
+        self.fn = fn
+
+    def __call__(self, *args):
+        dense = [None if a is None else a.clone(memory_format=torch.contiguous_format) for a in args]
+        return [t.clone() for t in self.fn(*dense)]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_graphed_dispatch_returns_the_plain_results_in_order(cell, reverse, monkeypatch):
+    # The replay's path with the graph emulated: the outputs come back in
+    # order, dc0 None for cells without a cell state, one call per key.
+    spec = cells.get_cell(cell)
+    args = direction_backward_args(cell, 4, 3, 5, seed=7, device="cpu", dtype=torch.float64)
+    want = training._plain_direction_backward(spec, *args, reverse)
+    keys = []
+
+    def call(key, make, device, *call_args):
+        keys.append(key)
+        return make()(*call_args)
+
+    monkeypatch.setattr(training, "_replays_graph", lambda xw: True)
+    monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
+    monkeypatch.setattr(training, "GRAPHS", types.SimpleNamespace(call=call))
+    assert_bitwise_equal(training.direction_backward(spec, *args, reverse), want)
+    assert keys == [training.graph_key(spec, args[0], args[6], reverse)]
+
+
+def test_cpu_and_float64_run_the_plain_launches():
+    args = direction_backward_args("gru", 3, 2, 4, seed=1, device="cpu", dtype=torch.float32)
+    assert not training._replays_graph(args[0]) and not training._replays_graph(args[0].double())
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 
@@ -543,3 +636,85 @@ def test_gpu_fused_steps_equal_the_float64_torch_op_steps(cell, batch, hidden, r
         if value is not None:
             torch.testing.assert_close(got[name].cpu().double(), value, rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=name: f"{n}: {m}")
+
+
+def captured_instance(spec, args, reverse):
+    """The graph direction_backward replays for ``args`` on the current stream (captured already)."""
+    def no_capture():
+        raise AssertionError("expected the graph captured already")
+
+    return training.GRAPHS.get(training.graph_key(spec, args[0], args[6], reverse), no_capture,
+                               args[0].device.index)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("steps,batch,hidden", [(5, 5, 37), (7, 3, 333)])
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_gpu_graphed_direction_backward_equals_the_plain_launches_bit_for_bit(cell, steps, batch, hidden, reverse):
+    # The capture's first replay, then a replay on fresh inputs with the
+    # graph's outputs poisoned: an element the replay does not write, or
+    # writes from the capture's inputs, shows.
+    spec = cells.get_cell(cell)
+    first = direction_backward_args(cell, steps, batch, hidden, seed=hidden + steps)
+    assert_bitwise_equal(training.direction_backward(spec, *first, reverse),
+                         training._plain_direction_backward(spec, *first, reverse))
+    for output in captured_instance(spec, first, reverse).outputs:
+        output.fill_(float("nan"))
+    fresh = direction_backward_args(cell, steps, batch, hidden, seed=hidden + steps + 1)
+    assert_bitwise_equal(training.direction_backward(spec, *fresh, reverse),
+                         training._plain_direction_backward(spec, *fresh, reverse))
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_direction_backward_with_two_shapes_interleaved():
+    spec = cells.get_cell("gru_reset_before")
+    shapes = [(6, 5, 37, False), (4, 3, 100, True)]
+    for i in range(6):
+        steps, batch, hidden, reverse = shapes[i % 2]
+        args = direction_backward_args(spec.name, steps, batch, hidden, seed=20 + i)
+        assert_bitwise_equal(training.direction_backward(spec, *args, reverse),
+                             training._plain_direction_backward(spec, *args, reverse))
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_direction_backward_from_four_threads_on_their_own_streams():
+    # One key, four streams: four instances replayed at once, each on its
+    # own inputs, each result its thread's single-threaded one.
+    spec, threads, calls = cells.get_cell("lstm"), 4, 5
+    inputs = [direction_backward_args("lstm", 6, 3, 100, seed=40 + i) for i in range(threads)]
+    want = [training.direction_backward(spec, *args, False) for args in inputs]
+    torch.cuda.synchronize()
+    start, results, errors = threading.Barrier(threads), [None] * threads, []
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                start.wait()
+                results[i] = [training.direction_backward(spec, *inputs[i], False) for _ in range(calls)]
+            stream.synchronize()
+        except BaseException as error:  # reported in the test's thread
+            errors.append(error)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    for i in range(threads):
+        for got in results[i]:
+            assert_bitwise_equal(got, want[i])
+
+
+@pytest.mark.gpu
+def test_gpu_inside_a_callers_capture_the_plain_launches_are_captured():
+    spec = cells.get_cell("gru")
+    args = direction_backward_args("gru", 5, 3, 37, seed=9)
+    cached = len(training.GRAPHS)
+    graph, got = runtime.graphs.capture(lambda: training.direction_backward(spec, *args, True),
+                                        lambda: training._plain_direction_backward(spec, *args, True))
+    graph.replay()
+    assert len(training.GRAPHS) == cached, "a graph was captured inside the caller's capture"
+    assert_bitwise_equal(got, training._plain_direction_backward(spec, *args, True))

@@ -1,7 +1,8 @@
 """The serving engine under a voice-activity load: ``python -m persistrnn bench serve``.
 
 For each model and each number of live streams N, two providers run the same
-load for ``seconds`` (after ``warmup_seconds`` that are not measured):
+load for ``seconds`` (after ``warmup_seconds`` that are not measured), once
+for each way of handing chunks over:
 
 * ``persistrnn``: :class:`persistrnn.serve.Engine` over the persistrnn module
   (cellular batching: a tick runs the streams that have input, padded to a
@@ -12,6 +13,19 @@ load for ``seconds`` (after ``warmup_seconds`` that are not measured):
   written back), as a batcher that pads every active stream's chunk into one
   batch does.
 
+Hand-overs:
+
+* ``stream``: a call per chunk. Each client thread submits each stream's
+  chunk when it is due (``Stream.submit``) and the future's callback records
+  its delivery.
+* ``gateway``: a call per group, as a front end receiving frames for many
+  streams does. Each client thread hands all of its streams' chunks that are
+  due in one ``Engine.push_many`` (one (n, steps, I) tensor, its receive
+  buffer), then takes the outputs of its oldest group with one
+  ``Engine.pull_many``, waiting at most until its next chunk is due; a
+  group's chunks are delivered when that call returns. A stream holding
+  ``max_pending`` chunks is left out of its group (a refused push).
+
 The load. N streams are live at the start, each at a random point of its
 life; new streams arrive as a Poisson process of rate N / mean life (so N
 stay live on average, Little's law) and are refused when all slots are
@@ -19,9 +33,8 @@ taken (the engine has N + 4 sqrt(N) + 8 slots). A stream's length in chunks
 is exponential with mean ``mean_chunks`` (at least 1). Every stream submits
 a chunk of ``steps`` steps every ``chunk_ms`` (32 ms), at its own phase,
 from one of ``threads`` client threads. Latency is push→pull: from the call
-that queues a chunk to the moment its output is delivered (its future
-completes, when a waiting pull returns), for chunks pushed inside the
-measured window. Throughput counts the chunks delivered in the window.
+that queues a chunk to the moment its output is delivered, for chunks pushed
+inside the measured window. Throughput counts the chunks delivered in the window.
 
 Before the load, each provider's outputs on one stream of 4 chunks are
 compared with the float64 reference (``--no-refcheck`` skips that). Every
@@ -49,14 +62,15 @@ from typing import Any
 from .environment import run_or_load
 
 PROVIDERS = ("persistrnn", "cudnn-padded")
+HANDOVERS = ("stream", "gateway")
 REAL_TIME_P99_MS = 10.0
 """A stream is served in real time while the p99 latency stays at or under this."""
 
 
 @dataclasses.dataclass
 class Settings:
-    seconds: float = 10.0
-    warmup_seconds: float = 2.0
+    seconds: float = 5.0
+    warmup_seconds: float = 1.0
     chunk_ms: float = 32.0
     steps: int = 1
     mean_chunks: float = 100.0
@@ -141,16 +155,20 @@ def _refcheck(engine: Any, module: Any, steps: int) -> float:
 class _Load:
     """The load generator of one run (see the module docstring)."""
 
-    def __init__(self, engine: Any, streams: int, s: Settings) -> None:
+    def __init__(self, engine: Any, streams: int, s: Settings, handover: str = "stream") -> None:
         import torch
 
-        self.engine, self.streams, self.s = engine, streams, s
+        self.engine, self.streams, self.s, self.handover = engine, streams, s, handover
         self.chunk_s = s.chunk_ms / 1000
         self.rng = random.Random(s.seed)
         gen = torch.Generator().manual_seed(s.seed)
         self.inputs = [torch.randn(s.steps, engine.input_size, generator=gen) for _ in range(64)]
+        # A gateway's receive buffer: a group of n chunks is its first n rows (a
+        # client has at most one chunk per live stream due at once).
+        self.frames = torch.randn(engine.max_streams, s.steps, engine.input_size, generator=gen)
         self.inboxes: list[collections.deque] = [collections.deque() for _ in range(s.threads)]
         self.arrived = [threading.Event() for _ in range(s.threads)]  # wakes a client for a new stream
+        self.opened: list[Any] = []  # every stream the load opened, closed after the run
         self.finished: list[tuple[float, float]] = []  # (pushed, delivered) of every chunk delivered
         self.latencies: list[float] = []  # seconds, of the chunks pushed in the measured window (after run)
         self.delivered = 0  # chunks delivered in the measured window (after run)
@@ -167,52 +185,107 @@ class _Load:
         try:
             stream = self.engine.open()
         except Exception as exc:  # EngineFullError: counted, as a server refusing a call
-            with self.lock:
-                self.counts[f"streams refused ({type(exc).__name__})"] += 1
+            self.count(f"streams refused ({type(exc).__name__})")
             return
+        self.opened.append(stream)
         client = stream.number % self.s.threads
         self.inboxes[client].append((due, stream.number, stream, chunks))
         self.arrived[client].set()
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[what] += n
 
     def done(self, future: Any, pushed: float) -> None:
         """A chunk's future completed (in the engine's worker thread): kept
         cheap, since it runs on the engine's critical path."""
         now = time.perf_counter()
         if future.cancelled() or future.exception() is not None:
-            if self.stop.is_set():  # cancelled by the close after the load: not a failure of the run
-                return
-            with self.lock:
-                self.counts["chunks failed or cancelled"] += 1
+            if not self.stop.is_set():  # cancelled by the close after the load: not a failure of the run
+                self.count("chunks failed or cancelled")
             return
         self.finished.append((pushed, now))  # list.append is atomic under the GIL
 
-    def client(self, k: int) -> None:
-        """Pushes the chunks of client ``k``'s streams when due. It sleeps until
-        the next chunk is due or a stream arrives: polling (it did, every 1 ms
-        in each of 8 threads) takes the GIL from the engine it measures."""
-        due_heap: list = []
-        inbox, arrived = self.inboxes[k], self.arrived[k]
-        while not self.stop.is_set():
-            arrived.clear()
-            while inbox:
-                heapq.heappush(due_heap, inbox.popleft())
-            now = time.perf_counter()
-            if not due_heap or due_heap[0][0] > now:
-                arrived.wait(due_heap[0][0] - now if due_heap else 0.1)
-                continue
-            due, number, stream, left = heapq.heappop(due_heap)
-            if left == 0:  # its last chunk was pushed one period ago: the stream leaves
+    def due_chunks(self, due_heap: list, k: int) -> list[tuple[Any, int]]:
+        """(stream, input index) of every chunk of client ``k`` due now, one per
+        stream; a stream whose last chunk was pushed one period ago leaves."""
+        inbox = self.inboxes[k]
+        while inbox:
+            heapq.heappush(due_heap, inbox.popleft())
+        now = time.perf_counter()
+        due_now = []
+        while due_heap and due_heap[0][0] <= now:
+            due_now.append(heapq.heappop(due_heap))
+        chunks = []
+        for due, number, stream, left in due_now:
+            if left == 0:
                 stream.close()
                 continue
-            pushed = time.perf_counter()
-            try:
-                future = stream.submit(self.inputs[(number + left) % len(self.inputs)])
-            except Exception as exc:  # EngineFullError: the stream is too far behind
-                with self.lock:
-                    self.counts[f"pushes refused ({type(exc).__name__})"] += 1
-            else:
-                future.add_done_callback(lambda f, pushed=pushed: self.done(f, pushed))
+            chunks.append((stream, (number + left) % len(self.inputs)))
             heapq.heappush(due_heap, (due + self.chunk_s, number, stream, left - 1))
+        return chunks
+
+    def wait_for_due(self, due_heap: list, k: int) -> None:
+        """Sleep until client ``k``'s next chunk is due or a stream arrives:
+        polling (every 1 ms in each of 8 threads) takes the GIL from the
+        engine it measures."""
+        self.arrived[k].wait(max(0.0, due_heap[0][0] - time.perf_counter()) if due_heap else 0.1)
+
+    def client(self, k: int) -> None:
+        """Submits each due chunk of client ``k``'s streams in a call of its own."""
+        due_heap: list = []
+        while not self.stop.is_set():
+            self.arrived[k].clear()
+            for stream, which in self.due_chunks(due_heap, k):
+                pushed = time.perf_counter()
+                try:
+                    future = stream.submit(self.inputs[which])
+                except Exception as exc:  # EngineFullError: the stream is too far behind
+                    self.count(f"pushes refused ({type(exc).__name__})")
+                else:
+                    future.add_done_callback(lambda f, pushed=pushed: self.done(f, pushed))
+            self.wait_for_due(due_heap, k)
+
+    def gateway(self, k: int) -> None:
+        """Hands all due chunks of client ``k``'s streams over in one
+        ``push_many``, then waits, at most until its next chunk is due, for
+        the outputs of its oldest group, taken by one ``pull_many``."""
+        engine = self.engine
+        due_heap: list = []
+        groups: collections.deque[tuple[float, list]] = collections.deque()  # (pushed, streams), oldest first
+        while not self.stop.is_set():
+            self.arrived[k].clear()
+            group = []
+            for stream, _ in self.due_chunks(due_heap, k):
+                if stream.pending >= engine.max_pending:  # it would refuse the group: it is too far behind
+                    self.count("pushes refused (EngineFullError)")
+                else:
+                    group.append(stream)
+            if group:
+                pushed = time.perf_counter()
+                try:
+                    engine.push_many(group, self.frames[:len(group)])
+                except Exception as exc:  # nothing of the group was queued
+                    self.count(f"pushes refused ({type(exc).__name__})", len(group))
+                else:
+                    groups.append((pushed, group))
+            if not groups:
+                self.wait_for_due(due_heap, k)
+                continue
+            until_due = due_heap[0][0] - time.perf_counter() if due_heap else 0.1
+            try:
+                outcomes = engine.pull_many(groups[0][1], timeout=max(0.0, until_due))
+            except TimeoutError:  # a chunk is due: push it, then wait again
+                continue
+            except Exception as exc:  # the group's pull was refused: its outputs are lost
+                self.count(f"chunks failed or cancelled ({type(exc).__name__})", len(groups.popleft()[1]))
+                continue
+            delivered = time.perf_counter()
+            pushed, _ = groups.popleft()
+            failed = sum(isinstance(outcome, BaseException) for outcome in outcomes)
+            if failed and not self.stop.is_set():
+                self.count("chunks failed or cancelled", failed)
+            self.finished.extend([(pushed, delivered)] * (len(outcomes) - failed))
 
     def arrivals(self, end: float) -> None:
         rate = self.streams / (self.s.mean_chunks * self.chunk_s)  # streams per second
@@ -236,7 +309,8 @@ class _Load:
             self.arrive(self.life(), start + self.rng.random() * self.chunk_s)
         self.measure_from = start + s.warmup_seconds
         self.measure_until = self.measure_from + s.seconds
-        clients = [threading.Thread(target=self.client, args=(k,), daemon=True) for k in range(s.threads)]
+        client = self.gateway if self.handover == "gateway" else self.client
+        clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(s.threads)]
         for c in clients:
             c.start()
         self.arrivals(self.measure_until)
@@ -245,37 +319,46 @@ class _Load:
             arrived.set()
         for c in clients:
             c.join(10.0)
+        for stream in self.opened:  # frees the slots for the next load on the same engine
+            stream.close()
         self.latencies = [delivered - pushed for pushed, delivered in self.finished
                           if self.measure_from <= pushed < self.measure_until]
         self.delivered = sum(self.measure_from <= delivered < self.measure_until for _, delivered in self.finished)
 
 
-def run_case(model: str, streams: int, provider: str, s: Settings) -> dict[str, Any]:
+def run_case(model: str, streams: int, provider: str, s: Settings,
+             handovers: tuple[str, ...] = HANDOVERS) -> list[dict[str, Any]]:
+    """One row per hand-over, each a load on the same engine (planned and captured once)."""
     cell, hidden, layers = parse_model(model)
     module = _engines(cell, hidden, layers)[provider]
     slots = slots_for(streams)
+    rows: list[dict[str, Any]] = []
     row: dict[str, Any] = {"model": model, "streams": streams, "provider": provider, "slots": slots}
     try:
         with _make_engine(provider, module, slots, s) as engine:
             row["rel_error"] = _refcheck(engine, module, s.steps) if s.refcheck else None
             engine.warm_up(steps=(s.steps,), batches=None if provider == "persistrnn" else (streams, slots))
-            load = _Load(engine, streams, s)
-            ticks, chunks = engine.ticks, engine.chunks_run
-            load.run()
-            ticks, chunks = engine.ticks - ticks, engine.chunks_run - chunks
-    except Exception as exc:  # a provider that fails is a row that says so
-        return {**row, "status": "failed", "note": f"{type(exc).__name__}: {exc}"}
-    lat_ms = [v * 1e3 for v in load.latencies]
-    return {**row, "status": "ok", "note": "",
-            "mean_live": statistics.fmean(load.live_samples) if load.live_samples else None,
-            "chunks_per_s": load.delivered / s.seconds, "measured_chunks": len(lat_ms),
-            "p50_ms": _percentile(lat_ms, 50), "p90_ms": _percentile(lat_ms, 90), "p99_ms": _percentile(lat_ms, 99),
-            "max_ms": max(lat_ms) if lat_ms else None, "mean_batch": chunks / ticks if ticks else None,
-            "counts": dict(load.counts)}
+            for handover in handovers:
+                load = _Load(engine, streams, s, handover)
+                ticks, chunks = engine.ticks, engine.chunks_run
+                load.run()
+                ticks, chunks = engine.ticks - ticks, engine.chunks_run - chunks
+                lat_ms = [v * 1e3 for v in load.latencies]
+                rows.append({
+                    **row, "handover": handover, "status": "ok", "note": "",
+                    "mean_live": statistics.fmean(load.live_samples) if load.live_samples else None,
+                    "chunks_per_s": load.delivered / s.seconds, "measured_chunks": len(lat_ms),
+                    "p50_ms": _percentile(lat_ms, 50), "p90_ms": _percentile(lat_ms, 90),
+                    "p99_ms": _percentile(lat_ms, 99), "max_ms": max(lat_ms) if lat_ms else None,
+                    "mean_batch": chunks / ticks if ticks else None, "counts": dict(load.counts)})
+    except Exception as exc:  # a provider that fails is a row that says so, for each hand-over not run
+        return rows + [{**row, "handover": handover, "status": "failed", "note": f"{type(exc).__name__}: {exc}"}
+                       for handover in handovers[len(rows):]]
+    return rows
 
 
 def run(models: list[str], streams: list[int], providers: list[str], s: Settings, progress: bool = True,
-        after_case: Any = None) -> dict[str, Any]:
+        after_case: Any = None, handovers: tuple[str, ...] = HANDOVERS) -> dict[str, Any]:
     from ..progress import track
     from .environment import environment
 
@@ -283,7 +366,7 @@ def run(models: list[str], streams: list[int], providers: list[str], s: Settings
                               "cases": []}
     runs = [(m, n, p) for m in models for n in streams for p in providers]
     for model, n, provider in track(runs, progress, "serving load"):
-        result["cases"].append(run_case(model, n, provider, s))
+        result["cases"] += run_case(model, n, provider, s, handovers)
         if after_case:
             after_case(result)
     return result
@@ -297,23 +380,28 @@ def _fmt(v: float | None, digits: int = 3) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
-def capacity(result: dict[str, Any], model: str, provider: str) -> int | None:
+def _handover(case: dict[str, Any]) -> str:
+    return case.get("handover", "stream")  # runs from before the gateway hand-over had only this one
+
+
+def capacity(result: dict[str, Any], model: str, provider: str, handover: str = "stream") -> int | None:
     """The most live streams of the run held at p99 <= REAL_TIME_P99_MS (None: none was)."""
     held = [c["streams"] for c in result["cases"] if c["model"] == model and c["provider"] == provider
-            and c["status"] == "ok" and c["p99_ms"] is not None and c["p99_ms"] <= REAL_TIME_P99_MS]
+            and _handover(c) == handover and c["status"] == "ok" and c["p99_ms"] is not None
+            and c["p99_ms"] <= REAL_TIME_P99_MS]
     return max(held) if held else None
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = ["| model | live streams | provider | mean live | chunks/s | p50 ms | p90 ms | p99 ms | max ms "
-             "| mean batch | p99 of peer / ours | rel. error | refused or failed |", "|" + "---|" * 13]
-    ours = {(c["model"], c["streams"]): c for c in result["cases"] if c["provider"] == "persistrnn"}
+    lines = ["| model | live streams | provider | hand-over | mean live | chunks/s | p50 ms | p90 ms | p99 ms | max ms "
+             "| mean batch | p99 of peer / ours | rel. error | refused or failed |", "|" + "---|" * 14]
+    ours = {(c["model"], c["streams"], _handover(c)): c for c in result["cases"] if c["provider"] == "persistrnn"}
     for c in result["cases"]:
-        head = f"| {c['model']} | {c['streams']} | {c['provider']} "
+        head = f"| {c['model']} | {c['streams']} | {c['provider']} | {_handover(c)} "
         if c["status"] != "ok":
             lines.append(head + f"| {c['status']}: {c['note']} |" + " |" * 9)
             continue
-        mine = ours.get((c["model"], c["streams"]), {})
+        mine = ours.get((c["model"], c["streams"], _handover(c)), {})
         ratio = "—"
         if c["provider"] != "persistrnn" and mine.get("status") == "ok" and mine.get("p99_ms") and c["p99_ms"]:
             ratio = f"{c['p99_ms'] / mine['p99_ms']:.2f}×"
@@ -323,10 +411,10 @@ def format_table(result: dict[str, Any]) -> str:
                      f"| {_fmt(c['p90_ms'])} | {_fmt(c['p99_ms'])} | {_fmt(c['max_ms'])} | {_fmt(c['mean_batch'], 1)} "
                      f"| {ratio} | {error} | {refused} |")
     models = list(dict.fromkeys(c["model"] for c in result["cases"]))
-    providers = list(dict.fromkeys(c["provider"] for c in result["cases"]))
+    runs = list(dict.fromkeys((c["provider"], _handover(c)) for c in result["cases"]))
     lines += ["", f"Real-time capacity (the most live streams of this run at p99 ≤ {REAL_TIME_P99_MS:g} ms):"]
     for model in models:
-        held = ", ".join(f"{p} {capacity(result, model, p) or 'none'}" for p in providers)
+        held = ", ".join(f"{p} ({h}) {capacity(result, model, p, h) or 'none'}" for p, h in runs)
         lines.append(f"- {model}: {held}")
     return "\n".join(lines)
 
@@ -338,7 +426,12 @@ def markdown(result: dict[str, Any]) -> str:
     method = (f"- Method: {s['seconds']} s measured after {s['warmup_seconds']} s of load; a chunk of {s['steps']} "
               f"step(s) every {s['chunk_ms']} ms per stream; stream lengths exponential, mean {s['mean_chunks']} "
               f"chunks; Poisson arrivals keeping the live count on average; {s['threads']} client threads; "
-              f"latency from push to delivery. Resident mode: not built.")
+              f"latency from push to delivery. Resident mode: not built.\n"
+              f"- Hand-over: `stream`, a call per chunk (each client thread submits each due chunk with "
+              f"`Stream.submit`; delivered when its future completes); `gateway`, a call per group (each client "
+              f"thread hands all its due chunks over in one `Engine.push_many` of an (n, steps, I) tensor and takes "
+              f"its oldest group's outputs with one `Engine.pull_many`; delivered when that call returns). Both "
+              f"run on the same engine, one after the other.")
     return (f"# Serving engine under a voice-activity load (`python -m persistrnn bench serve`)\n\n"
             f"{describe(result['environment'])}\n{method}\n\n{format_table(result)}\n")
 
@@ -355,12 +448,12 @@ def plot(result: dict[str, Any], path: Path) -> str | None:
     models = list(dict.fromkeys(c["model"] for c in result["cases"]))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for provider in dict.fromkeys(c["provider"] for c in result["cases"]):
+        for provider, handover in dict.fromkeys((c["provider"], _handover(c)) for c in result["cases"]):
             cases = [c for c in result["cases"] if c["model"] == model and c["provider"] == provider
-                     and c["status"] == "ok" and c["p99_ms"] is not None]
+                     and _handover(c) == handover and c["status"] == "ok" and c["p99_ms"] is not None]
             for key, style in (("p50_ms", "--"), ("p99_ms", "-")):
                 ax.plot([c["streams"] for c in cases], [c[key] for c in cases], style, marker="o",
-                        label=f"{provider} {key[:3]}")
+                        label=f"{provider} ({handover}) {key[:3]}")
         ax.set(xscale="log", yscale="log", xlabel="live streams", ylabel="push→pull latency (ms)", title=model)
         ax.legend()
     fig.tight_layout()
@@ -377,6 +470,8 @@ def parser() -> argparse.ArgumentParser:
                    help="cell:hidden:layers, input size = hidden (default: lstm:128:1 lstm:256:2)")
     p.add_argument("--streams", nargs="+", type=int, default=[64, 256, 1000], help="live streams on average")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--handovers", nargs="+", choices=HANDOVERS, default=list(HANDOVERS),
+                   help="stream: a call per chunk; gateway: a call per group of due chunks (default: both)")
     p.add_argument("--seconds", type=float, default=Settings.seconds, help="measured seconds per run")
     p.add_argument("--warmup-seconds", type=float, default=Settings.warmup_seconds)
     p.add_argument("--chunk-ms", type=float, default=Settings.chunk_ms)
@@ -415,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                         refcheck=args.refcheck)
     models = [f"{c}:{h}:{layers}" for c, h, layers in args.models]
     result = run_or_load(args, p, "serve", lambda save: run(models, args.streams, args.providers, settings,
-                                                             progress=args.progress, after_case=save))
+                                                             progress=args.progress, after_case=save,
+                                                             handovers=tuple(args.handovers)))
     if args.markdown:
         args.markdown.write_text(markdown(result))
     if args.plot:

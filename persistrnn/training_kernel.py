@@ -1,0 +1,242 @@
+"""The persistent backward kernel: one layer direction's backward recurrence
+(backpropagation through time) in one cluster launch, with W_hh on chip.
+
+:func:`persistent_steps` is :func:`persistrnn.training._fused_steps` (same
+arguments, same results to fp32 rounding) for single-stage cells in fp32:
+instead of one generated pointwise kernel and one GEMM per step, one launch
+of a cluster of :attr:`BackwardKernelConfig.blocks` blocks runs every step
+(``kernels/step_backward_persistent.cu`` says how). Block b owns a
+contiguous range of hidden units and keeps the W_hh rows of their gates in
+shared memory for the whole launch; per step it runs the generated
+statements of the cell's backward (:mod:`persistrnn.adjoint`, the same
+rendering as the per-step kernels) for its units, multiplies its d gates by
+its rows, and stores the partial ``dh_{t-1}`` of every unit into the unit
+owner's shared memory; one cluster barrier per step, and each owner sums the
+partials in block order (deterministic: no atomics).
+
+:func:`fits` says whether a layer gets the kernel on a device; where it does
+not (a multi-stage cell, or a W_hh slice larger than a block's shared
+memory), the caller keeps the per-step launches. :func:`plan` is the size
+rule without a device.
+
+The path: :func:`plan` -> :func:`kernel_source` -> :func:`compile_kernel` ->
+:func:`persistent_steps` (through the loaded kernel and launch configuration
+cached per shape and device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import textwrap
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import runtime
+from .adjoint import _render_body, step_backward_program
+from .cells import CELLS, CellSpec, get_cell
+from .checks import check_tensor
+from .errors import ArgumentError, CompileError, ConfigError, KernelLaunchError, UnsupportedError
+
+__all__ = ["KERNEL_NAME", "MAX_BATCH_TILE", "MAX_CLUSTER", "THREADS", "BackwardKernelConfig", "compile_kernel",
+           "fits", "kernel_source", "persistent_steps", "plan"]
+
+KERNEL_NAME = "prnn_step_backward_persistent"
+THREADS = 256  # per block: one thread per (batch row, owned unit) in the statements, per (column, batch tile) after
+MAX_CLUSTER = 16
+"""The largest cluster a Hopper GPU launches (non-portable; 8 is portable).
+The driver's answer for the kernel's shared memory has the last word
+(:meth:`persistrnn.runtime.LoadedKernel.max_cluster_size`)."""
+MAX_BATCH_TILE = 8
+"""Batch rows per thread of the product: each row's d gates are a broadcast
+load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardKernelConfig:
+    """One compiled variant: the cell, hidden size, cluster size and the product's batch tile."""
+
+    spec: CellSpec
+    hidden: int
+    blocks: int
+    batch_tile: int
+
+    @property
+    def units(self) -> int:
+        """Hidden units per block (the last blocks own fewer, possibly none)."""
+        return -(-self.hidden // self.blocks)
+
+    @property
+    def rows(self) -> int:
+        """W_hh rows per block (every gate of its units), padded to the product's float4 loads."""
+        return -(-self.spec.num_gates * self.units // 4) * 4
+
+    @property
+    def w_stride(self) -> int:
+        """Floats from one column of the transposed slice to the next: a
+        multiple of 4 that is not one of 8, so a warp's float4 loads of 32
+        consecutive columns fall in distinct bank groups."""
+        return self.rows if self.rows % 8 == 4 else self.rows + 4
+
+    @property
+    def planes(self) -> int:
+        """Staged [B][units] planes per step: xg and the gates' products per gate, h, d_out, and c."""
+        return 2 * self.spec.num_gates + 2 + int(self.spec.has_cell_state)
+
+    @property
+    def direct_dh(self) -> bool:
+        """Whether the statements store a part of dh_{t-1} beside the product (GRU's z * dh)."""
+        return step_backward_program(self.spec).blocks[0].accumulate
+
+    def slice_bytes(self) -> int:
+        """The block's W_hh slice in shared memory (transposed, padded)."""
+        return 4 * self.hidden * self.w_stride
+
+    def batch_row_bytes(self) -> int:
+        """Shared memory per batch row: d gates, the partials' two parities
+        from every block, the staged inputs' two parities, dc and the direct part of dh."""
+        state = int(self.spec.has_cell_state) + int(self.direct_dh)
+        return 4 * (self.rows + (2 * self.blocks + 2 * self.planes + state) * self.units)
+
+    def shared_bytes(self, batch: int) -> int:
+        """Dynamic shared memory per block at ``batch`` (kernels/step_backward_persistent.cu's layout)."""
+        return self.slice_bytes() + batch * self.batch_row_bytes()
+
+
+def _config(spec: CellSpec, hidden: int, batch: int, cluster_limit: int) -> BackwardKernelConfig:
+    # The largest cluster: the slice and the product's work per block shrink
+    # with it, and each block's stores per step stay B x H whatever its size.
+    # A power of two, at most one block per unit.
+    blocks = 1 << (min(cluster_limit, hidden).bit_length() - 1)
+    return BackwardKernelConfig(spec, hidden, blocks, min(batch, MAX_BATCH_TILE))
+
+
+def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
+         cluster_limit: int = MAX_CLUSTER) -> BackwardKernelConfig:
+    """The configuration for ``hidden`` units and ``batch`` rows on a device
+    with ``shared_limit`` bytes of shared memory per block and clusters of up
+    to ``cluster_limit`` blocks. Raises :class:`UnsupportedError` for a cell
+    of several stages and :class:`ConfigError`, naming the sizes that fit,
+    when a block's share does not fit."""
+    spec = get_cell(cell)
+    for name, value in (("hidden", hidden), ("batch", batch), ("cluster_limit", cluster_limit)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArgumentError(f"{name}: expected a positive int, got {value!r}")
+    if spec.num_stages != 1:
+        single = sorted(name for name, other in CELLS.items() if other.num_stages == 1)
+        raise UnsupportedError(f"the persistent backward kernel runs single-stage cells ({', '.join(single)}); "
+                               f"{spec.name} has {spec.num_stages} stages: its per-step launches run it")
+    config = _config(spec, hidden, batch, cluster_limit)
+    if config.shared_bytes(batch) <= shared_limit:
+        return config
+    most_batch = (shared_limit - config.slice_bytes()) // config.batch_row_bytes()
+    most_hidden = next((h for h in range(hidden - 1, 0, -1)
+                        if _config(spec, h, batch, cluster_limit).shared_bytes(batch) <= shared_limit), 0)
+    at_hidden = f"batch up to {most_batch} fits at H={hidden}" if most_batch > 0 else f"no batch fits at H={hidden}"
+    at_batch = f"H up to {most_hidden} fits at batch {batch}" if most_hidden > 0 else f"no H fits at batch {batch}"
+    raise ConfigError(
+        f"the persistent backward of {spec.name} (H={hidden}, batch {batch}, a cluster of {config.blocks}) needs "
+        f"{config.shared_bytes(batch)} bytes of shared memory per block ({config.slice_bytes()} of them its "
+        f"W_hh slice); the device allows {shared_limit}: {at_hidden}, and {at_batch}")
+
+
+def kernel_source(config: BackwardKernelConfig) -> str:
+    """The complete CUDA source of ``config``'s kernel: the template with the
+    cell's generated backward statements (:mod:`persistrnn.adjoint`)."""
+    program = step_backward_program(config.spec)
+    (block,) = program.blocks  # single-stage: one statement block
+    defines = {"PRNN_G": config.spec.num_gates, "PRNN_H": config.hidden, "PRNN_BLOCKS": config.blocks,
+               "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
+               "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
+               "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh)}
+    prelude = [f"// persistent step backward: cell {config.spec.name}"]
+    prelude += [f"#define {name} {value}" for name, value in defines.items()]
+    source = runtime.read_source("step_backward_persistent.cu")
+    marker = "            // ---- the block's statements ----"
+    head, _, tail = source.partition(marker)
+    if not tail:
+        raise CompileError(f"step_backward_persistent.cu lost its {marker.strip()!r} line")
+    return "\n".join(prelude) + "\n" + head + textwrap.indent(_render_body(program, block), " " * 8) + tail
+
+
+@functools.lru_cache(maxsize=None)
+def compile_kernel(config: BackwardKernelConfig, arch: str | None = None) -> runtime.CompiledBinary:
+    """NVRTC-compile (disk-cached) ``config``'s kernel; ``arch=None`` is the current device's."""
+    cell = re.sub(r"[^A-Za-z0-9_.-]", "_", config.spec.name)
+    name = f"step_backward_persistent_{cell}_h{config.hidden}_c{config.blocks}_t{config.batch_tile}"
+    return runtime.compile_source(name, kernel_source(config), arch=arch)
+
+
+@functools.lru_cache(maxsize=256)
+def _prepared(spec: CellSpec, hidden: int, batch: int, device: int) -> tuple[BackwardKernelConfig, Any, Any]:
+    """(config, loaded kernel, checked launch configuration) on ``device``, once per shape:
+    the residency queries cost far more than a launch."""
+    with torch.cuda.device(device):
+        limit = runtime.facts_of(device).shared_per_block_optin
+        config = plan(spec, hidden, batch, limit)
+        kernel = runtime.get_kernel(compile_kernel(config), KERNEL_NAME)
+        largest = kernel.max_cluster_size(THREADS, config.shared_bytes(batch))
+        if largest < config.blocks:  # e.g. a GPU partition without 16 SMs in a GPC
+            config = plan(spec, hidden, batch, limit, largest)
+            kernel = runtime.get_kernel(compile_kernel(config), KERNEL_NAME)
+        shared = config.shared_bytes(batch)
+        return config, kernel, kernel.config(config.blocks, THREADS, shared=shared, cluster=config.blocks)
+
+
+def _device_index(device: Any) -> int:
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda":
+        raise ArgumentError(f"device: expected a CUDA device, got {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def fits(spec: str | CellSpec, hidden: int, batch: int, device: Any) -> bool:
+    """Whether :func:`persistent_steps` runs a ``hidden``-unit layer of
+    ``spec`` at ``batch`` on ``device`` (an index or a CUDA device): a
+    single-stage cell whose block share fits in shared memory, with a
+    cluster the device holds. Compiles the kernel (disk-cached)."""
+    try:
+        _prepared(get_cell(spec), hidden, batch, _device_index(device))
+    except (ConfigError, UnsupportedError, KernelLaunchError):
+        return False
+    return True
+
+
+def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: torch.Tensor, c_prev: Any,
+                     w_hh: torch.Tensor, d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: Any, reverse: bool,
+                     d_xw: torch.Tensor, d_gates: torch.Tensor,
+                     stage_operands: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """:func:`persistrnn.training._fused_steps` in one cluster launch (fp32
+    CUDA tensors; a single-stage cell, so ``stage_operands`` is empty and
+    stays so): fills ``d_xw`` and ``d_gates`` (T, B, G*H), contiguous, and
+    returns (dh0, dc0 or None). ``h_prev``/``c_prev`` (T, B, H): the states
+    each position started from. Raises where :func:`fits` says no."""
+    steps, batch, hidden = h_prev.shape
+    if steps < 1:
+        raise ArgumentError(f"h_prev: expected at least one step, got shape {tuple(h_prev.shape)}")
+    config, kernel, launch_config = _prepared(spec, hidden, batch, xw.device.index)
+    gh = spec.num_gates * hidden
+    xw, gates, h_prev, w_hh, d_out, dh_n = (t.contiguous() for t in (xw, gates, h_prev, w_hh, d_out, dh_n))
+    for name, tensor, shape in (("xw", xw, (steps, batch, gh)), ("gates", gates, (steps, batch, gh)),
+                                ("h_prev", h_prev, (steps, batch, hidden)), ("w_hh", w_hh, (gh, hidden)),
+                                ("d_out", d_out, (steps, batch, hidden)), ("dh_n", dh_n, (batch, hidden)),
+                                ("d_xw", d_xw, (steps, batch, gh)), ("d_gates", d_gates, (steps, batch, gh))):
+        check_tensor(name, tensor, shape, xw.device, torch.float32)
+    dh0 = torch.empty_like(dh_n)
+    no_tensor = np.uint64(0)
+    if spec.has_cell_state:
+        c_prev, dc_n = c_prev.contiguous(), dc_n.contiguous()
+        check_tensor("c_prev", c_prev, (steps, batch, hidden), xw.device, torch.float32)
+        check_tensor("dc_n", dc_n, (batch, hidden), xw.device, torch.float32)
+        dc0 = torch.empty_like(dc_n)
+        cell_state = (c_prev, dc_n, dc0)
+    else:
+        dc0 = None
+        cell_state = (no_tensor, no_tensor, no_tensor)
+    args = runtime.kernel_args(xw, gates, h_prev, cell_state[0], w_hh, d_out, dh_n, cell_state[1], d_xw, d_gates,
+                               dh0, cell_state[2], steps, batch, int(reverse))
+    runtime.launch(kernel, launch_config, *args)
+    return dh0, dc0

@@ -1,0 +1,145 @@
+"""The persistent backward kernel (persistrnn.training_kernel): its source
+for every single-stage cell compiles for sm_90 without local memory and the
+size rule refuses what does not fit (CPU); on a GPU its step loop equals the
+float64 torch-op steps to fp32 rounding, bit for bit from run to run."""
+
+import re
+
+import pytest
+import torch
+from test_training import direction_inputs, run_steps
+
+from persistrnn import cells, training, training_kernel
+from persistrnn.errors import ConfigError, UnsupportedError
+
+SINGLE_STAGE = tuple(name for name, spec in cells.CELLS.items() if spec.num_stages == 1)
+H100_SHARED = 232448  # the H100's opt-in shared memory per block (227 KB): the size rule's numbers on the CPU
+
+# fp32 against float64 on the same fp32-rounded inputs: per element, and the
+# largest error against the largest value (a few wrong elements among large
+# ones pass a per-element rtol, not this).
+RTOL = ATOL = 1e-5
+MAX_ERROR = 1e-5
+
+
+def test_single_stage_cells_are_the_ones_expected():
+    assert set(SINGLE_STAGE) == {"lstm", "gru", "rnn_tanh", "rnn_relu"}
+
+
+# H=37 at batch 3: partial blocks (16 blocks of 3 units, the last ones idle)
+# and one partial batch tile; H=256 at batch 32: the widest tile, the most registers.
+@pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32)])
+@pytest.mark.parametrize("cell", SINGLE_STAGE)
+def test_kernel_compiles_for_sm90_without_local_memory(cell, hidden, batch):
+    config = training_kernel.plan(cell, hidden, batch, H100_SHARED)
+    binary = training_kernel.compile_kernel(config, arch="sm_90")
+    resources = binary.kernel_resources(training_kernel.KERNEL_NAME)
+    assert not resources.uses_local_memory, resources
+    assert resources.shared_bytes == 0, resources  # all dynamic: the size rule counts it
+    assert "warning" not in binary.log, binary.log
+
+
+@pytest.mark.parametrize("cell", SINGLE_STAGE)
+def test_kernel_source_holds_the_generated_statements(cell):
+    source = training_kernel.kernel_source(training_kernel.plan(cell, 100, 3, H100_SHARED))
+    assert "// ---- the block's statements ----" not in source
+    assert "prnn_d0_h_new = prnn_dh[prnn_n] + prnn_dout[prnn_n];" in source
+    assert f"#define PRNN_G {cells.get_cell(cell).num_gates}" in source
+
+
+def test_multi_stage_cells_are_refused():
+    with pytest.raises(UnsupportedError, match="single-stage cells .*gru_reset_before has 2 stages"):
+        training_kernel.plan("gru_reset_before", 64, 1, H100_SHARED)
+
+
+@pytest.mark.parametrize("hidden,cluster_limit", [(1, 16), (5, 16), (37, 16), (256, 16), (256, 8), (100, 1)])
+def test_the_cluster_covers_every_unit(hidden, cluster_limit):
+    config = training_kernel.plan("gru", hidden, 2, H100_SHARED, cluster_limit)
+    # The largest power of two the limit and the units allow; every unit has an owner.
+    assert config.blocks & (config.blocks - 1) == 0
+    assert config.blocks <= min(cluster_limit, hidden) < 2 * config.blocks
+    assert config.blocks * config.units >= hidden
+    assert config.rows % 4 == 0 and config.rows >= 3 * config.units
+    assert config.w_stride % 8 == 4 and config.w_stride >= config.rows
+
+
+def test_shared_bytes_counts_the_layout():
+    # LSTM H=256 on 16 blocks: 16 units, 64 rows, column stride 68; per batch
+    # row 64 d gates, 2 x 16 blocks x 16 partials, 2 x 11 planes x 16 staged, 16 dc.
+    config = training_kernel.plan("lstm", 256, 8, H100_SHARED)
+    assert (config.blocks, config.units, config.rows, config.w_stride) == (16, 16, 64, 68)
+    assert config.shared_bytes(8) == 4 * (256 * 68 + 8 * (64 + 2 * 16 * 16 + 2 * 11 * 16 + 16))
+    gru = training_kernel.plan("gru", 256, 8, H100_SHARED)
+    assert gru.direct_dh and not config.direct_dh
+
+
+@pytest.mark.parametrize("cell,hidden,batch", [("lstm", 512, 1), ("rnn_tanh", 1024, 1), ("lstm", 256, 4096)])
+def test_too_large_is_refused_naming_what_fits(cell, hidden, batch):
+    with pytest.raises(ConfigError) as refused:
+        training_kernel.plan(cell, hidden, batch, H100_SHARED)
+    message = str(refused.value)
+    assert f"the device allows {H100_SHARED}" in message
+    most_hidden = re.search(r"H up to (\d+) fits|no H fits", message)
+    most_batch = re.search(r"batch up to (\d+) fits|no batch fits", message)
+    assert most_hidden and most_batch, message
+    if most_hidden.group(1):
+        training_kernel.plan(cell, int(most_hidden.group(1)), batch, H100_SHARED)
+        with pytest.raises(ConfigError):
+            training_kernel.plan(cell, int(most_hidden.group(1)) + 1, batch, H100_SHARED)
+    if most_batch.group(1):
+        training_kernel.plan(cell, hidden, int(most_batch.group(1)), H100_SHARED)
+        with pytest.raises(ConfigError):
+            training_kernel.plan(cell, hidden, int(most_batch.group(1)) + 1, H100_SHARED)
+
+
+def test_shared_memory_grows_with_hidden_once_the_cluster_is_full():
+    # "H up to X fits" holds for every H below X; below 16 units the cluster
+    # grows with H and a block's share may shrink, but every such H fits.
+    for cell in SINGLE_STAGE:
+        sizes = [training_kernel.plan(cell, h, 4, 1 << 30).shared_bytes(4) for h in range(16, 600)]
+        assert sizes == sorted(sizes), cell
+        assert all(training_kernel.plan(cell, h, 4, H100_SHARED) for h in range(1, 16))
+
+
+# ---- on the GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_fits_follows_the_size_rule():
+    device = torch.cuda.current_device()
+    assert training_kernel.fits("lstm", 256, 8, device)
+    assert training_kernel.fits(cells.get_cell("gru"), 100, 3, torch.device("cuda"))
+    assert not training_kernel.fits("lstm", 1024, 1, device)
+    assert not training_kernel.fits("gru_reset_before", 64, 1, device)
+
+
+# Odd and even step counts (the last step's parity), batch 1, a partial tile
+# (3 < 8) and several full tiles (32), partial blocks (H=37, 100).
+@pytest.mark.gpu
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("steps,batch,hidden", [(7, 3, 37), (5, 1, 100), (6, 8, 256), (1, 32, 256)])
+@pytest.mark.parametrize("cell", SINGLE_STAGE)
+def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batch, hidden, reverse):
+    inputs = {k: None if v is None else v.float().double()
+              for k, v in direction_inputs(cell, steps=steps, batch=batch, hidden=hidden, seed=hidden + batch).items()}
+    want = run_steps(training._torch_steps, cell, inputs, reverse)
+    got = run_steps(training_kernel.persistent_steps, cell, inputs, reverse, device="cuda", dtype=torch.float32)
+    for name, value in want.items():
+        if value is None or value.numel() == 0:
+            assert got[name] is None or got[name].numel() == 0, name
+            continue
+        result = got[name].cpu().double()
+        torch.testing.assert_close(result, value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+        error = (result - value).abs().max().item()
+        assert error <= MAX_ERROR * max(1.0, value.abs().max().item()), f"{name}: max error {error}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", SINGLE_STAGE)
+def test_gpu_persistent_steps_are_bit_identical_run_to_run(cell):
+    inputs = direction_inputs(cell, steps=9, batch=5, hidden=100, seed=3)
+    first = run_steps(training_kernel.persistent_steps, cell, inputs, True, device="cuda", dtype=torch.float32)
+    second = run_steps(training_kernel.persistent_steps, cell, inputs, True, device="cuda", dtype=torch.float32)
+    for name, value in first.items():
+        assert (value is None) == (second[name] is None), name
+        assert value is None or torch.equal(value, second[name]), name
