@@ -49,7 +49,7 @@ from .cells import CUDA_FUNCTIONS, NUMPY_FUNCTIONS, CellSpec, Statement, _parse,
 from .errors import CompileError
 
 __all__ = ["FUNCTIONS", "KERNEL_NAME", "RELU_GRAD", "THREADS", "BlockBackward", "StepBackward",
-           "block_kernel_source", "compile_block_kernel", "render_python", "step_backward_program"]
+           "block_kernel_source", "compile_block_kernel", "render_block_body", "render_python", "step_backward_program"]
 
 RELU_GRAD = "prnn_relu_grad"
 """The one function the adjoint statements add to the expression language:
@@ -323,7 +323,7 @@ def _value_address(spec: CellSpec, name: str) -> str:
     return f"{source}[prnn_row + {spec.gates.index(name[2:])} * prnn_hidden]"
 
 
-def _render_body(program: StepBackward, block: BlockBackward) -> str:
+def render_block_body(program: StepBackward, block: BlockBackward) -> str:
     spec = program.spec
     functions = {**CUDA_FUNCTIONS, RELU_GRAD: RELU_GRAD}
     lines = ["    // the forward values this block reads"]
@@ -353,7 +353,7 @@ def block_kernel_source(cell: str | CellSpec, block: int) -> str:
     head, _, tail = source.partition(marker)
     if not tail:
         raise CompileError(f"step_backward.cu lost its {marker.strip()!r} line")
-    return "\n".join(prelude) + "\n" + head + _render_body(program, walked) + tail
+    return "\n".join(prelude) + "\n" + head + render_block_body(program, walked) + tail
 
 
 @functools.lru_cache(maxsize=None)

@@ -119,16 +119,18 @@ def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseEx
 
 
 class _Chunk:
-    """One pushed chunk: its input (T, I), whether it came as (I,), and its
-    outcome. A pushed chunk keeps its output (or error) for :meth:`Stream.pull`;
-    a submitted one has a future, set once the outcome is known."""
+    """One pushed chunk: its input (T, I), whether it came as (I,), for a
+    device chunk the event its input is ready at, its stream (set when it is
+    queued), and its outcome. A pushed chunk keeps its output (or error) for
+    :meth:`Stream.pull`; a submitted one has a future, set once the outcome is
+    known."""
 
     __slots__ = ("stream", "x", "steps", "single_step", "ready", "future", "done", "out", "error")
 
-    def __init__(self, stream: "Stream", x: torch.Tensor, single_step: bool, ready: Any,
-                 future: concurrent.futures.Future | None) -> None:
-        self.stream, self.x, self.steps, self.single_step, self.ready = stream, x, x.shape[0], single_step, ready
-        self.future = future
+    def __init__(self, x: torch.Tensor, single_step: bool, ready: Any) -> None:
+        self.x, self.steps, self.single_step, self.ready = x, x.shape[0], single_step, ready
+        self.stream: Stream | None = None
+        self.future: concurrent.futures.Future | None = None
         self.done = False
         self.out: Any = None
         self.error: BaseException | None = None
@@ -151,6 +153,16 @@ def _finish(chunk: _Chunk, out: Any, error: BaseException | None, futures: list[
 def _set_futures(futures: list[_Chunk]) -> None:
     for chunk in futures:
         _settle(chunk.future, chunk.out, chunk.error)
+
+
+def _first_not_run(streams: list["Stream"], start: int) -> int | None:
+    """Under the lock: the index of the first of ``streams[start:]`` whose
+    oldest pushed chunk not yet pulled has no outcome (or that has none)."""
+    for i in range(start, len(streams)):
+        unpulled = streams[i]._unpulled
+        if not (unpulled and unpulled[0].done):
+            return i
+    return None
 
 
 def _split(chunks: list[_Chunk], rows: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -204,8 +216,7 @@ class Stream:
         """Queue ``chunk`` ((T, I) or (I,)) for :meth:`pull`. Waits up to
         ``timeout`` seconds while the stream holds ``max_pending`` unpulled
         chunks, then raises :class:`~persistrnn.errors.EngineFullError`."""
-        engine = self.engine
-        engine._queue("push", [self], [engine._chunk_input(chunk, "push")], timeout)
+        self.engine._queue("push", [self], [self.engine._chunk_input(chunk, "push")], timeout)
 
     def submit(self, chunk: torch.Tensor, timeout: float = 0.0) -> concurrent.futures.Future:
         """Queue ``chunk`` and return the future of its output instead of
@@ -214,10 +225,10 @@ class Stream:
         ``out.record_stream(torch.cuda.current_stream())`` before using it on
         another (``pull`` does this). Cancelling the future before its tick
         skips the chunk (the state does not advance)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        engine = self.engine
-        engine._queue("submit", [self], [engine._chunk_input(chunk, "submit")], timeout, future)
-        return future
+        item = self.engine._chunk_input(chunk, "submit")
+        item.future = concurrent.futures.Future()
+        self.engine._queue("submit", [self], [item], timeout)
+        return item.future
 
     def _wait(self, seconds: float) -> None:
         self._waiting += 1
@@ -225,10 +236,6 @@ class Stream:
             self._changed.wait(seconds)
         finally:
             self._waiting -= 1
-
-    def _oldest_has_run(self) -> bool:
-        """Under the lock: the oldest pushed chunk not yet pulled has its outcome."""
-        return bool(self._unpulled) and self._unpulled[0].done
 
     def _spent(self) -> bool:
         """Under the lock: closed or failed, with nothing left to pull."""
@@ -414,15 +421,14 @@ class Engine:
         engine's device."""
         if not isinstance(chunk, torch.Tensor):
             raise InputTypeError(f"{what}: expected a chunk tensor, got {type(chunk).__name__}")
-        lead = () if rows is None else (rows,)
-        shape = tuple(chunk.shape)
-        body = shape[len(lead):]
-        if shape[:len(lead)] != lead or len(body) not in (1, 2) or body[-1] != self.input_size \
-                or len(body) == 2 and body[0] < 1:
-            rows_first = "".join(f"{n}, " for n in lead)
-            one_step = f"({rows_first}{self.input_size})" if lead else f"({self.input_size},)"
+        shape = chunk.shape
+        body = shape if rows is None else shape[1:]
+        if len(body) not in (1, 2) or body[-1] != self.input_size or len(body) == 2 and body[0] < 1 \
+                or rows is not None and shape[0] != rows:
+            rows_first = "" if rows is None else f"{rows}, "
+            one_step = f"({self.input_size},)" if rows is None else f"({rows}, {self.input_size})"
             raise InputShapeError(f"{what}: expected a chunk of shape ({rows_first}T, {self.input_size}) with "
-                                  f"T >= 1 or {one_step}, got {shape}")
+                                  f"T >= 1 or {one_step}, got {tuple(shape)}")
         if not chunk.is_floating_point():
             raise InputShapeError(f"{what}: expected a floating-point chunk, got {chunk.dtype}")
         if not chunk.is_cpu and chunk.device != self.device:
@@ -447,14 +453,13 @@ class Engine:
             ready.record(torch.cuda.current_stream(chunk.device))
         return chunk, ready
 
-    def _chunk_input(self, chunk: Any, what: str) -> tuple[torch.Tensor, bool, Any]:
-        """(the chunk as a private (T, I) copy in the engine's dtype, whether it
-        came as (I,), and for a device chunk the event its copy is ready at)."""
+    def _chunk_input(self, chunk: Any, what: str) -> _Chunk:
+        """The chunk, its input a private (T, I) copy in the engine's dtype."""
         self._check_chunk(chunk, what)
         x, ready = self._own_copy(chunk)
-        return (x[None] if chunk.dim() == 1 else x), chunk.dim() == 1, ready
+        return _Chunk(x[None] if chunk.dim() == 1 else x, chunk.dim() == 1, ready)
 
-    def _group_input(self, chunks: Any, count: int) -> list[tuple[torch.Tensor, bool, Any]]:
+    def _group_input(self, chunks: Any, count: int) -> list[_Chunk]:
         """:meth:`_chunk_input` of each of ``count`` chunks, from one copy of
         the group where they share a shape."""
         what = "push_many"
@@ -478,23 +483,21 @@ class Engine:
             x, ready = self._own_copy(torch.stack(list(chunks)), copied=True)
             single_step = first.dim() == 1
         rows = (x[:, None] if single_step else x).unbind(0)  # each (T, I); one torch call for the group
-        return [(row, single_step, ready) for row in rows]
+        return [_Chunk(row, single_step, ready) for row in rows]
 
-    def _queue(self, what: str, streams: list[Stream], inputs: list[tuple[torch.Tensor, bool, Any]],
-               timeout: float, future: concurrent.futures.Future | None = None) -> None:
-        """Queue chunk ``inputs[i]`` on ``streams[i]`` under one hold of the
-        lock, every one or none: each stream must be open, and have room under
-        ``max_pending``, which it is waited for (up to ``timeout``).
-        ``future``: the future of a single submitted chunk."""
-        items = [_Chunk(stream, x, single_step, ready, future)
-                 for stream, (x, single_step, ready) in zip(streams, inputs)]
+    def _queue(self, what: str, streams: list[Stream], items: list[_Chunk], timeout: float) -> None:
+        """Queue ``items[i]`` on ``streams[i]`` under one hold of the lock,
+        every one or none: each stream must be open, and have room under
+        ``max_pending``, which it is waited for (up to ``timeout``)."""
+        max_pending = self.max_pending
         with self._lock:
             deadline = None
             while True:
                 full = None
                 for stream in streams:
-                    stream._check_open(what)
-                    if full is None and stream._held >= self.max_pending:
+                    if stream._closed or stream._failure is not None:
+                        stream._check_open(what)
+                    if stream._held >= max_pending and full is None:
                         full = stream
                 if full is None:
                     break
@@ -510,6 +513,7 @@ class Engine:
                 full._wait(remaining)
             became_ready = False
             for stream, item in zip(streams, items):
+                item.stream = stream
                 stream._held += 1
                 stream._queued.append(item)
                 if item.future is None:
@@ -531,7 +535,7 @@ class Engine:
         with self._lock:
             start, waited = 0, False
             while True:
-                i = next((i for i in range(start, len(streams)) if not streams[i]._oldest_has_run()), None)
+                i = _first_not_run(streams, start)
                 if i is None:
                     if not waited:
                         break
@@ -562,16 +566,11 @@ class Engine:
                 stream._held -= 1
                 if stream._waiting:
                     stream._changed.notify_all()
-        outcomes: list[Any] = []
-        for chunk in chunks:
-            if chunk.error is not None:
-                outcomes.append(chunk.error)
-                continue
-            out = chunk.out
-            if out.is_cuda:
-                out.record_stream(torch.cuda.current_stream(out.device))
-            outcomes.append(out)
-        return outcomes
+        if self._cuda_stream is not None:
+            for chunk in chunks:
+                if chunk.error is None and chunk.out.is_cuda:
+                    chunk.out.record_stream(torch.cuda.current_stream(chunk.out.device))
+        return [chunk.out if chunk.error is None else chunk.error for chunk in chunks]
 
     def warm_up(self, steps: Iterable[int] = (1,), batches: Iterable[int] | None = None) -> None:
         """Plan and capture the forward for chunks of each length in ``steps``

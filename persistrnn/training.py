@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from . import adjoint, ops, persistent, runtime
+from . import adjoint, ops, persistent, runtime, training_kernel
 from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_program
 from .cells import NUMPY_FUNCTIONS, CellSpec, evaluate, get_cell
 from .errors import ArgumentError, ConfigError, UnsupportedError
@@ -263,7 +263,9 @@ def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Ten
                               d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
                               reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """:func:`direction_backward` launched op by op: the step loop
-    (:func:`_fused_steps` on CUDA in fp32, else :func:`_torch_steps`), then
+    (on CUDA in fp32 :func:`persistrnn.training_kernel.persistent_steps`
+    where the layer fits it, else :func:`_fused_steps`; elsewhere
+    :func:`_torch_steps`), then
     the dW_hh GEMMs."""
     hidden = w_hh.shape[1]
     h_prev = _previous(out, h0, reverse)
@@ -272,7 +274,12 @@ def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Ten
     d_xw, d_gates = torch.empty_like(xw, memory_format=dense), torch.empty_like(gates, memory_format=dense)
     # Stage 0 multiplies h_{t-1}; a later stage's operand is computed in the step.
     stage_operands = out.new_empty(spec.num_stages - 1, *out.shape)
-    steps_backward = _fused_steps if xw.is_cuda and xw.dtype == torch.float32 else _torch_steps
+    steps_backward = _torch_steps
+    if xw.is_cuda and xw.dtype == torch.float32:
+        # One cluster launch for all steps where the layer's W_hh fits the
+        # cluster's shared memory (training_kernel.fits), else two launches per step.
+        fits = training_kernel.fits(spec, hidden, xw.shape[1], xw.device.index)
+        steps_backward = training_kernel.persistent_steps if fits else _fused_steps
     dh, dc = steps_backward(spec, xw, gates, h_prev, c_prev, w_hh, d_out, dh_n, dc_n, reverse, d_xw, d_gates,
                             stage_operands)
     operands = [h_prev if name == "h" else stage_operands[s - 1] for s, name in enumerate(spec.stage_operands)]
@@ -405,8 +412,10 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str,
     except ConfigError:
         pass
     for config, batch_slice in candidates:
-        config = dataclasses.replace(config, save_gates=True)
         try:
+            # save_gates writes every stage's products, which the one-exchange
+            # reset-before GRU (one_sync) never holds at once: two exchanges.
+            config = dataclasses.replace(config, save_gates=True, one_sync=False)
             persistent.batch_per_launch(config, device)  # compiles it; refuses one that spills or fits no sequence
         except ConfigError:
             continue

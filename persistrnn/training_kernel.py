@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from . import runtime
-from .adjoint import _render_body, step_backward_program
+from .adjoint import render_block_body, step_backward_program
 from .cells import CELLS, CellSpec, get_cell
 from .checks import check_tensor
 from .errors import ArgumentError, CompileError, ConfigError, KernelLaunchError, UnsupportedError
@@ -159,7 +159,7 @@ def kernel_source(config: BackwardKernelConfig) -> str:
     head, _, tail = source.partition(marker)
     if not tail:
         raise CompileError(f"step_backward_persistent.cu lost its {marker.strip()!r} line")
-    return "\n".join(prelude) + "\n" + head + textwrap.indent(_render_body(program, block), " " * 8) + tail
+    return "\n".join(prelude) + "\n" + head + textwrap.indent(render_block_body(program, block), " " * 8) + tail
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,6 +193,7 @@ def _device_index(device: Any) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
+@functools.lru_cache(maxsize=256)
 def fits(spec: str | CellSpec, hidden: int, batch: int, device: Any) -> bool:
     """Whether :func:`persistent_steps` runs a ``hidden``-unit layer of
     ``spec`` at ``batch`` on ``device`` (an index or a CUDA device): a
