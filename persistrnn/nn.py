@@ -110,9 +110,11 @@ class _Persistent:
     training_kernels: bool = False
     """Whether a CUDA call that needs gradients runs :mod:`persistrnn.training`'s
     operators (deterministic gradients, through autograd) instead of torch's
-    implementation. Off by default: their backward runs the recurrence as
-    torch ops, one step at a time, and a training step measured 11-16x slower
-    than cuDNN's (LSTM 256 and 1024, T=100, batch 1-32, H100;
+    implementation. Off by default: a first training call plans its layers
+    (seconds, as a first inference call does), and where the persistent
+    backward kernel does not hold the layer a step can be slower than
+    cuDNN's (LSTM 1024, T=100, batch 32: 0.74x on the H100; 1.6-2.3x faster
+    at H=256, batch 1-32, and H=1024, batch 1-8;
     ``python -m persistrnn bench training``)."""
 
     def _init_persistent(self) -> None:
@@ -159,7 +161,7 @@ class _Persistent:
                 _warn_once(f"grad-{type(self).__name__}",
                            f"persistrnn.{type(self).__name__}: this call needs gradients; it runs torch's "
                            "implementation (training_kernels=True runs persistrnn's training operators on a padded "
-                           "input outside autocast: deterministic gradients, today slower than cuDNN)")
+                           "input outside autocast: deterministic gradients)")
             return "gradients"
         return None
 
