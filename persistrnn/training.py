@@ -403,7 +403,7 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str,
     forward. Where the plan runs cuDNN or the fallback, the cost model's top
     persistent choice; the default configuration where neither compiles."""
     from . import plan as planner
-    from .plan import cost, space, tuner
+    from .plan import model as cost, space, tuner
 
     shape = planner.ModelShape(cell, hidden_size, hidden_size, 1, dtype)
     chosen = planner.cached_plan(shape, batch)
