@@ -304,6 +304,8 @@ def serve_groups(engine, streams, threads: int, seed: int):
                     for i in group:
                         pushed[i] += 1
                 can_pull = [i for i in mine if len(outputs[i]) < pushed[i]]
+                if not can_pull:  # nothing pushed this round, nothing outstanding
+                    continue
                 group = rng.sample(can_pull, rng.randint(0 if group else 1, len(can_pull)))
                 if rng.random() < 0.7:
                     got = engine.pull_many([opened[i] for i in group], timeout=WAIT)
