@@ -17,7 +17,7 @@
   in training mode, and (with a one-time warning) a call that needs
   gradients, unless the module's ``training_kernels`` is set: then a padded
   CUDA call outside autocast runs :mod:`persistrnn.training`'s forward and
-  backward, through autograd.
+  backward, through autograd, dropout between layers included.
 
 Every call is independent: any number of threads and streams may call one
 module at once, and each call gets its own answer (the captured forwards are
@@ -144,18 +144,20 @@ class _Persistent:
         """Why this call runs torch's implementation (None: ours runs). The one
         rule for every call: eager, packed, compiled and streaming. ``trains``:
         the caller runs a call that needs gradients on the training operators
-        (:mod:`persistrnn.training`: a padded input, outside autocast)."""
+        (:mod:`persistrnn.training`: a padded input, outside autocast; they
+        also run dropout between layers in training mode)."""
         if input.device.type != "cuda":
             return "a CPU input"
         if getattr(self, "proj_size", 0):
             return "proj_size"
-        if self.training and self.dropout > 0 and self.num_layers > 1:
-            return "dropout between layers in training mode"
+        trains = (trains and self.training_kernels and self._needs_grad(input)
+                  and not torch.is_autocast_enabled("cuda") and input.numel())  # torch's path returns empties
+        if self.training and self.dropout > 0 and self.num_layers > 1 and not trains:
+            return "dropout between layers in training mode"  # the training operators draw it; inference has none
         if input.dtype not in _DTYPES:
             return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
         if self._needs_grad(input):
-            if (trains and self.training_kernels and not torch.is_autocast_enabled("cuda")
-                    and input.numel()):  # torch's path returns empties
+            if trains:
                 return None
             if warn:
                 _warn_once(f"grad-{type(self).__name__}",

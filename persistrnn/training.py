@@ -66,8 +66,8 @@ from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_prog
 from .cells import NUMPY_FUNCTIONS, CellSpec, evaluate, get_cell
 from .errors import ArgumentError, ConfigError, UnsupportedError
 
-__all__ = ["GRAPHS", "TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "forward", "graph_key",
-           "run_module", "saved_shapes", "step_backward", "training_config"]
+__all__ = ["GRAPHS", "TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "dropout_masks",
+           "forward", "graph_key", "run_module", "saved_shapes", "step_backward", "training_config"]
 
 TORCH_FUNCTIONS = {name: getattr(torch, name) for name in NUMPY_FUNCTIONS}
 """The cell expression language's functions on tensors (autograd included):
@@ -430,10 +430,13 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str,
 
 
 def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,
-            num_layers: int, bidirectional: bool,
-            has_biases: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+            num_layers: int, bidirectional: bool, has_biases: bool,
+            dropout_masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The training forward (the operator's implementation): (out (T, B, D*H),
-    h_n, c_n (empty without a cell state), the saved list)."""
+    h_n, c_n (empty without a cell state), the saved list).
+    ``dropout_masks``: none, or one (T, B, D*H) per layer but the last, which
+    multiplies that layer's output before the next layer reads it (0 or
+    1 / (1 - p): :func:`dropout_masks`)."""
     spec = get_cell(cell)
     if x.dim() != 3 or x.shape[0] < 1 or x.shape[1] < 1:
         raise ArgumentError(f"persistrnn::train_forward: expected x of shape (T >= 1, B >= 1, input), "
@@ -442,6 +445,7 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
     layers = ops.layer_params(weights, num_layers, directions, has_biases)
     steps, batch = x.shape[0], x.shape[1]
     hidden = layers[0][0]["w_hh"].shape[1]
+    _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
     compute = _compute_dtype(x.dtype)
     launch = None
     if x.is_cuda:
@@ -478,14 +482,14 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
             kept += [xw, gates] + ([cs] if cs is not None else [])
         if layer < num_layers - 1:
             outputs.append(out)
-        layer_input = out
+        layer_input = out * dropout_masks[layer] if dropout_masks and layer < num_layers - 1 else out
     return layer_input, h_n, c_n, kept + outputs
 
 
 def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, x: torch.Tensor, h0: torch.Tensor,
              c0: torch.Tensor | None, weights: list[torch.Tensor], out: torch.Tensor, saved: list[torch.Tensor],
-             cell: str, num_layers: int, bidirectional: bool,
-             has_biases: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+             cell: str, num_layers: int, bidirectional: bool, has_biases: bool,
+             dropout_masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The training backward (the operator's implementation): from the
     gradients of (out, h_n, c_n) and what the forward kept, (dx, dh0, dc0
     (empty without a cell state), the gradient of every weight, in the
@@ -503,7 +507,9 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     dc0 = torch.empty(c0.shape, dtype=compute, device=c0.device) if spec.has_cell_state else None
     d_layer_out = d_out.to(compute)
     for layer in reversed(range(num_layers)):
-        layer_input = (x if layer == 0 else outputs[layer - 1]).to(compute)
+        layer_input = x if layer == 0 else outputs[layer - 1] * dropout_masks[layer - 1] if dropout_masks else \
+            outputs[layer - 1]
+        layer_input = layer_input.to(compute)
         d_layer_input = None
         for d in range(directions):
             i, p = layer * directions + d, layers[layer][d]
@@ -525,7 +531,8 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
                 d_weights[index] = grad.to(weights[index].dtype)
             through = (flat @ p["w_ih"].to(compute)).view(layer_input.shape)
             d_layer_input = through if d_layer_input is None else d_layer_input + through
-        d_layer_out = d_layer_input
+        d_layer_out = d_layer_input * dropout_masks[layer - 1].to(compute) if dropout_masks and layer else \
+            d_layer_input
     return (d_layer_out.to(x.dtype), dh0.to(h0.dtype), dc0.to(c0.dtype) if dc0 is not None else x.new_empty(0),
             d_weights)
 
@@ -539,9 +546,35 @@ def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None,
     if h0 is None:
         h0 = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
         c0 = torch.zeros_like(h0) if has_c else None
+    masks = dropout_masks(module.dropout if module.training else 0.0, module.num_layers,
+                          (x.shape[0], x.shape[1], (2 if module.bidirectional else 1) * module.hidden_size), x)
     out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(module._flat_weights), module.cell,
-                                                          module.num_layers, module.bidirectional, module.bias)
+                                                          module.num_layers, module.bidirectional, module.bias, masks)
     return out, h_n, (c_n if has_c else None)
+
+
+def dropout_masks(p: float, num_layers: int, shape: tuple[int, int, int], like: torch.Tensor) -> list[torch.Tensor]:
+    """Dropout between layers with torch's semantics (``nn.LSTM(dropout=p)``
+    in training mode): one mask per layer but the last, each element 0 with
+    probability ``p`` and else ``1 / (1 - p)``, drawn from torch's generator
+    by ``torch.nn.functional.dropout``. None (an empty list) for ``p`` 0 or
+    one layer."""
+    if not p or num_layers < 2:
+        return []
+    ones = torch.ones(shape, dtype=like.dtype, device=like.device)
+    return [torch.nn.functional.dropout(ones, p, training=True) for _ in range(num_layers - 1)]
+
+
+def _check_masks(masks: list[torch.Tensor], num_layers: int, shape: tuple[int, int, int], x: torch.Tensor) -> None:
+    if not masks:
+        return
+    if len(masks) != num_layers - 1:
+        raise ArgumentError(f"dropout_masks: expected none or {num_layers - 1} (one per layer but the last), "
+                            f"got {len(masks)}")
+    for m in masks:
+        if tuple(m.shape) != shape or m.dtype != x.dtype or m.device != x.device:
+            raise ArgumentError(f"dropout_masks: expected {shape} {x.dtype} tensors on {x.device}, got "
+                                f"{tuple(m.shape)} {m.dtype} on {m.device}")
 
 
 # ---- the operators -------------------------------------------------------------------
@@ -550,17 +583,17 @@ def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None,
 # is (persistrnn/ops.py says why); that module defines the namespace.
 _LIBRARY = torch.library.Library("persistrnn", "FRAGMENT")
 _LIBRARY.define("train_forward(Tensor x, Tensor h0, Tensor? c0, Tensor[] weights, str cell, int num_layers, "
-                "bool bidirectional, bool has_biases) -> (Tensor, Tensor, Tensor, Tensor[])")
+                "bool bidirectional, bool has_biases, Tensor[] dropout_masks) -> (Tensor, Tensor, Tensor, Tensor[])")
 _LIBRARY.define("train_backward(Tensor d_out, Tensor dh_n, Tensor? dc_n, Tensor x, Tensor h0, Tensor? c0, "
                 "Tensor[] weights, Tensor out, Tensor[] saved, str cell, int num_layers, bool bidirectional, "
-                "bool has_biases) -> (Tensor, Tensor, Tensor, Tensor[])")
+                "bool has_biases, Tensor[] dropout_masks) -> (Tensor, Tensor, Tensor, Tensor[])")
 for _key in ("CPU", "CUDA"):
     _LIBRARY.impl("train_forward", forward, _key)
     _LIBRARY.impl("train_backward", backward, _key)
 
 
 @torch.library.register_fake("persistrnn::train_forward")
-def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases):
+def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, dropout_masks):
     spec = get_cell(cell)
     directions = 2 if bidirectional else 1
     hidden = weights[1].shape[1]
@@ -572,32 +605,33 @@ def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases):
 
 
 @torch.library.register_fake("persistrnn::train_backward")
-def _(d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, cell, num_layers, bidirectional, has_biases):
+def _(d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, cell, num_layers, bidirectional, has_biases, dropout_masks):
     dc0 = torch.empty_like(c0) if c0 is not None else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(h0), dc0, [torch.empty_like(w) for w in weights]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, h0, c0, weights, cell, num_layers, bidirectional, has_biases = inputs
+    x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, masks = inputs
     out, _, _, saved = output
     ctx.mark_non_differentiable(*saved)
     ctx.options = (cell, num_layers, bidirectional, has_biases)
     ctx.layout = (len(weights), len(saved), c0 is not None)
-    ctx.save_for_backward(x, h0, c0, out, *weights, *saved)
+    ctx.save_for_backward(x, h0, c0, out, *weights, *saved, *masks)
 
 
 def _backward(ctx: Any, d_out: Optional[torch.Tensor], dh_n: Optional[torch.Tensor], dc_n: Optional[torch.Tensor],
               _saved_grads: Any) -> tuple:
     x, h0, c0, out, *rest = ctx.saved_tensors
-    weight_count, _, has_c = ctx.layout
-    weights, saved = rest[:weight_count], rest[weight_count:]
+    weight_count, saved_count, has_c = ctx.layout
+    weights, saved = rest[:weight_count], rest[weight_count:weight_count + saved_count]
+    masks = rest[weight_count + saved_count:]
     # An output no loss reached has no gradient: zeros.
     d_out = torch.zeros_like(out) if d_out is None else d_out
     dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
     dc_n = (torch.zeros_like(c0) if dc_n is None else dc_n) if has_c else None
     dx, dh0, dc0, d_weights = torch.ops.persistrnn.train_backward(d_out, dh_n, dc_n, x, h0, c0, list(weights), out,
-                                                                   list(saved), *ctx.options)
-    return dx, dh0, dc0 if has_c else None, list(d_weights), None, None, None, None
+                                                                   list(saved), *ctx.options, list(masks))
+    return dx, dh0, dc0 if has_c else None, list(d_weights), None, None, None, None, [None] * len(masks)
 
 
 def _no_double_backward(ctx: Any, *grads: Any) -> tuple:

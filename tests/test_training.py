@@ -63,7 +63,7 @@ def reference_autograd(cell, x, h0, c0, weights, num_layers, bidirectional, has_
 
 def ours(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases):
     out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
-                                                          has_biases)
+                                                          has_biases, [])
     return out, h_n, (c_n if cells.get_cell(cell).has_cell_state else None)
 
 
@@ -214,6 +214,63 @@ def test_forward_equals_the_numpy_reference(cell):
     np.testing.assert_allclose(h_n.detach().numpy(), want_h, rtol=1e-12, atol=1e-12)
 
 
+def layered_reference(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, masks):
+    """:func:`reference_autograd` one layer at a time, each layer's output
+    but the last multiplied by its dropout mask before the next reads it."""
+    directions = 2 if bidirectional else 1
+    per = directions * (4 if has_biases else 2)
+    layer_input, h_n, c_n = x, [], []
+    for layer in range(num_layers):
+        rows = slice(layer * directions, (layer + 1) * directions)
+        out, h, c = reference_autograd(cell, layer_input, h0[rows], None if c0 is None else c0[rows],
+                                       weights[layer * per:(layer + 1) * per], 1, bidirectional, has_biases)
+        h_n.append(h)
+        c_n.append(c)
+        layer_input = out * masks[layer] if layer < num_layers - 1 else out
+    return layer_input, torch.cat(h_n), (torch.cat(c_n) if c0 is not None else None)
+
+
+def ours_with_masks(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, masks):
+    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
+                                                          has_biases, masks)
+    return out, h_n, (c_n if c0 is not None else None)
+
+
+@pytest.mark.parametrize("cell,bidirectional", [("lstm", True), ("gru", False), ("rnn_tanh", True),
+                                                ("gru_reset_before", False)])
+def test_dropout_between_layers_equals_the_layer_by_layer_reference(cell, bidirectional):
+    x, h0, c0, weights = random_model(cell, 7, 5, 3, bidirectional, True, steps=6, batch=3, seed=4)
+    torch.manual_seed(12)
+    masks = training.dropout_masks(0.4, 3, (6, 3, (2 if bidirectional else 1) * 5), x)
+    assert len(masks) == 2 and all(set(m.unique().tolist()) == {0.0, 1 / 0.6} for m in masks)
+
+    def with_masks(fn):
+        return lambda *args: fn(*args, masks)
+
+    options = (3, bidirectional, True)
+    got = ours_with_masks(cell, x, h0, c0, weights, *options, masks)
+    want = layered_reference(cell, x, h0, c0, weights, *options, masks)
+    for a, b in zip(got, want):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(gradients(with_masks(ours_with_masks), cell, x, h0, c0, weights, *options),
+                    gradients(with_masks(layered_reference), cell, x, h0, c0, weights, *options)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # Without masks the same call is the model with no dropout: the masks changed the result.
+    plain = ours_with_masks(cell, x, h0, c0, weights, *options, [])
+    assert not torch.allclose(plain[0], got[0])
+
+
+def test_dropout_masks_are_checked():
+    x, h0, c0, weights = random_model("lstm", 7, 5, 2, False, True, steps=4, batch=2)
+    good = training.dropout_masks(0.5, 2, (4, 2, 5), x)
+    for masks, message in (([good[0], good[0]], "expected none or 1"),
+                           ([good[0][:3]], r"expected \(4, 2, 5\)"), ([good[0].float()], "torch.float64")):
+        with pytest.raises(ValueError, match=message):
+            torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, False, True, masks)
+    assert training.dropout_masks(0.0, 2, (4, 2, 5), x) == [] and training.dropout_masks(0.5, 1, (4, 2, 5), x) == []
+
+
 def test_outputs_without_gradient_count_as_zeros():
     x, h0, c0, weights = random_model("lstm", 3, 5, 2, False, True, steps=4, batch=2, seed=9)
     (got,) = torch.autograd.grad(ours("lstm", x, h0, c0, weights, 2, False, True)[1].sum(), [x])
@@ -240,7 +297,7 @@ def test_torch_compile_traces_forward_and_backward_without_a_graph_break():
     x, h0, c0, weights = random_model("lstm", 3, 5, 1, False, True, steps=3, batch=2, seed=6)
 
     def step(x, h0, c0, *weights):
-        out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(weights), "lstm", 1, False, True)
+        out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(weights), "lstm", 1, False, True, [])
         return out.square().sum() + h_n.sum()
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -298,7 +355,7 @@ def test_save_gates_refuses_variants_without_per_layer_gates(changes, message):
 
 def test_saved_shapes_match_what_the_forward_keeps():
     x, h0, c0, weights = random_model("lstm", 3, 5, 2, True, True, steps=4, batch=2, seed=8)
-    _, _, _, saved = torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, True, True)
+    _, _, _, saved = torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, True, True, [])
     shapes = training.saved_shapes(cells.get_cell("lstm"), 4, 2, 5, 2, 2)
     assert [tuple(t.shape) for t in saved] == [s for s, _ in shapes]
 
@@ -569,9 +626,9 @@ def test_gpu_saved_gates_equal_the_torch_op_forward(cell):
     x, h0, c0, weights = random_model(cell, 16, 100, 1, True, True, steps=9, batch=3, dtype=torch.float32,
                                       device="cuda", seed=2)
     with torch.no_grad():
-        kernel = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, 1, True, True)
+        kernel = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, 1, True, True, [])
         cpu = [None if t is None else t.cpu() for t in (x, h0, c0, *weights)]
-        ops_path = torch.ops.persistrnn.train_forward(cpu[0], cpu[1], cpu[2], cpu[3:], cell, 1, True, True)
+        ops_path = torch.ops.persistrnn.train_forward(cpu[0], cpu[1], cpu[2], cpu[3:], cell, 1, True, True, [])
     for got, want in zip(kernel[3], ops_path[3]):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
@@ -588,6 +645,29 @@ def test_gpu_gradients_are_bit_identical_run_to_run(cell, dtype):
 
 MODULES = [("LSTM", dict(num_layers=2)), ("GRU", dict(bidirectional=True)), ("GRU", dict(reset_after=False)),
            ("RNN", dict(nonlinearity="relu", batch_first=True))]
+
+
+@pytest.mark.gpu
+def test_gpu_module_dropout_between_layers_runs_the_training_operators(untuned, recwarn):
+    import persistrnn
+
+    model = persistrnn.LSTM(8, 16, num_layers=3, dropout=0.5, bidirectional=True).cuda().train()
+    model.training_kernels = True
+    x = torch.randn(5, 4, 8, device="cuda", requires_grad=True)
+    torch.manual_seed(7)
+    out, (h_n, c_n) = model(x)
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)], "the call ran torch's implementation"
+    torch.manual_seed(7)  # the module draws its masks first: the same masks again
+    masks = [m.double().cpu() for m in training.dropout_masks(0.5, 3, (5, 4, 32), x)]
+    weights = [w.detach().double().cpu().requires_grad_() for w in model._flat_weights]
+    x64 = x.detach().double().cpu().requires_grad_()
+    zeros = torch.zeros(6, 4, 16, dtype=torch.float64)
+    want = layered_reference("lstm", x64, zeros, zeros, weights, 3, True, True, masks)
+    assert_close_to_reference({"out": out, "h_n": h_n, "c_n": c_n}, dict(zip(("out", "h_n", "c_n"), want)),
+                              dtype="float32", context="dropout 0.5")
+    loss_of((out.double(), h_n.double(), c_n.double())).backward()
+    loss_of(want).backward()
+    assert_close_to_reference({"x": x.grad}, {"x": x64.grad}, dtype="float32", context="dropout 0.5")
 
 
 @pytest.mark.gpu
