@@ -16,7 +16,7 @@
   ``PackedSequence`` on another plan, ``proj_size``, dropout between layers
   in training mode, and (with a one-time warning) a call that needs
   gradients, unless the module's ``training_kernels`` is set: then a padded
-  CUDA call outside autocast runs :mod:`persistrnn.training`'s forward and
+  CUDA call runs :mod:`persistrnn.training`'s forward and
   backward, through autograd, dropout between layers included.
 
 Every call is independent: any number of threads and streams may call one
@@ -144,14 +144,14 @@ class _Persistent:
         """Why this call runs torch's implementation (None: ours runs). The one
         rule for every call: eager, packed, compiled and streaming. ``trains``:
         the caller runs a call that needs gradients on the training operators
-        (:mod:`persistrnn.training`: a padded input, outside autocast; they
+        (:mod:`persistrnn.training`: a padded input, under autocast too; they
         also run dropout between layers in training mode)."""
         if input.device.type != "cuda":
             return "a CPU input"
         if getattr(self, "proj_size", 0):
             return "proj_size"
         trains = (trains and self.training_kernels and self._needs_grad(input)
-                  and not torch.is_autocast_enabled("cuda") and input.numel())  # torch's path returns empties
+                  and input.numel())  # torch's path returns empties
         if self.training and self.dropout > 0 and self.num_layers > 1 and not trains:
             return "dropout between layers in training mode"  # the training operators draw it; inference has none
         if input.dtype not in _DTYPES:
@@ -163,7 +163,7 @@ class _Persistent:
                 _warn_once(f"grad-{type(self).__name__}",
                            f"persistrnn.{type(self).__name__}: this call needs gradients; it runs torch's "
                            "implementation (training_kernels=True runs persistrnn's training operators on a padded "
-                           "input outside autocast: deterministic gradients)")
+                           "input: deterministic gradients)")
             return "gradients"
         return None
 
@@ -208,7 +208,9 @@ class _Persistent:
             return self._torch_forward(input, hx)
         pairs = self.spec.has_cell_state
         h0, c0 = (states if pairs else (states, None)) if states is not None else (None, None)
-        if autocast:  # the kernels' input GEMM returns fp32 projections, which autocast would round
+        if autocast and self._needs_grad(input):  # the weights cast as autocast casts them: differentiably
+            out, h_n, c_n = training.run_module(self, x, h0, c0, [w.to(x.dtype) for w in self._flat_weights])
+        elif autocast:  # the kernels' input GEMM returns fp32 projections, which autocast would round
             with torch.autocast("cuda", enabled=False):
                 out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias,
                                             self._plan_for_dtype(x.dtype))
@@ -289,7 +291,7 @@ class _Persistent:
         if weights[0].dtype != x.dtype:
             weights = [w.to(x.dtype) for w in weights]
         if self._needs_grad(input):
-            out, h_n, c_n = training.run_module(self, x, states[0], states[1])
+            out, h_n, c_n = training.run_module(self, x, states[0], states[1], weights)
         else:
             out, h_n, c_n = torch.ops.persistrnn.forward(x, states[0], states[1], list(weights), self.cell,
                                                          self.num_layers, self.bidirectional, self.bias)

@@ -537,19 +537,22 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
             d_weights)
 
 
-def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None,
-               c0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None,
+               weights: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A persistrnn module's training call through the operators: ``x``
-    (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros.
-    Returns (out, h_n, c_n or None), differentiable."""
+    (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros,
+    ``weights`` the module's flat weights (default) or differentiable casts
+    of them to ``x``'s dtype (autocast). Returns (out, h_n, c_n or None),
+    differentiable."""
     has_c = get_cell(module.cell).has_cell_state
     if h0 is None:
         h0 = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
         c0 = torch.zeros_like(h0) if has_c else None
     masks = dropout_masks(module.dropout if module.training else 0.0, module.num_layers,
                           (x.shape[0], x.shape[1], (2 if module.bidirectional else 1) * module.hidden_size), x)
-    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(module._flat_weights), module.cell,
-                                                          module.num_layers, module.bidirectional, module.bias, masks)
+    weights = list(module._flat_weights if weights is None else weights)
+    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, module.cell, module.num_layers,
+                                                          module.bidirectional, module.bias, masks)
     return out, h_n, (c_n if has_c else None)
 
 
@@ -587,9 +590,22 @@ _LIBRARY.define("train_forward(Tensor x, Tensor h0, Tensor? c0, Tensor[] weights
 _LIBRARY.define("train_backward(Tensor d_out, Tensor dh_n, Tensor? dc_n, Tensor x, Tensor h0, Tensor? c0, "
                 "Tensor[] weights, Tensor out, Tensor[] saved, str cell, int num_layers, bool bidirectional, "
                 "bool has_biases, Tensor[] dropout_masks) -> (Tensor, Tensor, Tensor, Tensor[])")
+
+
+def _outside_autocast(implementation: Callable[..., Any]) -> Callable[..., Any]:
+    """An operator's implementation run with CUDA autocast off: it chooses its
+    own dtypes (fp32 accumulation), which autocast would round to 16 bits in
+    its GEMMs when a caller's autocast region is still active."""
+    @functools.wraps(implementation)
+    def run(*args: Any) -> Any:
+        with torch.autocast("cuda", enabled=False):
+            return implementation(*args)
+    return run
+
+
 for _key in ("CPU", "CUDA"):
-    _LIBRARY.impl("train_forward", forward, _key)
-    _LIBRARY.impl("train_backward", backward, _key)
+    _LIBRARY.impl("train_forward", _outside_autocast(forward), _key)
+    _LIBRARY.impl("train_backward", _outside_autocast(backward), _key)
 
 
 @torch.library.register_fake("persistrnn::train_forward")

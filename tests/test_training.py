@@ -671,6 +671,38 @@ def test_gpu_module_dropout_between_layers_runs_the_training_operators(untuned, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_training_under_autocast_gives_torchs_dtypes_at_no_worse_an_error(untuned, recwarn, dtype):
+    import persistrnn
+
+    torch.manual_seed(9)
+    model = persistrnn.LSTM(16, 33, num_layers=2).cuda().train()
+    model.training_kernels = True
+    theirs = torch.nn.LSTM(16, 33, num_layers=2).cuda().train()
+    theirs.load_state_dict(model.state_dict())
+    x = torch.randn(7, 3, 16, device="cuda")
+    results = {}
+    for name, module in (("ours", model), ("peer", theirs)):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=dtype):
+            out, (h_n, c_n) = module(leaf)
+        loss_of((out.double(), h_n.double(), c_n.double())).backward()
+        results[name] = {"out": out, "h_n": h_n, "x": leaf.grad,
+                         **{f"w{i}": w.grad for i, w in enumerate(module._flat_weights)}}
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)], "the call ran torch's implementation"
+    assert results["ours"]["out"].dtype == results["peer"]["out"].dtype  # torch casts cuDNN's RNN to half
+    assert all(results["ours"][f"w{i}"].dtype == torch.float32 for i in range(8))  # the parameters' dtype
+    # float64 on the same rounded inputs and weights: autocast ran both in fp16
+    weights = [w.detach().half().double().cpu().requires_grad_() for w in model._flat_weights]
+    x64 = x.half().double().cpu().requires_grad_()
+    zeros = torch.zeros(2, 3, 33, dtype=torch.float64)
+    want = reference_autograd("lstm", x64, zeros, zeros, weights, 2, False, True)
+    loss_of(want).backward()
+    ref = {"out": want[0], "h_n": want[1], "x": x64.grad, **{f"w{i}": w.grad for i, w in enumerate(weights)}}
+    assert_close_to_reference(results["ours"], ref, results["peer"], dtype="float16", context=f"autocast {dtype}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind,kw", MODULES)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_module_training_call_gives_float64_gradients(kind, kw, compiled, recwarn):
