@@ -8,6 +8,8 @@ scripts): the ground truth of these tests and of tests/test_dynamic_gpu.py."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -622,6 +624,85 @@ def test_batch_builders_check_ids_and_labels():
     with pytest.raises(ArgumentError, match="label must be an int in \\[0, 3\\), got 3"):
         tagger.build_batch(dynamic.Graph(tagger_model), [([1, 2], [0, 1]), ([1], [3])])
 
+
+# ---- the scheduler's output is pinned ---------------------------------------------
+
+def script_digest(graph: dynamic.Graph, blocks_list) -> str:
+    """sha256 over every script of ``graph`` (each block count, placement, training and inference)."""
+    digest = hashlib.sha256()
+    for blocks in blocks_list:
+        for placement in dynamic.PLACEMENTS:
+            for train in (True, False):
+                s = dynamic.schedule(graph, blocks, train=train, placement=placement)
+                for array in (s.program, s.starts, s.offsets, s.losses):
+                    digest.update(f"{array.dtype}{array.shape}".encode())
+                    digest.update(np.ascontiguousarray(array).tobytes())
+                digest.update(repr((s.workspace_floats, s.signals, s.stages, s.layout)).encode())
+    return digest.hexdigest()
+
+
+def digest_case(case: str, batch: int) -> str:
+    """The graph of a pinned case, built by the batch builders, and its scripts' digest."""
+    if case == "elementwise":  # hand-built, no matvec: the matvec lists are empty
+        model = dynamic.Model(0)
+        dynamic.TreeLSTM(model, 5, 4, 4)
+        bias = model.bias("extra", 6)
+        graph = dynamic.Graph(model)
+        x = graph.tanh(graph.parameter(bias))
+        graph.loss(graph.concat([x[0:2], graph.sigmoid(x)]), 1)
+        return script_digest(graph, [1, 5, 132])
+    if case == "tagger":
+        model, builder, sentences, _ = wikiner_batch(batch, hidden=12)
+        graph = dynamic.Graph(model)
+        builder.build_batch(graph, sentences)
+        return script_digest(graph, [1, 4, 33, 132])
+    variant, size = case.split("-")
+    hidden, embedding = (256, 256) if size == "bench" else (13, 10)
+    model, builder, trees, vocab, _ = sst_batch(batch, hidden=hidden, embedding=embedding, variant=variant)
+    graph = dynamic.Graph(model)
+    builder.build_batch(graph, trees, vocab)
+    return script_digest(graph, [132] if size == "bench" else [1, 3, 7, 132])
+
+
+SCRIPT_DIGESTS: dict[tuple[str, int], str] = {
+    ("binary-small", 1): "0bfce884ca839f9fddd561bb4b8e1ce04aa2272e602881bfbd8d8cf70814887f",
+    ("binary-small", 7): "df555cb02b7df3c3b27a5dc8c5a5f728ee260a62f613341bac0fa1fbeb0d15bd",
+    ("binary-small", 64): "eef362729bc6f4c0e53ac4f0832a5d5616cb5298815db3e529e5e9403532a620",
+    ("childsum-small", 1): "b31a3b9a742c3841d29bc0ba3955113d44b7c73904cf68d533938024ef567a77",
+    ("childsum-small", 7): "18520be90448a918887d238a45430c1df986318437620f43da476519aaa78b27",
+    ("childsum-small", 64): "9daf667b716934bbef0f628226df1395c0e5c58951c3a5bd31bc6e1ea6704743",
+    ("binary-bench", 64): "202019f2c518775f3ff56934858e53a94af58d4fdd98fba760101aa2de974cff",
+    ("tagger", 1): "293bd447b13341afecb037caa9f6a4a2bdf0bb1c124444da51b0afed7602eac0",
+    ("tagger", 5): "0188ea0d5a474be0aeb5448d5fdf5b6520c6516e62130aa23bae06a2719c5583",
+    ("tagger", 32): "da7494f5a91897d5f0ab07d5d46788048ce79611c4c5eb20e71d906a97e3ce2d",
+    ("elementwise", 1): "8b14e536e9f31998b2859950e2318a275cc8a46ce279feac6b1c24f8a53af285",
+}
+"""Digests of the scripts the scheduler produced before its vectorised host
+path (commit 255ad3e), on real SST and WikiNER inputs: every later change to
+the host path must leave the script buffers bit-for-bit the same."""
+
+
+@pytest.mark.parametrize("case, batch", sorted(SCRIPT_DIGESTS))
+def test_scripts_are_bit_for_bit_the_pinned_ones(case, batch):
+    assert digest_case(case, batch) == SCRIPT_DIGESTS[case, batch]
+
+
+
+@pytest.mark.parametrize("high", [50, 2**40])
+def test_grouped_sort_is_a_lexsort(high):
+    # Keys whose ranges fit fold into one int64 (high 50); others (2**40:
+    # the product of the ranges passes 2**63) take np.lexsort. Both give
+    # lexsort's order, ties in input order, and a flag where a key tuple starts.
+    from persistrnn.dynamic.script import _sort_groups
+
+    rng = np.random.default_rng(1)
+    keys = [rng.integers(-3, high, 500), rng.integers(0, 4, 500), rng.integers(-high, high, 500)]
+    order, starts = _sort_groups(keys)
+    np.testing.assert_array_equal(order, np.lexsort(keys[::-1]))
+    tuples = [tuple(int(k[i]) for k in keys) for i in order]
+    assert starts.tolist() == [i == 0 or tuples[i] != tuples[i - 1] for i in range(len(tuples))]
+    empty = [np.zeros(0, dtype=np.int64)] * 2
+    assert [x.size for x in _sort_groups(empty)] == [0, 0]
 
 # ---- the kernel compiles for sm_90 without a GPU ---------------------------------
 

@@ -31,6 +31,8 @@ a lookup's parameter offset, a loss's label, a matvec's matrix slot).
 from __future__ import annotations
 
 import dataclasses
+import math
+import weakref
 
 import numpy as np
 
@@ -198,48 +200,111 @@ def _components(g: dict[str, np.ndarray]) -> np.ndarray:
     """A label per node: nodes joined by an input read in the same stage
     (never through a matvec) share the smallest id among them."""
     op, root, stage = g["op"], g["root"], g["stage"]
-    consumer = np.concatenate([np.arange(len(op)), np.arange(len(op)), g["concat_node"]])
-    source = np.concatenate([g["a"], g["b"], g["concat_part"]])
-    keep = (source >= 0) & (op[consumer] != OP["matvec"]) & (op[consumer] != OP["slice"])
-    consumer, source = consumer[keep], root[source[keep]]
-    keep = (op[source] != OP["matvec"]) & (stage[source] == stage[consumer])
-    u, v = consumer[keep], source[keep]
-    label = np.arange(len(op))
-    while u.size:  # min-label propagation with pointer jumping: a few passes (chains are one cell long)
-        low = np.minimum(label[u], label[v])
-        new = label.copy()
-        np.minimum.at(new, u, low)
-        np.minimum.at(new, v, low)
-        new = new[new]
-        if np.array_equal(new, label):
-            break
-        label = new
-    return label
+    joins = (op != OP["matvec"]) & (op != OP["slice"])  # consumers that run in their inputs' stage
+    consumers, sources = [], []
+    for source in (g["a"], g["b"]):
+        keep = (source >= 0) & joins
+        consumers.append(np.flatnonzero(keep))
+        sources.append(root[source[keep]])
+    consumers.append(g["concat_node"])
+    sources.append(root[g["concat_part"]])
+    u, v = np.concatenate(consumers), np.concatenate(sources)
+    keep = (op[v] != OP["matvec"]) & (stage[v] == stage[u])
+    u, v = u[keep], v[keep]
+    # Hooking and pointer jumping (Shiloach-Vishkin): every edge whose ends
+    # have different roots hooks the larger root under the smaller, then
+    # every node points at its root. A root is only ever hooked under a
+    # smaller id, so each component's root is its smallest node. Two rounds
+    # on the benchmarks' batch-128 graphs; measured 1.4-1.6x faster than
+    # min-label propagation (five passes).
+    parent = np.arange(len(op))
+    while True:
+        pu, pv = parent[u], parent[v]
+        differ = pu != pv
+        if not differ.any():
+            return parent
+        np.minimum.at(parent, np.maximum(pu, pv)[differ], np.minimum(pu, pv)[differ])
+        while True:
+            jumped = parent[parent]
+            if np.array_equal(jumped, parent):
+                break
+            parent = jumped
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelTables:
+    """What scheduling needs of a model and a placement, computed once: the
+    layout, and per parameter its flat offset, columns and matrix slot."""
+
+    layout: MatrixLayout
+    param_offset: np.ndarray
+    param_cols: np.ndarray
+    matrix_slot: np.ndarray
+
+
+_TABLES: weakref.WeakKeyDictionary[Model, dict[tuple[int, str], _ModelTables]] = weakref.WeakKeyDictionary()
+"""Per model (its layout is fixed once scheduled), per (blocks, placement)."""
+
+
+def _model_tables(model: Model, blocks: int, placement: str) -> _ModelTables:
+    per_model = _TABLES.setdefault(model, {})
+    tables = per_model.get((blocks, placement))
+    if tables is None:
+        offsets = model.layout()
+        matrix_slot = np.full(len(model.parameters), -1, dtype=np.int64)
+        for k, m in enumerate(model.matrices):
+            matrix_slot[m.index] = k
+        tables = _ModelTables(matrix_layout(model, blocks, placement),
+                              np.asarray([offsets[p.name] for p in model.parameters], dtype=np.int64),
+                              np.asarray([p.cols for p in model.parameters], dtype=np.int64), matrix_slot)
+        per_model[blocks, placement] = tables
+    return tables
+
+
+def _sort_groups(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``np.lexsort(keys[::-1])`` (the first key most significant, ties in
+    their order) and a flag per sorted position: its key tuple differs from
+    the previous one's. Keys whose ranges multiply below 2**63 fold into one
+    int64 (mixed radix): one stable argsort in place of one per key, and one
+    comparison per position."""
+    low = [int(k.min()) if k.size else 0 for k in keys]
+    radix = [(int(k.max()) if k.size else 0) - lo + 1 for k, lo in zip(keys, low)]
+    starts = np.ones(keys[0].size, dtype=bool)
+    if math.prod(radix) >= 2**63:
+        order = np.lexsort(keys[::-1])
+        ordered = np.stack([k[order] for k in keys])
+        starts[1:] = np.any(ordered[:, 1:] != ordered[:, :-1], axis=0)
+        return order, starts
+    folded = keys[0] - low[0]
+    for key, lo, r in zip(keys[1:], low[1:], radix[1:]):
+        folded = folded * r + (key - lo)
+    order = np.argsort(folded, kind="stable")
+    folded = folded[order]
+    starts[1:] = folded[1:] != folded[:-1]
+    return order, starts
 
 
 def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = "partition") -> Script:
     """Schedule ``graph`` on ``blocks`` virtual processors (forward only
     unless ``train``)."""
     model = graph.model
-    layout = matrix_layout(model, blocks, placement)
+    tables = _model_tables(model, blocks, placement)
+    layout, poff, pcols = tables.layout, tables.param_offset, tables.param_cols
     g = graph.arrays()
     offsets, workspace = _storage(g)
     op, size, stage, depth = g["op"], g["size"], g["stage"], g["depth"]
-    poff = np.asarray([model.layout()[p.name] for p in model.parameters], dtype=np.int64)
-    pcols = np.asarray([p.cols for p in model.parameters], dtype=np.int64)
-    matrix_slot = np.full(len(model.parameters), -1, dtype=np.int64)
-    for k, m in enumerate(model.matrices):
-        matrix_slot[m.index] = k
 
     # Blocks of the elementwise components: round-robin in order of
-    # (stage, cost descending); the rank runs on across stages, so the blocks
-    # that take one stage's remainder change from stage to stage.
+    # (stage, cost descending, first node); the rank runs on across stages,
+    # so the blocks that take one stage's remainder change from stage to
+    # stage. Every node has size >= 1, so a component with elementwise
+    # nodes has a cost > 0.
     label = _components(g)
     elementwise = (op != OP["slice"]) & (op != OP["matvec"])
-    comp_floats = np.bincount(label[elementwise], weights=size[elementwise], minlength=len(op))
-    comps = np.unique(label[elementwise])
+    comp_floats = np.bincount(label[elementwise], weights=size[elementwise], minlength=len(op)).astype(np.int64)
+    comps = np.flatnonzero(comp_floats)
     rank = np.empty(len(op), dtype=np.int64)
-    rank[comps[np.lexsort((-comp_floats[comps], stage[comps]))]] = np.arange(comps.size)
+    rank[comps[_sort_groups([stage[comps], -comp_floats[comps]])[0]]] = np.arange(comps.size)
     node_block = rank[label] % blocks
 
     # Operand rows of the elementwise nodes: one per node, one per concat part.
@@ -249,12 +314,15 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     a, b = g["a"][run], g["b"][run]
     items[:, 1] = np.where(a >= 0, offsets[np.maximum(a, 0)], 0)
     items[:, 2] = np.where(b >= 0, offsets[np.maximum(b, 0)], 0)
-    is_lookup, is_loss = op[run] == OP["lookup"], op[run] == OP["loss"]
+    run_op = op[run]
+    is_lookup, is_loss = run_op == OP["lookup"], run_op == OP["loss"]
     extra = g["extra"][run]
-    items[is_lookup, 3] = poff[extra[is_lookup]] + g["row"][run][is_lookup] * pcols[extra[is_lookup]]
+    table = extra[is_lookup]
+    items[is_lookup, 3] = poff[table] + g["row"][run[is_lookup]] * pcols[table]
     items[is_loss, 3] = extra[is_loss]
-    kop = _KERNEL_OP[op[run]]
-    width = np.where(is_loss, size[np.maximum(a, 0)], size[run])
+    kop = _KERNEL_OP[run_op]
+    width = size[run]
+    width[is_loss] = size[a[is_loss]]
     owner = run
     cat, part = g["concat_node"], g["concat_part"]
     if cat.size:
@@ -276,15 +344,13 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     mv_items = np.zeros((mv.size, WORDS), dtype=np.int64)
     mv_items[:, 0] = offsets[mv]
     mv_items[:, 1] = offsets[g["a"][mv]]
-    mv_items[:, 3] = matrix_slot[g["extra"][mv]]
-    keys = np.stack([node_block[owner], stage[owner], depth[owner], kop, width])
-    order = np.lexsort(keys[::-1])
-    keys, items = keys[:, order], items[order]
-    mv_order = np.lexsort((mv_items[:, 3], stage[mv]))
-    mv_items, mv_stage = mv_items[mv_order], stage[mv][mv_order]
-    new_group = np.r_[True, np.any(keys[:, 1:] != keys[:, :-1], axis=0)]
+    mv_items[:, 3] = tables.matrix_slot[g["extra"][mv]]
+    order, new_group = _sort_groups([node_block[owner], stage[owner], depth[owner], kop, width])
+    items = np.take(items, order, axis=0)
     first_row = np.flatnonzero(new_group)
-    mv_new = np.r_[mv.size > 0, (mv_stage[1:] != mv_stage[:-1]) | (mv_items[1:, 3] != mv_items[:-1, 3])]
+    first_node, first_item = owner[order[first_row]], order[first_row]
+    mv_order, mv_new = _sort_groups([stage[mv], mv_items[:, 3]])
+    mv_items, mv_stage = np.take(mv_items, mv_order, axis=0), stage[mv][mv_order]
     mv_first = np.flatnonzero(mv_new)
     list_rows = np.concatenate([items, mv_items])
     ew_count = np.diff(np.r_[first_row, len(items)])
@@ -297,33 +363,36 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     cols = np.asarray(layout.cols)
     # Instructions: (block, stage, order in stage, words); arg is a row of the
     # operand lists, made absolute once the instruction count is known.
-    inst_block = np.concatenate([keys[0, first_row], mv_block])
-    inst_stage = np.concatenate([keys[1, first_row], mv_stage[mv_first][mv_group]])
-    inst_order = np.concatenate([keys[2, first_row], slot[mv_group]])
+    inst_block = np.concatenate([node_block[first_node], mv_block])
+    inst_stage = np.concatenate([stage[first_node], mv_stage[mv_first][mv_group]])
+    inst_order = np.concatenate([depth[first_node], slot[mv_group]])
     inst = np.zeros((inst_block.size, WORDS), dtype=np.int64)
-    inst[:, 0] = np.concatenate([keys[3, first_row], np.full(mv_group.size, OPCODES["matvec"])])
-    inst[:, 1] = np.concatenate([keys[4, first_row], cols[slot][mv_group]])
+    inst[:, 0] = np.concatenate([kop[first_item], np.full(mv_group.size, OPCODES["matvec"])])
+    inst[:, 1] = np.concatenate([width[first_item], cols[slot][mv_group]])
     inst[:, 2] = np.concatenate([ew_count, mv_count[mv_group]])
     inst[:, 3] = np.concatenate([first_row, len(items) + mv_first[mv_group]])
 
     # Stages: forward in order, then (training) backward in reverse order,
     # the nodes of a stage in reverse depth order.
-    levels = np.unique(inst_stage)
-    rank_of = np.searchsorted(levels, inst_stage)
+    used = np.bincount(inst_stage) > 0
+    levels = int(used.sum())
+    rank_of = (np.cumsum(used) - 1)[inst_stage]
     ops_words, ops_stage, ops_block, ops_order = [inst], [rank_of], [inst_block], [inst_order]
     if train:
         back = inst.copy()
         back[:, 0] += BACKWARD
         ops_words.append(back)
-        ops_stage.append(2 * len(levels) - 1 - rank_of)
+        ops_stage.append(2 * levels - 1 - rank_of)
         ops_block.append(inst_block)
         ops_order.append(-inst_order)
     ops_words, ops_stage = np.concatenate(ops_words), np.concatenate(ops_stage)
     ops_block, ops_order = np.concatenate(ops_block), np.concatenate(ops_order)
-    stages = len(levels) * (2 if train else 1)
+    stages = levels * (2 if train else 1)
 
     # Who works in each stage: those wait before it and signal at its end.
-    key = np.unique(ops_stage * blocks + ops_block)
+    works = np.zeros(stages * blocks, dtype=bool)
+    works[ops_stage * blocks + ops_block] = True
+    key = np.flatnonzero(works)
     part_stage, part_block = key // blocks, key % blocks
     through = np.cumsum(np.bincount(part_stage, minlength=stages))  # counter value once stage s is done
     waits = part_stage > 0
@@ -336,8 +405,9 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     all_words = [wait_words, ops_words, signal_words]
     all_block = [part_block[waits], ops_block, part_block[signal]]
     all_stage = [part_stage[waits], ops_stage, part_stage[signal]]
-    big = np.iinfo(np.int64).max
-    all_order = [np.full(wait_words.shape[0], -big), ops_order, np.full(signal_words.shape[0], big)]
+    # In a stage: the wait first, then the instructions, then the signal.
+    wait_order, signal_order = int(ops_order.min()) - 1, int(ops_order.max()) + 1
+    all_order = [np.full(wait_words.shape[0], wait_order), ops_order, np.full(signal_words.shape[0], signal_order)]
     signals = int(through[-1]) if train else (int(through[-2]) if stages > 1 else 0)
     if train:
         # Every block waits for the last backward stage (so for all of them)
@@ -350,8 +420,8 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
         all_stage.append(np.full(blocks, stages))
         all_order.append(np.zeros(blocks, dtype=np.int64))
     block_of = np.concatenate(all_block)
-    order = np.lexsort((np.concatenate(all_order), np.concatenate(all_stage), block_of))
-    program = np.concatenate(all_words)[order]
+    order = _sort_groups([block_of, np.concatenate(all_stage), np.concatenate(all_order)])[0]
+    program = np.take(np.concatenate(all_words), order, axis=0)
     is_list = (program[:, 0] != OPCODES["wait"]) & (program[:, 0] != OPCODES["signal"])
     program[is_list, 3] += len(program)
     program = np.concatenate([program, list_rows])
