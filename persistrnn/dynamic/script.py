@@ -345,17 +345,15 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     mv_items[:, 0] = offsets[mv]
     mv_items[:, 1] = offsets[g["a"][mv]]
     mv_items[:, 3] = tables.matrix_slot[g["extra"][mv]]
-    order, new_group = _sort_groups([node_block[owner], stage[owner], depth[owner], kop, width])
-    items = np.take(items, order, axis=0)
+    item_order, new_group = _sort_groups([node_block[owner], stage[owner], depth[owner], kop, width])
     first_row = np.flatnonzero(new_group)
-    first_node, first_item = owner[order[first_row]], order[first_row]
+    first_node, first_item = owner[item_order[first_row]], item_order[first_row]
     mv_order, mv_new = _sort_groups([stage[mv], mv_items[:, 3]])
-    mv_items, mv_stage = np.take(mv_items, mv_order, axis=0), stage[mv][mv_order]
+    mv_stage = stage[mv][mv_order]
     mv_first = np.flatnonzero(mv_new)
-    list_rows = np.concatenate([items, mv_items])
     ew_count = np.diff(np.r_[first_row, len(items)])
     mv_count = np.diff(np.r_[mv_first, len(mv_items)])
-    slot = mv_items[mv_first, 3]
+    slot = mv_items[mv_order[mv_first], 3]
     holders, first_block = np.asarray(layout.holders), np.asarray(layout.first_block)
     per = holders[slot]
     mv_group = np.repeat(np.arange(mv_first.size), per)
@@ -421,14 +419,20 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
         all_order.append(np.zeros(blocks, dtype=np.int64))
     block_of = np.concatenate(all_block)
     order = _sort_groups([block_of, np.concatenate(all_stage), np.concatenate(all_order)])[0]
-    program = np.take(np.concatenate(all_words), order, axis=0)
-    is_list = (program[:, 0] != OPCODES["wait"]) & (program[:, 0] != OPCODES["signal"])
-    program[is_list, 3] += len(program)
-    program = np.concatenate([program, list_rows])
-    if program.max() >= 2**31:
-        raise ArgumentError(f"the batch needs a workspace of {workspace} floats and {len(program)} script rows; "
+    words = np.concatenate(all_words)
+    words[len(wait_words):len(wait_words) + len(ops_words), 3] += len(words)  # list rows follow the instructions
+    # The int32 program is written once: the instructions, then the operand
+    # lists gathered straight from their unsorted rows (mode "clip": no
+    # bounds buffer; the orders are permutations).
+    rows = len(words) + len(items) + len(mv_items)
+    high = max(int(words.max()), int(items.max()) if items.size else 0, int(mv_items.max()) if mv_items.size else 0)
+    if high >= 2**31:
+        raise ArgumentError(f"the batch needs a workspace of {workspace} floats and {rows} script rows; "
                             "offsets must fit in int32: split the batch")
+    program = np.empty((rows, WORDS), dtype=np.int32)
+    np.take(words, order, axis=0, out=program[:len(words)], mode="clip")
+    np.take(items, item_order, axis=0, out=program[len(words):len(words) + len(items)], mode="clip")
+    np.take(mv_items, mv_order, axis=0, out=program[len(words) + len(items):], mode="clip")
     starts = np.concatenate([[0], np.cumsum(np.bincount(block_of, minlength=blocks))])
     losses = np.flatnonzero(op == OP["loss"])
-    return Script(program.astype(np.int32), starts.astype(np.int32), offsets, workspace, losses, signals,
-                  stages, train, layout)
+    return Script(program, starts.astype(np.int32), offsets, workspace, losses, signals, stages, train, layout)
