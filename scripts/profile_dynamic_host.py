@@ -1,21 +1,28 @@
 """Where the dynamic networks' host time goes: per batch, the graph build
 (the builder's ``build_batch``) and the scheduling (``schedule(graph,
-blocks, train=True)``) timed apart, median over every batch and repeat, then
-the top functions by own time under cProfile for each.
+blocks, train=True)``) timed apart, median over every batch and repeat,
+with the minor page faults per batch beside it (a fresh large NumPy array
+is mapped and faulted in page by page unless glibc's malloc reuses freed
+heap), then the top functions by own time under cProfile for each.
+``--keep-heap`` sets malloc's mmap and trim thresholds (``mallopt``) so
+that freed memory stays in the heap: the time without the page faults.
 
 The inputs, model sizes and batches are those of ``bench treelstm`` and
 ``bench tagger`` (consecutive SST train trees, WikiNER dev sentences; the
 vocabulary of the first ``--inputs``); no GPU is used.
 
-    PYTHONPATH=. python scripts/profile_dynamic_host.py [--suite treelstm tagger] [--batch 1 16 128]
+    PYTHONPATH=. python scripts/profile_dynamic_host.py [--suite treelstm tagger] [--batch 1 16 128] [--keep-heap]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
+import ctypes.util
 import io
 import pstats
+import resource
 import statistics
 import time
 from typing import Callable
@@ -29,14 +36,27 @@ from persistrnn.bench.treelstm import Settings, Workload, consecutive_batches, t
 WORKLOADS = {"treelstm": tree_lstm_workload, "tagger": tagger_workload}
 
 
-def median_ms(run: Callable[[], object], repeats: int) -> float:
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_heap() -> None:
+    """Freed memory stays in the heap: no array up to 32 MiB (glibc's largest
+    mmap threshold) is mapped, and the heap's top is never trimmed."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not (libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)):
+        raise SystemExit("mallopt refused the thresholds (not glibc?)")
+
+
+def median_ms(run: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median ms of ``run`` and its minor page faults per call."""
     run()  # warm-up: the builders record their templates on first use
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         started = time.perf_counter()
         run()
         times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / repeats
 
 
 def top(run: Callable[[], object], count: int) -> str:
@@ -49,8 +69,9 @@ def top(run: Callable[[], object], count: int) -> str:
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
-def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, float, float]:
-    """Graph nodes of the first batch, build and schedule ms per batch; prints the cProfile tops."""
+def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, float, float, float, float]:
+    """Graph nodes of the first batch, build and schedule ms and page faults
+    per batch; prints the cProfile tops."""
     groups = consecutive_batches(work.inputs, batch, args.iterations)
 
     def build_all() -> list[dynamic.Graph]:
@@ -66,13 +87,13 @@ def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, 
         for graph in graphs:
             dynamic.schedule(graph, args.blocks, train=True)
 
-    build_ms = median_ms(build_all, args.repeats) / len(groups)
-    schedule_ms = median_ms(schedule_all, args.repeats) / len(groups)
+    build_ms, build_faults = (x / len(groups) for x in median_ms(build_all, args.repeats))
+    schedule_ms, schedule_faults = (x / len(groups) for x in median_ms(schedule_all, args.repeats))
     if args.top:
         for phase, run in (("build", build_all), ("schedule", schedule_all)):
             print(f"\n== {work.name} batch {batch}: {phase} ({len(groups)} batches), top {args.top} by own time")
             print(top(run, args.top))
-    return len(graphs[0]), build_ms, schedule_ms
+    return len(graphs[0]), build_ms, schedule_ms, build_faults, schedule_faults
 
 
 def main() -> None:
@@ -85,18 +106,23 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=Settings.iterations, help="batches per size")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=20, help="cProfile rows per phase (0: none)")
+    parser.add_argument("--keep-heap", action="store_true", help="freed memory stays in malloc's heap (mallopt)")
     args = parser.parse_args()
+    if args.keep_heap:
+        keep_heap()
     settings = Settings(hidden=args.hidden, embedding=args.embedding)
     print(f"hidden {args.hidden}, embedding {args.embedding}, {args.blocks} blocks, {args.iterations} batches "
-          f"per size, median of {args.repeats}")
+          f"per size, median of {args.repeats}{', heap kept' if args.keep_heap else ''}")
     rows = []
     for suite in args.suite:
         work = WORKLOADS[suite](settings, torch.device("cpu"))
         rows += [(suite, batch, *profile(work, batch, args)) for batch in args.batch]
-    print("\n| suite | batch | nodes (first batch) | build ms/batch | schedule ms/batch | host ms/batch |")
-    print("|---|---|---|---|---|---|")
-    for suite, batch, nodes, build_ms, schedule_ms in rows:
-        print(f"| {suite} | {batch} | {nodes:,} | {build_ms:.2f} | {schedule_ms:.2f} | {build_ms + schedule_ms:.2f} |")
+    print("\n| suite | batch | nodes (first batch) | build ms/batch | schedule ms/batch | host ms/batch "
+          "| page faults/batch: build, schedule |")
+    print("|---|---|---|---|---|---|---|")
+    for suite, batch, nodes, build_ms, schedule_ms, build_faults, schedule_faults in rows:
+        print(f"| {suite} | {batch} | {nodes:,} | {build_ms:.2f} | {schedule_ms:.2f} | {build_ms + schedule_ms:.2f} "
+              f"| {build_faults:,.0f}, {schedule_faults:,.0f} |")
 
 
 if __name__ == "__main__":

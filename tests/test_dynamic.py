@@ -619,6 +619,8 @@ def test_batch_builders_check_ids_and_labels():
         builder.build(dynamic.Graph(model), tree, ids=[1, 4])
     with pytest.raises(ArgumentError, match="label must be an int in \\[0, 3\\), got 4"):
         builder.build(dynamic.Graph(model), dynamic.parse_tree("(4 (2 a) (2 b))"), ids=[1, 2])
+    with pytest.raises(ArgumentError, match="tree 1 has 2 leaves, got 1 ids"):
+        builder.build_batch(dynamic.Graph(model), [tree, tree], ids=[[1, 2], [3]])
     tagger_model = dynamic.Model(0)
     tagger = dynamic.BiLSTMTagger(tagger_model, 5, 3, 4, 4)
     with pytest.raises(ArgumentError, match="label must be an int in \\[0, 3\\), got 3"):

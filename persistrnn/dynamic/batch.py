@@ -132,9 +132,12 @@ class Instances:
 
 def _max_plus(coef: np.ndarray, values: np.ndarray) -> np.ndarray:
     """(count, rows): max(coef[:, 0], max_k values[:, k] + coef[:, 1 + k]), a used slot column at a time."""
-    out = np.broadcast_to(coef[:, 0], (values.shape[0], coef.shape[0]))
+    out = np.empty((values.shape[0], coef.shape[0]), dtype=np.int64)
+    out[:] = coef[:, 0]
+    term = np.empty_like(out)  # both buffers reused for every slot column: no temporaries
     for k in np.flatnonzero(np.any(coef[:, 1:] > _NONE // 2, axis=0)).tolist():
-        out = np.maximum(out, values[:, k, None] + coef[:, 1 + k])
+        np.add(values[:, k, None], coef[:, 1 + k], out=term)
+        np.maximum(out, term, out=out)
     return out
 
 
@@ -184,13 +187,21 @@ def instantiate(graph: Graph, groups: Sequence[Instances]) -> np.ndarray:
     level = np.zeros(count, dtype=np.int64)
     for gr in groups:
         level[gr.index] = gr.level
+    # A level has few instances (a tree batch ~30 levels of ~10-200), so the
+    # loop is bound by its NumPy calls: everything that does not read the
+    # previous levels' outputs is gathered in level order once, before it.
     order = np.argsort(level, kind="stable")
-    for members in np.split(order, np.flatnonzero(np.diff(level[order])) + 1):
-        coef = out_coef[kind[members]]
-        value = coef[:, :, 0]
-        if slots:
-            value = np.maximum(value, (slot_values(members)[:, None, :] + coef[:, :, 1:]).max(axis=2))
-        out_state[members] = value.reshape(members.size, 3, outputs).transpose(0, 2, 1)
+    bounds = np.flatnonzero(np.diff(level[order])) + 1
+    ordered_coef = out_coef[kind[order]]
+    constant, slot_coef = ordered_coef[:, :, 0], ordered_coef[:, :, 1:]
+    ordered_sources, ordered_slot_output = sources[order], slot_output[kind[order]]
+    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), count]):
+        value = constant[lo:hi]
+        if slots and lo:  # the lowest level's instances read no other instance (a tree's leaves)
+            state = out_state[ordered_sources[lo:hi], ordered_slot_output[lo:hi]]  # (members, slots, 3)
+            slot_value = state.transpose(0, 2, 1).reshape(hi - lo, 1, 3 * slots)
+            value = np.maximum(value, (slot_value + slot_coef[lo:hi]).max(axis=2))
+        out_state[order[lo:hi]] = value.reshape(hi - lo, 3, outputs).transpose(0, 2, 1)
 
     # Every row of every instance, scattered into creation order.
     total = int(rows.sum())

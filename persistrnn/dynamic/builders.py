@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ArgumentError
 from .batch import Instances, Template, instantiate
-from .data import Tree
+from .data import Tree, Vocabulary
 from .graph import Expr, Graph
 from .model import Model
 
@@ -148,7 +148,8 @@ class TreeLSTM:
                                         f"{len(given)} ids")
                 leaf_ids.extend(given[:len(leaf_words) - leaves])
         if ids is None:
-            leaf_ids = [word_ids[w] for w in leaf_words]
+            leaf_ids = (word_ids.encode(leaf_words) if isinstance(word_ids, Vocabulary)
+                        else [word_ids[w] for w in leaf_words])
         as_array = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
         words = np.zeros(len(labels), dtype=np.int64)
         words[as_array(leaf_at)] = as_array(leaf_ids)

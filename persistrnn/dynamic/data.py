@@ -172,4 +172,7 @@ class Vocabulary:
         return found
 
     def encode(self, items: Sequence[str]) -> list[int]:
+        if self.unk:  # one dict lookup per item, no method call: the Tree-LSTM batch's leaves go through here
+            ids = self.ids
+            return [ids.get(w, 0) for w in items]
         return [self[w] for w in items]

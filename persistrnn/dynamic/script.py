@@ -201,16 +201,16 @@ def _components(g: dict[str, np.ndarray]) -> np.ndarray:
     (never through a matvec) share the smallest id among them."""
     op, root, stage = g["op"], g["root"], g["stage"]
     joins = (op != OP["matvec"]) & (op != OP["slice"])  # consumers that run in their inputs' stage
+    readable = op != OP["matvec"]  # a matvec's output is read one stage after it
+    with_a, with_b = (np.flatnonzero(joins & (x >= 0)) for x in (g["a"], g["b"]))
     consumers, sources = [], []
-    for source in (g["a"], g["b"]):
-        keep = (source >= 0) & joins
-        consumers.append(np.flatnonzero(keep))
-        sources.append(root[source[keep]])
-    consumers.append(g["concat_node"])
-    sources.append(root[g["concat_part"]])
+    for consumer, source in ((with_a, g["a"][with_a]), (with_b, g["b"][with_b]),
+                             (g["concat_node"], g["concat_part"])):
+        source = root[source]
+        keep = readable[source] & (stage[source] == stage[consumer])  # filtered per column: no joined copy
+        consumers.append(consumer[keep])
+        sources.append(source[keep])
     u, v = np.concatenate(consumers), np.concatenate(sources)
-    keep = (op[v] != OP["matvec"]) & (stage[v] == stage[u])
-    u, v = u[keep], v[keep]
     # Hooking and pointer jumping (Shiloach-Vishkin): every edge whose ends
     # have different roots hooks the larger root under the smaller, then
     # every node points at its root. A root is only ever hooked under a
@@ -307,36 +307,33 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     rank[comps[_sort_groups([stage[comps], -comp_floats[comps]])[0]]] = np.arange(comps.size)
     node_block = rank[label] % blocks
 
-    # Operand rows of the elementwise nodes: one per node, one per concat part.
+    # Operand rows of the elementwise nodes: one per node, then one per
+    # concat part (a copy), written into one array.
     run = np.flatnonzero(elementwise & (op != OP["concat"]))
-    items = np.zeros((run.size, WORDS), dtype=np.int64)
-    items[:, 0] = offsets[run]
+    cat, part = g["concat_node"], g["concat_part"]
+    items = np.zeros((run.size + cat.size, WORDS), dtype=np.int64)
+    node_items = items[:run.size]
+    node_items[:, 0] = offsets[run]
     a, b = g["a"][run], g["b"][run]
-    items[:, 1] = np.where(a >= 0, offsets[np.maximum(a, 0)], 0)
-    items[:, 2] = np.where(b >= 0, offsets[np.maximum(b, 0)], 0)
+    node_items[:, 1] = np.where(a >= 0, offsets[np.maximum(a, 0)], 0)
+    node_items[:, 2] = np.where(b >= 0, offsets[np.maximum(b, 0)], 0)
     run_op = op[run]
     is_lookup, is_loss = run_op == OP["lookup"], run_op == OP["loss"]
     extra = g["extra"][run]
     table = extra[is_lookup]
-    items[is_lookup, 3] = poff[table] + g["row"][run[is_lookup]] * pcols[table]
-    items[is_loss, 3] = extra[is_loss]
-    kop = _KERNEL_OP[run_op]
-    width = size[run]
-    width[is_loss] = size[a[is_loss]]
-    owner = run
-    cat, part = g["concat_node"], g["concat_part"]
+    node_items[is_lookup, 3] = poff[table] + g["row"][run[is_lookup]] * pcols[table]
+    node_items[is_loss, 3] = extra[is_loss]
+    part_size = size[part]
+    kop = np.concatenate([_KERNEL_OP[run_op], np.full(cat.size, OPCODES["copy"])])
+    width = np.concatenate([size[run], part_size])
+    width[:run.size][is_loss] = size[a[is_loss]]
+    owner = np.concatenate([run, cat])
     if cat.size:
-        part_size = size[part]
         ends = np.cumsum(part_size)
         first_of = np.flatnonzero(np.r_[True, cat[1:] != cat[:-1]])
         before = np.repeat(ends[first_of] - part_size[first_of], np.diff(np.r_[first_of, cat.size]))
-        copies = np.zeros((cat.size, WORDS), dtype=np.int64)
-        copies[:, 0] = offsets[cat] + ends - part_size - before
-        copies[:, 1] = offsets[part]
-        items = np.concatenate([items, copies])
-        kop = np.concatenate([kop, np.full(cat.size, OPCODES["copy"])])
-        width = np.concatenate([width, part_size])
-        owner = np.concatenate([owner, cat])
+        items[run.size:, 0] = offsets[cat] + ends - part_size - before
+        items[run.size:, 1] = offsets[part]
 
     # One instruction per (block, stage, depth, op, width) of elementwise
     # operands, one per (stage, matrix) of matvec operands on each holder.
