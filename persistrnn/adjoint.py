@@ -46,7 +46,6 @@ import re
 
 from . import runtime
 from .cells import CUDA_FUNCTIONS, NUMPY_FUNCTIONS, CellSpec, Statement, _parse, _render, get_cell
-from .errors import CompileError
 
 __all__ = ["FUNCTIONS", "KERNEL_NAME", "RELU_GRAD", "THREADS", "BlockBackward", "StepBackward",
            "block_kernel_source", "compile_block_kernel", "render_block_body", "render_python", "step_backward_program"]
@@ -346,14 +345,10 @@ def block_kernel_source(cell: str | CellSpec, block: int) -> str:
     """The complete CUDA source of the backward kernel of ``cell``'s statement block ``block``."""
     program = step_backward_program(cell)
     (walked,) = [b for b in program.blocks if b.block == block]
-    prelude = [f"// step backward: cell {program.spec.name}, block {block}",
-               f"#define PRNN_G {program.spec.num_gates}", f"#define PRNN_THREADS {THREADS}"]
-    source = runtime.read_source("step_backward.cu")
-    marker = "    // ---- the block's statements ----"
-    head, _, tail = source.partition(marker)
-    if not tail:
-        raise CompileError(f"step_backward.cu lost its {marker.strip()!r} line")
-    return "\n".join(prelude) + "\n" + head + render_block_body(program, walked) + tail
+    return runtime.render_template("step_backward.cu", title=f"step backward: cell {program.spec.name}, block {block}",
+                                   defines={"PRNN_G": program.spec.num_gates, "PRNN_THREADS": THREADS},
+                                   marker="    // ---- the block's statements ----",
+                                   generated=render_block_body(program, walked), keep_marker=False)
 
 
 @functools.lru_cache(maxsize=None)

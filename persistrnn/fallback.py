@@ -47,7 +47,7 @@ from typing import Any
 from . import persistent, runtime
 from .checks import check_tensor
 from .cells import CellSpec, get_cell, render_pointwise_functions
-from .errors import ArgumentError, ArgumentTypeError, CompileError
+from .errors import ArgumentError, ArgumentTypeError
 
 __all__ = [
     "compile_pointwise",
@@ -146,17 +146,12 @@ def pointwise_source(cell: str | CellSpec, dtype: str) -> str:
         "PRNN_IO_T": persistent.DEVICE_TYPES[dtype],
         "PRNN_THREADS": THREADS,
     }
-    prelude = [f"// fallback pointwise kernels: cell {spec.name}, dtype {dtype}"]
-    prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    source = runtime.read_source("pointwise.cu")
     # The generated functions call prnn_sigmoid etc. from common.cuh, which
     # read_source puts first, and are called by the kernels after the marker.
-    marker = "// ---- kernels ----"
-    head, _, body = source.partition(marker)
-    if not body:
-        raise CompileError(f"pointwise.cu lost its {marker!r} line")
     generated = [_render_hg_index(spec), render_pointwise_functions(spec)]
-    return "\n".join(prelude) + "\n" + head + "\n".join(generated) + "\n" + marker + body
+    return runtime.render_template("pointwise.cu", title=f"fallback pointwise kernels: cell {spec.name}, dtype {dtype}",
+                                   defines=defines, marker="// ---- kernels ----",
+                                   generated="\n".join(generated) + "\n", keep_marker=True)
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,7 +39,7 @@ from . import runtime
 from .adjoint import render_block_body, step_backward_program
 from .cells import CELLS, CellSpec, get_cell
 from .checks import check_tensor
-from .errors import ArgumentError, CompileError, ConfigError, KernelLaunchError, UnsupportedError
+from .errors import ArgumentError, ConfigError, KernelLaunchError, UnsupportedError
 
 __all__ = ["KERNEL_NAME", "MAX_BATCH_TILE", "MAX_CLUSTER", "THREADS", "BackwardKernelConfig", "compile_kernel",
            "fits", "kernel_source", "persistent_steps", "plan"]
@@ -152,14 +152,11 @@ def kernel_source(config: BackwardKernelConfig) -> str:
                "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
                "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
                "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh)}
-    prelude = [f"// persistent step backward: cell {config.spec.name}"]
-    prelude += [f"#define {name} {value}" for name, value in defines.items()]
-    source = runtime.read_source("step_backward_persistent.cu")
-    marker = "            // ---- the block's statements ----"
-    head, _, tail = source.partition(marker)
-    if not tail:
-        raise CompileError(f"step_backward_persistent.cu lost its {marker.strip()!r} line")
-    return "\n".join(prelude) + "\n" + head + textwrap.indent(render_block_body(program, block), " " * 8) + tail
+    return runtime.render_template("step_backward_persistent.cu",
+                                   title=f"persistent step backward: cell {config.spec.name}", defines=defines,
+                                   marker="            // ---- the block's statements ----",
+                                   generated=textwrap.indent(render_block_body(program, block), " " * 8),
+                                   keep_marker=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ import functools
 
 from .. import runtime
 from ..cells import render_pointwise_functions
-from ..errors import CompileError, ConfigError
+from ..errors import ConfigError
 from .config import KERNEL_NAME, PIPELINE_RELEASE_EVERY, SYNC_MODES, KernelConfig
 
 __all__ = ["DEVICE_TYPES", "compile_config", "instance_fields", "render_source"]
@@ -94,9 +94,6 @@ def render_source(config: KernelConfig) -> str:
         defines[f"PRNN_S{s}_KREG"] = config.register_k
         defines[f"PRNN_S{s}_MTW"] = config.m_tiles_per_warp(s)
         first_gates.append(spec.gates.index(stage[0]))
-    prelude = [f"// {config}"]
-    prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    source = runtime.read_source("recurrence.cu", includes=("common.cuh", "group_product.cuh"))
     # The stage gate lookup and the cell's math go after common.cuh (which
     # defines prnn_sigmoid etc.) and before the kernel that calls them.
     generated = [
@@ -106,11 +103,9 @@ def render_source(config: KernelConfig) -> str:
         "}",
         render_pointwise_functions(spec),
     ]
-    marker = "// ---- kernel ----"
-    head, _, body = source.partition(marker)
-    if not body:
-        raise CompileError(f"recurrence.cu lost its {marker!r} line")
-    return "\n".join(prelude) + "\n" + head + "\n".join(generated) + "\n" + marker + body
+    return runtime.render_template("recurrence.cu", title=str(config), defines=defines, marker="// ---- kernel ----",
+                                   generated="\n".join(generated) + "\n", keep_marker=True,
+                                   includes=("common.cuh", "group_product.cuh"))
 
 
 @functools.lru_cache(maxsize=256)

@@ -9,7 +9,7 @@ in the submodules is importable from here.
 from ..errors import CompileError, GPUUnavailableError, KernelLaunchError, KernelTimeoutError
 from .cache import CACHE_ENV, atomic_write, cache_dir, digest, entry_name, key_lock
 from .compile import (CompiledBinary, KernelResources, cache_key, compile_source, map_in_threads, nvrtc_compiles,
-                      nvrtc_version, parse_ptxas_report, program_options, read_source, sources_dir)
+                      nvrtc_version, parse_ptxas_report, program_options, read_source, render_template, sources_dir)
 from .device import DeviceFacts, device_facts, facts_of, require_gpu
 from .graphs import CapturedCall, GraphCache, capture_graph
 from .launch import (WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
@@ -24,6 +24,7 @@ __all__ = [
     "compile_source", "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
     "inject_failure", "kernel_args", "key_lock", "launch", "map_in_threads", "nvrtc_compiles", "nvrtc_version",
     "parse_ptxas_report", "per_iteration_us", "program_options", "raise_reported_failure", "read_source",
+    "render_template",
     "report_word", "require_gpu", "scratch", "set_wait_timeout", "sources_dir", "time_cuda_ms", "wait_timeout_ns",
     "warm_up",
 ]

@@ -28,7 +28,7 @@ from .cache import atomic_write, cache_dir, entry_name, key_lock
 from .device import device_facts, import_cuda_core
 
 __all__ = ["CompiledBinary", "KernelResources", "cache_key", "compile_source", "map_in_threads", "nvrtc_compiles",
-           "nvrtc_version", "parse_ptxas_report", "program_options", "read_source", "sources_dir"]
+           "nvrtc_version", "parse_ptxas_report", "program_options", "read_source", "render_template", "sources_dir"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -322,3 +322,16 @@ def read_source(filename: str, includes: Sequence[str] = ("common.cuh",)) -> str
     parts = [(sources_dir() / inc).read_text() for inc in includes]
     parts.append((sources_dir() / filename).read_text())
     return "\n".join(parts)
+
+
+def render_template(filename: str, *, title: str, defines: dict[str, Any], marker: str, generated: str,
+                    keep_marker: bool, includes: Sequence[str] = ("common.cuh",)) -> str:
+    """A kernel family's complete source: ``// title`` and one ``#define``
+    per entry of ``defines``, then :func:`read_source`'s text with
+    ``generated`` (code rendered from a cell spec) put at ``marker``'s place,
+    before the marker where ``keep_marker``, else in its stead."""
+    head, _, tail = read_source(filename, includes).partition(marker)
+    if not tail:
+        raise CompileError(f"{filename} lost its {marker.strip()!r} line")
+    prelude = [f"// {title}"] + [f"#define {name} {value}" for name, value in defines.items()]
+    return "\n".join(prelude) + "\n" + head + generated + (marker if keep_marker else "") + tail
