@@ -163,6 +163,22 @@ def test_read_source_inlines_common_header():
     assert "prnn_grid_barrier" in src and "cluster_exchange_stasync" in src
 
 
+def test_render_template_puts_defines_first_and_the_generated_code_at_the_marker(monkeypatch, tmp_path):
+    (tmp_path / "common.cuh").write_text("// common")
+    (tmp_path / "family.cu").write_text("before\n// ---- here ----\nafter\n")
+    monkeypatch.setattr(runtime_compile, "sources_dir", lambda: tmp_path)
+    kept = runtime.render_template("family.cu", title="a family", defines={"PRNN_H": 37, "PRNN_G": 4},
+                                   marker="// ---- here ----", generated="int generated;\n", keep_marker=True)
+    assert kept == ("// a family\n#define PRNN_H 37\n#define PRNN_G 4\n// common\nbefore\n"
+                    "int generated;\n// ---- here ----\nafter\n")
+    replaced = runtime.render_template("family.cu", title="t", defines={}, marker="// ---- here ----",
+                                       generated="int generated;", keep_marker=False)
+    assert replaced == "// t\n// common\nbefore\nint generated;\nafter\n"
+    with pytest.raises(runtime.CompileError, match="family.cu lost its '// ---- elsewhere ----' line"):
+        runtime.render_template("family.cu", title="t", defines={}, marker="// ---- elsewhere ----", generated="",
+                                keep_marker=True)
+
+
 def test_kernel_args_types_and_errors():
     import numpy as np
     import torch
