@@ -452,34 +452,15 @@ def test_expression_errors():
 # ---- the batch builder against the expression API ------------------------------
 
 def expression_tree_lstm(builder: dynamic.TreeLSTM, g: dynamic.Graph, tree: dynamic.Tree, ids: dict[str, int]):
-    """The Tree-LSTM made one expression at a time, as the builder did before
-    its batch path: the reference for the nodes and their order."""
-    H = builder.hidden
+    """The Tree-LSTM made one expression at a time, node by node in the
+    tree's own order (each node's cell through the expression API, as the
+    builder did before its batch path): the reference for the nodes and
+    their order."""
     state = {}
     for node in tree.nodes():
-        iou = None
-        if node.word is not None:
-            iou = g.matvec(builder.w_iou, g.lookup(builder.embed, ids[node.word]))
         kids = [state.pop(id(c)) for c in node.children]
-        if kids:
-            if builder.variant == "binary":
-                gates = g.matvec(builder.u, g.concat([h for h, _ in kids]))
-                recurrent = gates[0:3 * H]
-            else:
-                recurrent = g.matvec(builder.u_iou, g.sum([h for h, _ in kids]))
-            iou = recurrent if iou is None else iou + recurrent
-        iou = iou + g.parameter(builder.b_iou)
-        c = g.sigmoid(iou[0:H]) * g.tanh(iou[2 * H:3 * H])
-        if kids:
-            if builder.variant == "binary":
-                f = g.sigmoid(gates[3 * H:5 * H] + g.parameter(builder.b_f))
-                forget = [f[k * H:(k + 1) * H] for k in range(2)]
-            else:
-                forget = [g.sigmoid(g.matvec(builder.u_f, h) + g.parameter(builder.b_f)) for h, _ in kids]
-            c = g.sum([c] + [fk * ck for fk, (_, ck) in zip(forget, kids)])
-        h = g.sigmoid(iou[H:2 * H]) * g.tanh(c)
-        state[id(node)] = (h, c)
-        g.loss(g.matvec(builder.w_out, h) + g.parameter(builder.b_out), node.label)
+        word = ids[node.word] if node.word is not None else None
+        state[id(node)] = builder._cell(g, word, kids, node.label)
 
 
 def expression_tagger(builder: dynamic.BiLSTMTagger, g: dynamic.Graph, words: list[int], tags: list[int]):

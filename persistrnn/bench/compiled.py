@@ -37,12 +37,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from . import compare, targets
 from .compare import Case, Row
-from .environment import run_or_load
+from .environment import add_result_arguments, run_or_load
 
 CASES = {
     "lstm-2x128-b1": Case("2-layer LSTM 128", "lstm", 128, 128, 2, False, "float32", 50, 1),
@@ -236,10 +235,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
                    help="do not compile torch.nn (the slowest part: inductor unrolls the recurrence)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--json", type=Path)
-    p.add_argument("--markdown", type=Path)
-    p.add_argument("--from-json", type=Path, help="write the table and files of an earlier run's --json instead "
-                                                  "of running (no GPU needed)")
+    add_result_arguments(p)
     return p
 
 

@@ -65,6 +65,25 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def add_result_arguments(p: argparse.ArgumentParser) -> None:
+    """A suite CLI's ``--json`` and ``--markdown`` outputs and ``--from-json``
+    (:func:`run_or_load`)."""
+    p.add_argument("--json", type=Path)
+    p.add_argument("--markdown", type=Path)
+    p.add_argument("--from-json", type=Path, help="write the table and files of an earlier run's --json instead "
+                                                  "of running (no GPU needed)")
+
+
+def write_result(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
+    """``result`` to ``--json`` and the table ``text`` to ``--markdown``
+    (where given), and the table to stdout."""
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.markdown:
+        args.markdown.write_text(text)
+    print(text)
+
+
 def load_result(path: Path, suite: str, p: argparse.ArgumentParser) -> dict[str, Any]:
     """A suite's saved ``--json`` result, for ``--from-json``; a parser error
     (exit 2) naming what was expected if it is unreadable or another suite's."""

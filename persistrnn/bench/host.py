@@ -34,12 +34,11 @@ import argparse
 import dataclasses
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from . import compare, targets
 from .compare import DTYPE_NAMES, Case, Row
-from .environment import run_or_load
+from .environment import add_result_arguments, run_or_load
 
 CASE_SUITES = ("grnn-table", "real-models")
 """The suites whose cases this suite runs."""
@@ -213,10 +212,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=Settings.repeats)
     p.add_argument("--no-refcheck", dest="refcheck", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--json", type=Path)
-    p.add_argument("--markdown", type=Path)
-    p.add_argument("--from-json", type=Path, help="write the table and files of an earlier run's --json instead "
-                                                  "of running (no GPU needed)")
+    add_result_arguments(p)
     return p
 
 

@@ -20,7 +20,6 @@ most 1.10 over the cases.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -85,7 +84,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .environment import environment
+    from .environment import environment, write_result
     from ..progress import track
 
     p = argparse.ArgumentParser(prog="python -m persistrnn bench planner-regret", description=__doc__,
@@ -102,9 +101,5 @@ def main(argv: list[str] | None = None) -> int:
         result["cases"].append(regret_case(case, args.k))
     result["summary"] = summary(result["cases"])
     text = markdown(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.markdown:
-        args.markdown.write_text(text)
-    print(text)
+    write_result(args, result, text)
     return 0

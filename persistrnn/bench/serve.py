@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .environment import run_or_load
+from .environment import add_result_arguments, run_or_load
 
 PROVIDERS = ("persistrnn", "cudnn-padded")
 HANDOVERS = ("stream", "gateway")
@@ -481,11 +481,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=Settings.seed)
     p.add_argument("--no-refcheck", dest="refcheck", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--json", type=Path)
-    p.add_argument("--markdown", type=Path)
+    add_result_arguments(p)
     p.add_argument("--plot", type=Path, help="p50/p99 latency against live streams (needs matplotlib)")
-    p.add_argument("--from-json", type=Path, help="write the table and files of an earlier run's --json instead "
-                                                  "of running (no GPU needed)")
     return p
 
 

@@ -13,7 +13,6 @@ float64 autograd of torch's CPU module.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -104,7 +103,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .environment import environment
+    from .environment import environment, write_result
 
     p = argparse.ArgumentParser(prog="python -m persistrnn bench training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,9 +119,5 @@ def main(argv: list[str] | None = None) -> int:
                               "rows": [run_case(h, b, args.calls, args.repeats)
                                        for h in args.hidden for b in args.batch]}
     text = markdown(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.markdown:
-        args.markdown.write_text(text)
-    print(text)
+    write_result(args, result, text)
     return 0

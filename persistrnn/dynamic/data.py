@@ -16,9 +16,11 @@ import dataclasses
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from ..errors import ArgumentError
+
+T = TypeVar("T")
 
 __all__ = ["DATA_DIR", "Tree", "Vocabulary", "parse_tree", "read_sst", "read_wikiner"]
 
@@ -113,37 +115,40 @@ def parse_tree(text: str, *, where: str = "tree", labels: int = SST_LABELS) -> T
     return tree
 
 
-def read_sst(path: str | Path, limit: int | None = None) -> list[Tree]:
-    """The trees of an SST file (``train.txt``, ``dev.txt``, ``test.txt``), the first ``limit`` if given."""
+def _read_lines(path: str | Path, limit: int | None, parse: Callable[[str, str], T]) -> list[T]:
+    """``parse(line, where)`` of each line of ``path`` (``where`` names the
+    file and line for errors), the first ``limit`` if given."""
     path = Path(path)
-    trees = []
+    items: list[T] = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
-            if limit is not None and len(trees) >= limit:
+            if limit is not None and len(items) >= limit:
                 break
-            trees.append(parse_tree(line, where=f"{path}:{number}"))
-    return trees
+            items.append(parse(line, f"{path}:{number}"))
+    return items
+
+
+def read_sst(path: str | Path, limit: int | None = None) -> list[Tree]:
+    """The trees of an SST file (``train.txt``, ``dev.txt``, ``test.txt``), the first ``limit`` if given."""
+    return _read_lines(path, limit, lambda line, where: parse_tree(line, where=where))
+
+
+def _parse_sentence(line: str, where: str) -> list[tuple[str, str]]:
+    tokens = line.split()
+    if not tokens:
+        raise ArgumentError(f"{where}: expected a sentence of word|TAG tokens, got an empty line")
+    sentence = []
+    for k, token in enumerate(tokens):
+        word, bar, tag = token.rpartition("|")
+        if not bar or not word or not tag:
+            raise ArgumentError(f"{where}: token {k} must be word|TAG, got {token!r}")
+        sentence.append((word, tag))
+    return sentence
 
 
 def read_wikiner(path: str | Path, limit: int | None = None) -> list[list[tuple[str, str]]]:
     """The sentences of a WikiNER file as lists of (word, tag); a line without tokens is an error."""
-    path = Path(path)
-    sentences = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if limit is not None and len(sentences) >= limit:
-                break
-            tokens = line.split()
-            if not tokens:
-                raise ArgumentError(f"{path}:{number}: expected a sentence of word|TAG tokens, got an empty line")
-            sentence = []
-            for k, token in enumerate(tokens):
-                word, bar, tag = token.rpartition("|")
-                if not bar or not word or not tag:
-                    raise ArgumentError(f"{path}:{number}: token {k} must be word|TAG, got {token!r}")
-                sentence.append((word, tag))
-            sentences.append(sentence)
-    return sentences
+    return _read_lines(path, limit, _parse_sentence)
 
 
 class Vocabulary:
