@@ -9,7 +9,7 @@ walks them: the last block first. Each block's statements
 1. recompute the forward values its adjoints need, in three-address form
    (every operator's value gets a name), from the step's inputs ``x_<gate>``,
    ``h_<gate>`` (the recurrent products with b_hh the forward kept), ``h`` and
-   ``c``;
+   ``c`` (and ``step_runs``, of a cell with lengths: data, not differentiated);
 2. run reverse mode over the block's statements, last first, with the local
    derivatives sigmoid' = s (1 - s), tanh' = 1 - t², relu' = (x > 0) (0 at 0,
    as torch's), and those of + - * / and unary minus.
@@ -45,7 +45,7 @@ import functools
 import re
 
 from . import runtime
-from .cells import CUDA_FUNCTIONS, NUMPY_FUNCTIONS, CellSpec, Statement, _parse, _render, get_cell
+from .cells import CUDA_FUNCTIONS, NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, Statement, _parse, _render, get_cell
 
 __all__ = ["FUNCTIONS", "KERNEL_NAME", "RELU_GRAD", "THREADS", "BlockBackward", "StepBackward",
            "block_kernel_source", "compile_block_kernel", "render_block_body", "render_python", "step_backward_program"]
@@ -199,7 +199,7 @@ class _Adjoints:
 
     def walk(self, node: _Node, grad: str) -> None:
         """Add ``grad`` (the gradient of ``node``'s value) into the adjoints of the names it reads."""
-        if node.kind == "constant":
+        if node.kind == "constant" or node.value == STEP_RUNS:  # step_runs is data, not a variable
             return
         if node.kind == "name":
             self.add(node.value, grad)
@@ -316,6 +316,8 @@ def _address(program: StepBackward, name: str) -> str:
 
 def _value_address(spec: CellSpec, name: str) -> str:
     """The element of forward input ``name`` for this thread."""
+    if name == STEP_RUNS:  # one per batch row
+        return "prnn_step_runs[prnn_b]"
     if name in ("h", "c"):
         return f"prnn_{name}[prnn_n]"
     source = "prnn_xg" if name.startswith("x_") else "prnn_gates"

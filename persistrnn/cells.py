@@ -22,11 +22,18 @@ Names a cell's statements may read:
 
 Every cell assigns ``h_new`` (before any LSTM projection) and, with a cell
 state, ``c_new``.
+
+:func:`with_lengths` derives a cell for sequences of their own lengths
+(packed sequences in training): its statements also read ``step_runs``
+(1 for a batch row whose sequence runs this step, 0 past its length) and hold
+the states where it is 0, so the backward generated from that spec
+(:mod:`persistrnn.adjoint`) passes the state gradients through held steps.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import math
 import re
@@ -56,6 +63,8 @@ __all__ = [
     "render_cuda_expression",
     "render_numpy_expression",
     "render_pointwise_functions",
+    "with_lengths",
+    "STEP_RUNS",
 ]
 
 
@@ -318,6 +327,8 @@ class CellSpec:
         supports_projection: whether an LSTM-style ``h = W_hr @ h_new``
             projection may follow; such cells must not read ``h`` pointwise,
             since with a projection ``h`` is not hidden-sized.
+        lengths: the statements may read :data:`STEP_RUNS` (a cell derived by
+            :func:`with_lengths`).
     """
 
     name: str
@@ -328,6 +339,7 @@ class CellSpec:
     between_stages: tuple[tuple[Statement, ...], ...]
     pointwise: tuple[Statement, ...]
     supports_projection: bool = False
+    lengths: bool = False
 
     def __post_init__(self) -> None:
         # Accept plain (name, expr) pairs; store Statements.
@@ -417,6 +429,7 @@ class CellSpec:
             )
 
         defined = {f"x_{gate}" for gate in self.gates} | {"h"} | ({"c"} if self.has_cell_state else set())
+        defined |= {STEP_RUNS} if self.lengths else set()
         assigned: set[str] = set()  # names assigned by statements; the only valid later operands
         for k, (stage, operand) in enumerate(zip(self.stages, self.stage_operands)):
             if k > 0:
@@ -535,6 +548,45 @@ CELLS: Mapping[str, CellSpec] = MappingProxyType(
     {cell.name: cell for cell in (LSTM, GRU, GRU_RESET_BEFORE, RNN_TANH, RNN_RELU)}
 )
 """Registry of the built-in cells by name (read-only)."""
+
+
+STEP_RUNS = "step_runs"
+"""The name a :func:`with_lengths` cell's statements read: per batch row, 1.0
+where its sequence runs the step, 0.0 where the step is past its length."""
+
+
+class _Renamed(ast.NodeTransformer):
+    def __init__(self, names: Mapping[str, str]) -> None:
+        self.names = names
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(self.names.get(node.id, node.id), node.ctx)
+
+
+@functools.lru_cache(maxsize=None)
+def with_lengths(cell: str | CellSpec) -> CellSpec:
+    """``cell`` for a batch of sequences of their own lengths: the cell's step
+    where :data:`STEP_RUNS` is 1, its states held where it is 0 (a step past
+    the row's length), as torch runs a packed sequence. The pointwise
+    statements assign ``h_step`` (and ``c_step``) in place of ``h_new`` (and
+    ``c_new``), then ``h_new = step_runs * h_step + (1 - step_runs) * h``
+    (likewise c): exactly the step where it runs, exactly the held state where
+    it does not (both finite).
+    The forward kernels hold states by themselves; this spec is what the
+    backward is generated from, so a held step passes dh and dc through and
+    gives its gates zero gradient."""
+    spec = get_cell(cell)
+    if spec.lengths:
+        return spec
+    renamed = {"h_new": "h_step", "c_new": "c_step"}
+    functions = {name: name for name in NUMPY_FUNCTIONS}
+    pointwise = [Statement(renamed.get(name, name),
+                           _render(_Renamed(renamed).visit(copy.deepcopy(_parse(expr))), functions, ""))
+                 for name, expr in spec.pointwise]
+    pointwise += [Statement(output, f"{STEP_RUNS} * {renamed[output]} + (1.0 - {STEP_RUNS}) * {state}")
+                  for output, state in zip(spec.outputs, ("h", "c"))]
+    return CellSpec(f"{spec.name}+lengths", spec.gates, spec.has_cell_state, spec.stages, spec.stage_operands,
+                    spec.between_stages, tuple(pointwise), lengths=True)
 
 
 def get_cell(cell: str | CellSpec) -> CellSpec:

@@ -16,8 +16,9 @@
   ``PackedSequence`` on another plan, ``proj_size``, dropout between layers
   in training mode, and (with a one-time warning) a call that needs
   gradients, unless the module's ``training_kernels`` is set: then a padded
-  CUDA call runs :mod:`persistrnn.training`'s forward and
-  backward, through autograd, dropout between layers included.
+  CUDA call, or a ``PackedSequence`` (each sequence with its length), runs
+  :mod:`persistrnn.training`'s forward and backward, through autograd,
+  dropout between layers included.
 
 Every call is independent: any number of threads and streams may call one
 module at once, and each call gets its own answer (the captured forwards are
@@ -247,10 +248,11 @@ class _Persistent:
         (hx and the final states are in the batch's own order, as torch's)."""
         padded, lengths = torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first=self.batch_first)
         x, states, _ = self._normalise(padded, hx)
-        if self._torch_reason(padded) is not None or padded.is_cuda and torch.is_autocast_enabled("cuda"):
+        if self._torch_reason(padded, trains=True) is not None or padded.is_cuda and torch.is_autocast_enabled("cuda"):
             return self._torch_forward(packed, hx)
-        chosen = self.plan_for(x.shape[1])
-        if chosen.path != "persistent":
+        trains = self._needs_grad(padded)  # the training operators, with each sequence's length
+        chosen = None if trains else self.plan_for(x.shape[1])
+        if chosen is not None and chosen.path != "persistent":
             return self._torch_forward(packed, hx)
         runtime.raise_reported_failure(x.device.index)
         pairs = self.spec.has_cell_state
@@ -258,9 +260,12 @@ class _Persistent:
             zeros = x.new_zeros(self.num_layers * (2 if self.bidirectional else 1), x.shape[1], self.hidden_size)
             states = (zeros, zeros) if pairs else zeros
         h0, c0 = states if pairs else (states, None)
-        out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0, num_layers=self.num_layers,
-                                     bidirectional=self.bidirectional, has_biases=self.bias,
-                                     lengths=lengths.to(x.device, torch.int32))
+        if trains:
+            out, h_n, c_n = training.run_module(self, x, h0, c0, lengths=lengths.to(x.device, torch.int32))
+        else:
+            out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
+                                         num_layers=self.num_layers, bidirectional=self.bidirectional,
+                                         has_biases=self.bias, lengths=lengths.to(x.device, torch.int32))
         if packed.sorted_indices is not None:
             out, lengths = out.index_select(1, packed.sorted_indices), lengths[packed.sorted_indices.cpu()]
         data = torch.nn.utils.rnn.pack_padded_sequence(out, lengths).data

@@ -63,7 +63,8 @@ import torch
 
 from . import adjoint, ops, persistent, runtime, training_kernel
 from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_program
-from .cells import NUMPY_FUNCTIONS, CellSpec, evaluate, get_cell
+from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
+from .checks import check_lengths
 from .errors import ArgumentError, ConfigError, UnsupportedError
 
 __all__ = ["GRAPHS", "TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "dropout_masks",
@@ -88,12 +89,16 @@ def _blocks(spec: CellSpec) -> tuple[tuple[tuple[str, str], ...], ...]:
 
 
 def _run_cell(spec: CellSpec, xg: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
-              product: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[dict[str, Any], list]:
+              product: Callable[[int, torch.Tensor], torch.Tensor],
+              step_runs: torch.Tensor | None = None) -> tuple[dict[str, Any], list]:
     """One step of the cell from its spec: ``product(stage, operand)`` gives
-    that stage's gates' recurrent products with b_hh, (B, gates * H). Returns
-    every name's value and each stage's products."""
+    that stage's gates' recurrent products with b_hh, (B, gates * H);
+    ``step_runs`` (B,) the step's rows that run, for a cell with lengths.
+    Returns every name's value and each stage's products."""
     hidden = h.shape[1]
     env: dict[str, Any] = {"h": h}
+    if step_runs is not None:
+        env[STEP_RUNS] = step_runs[:, None]
     if c is not None:
         env["c"] = c
     for i, gate in enumerate(spec.gates):
@@ -120,8 +125,9 @@ def _compiled_blocks(spec: CellSpec) -> tuple[tuple[BlockBackward, CodeType], ..
 
 
 def step_backward(spec: CellSpec, xg: torch.Tensor, gates: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
-                  w_stages: list[torch.Tensor], dh: torch.Tensor,
-                  dc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, list[Any]]:
+                  w_stages: list[torch.Tensor], dh: torch.Tensor, dc: torch.Tensor | None,
+                  step_runs: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, list[Any]]:
     """One step of the backward recurrence with torch ops: the generated
     statements (:func:`persistrnn.adjoint.step_backward_program`) evaluated on
     tensors, the fused kernels' math.
@@ -129,11 +135,13 @@ def step_backward(spec: CellSpec, xg: torch.Tensor, gates: torch.Tensor, h: torc
     ``xg``, ``gates`` (B, G*H): the step's input projections and recurrent
     products (with b_hh); ``h``, ``c`` (B, H): the states it started from;
     ``w_stages[j]``: W_hh's rows of stage j; ``dh``, ``dc``: the gradients of
-    its new states. Returns (d xg, d gates (both (B, G*H)), dh_{t-1},
+    its new states; ``step_runs`` (B,): for a cell with lengths
+    (:func:`persistrnn.cells.with_lengths`), 1 for the rows whose sequence
+    runs the step, else 0. Returns (d xg, d gates (both (B, G*H)), dh_{t-1},
     dc_{t-1} or None, every stage's operand (stage 0's is ``h``)).
     """
     hidden = h.shape[1]
-    values: dict[str, Any] = {"h": h, "c": c}
+    values: dict[str, Any] = {"h": h, "c": c, STEP_RUNS: None if step_runs is None else step_runs[:, None]}
     for i, gate in enumerate(spec.gates):
         values[f"x_{gate}"] = xg[:, i * hidden:(i + 1) * hidden]
         values[f"h_{gate}"] = gates[:, i * hidden:(i + 1) * hidden]
@@ -163,19 +171,32 @@ def _positions(steps: int, reverse: bool) -> range:
     return range(steps - 1, -1, -1) if reverse else range(steps)
 
 
-def _previous(sequence: torch.Tensor, initial: torch.Tensor, reverse: bool) -> torch.Tensor:
+def _previous(sequence: torch.Tensor, initial: torch.Tensor, reverse: bool,
+              step_runs: torch.Tensor | None = None) -> torch.Tensor:
     """(T, B, H): the state each position started from (the initial state, then
-    the sequence shifted by one step in the direction's order)."""
-    if reverse:
-        return torch.cat([sequence[1:], initial[None]])
-    return torch.cat([initial[None], sequence[:-1]])
+    the sequence shifted by one step in the direction's order). With
+    ``step_runs`` (T, B), a reverse row starts from the initial state at its
+    last position: the positions past its length held it (forward rows need
+    no such care: a position that runs follows one that ran)."""
+    if not reverse:
+        return torch.cat([initial[None], sequence[:-1]])
+    following = torch.cat([sequence[1:], initial[None]])
+    if step_runs is None:
+        return following
+    following_runs = torch.cat([step_runs[1:], step_runs.new_zeros(1, step_runs.shape[1])])
+    return torch.where(following_runs[:, :, None] != 0, following, initial[None])
 
 
 def direction_forward(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor, h0: torch.Tensor,
-                      c0: torch.Tensor | None, reverse: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                      c0: torch.Tensor | None, reverse: bool,
+                      step_runs: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor, Any]:
     """One layer's direction with torch ops, keeping what the backward reads:
-    (out (T, B, H), gates (T, B, G*H), c (T, B, H) or None), in the dtype of
-    ``xw``; the rest as in :func:`step_backward`."""
+    (out (T, B, H), gates (T, B, G*H), c (T, B, H) or None, the final h and
+    c or None), in the dtype of ``xw``; the rest as in :func:`step_backward`.
+    With ``step_runs`` (T, B) (a cell with lengths) a row holds its states
+    where it is 0 and outputs zeros there, as torch does past a packed
+    sequence's length; ``c`` keeps the held state."""
     steps, hidden = xw.shape[0], w_hh.shape[1]
     out = xw.new_empty(xw.shape[0], xw.shape[1], hidden)
     gates = torch.empty_like(xw)
@@ -183,13 +204,15 @@ def direction_forward(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, b_hh
     w_stages = [(w_hh[rows].T, b_hh[rows]) for rows in (_stage_rows(spec, j, hidden) for j in range(len(spec.stages)))]
     h, c = h0, c0
     for p in _positions(steps, reverse):
+        runs = None if step_runs is None else step_runs[p]
         env, products = _run_cell(spec, xw[p], h, c,
-                                  lambda j, operand: torch.addmm(w_stages[j][1], operand, w_stages[j][0]))
+                                  lambda j, operand: torch.addmm(w_stages[j][1], operand, w_stages[j][0]), runs)
         gates[p] = torch.cat(products, dim=1)
-        h = out[p] = env["h_new"]
+        h = env["h_new"]
+        out[p] = h if runs is None else h * runs[:, None]
         if cs is not None:
             c = cs[p] = env["c_new"]
-    return out, gates, cs
+    return out, gates, cs, h, c
 
 
 # A backward graph holds its copies of the saved tensors and its outputs:
@@ -229,13 +252,17 @@ def _replays_graph(xw: torch.Tensor) -> bool:
 
 def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs: torch.Tensor | None,
                        out: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, w_hh: torch.Tensor,
-                       d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
-                       reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+                       d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, reverse: bool,
+                       step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor, Any]:
     """The backward recurrence of one layer's direction, all in one dtype.
 
     ``xw``, ``gates``, ``cs`` as the forward kept them, ``out`` (T, B, H) its
     outputs, ``d_out`` their gradients, ``dh_n``/``dc_n`` the final states'.
-    Returns (d xw, d gates (T, B, G*H), dW_hh, dh0, dc0 or None).
+    ``step_runs`` (T, B), for a cell with lengths
+    (:func:`persistrnn.cells.with_lengths`): 1 where a row's sequence runs the
+    position, 0 past its length (where ``out`` is zero and ``d_out`` is not
+    read). Returns (d xw, d gates (T, B, G*H), dW_hh, dh0, dc0 or None).
 
     On CUDA in fp32 this replays the whole direction (:func:`_plain_direction_backward`)
     from the graph captured for its :func:`graph_key` and torch's current
@@ -246,13 +273,17 @@ def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs
     CUDA graphs) the launches go into the caller's graph instead: a capture
     does not nest.
     """
+    if spec.lengths != (step_runs is not None):
+        raise ArgumentError(f"step_runs: expected a (T, B) tensor for a cell with lengths and None otherwise; "
+                            f"cell {spec.name}, got {'None' if step_runs is None else tuple(step_runs.shape)}")
     args = (xw, gates, cs, out, h0, c0, w_hh, d_out, dh_n, dc_n)
     if not _replays_graph(xw):
-        return _plain_direction_backward(spec, *args, reverse)
+        return _plain_direction_backward(spec, *args, reverse, step_runs)
 
     def run(*static: Any) -> list[torch.Tensor]:
-        return [t for t in _plain_direction_backward(spec, *static, reverse) if t is not None]
+        return [t for t in _plain_direction_backward(spec, *static[:-1], reverse, static[-1]) if t is not None]
 
+    args += (step_runs,)
     results = GRAPHS.call(graph_key(spec, xw, w_hh, reverse), lambda: runtime.CapturedCall(run, args),
                           xw.device.index, *args)
     return results[0], results[1], results[2], results[3], (results[4] if cs is not None else None)
@@ -260,16 +291,17 @@ def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs
 
 def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs: torch.Tensor | None,
                               out: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, w_hh: torch.Tensor,
-                              d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
-                              reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+                              d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, reverse: bool,
+                              step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor, torch.Tensor, Any]:
     """:func:`direction_backward` launched op by op: the step loop
     (on CUDA in fp32 :func:`persistrnn.training_kernel.persistent_steps`
     where the layer fits it, else :func:`_fused_steps`; elsewhere
     :func:`_torch_steps`), then
     the dW_hh GEMMs."""
     hidden = w_hh.shape[1]
-    h_prev = _previous(out, h0, reverse)
-    c_prev = _previous(cs, c0, reverse) if cs is not None else None
+    h_prev = _previous(out, h0, reverse, step_runs)
+    c_prev = _previous(cs, c0, reverse, step_runs) if cs is not None else None
     dense = torch.contiguous_format  # the fused steps write each step's rows by address
     d_xw, d_gates = torch.empty_like(xw, memory_format=dense), torch.empty_like(gates, memory_format=dense)
     # Stage 0 multiplies h_{t-1}; a later stage's operand is computed in the step.
@@ -281,7 +313,7 @@ def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Ten
         fits = training_kernel.fits(spec, hidden, xw.shape[1], xw.device.index)
         steps_backward = training_kernel.persistent_steps if fits else _fused_steps
     dh, dc = steps_backward(spec, xw, gates, h_prev, c_prev, w_hh, d_out, dh_n, dc_n, reverse, d_xw, d_gates,
-                            stage_operands)
+                            stage_operands, step_runs)
     operands = [h_prev if name == "h" else stage_operands[s - 1] for s, name in enumerate(spec.stage_operands)]
     flat = d_gates.reshape(-1, d_gates.shape[2])
     d_w_hh = torch.cat([flat[:, _stage_rows(spec, s, hidden)].T @ operand.reshape(-1, hidden)
@@ -291,17 +323,19 @@ def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Ten
 
 def _torch_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: torch.Tensor, c_prev: Any,
                  w_hh: torch.Tensor, d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: Any, reverse: bool,
-                 d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                 d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor,
+                 step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """The step loop with torch ops (:func:`step_backward`), any device and
     dtype: fills ``d_xw``, ``d_gates`` (T, B, G*H) and ``stage_operands``
     (stages - 1, T, B, H: the operands of stages 1 and on, but ``h``);
     returns (dh0, dc0 or None). ``h_prev``/``c_prev`` (T, B, H): the states
-    each position started from."""
+    each position started from; ``step_runs`` (T, B) for a cell with lengths."""
     w_stages = [w_hh[_stage_rows(spec, j, w_hh.shape[1])] for j in range(spec.num_stages)]
     dh, dc = dh_n, dc_n
     for p in reversed(_positions(xw.shape[0], reverse)):
         d_xw[p], d_gates[p], dh, dc, step_operands = step_backward(
-            spec, xw[p], gates[p], h_prev[p], None if c_prev is None else c_prev[p], w_stages, dh + d_out[p], dc)
+            spec, xw[p], gates[p], h_prev[p], None if c_prev is None else c_prev[p], w_stages, dh + d_out[p], dc,
+            None if step_runs is None else step_runs[p])
         for s in range(1, spec.num_stages):
             if spec.stage_operands[s] != "h":
                 stage_operands[s - 1, p] = step_operands[s]
@@ -317,7 +351,8 @@ def _block_kernels(spec: CellSpec, device: int) -> tuple[runtime.LoadedKernel, .
 
 def _fused_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: torch.Tensor, c_prev: Any,
                  w_hh: torch.Tensor, d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: Any, reverse: bool,
-                 d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                 d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor,
+                 step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """:func:`_torch_steps` on CUDA in fp32, fused: per step and statement
     block (the last first) one generated kernel (:mod:`persistrnn.adjoint`),
     then one GEMM into the block's stage operand's adjoint. The buffers are
@@ -331,6 +366,7 @@ def _fused_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: 
     # The kernels read by address: every operand dense. A slot read before
     # it is written would read NaN, so such a bug shows in the gradients.
     xw, gates, d_out = xw.contiguous(), gates.contiguous(), d_out.contiguous()
+    step_runs = None if step_runs is None else step_runs.contiguous()
     dh = torch.full((2, batch, hidden), float("nan"), dtype=xw.dtype, device=xw.device)
     dh[0].copy_(dh_n)
     dc = torch.full_like(dh, float("nan")) if c_prev is not None else None
@@ -349,8 +385,8 @@ def _fused_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: 
     def at(base: tuple[int, int], index: int) -> np.uint64:
         return np.uint64(base[0] + index * base[1])
 
-    xg_at, gates_at, h_at, c_at, d_out_at, d_xg_at, d_gates_at, dh_at, dc_at = map(
-        stepped, (xw, gates, h_prev, c_prev, d_out, d_xw, d_gates, dh, dc))
+    xg_at, gates_at, h_at, c_at, d_out_at, runs_at, d_xg_at, d_gates_at, dh_at, dc_at = map(
+        stepped, (xw, gates, h_prev, c_prev, d_out, step_runs, d_xw, d_gates, dh, dc))
     operands_at = stepped(stage_operands[0] if spec.num_stages > 1 else None)
     carry_at = np.uint64(carry.data_ptr())
     sizes = (np.int32(steps * batch * hidden), np.int32(batch), np.int32(hidden))
@@ -359,8 +395,8 @@ def _fused_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: 
         # dh_t and dc_t are in buffer i % 2; the step leaves dh_{t-1}, dc_{t-1} in the other.
         now, previous = i % 2, 1 - i % 2
         args = (at(xg_at, p), at(gates_at, p), at(h_at, p), at(c_at, p), at(dh_at, now), at(d_out_at, p),
-                at(dc_at, now), at(d_xg_at, p), at(d_gates_at, p), at(dh_at, previous), at(dc_at, previous),
-                carry_at, at(operands_at, p), *sizes)
+                at(dc_at, now), at(runs_at, p), at(d_xg_at, p), at(d_gates_at, p), at(dh_at, previous),
+                at(dc_at, previous), carry_at, at(operands_at, p), *sizes)
         for block, kernel in zip(program.blocks, kernels):
             runtime.launch(kernel, config, *args, stream=stream)
             j = block.block
@@ -392,11 +428,12 @@ def saved_shapes(spec: CellSpec, steps: int, batch: int, hidden: int, num_layers
 
 
 @functools.lru_cache(maxsize=256)
-def training_config(cell: str, hidden_size: int, batch: int, dtype: str,
-                    device: int) -> tuple[persistent.KernelConfig, int | None] | None:
+def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device: int,
+                    lengths: bool = False) -> tuple[persistent.KernelConfig, int | None] | None:
     """(the kernel configuration a training forward runs, compiled with
-    ``save_gates``, and its batch slice), or None where none holds the layer
-    on chip. The configuration is the plan of one such layer at ``batch``
+    ``save_gates`` (and with ``lengths``, for a padded batch of sequences),
+    and its batch slice), or None where none holds the layer on chip. The
+    configuration is the plan of one such layer at ``batch``
     (tuned on first use, as an inference call's) where that plan is
     persistent: at batch 32 the default configuration in one slice measured
     4.8 ms for the forward of LSTM 256 (T=100), 16x the planned inference
@@ -421,7 +458,7 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str,
         try:
             # save_gates writes every stage's products, which the one-exchange
             # reset-before GRU (one_sync) never holds at once: two exchanges.
-            config = dataclasses.replace(config, save_gates=True, one_sync=False)
+            config = dataclasses.replace(config, save_gates=True, one_sync=False, lengths=lengths)
             persistent.batch_per_launch(config, device)  # compiles it; refuses one that spills or fits no sequence
         except ConfigError:
             continue
@@ -430,13 +467,17 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str,
 
 
 def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,
-            num_layers: int, bidirectional: bool, has_biases: bool,
-            dropout_masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+            num_layers: int, bidirectional: bool, has_biases: bool, dropout_masks: list[torch.Tensor],
+            lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          list[torch.Tensor]]:
     """The training forward (the operator's implementation): (out (T, B, D*H),
     h_n, c_n (empty without a cell state), the saved list).
     ``dropout_masks``: none, or one (T, B, D*H) per layer but the last, which
     multiplies that layer's output before the next layer reads it (0 or
-    1 / (1 - p): :func:`dropout_masks`)."""
+    1 / (1 - p): :func:`dropout_masks`). ``lengths``: None, or int32 (B,) on
+    ``x``'s device, each sequence's steps (1 to T) for a padded batch, as
+    torch runs a packed sequence: past its length a sequence outputs zeros
+    and keeps its states, and a reverse direction starts at its last step."""
     spec = get_cell(cell)
     if x.dim() != 3 or x.shape[0] < 1 or x.shape[1] < 1:
         raise ArgumentError(f"persistrnn::train_forward: expected x of shape (T >= 1, B >= 1, input), "
@@ -447,10 +488,12 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
     hidden = layers[0][0]["w_hh"].shape[1]
     _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
     compute = _compute_dtype(x.dtype)
+    step_runs = _step_runs(lengths, steps, batch, x, compute)
     launch = None
     if x.is_cuda:
         runtime.raise_reported_failure(x.device.index)
-        launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index)
+        launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index,
+                                 lengths is not None)
     h0 = h0.contiguous()
     c0 = c0.contiguous() if spec.has_cell_state else None
     h_n, c_n = torch.empty_like(h0), (torch.empty_like(c0) if c0 is not None else x.new_empty(0))
@@ -468,17 +511,17 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
                 persistent.run_instances(config, [persistent.Instance(
                     xw, p["w_hh"], p["b_hh"], h0[i], c0[i] if c0 is not None else None, out, h_n[i],
                     c_n[i] if c0 is not None else None, reverse=d == 1, out_column=d * hidden, saved_gates=gates,
-                    saved_c=cs)], steps, batch, batch_slice=batch_slice, check=False)
+                    saved_c=cs)], steps, batch, lengths=lengths, batch_slice=batch_slice, check=False)
             else:
                 w = {k: v.to(compute) for k, v in p.items()}
                 xw = torch.addmm(w["b_ih"], layer_input.reshape(steps * batch, -1).to(compute),
                                  w["w_ih"].T).view(steps, batch, -1)
-                hs, gates, cs = direction_forward(spec, xw, w["w_hh"], w["b_hh"], h0[i].to(compute),
-                                                  c0[i].to(compute) if c0 is not None else None, reverse=d == 1)
+                hs, gates, cs, h_n[i], c_last = direction_forward(
+                    with_lengths(spec) if lengths is not None else spec, xw, w["w_hh"], w["b_hh"], h0[i].to(compute),
+                    c0[i].to(compute) if c0 is not None else None, d == 1, step_runs)
                 out[:, :, d * hidden:(d + 1) * hidden] = hs
-                h_n[i] = hs[steps - 1 if d == 0 else 0]
                 if cs is not None:
-                    c_n[i] = cs[steps - 1 if d == 0 else 0]
+                    c_n[i] = c_last
             kept += [xw, gates] + ([cs] if cs is not None else [])
         if layer < num_layers - 1:
             outputs.append(out)
@@ -488,12 +531,15 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
 
 def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, x: torch.Tensor, h0: torch.Tensor,
              c0: torch.Tensor | None, weights: list[torch.Tensor], out: torch.Tensor, saved: list[torch.Tensor],
-             cell: str, num_layers: int, bidirectional: bool, has_biases: bool,
-             dropout_masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+             cell: str, num_layers: int, bidirectional: bool, has_biases: bool, dropout_masks: list[torch.Tensor],
+             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                           list[torch.Tensor]]:
     """The training backward (the operator's implementation): from the
     gradients of (out, h_n, c_n) and what the forward kept, (dx, dh0, dc0
     (empty without a cell state), the gradient of every weight, in the
-    weights' order and dtypes)."""
+    weights' order and dtypes). With ``lengths`` (the forward's), the
+    gradient of ``out`` past a sequence's length is not read: those outputs
+    are zeros whatever the weights."""
     spec = get_cell(cell)
     directions = 2 if bidirectional else 1
     layers = ops.layer_params(weights, num_layers, directions, has_biases)
@@ -505,7 +551,10 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     d_weights: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
     dh0 = torch.empty(h0.shape, dtype=compute, device=h0.device)
     dc0 = torch.empty(c0.shape, dtype=compute, device=c0.device) if spec.has_cell_state else None
-    d_layer_out = d_out.to(compute)
+    step_runs = _step_runs(lengths, x.shape[0], x.shape[1], x, compute)
+    if step_runs is not None:
+        spec = with_lengths(spec)
+    d_layer_out = d_out.to(compute) if step_runs is None else d_out.to(compute) * step_runs[:, :, None]
     for layer in reversed(range(num_layers)):
         layer_input = x if layer == 0 else outputs[layer - 1] * dropout_masks[layer - 1] if dropout_masks else \
             outputs[layer - 1]
@@ -519,7 +568,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
             d_xw, d_gates, d_w_hh, dh0[i], dc = direction_backward(
                 spec, xw, gates, cs, outputs[layer][:, :, columns].to(compute), h0[i].to(compute),
                 c0[i].to(compute) if cs is not None else None, p["w_hh"].to(compute), d_layer_out[:, :, columns],
-                dh_n[i].to(compute), dc_n[i].to(compute) if cs is not None else None, reverse=d == 1)
+                dh_n[i].to(compute), dc_n[i].to(compute) if cs is not None else None, d == 1, step_runs)
             if dc0 is not None:
                 dc0[i] = dc
             flat = d_xw.reshape(-1, d_xw.shape[2])
@@ -538,12 +587,14 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
 
 
 def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None,
-               weights: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               weights: list[torch.Tensor] | None = None,
+               lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A persistrnn module's training call through the operators: ``x``
     (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros,
     ``weights`` the module's flat weights (default) or differentiable casts
-    of them to ``x``'s dtype (autocast). Returns (out, h_n, c_n or None),
-    differentiable."""
+    of them to ``x``'s dtype (autocast), ``lengths`` int32 (B,) on ``x``'s
+    device for a padded batch of sequences (:func:`forward`). Returns (out,
+    h_n, c_n or None), differentiable."""
     has_c = get_cell(module.cell).has_cell_state
     if h0 is None:
         h0 = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
@@ -552,7 +603,7 @@ def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.
                           (x.shape[0], x.shape[1], (2 if module.bidirectional else 1) * module.hidden_size), x)
     weights = list(module._flat_weights if weights is None else weights)
     out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, module.cell, module.num_layers,
-                                                          module.bidirectional, module.bias, masks)
+                                                          module.bidirectional, module.bias, masks, lengths)
     return out, h_n, (c_n if has_c else None)
 
 
@@ -566,6 +617,17 @@ def dropout_masks(p: float, num_layers: int, shape: tuple[int, int, int], like: 
         return []
     ones = torch.ones(shape, dtype=like.dtype, device=like.device)
     return [torch.nn.functional.dropout(ones, p, training=True) for _ in range(num_layers - 1)]
+
+
+def _step_runs(lengths: torch.Tensor | None, steps: int, batch: int, x: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """(T, B) in ``dtype``: 1 where sequence b runs position t (t < its
+    length), else 0; None without lengths. Checks ``lengths`` (int32 (B,) on
+    ``x``'s device, every length in 1..T; reads the extremes back)."""
+    if lengths is None:
+        return None
+    check_lengths(lengths, steps, batch, x.device)
+    return (torch.arange(steps, device=x.device)[:, None] < lengths[None, :]).to(dtype)
 
 
 def _check_masks(masks: list[torch.Tensor], num_layers: int, shape: tuple[int, int, int], x: torch.Tensor) -> None:
@@ -586,10 +648,11 @@ def _check_masks(masks: list[torch.Tensor], num_layers: int, shape: tuple[int, i
 # is (persistrnn/ops.py says why); that module defines the namespace.
 _LIBRARY = torch.library.Library("persistrnn", "FRAGMENT")
 _LIBRARY.define("train_forward(Tensor x, Tensor h0, Tensor? c0, Tensor[] weights, str cell, int num_layers, "
-                "bool bidirectional, bool has_biases, Tensor[] dropout_masks) -> (Tensor, Tensor, Tensor, Tensor[])")
+                "bool bidirectional, bool has_biases, Tensor[] dropout_masks, Tensor? lengths) "
+                "-> (Tensor, Tensor, Tensor, Tensor[])")
 _LIBRARY.define("train_backward(Tensor d_out, Tensor dh_n, Tensor? dc_n, Tensor x, Tensor h0, Tensor? c0, "
                 "Tensor[] weights, Tensor out, Tensor[] saved, str cell, int num_layers, bool bidirectional, "
-                "bool has_biases, Tensor[] dropout_masks) -> (Tensor, Tensor, Tensor, Tensor[])")
+                "bool has_biases, Tensor[] dropout_masks, Tensor? lengths) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
 def _outside_autocast(implementation: Callable[..., Any]) -> Callable[..., Any]:
@@ -609,7 +672,7 @@ for _key in ("CPU", "CUDA"):
 
 
 @torch.library.register_fake("persistrnn::train_forward")
-def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, dropout_masks):
+def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, dropout_masks, lengths):
     spec = get_cell(cell)
     directions = 2 if bidirectional else 1
     hidden = weights[1].shape[1]
@@ -621,23 +684,24 @@ def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, dropout_m
 
 
 @torch.library.register_fake("persistrnn::train_backward")
-def _(d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, cell, num_layers, bidirectional, has_biases, dropout_masks):
+def _(d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, cell, num_layers, bidirectional, has_biases, dropout_masks,
+      lengths):
     dc0 = torch.empty_like(c0) if c0 is not None else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(h0), dc0, [torch.empty_like(w) for w in weights]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, masks = inputs
+    x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, masks, lengths = inputs
     out, _, _, saved = output
     ctx.mark_non_differentiable(*saved)
     ctx.options = (cell, num_layers, bidirectional, has_biases)
     ctx.layout = (len(weights), len(saved), c0 is not None)
-    ctx.save_for_backward(x, h0, c0, out, *weights, *saved, *masks)
+    ctx.save_for_backward(x, h0, c0, out, lengths, *weights, *saved, *masks)
 
 
 def _backward(ctx: Any, d_out: Optional[torch.Tensor], dh_n: Optional[torch.Tensor], dc_n: Optional[torch.Tensor],
               _saved_grads: Any) -> tuple:
-    x, h0, c0, out, *rest = ctx.saved_tensors
+    x, h0, c0, out, lengths, *rest = ctx.saved_tensors
     weight_count, saved_count, has_c = ctx.layout
     weights, saved = rest[:weight_count], rest[weight_count:weight_count + saved_count]
     masks = rest[weight_count + saved_count:]
@@ -646,8 +710,8 @@ def _backward(ctx: Any, d_out: Optional[torch.Tensor], dh_n: Optional[torch.Tens
     dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
     dc_n = (torch.zeros_like(c0) if dc_n is None else dc_n) if has_c else None
     dx, dh0, dc0, d_weights = torch.ops.persistrnn.train_backward(d_out, dh_n, dc_n, x, h0, c0, list(weights), out,
-                                                                   list(saved), *ctx.options, list(masks))
-    return dx, dh0, dc0 if has_c else None, list(d_weights), None, None, None, None, [None] * len(masks)
+                                                                   list(saved), *ctx.options, list(masks), lengths)
+    return dx, dh0, dc0 if has_c else None, list(d_weights), None, None, None, None, [None] * len(masks), None
 
 
 def _no_double_backward(ctx: Any, *grads: Any) -> tuple:

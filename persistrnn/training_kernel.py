@@ -83,8 +83,9 @@ class BackwardKernelConfig:
 
     @property
     def planes(self) -> int:
-        """Staged [B][units] planes per step: xg and the gates' products per gate, h, d_out, and c."""
-        return 2 * self.spec.num_gates + 2 + int(self.spec.has_cell_state)
+        """Staged [B][units] planes per step: xg and the gates' products per gate, h, d_out, c
+        (cells with one) and step_runs (cells with lengths)."""
+        return 2 * self.spec.num_gates + 2 + int(self.spec.has_cell_state) + int(self.spec.lengths)
 
     @property
     def direct_dh(self) -> bool:
@@ -151,7 +152,8 @@ def kernel_source(config: BackwardKernelConfig) -> str:
     defines = {"PRNN_G": config.spec.num_gates, "PRNN_H": config.hidden, "PRNN_BLOCKS": config.blocks,
                "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
                "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
-               "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh)}
+               "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh),
+               "PRNN_LENGTHS": int(config.spec.lengths)}
     return runtime.render_template("step_backward_persistent.cu",
                                    title=f"persistent step backward: cell {config.spec.name}", defines=defines,
                                    marker="            // ---- the block's statements ----",
@@ -205,13 +207,15 @@ def fits(spec: str | CellSpec, hidden: int, batch: int, device: Any) -> bool:
 
 def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: torch.Tensor, c_prev: Any,
                      w_hh: torch.Tensor, d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: Any, reverse: bool,
-                     d_xw: torch.Tensor, d_gates: torch.Tensor,
-                     stage_operands: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                     d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor,
+                     step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """:func:`persistrnn.training._fused_steps` in one cluster launch (fp32
     CUDA tensors; a single-stage cell, so ``stage_operands`` is empty and
     stays so): fills ``d_xw`` and ``d_gates`` (T, B, G*H), contiguous, and
     returns (dh0, dc0 or None). ``h_prev``/``c_prev`` (T, B, H): the states
-    each position started from. Raises where :func:`fits` says no."""
+    each position started from; ``step_runs`` (T, B), for a cell with
+    lengths only: 1 where a row's sequence runs the position, else 0.
+    Raises where :func:`fits` says no."""
     steps, batch, hidden = h_prev.shape
     if steps < 1:
         raise ArgumentError(f"h_prev: expected at least one step, got shape {tuple(h_prev.shape)}")
@@ -225,6 +229,12 @@ def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_pr
         check_tensor(name, tensor, shape, xw.device, torch.float32)
     dh0 = torch.empty_like(dh_n)
     no_tensor = np.uint64(0)
+    if spec.lengths != (step_runs is not None):
+        raise ArgumentError(f"step_runs: expected a (T, B) tensor for a cell with lengths and None otherwise; "
+                            f"cell {spec.name}, got {'None' if step_runs is None else tuple(step_runs.shape)}")
+    if step_runs is not None:
+        step_runs = step_runs.contiguous()
+        check_tensor("step_runs", step_runs, (steps, batch), xw.device, torch.float32)
     if spec.has_cell_state:
         c_prev, dc_n = c_prev.contiguous(), dc_n.contiguous()
         check_tensor("c_prev", c_prev, (steps, batch, hidden), xw.device, torch.float32)
@@ -234,7 +244,8 @@ def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_pr
     else:
         dc0 = None
         cell_state = (no_tensor, no_tensor, no_tensor)
-    args = runtime.kernel_args(xw, gates, h_prev, cell_state[0], w_hh, d_out, dh_n, cell_state[1], d_xw, d_gates,
-                               dh0, cell_state[2], steps, batch, int(reverse))
+    args = runtime.kernel_args(xw, gates, h_prev, cell_state[0], w_hh, d_out, dh_n, cell_state[1],
+                               no_tensor if step_runs is None else step_runs, d_xw, d_gates, dh0, cell_state[2],
+                               steps, batch, int(reverse))
     runtime.launch(kernel, launch_config, *args)
     return dh0, dc0

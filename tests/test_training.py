@@ -63,7 +63,7 @@ def reference_autograd(cell, x, h0, c0, weights, num_layers, bidirectional, has_
 
 def ours(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases):
     out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
-                                                          has_biases, [])
+                                                          has_biases, [], None)
     return out, h_n, (c_n if cells.get_cell(cell).has_cell_state else None)
 
 
@@ -232,7 +232,7 @@ def layered_reference(cell, x, h0, c0, weights, num_layers, bidirectional, has_b
 
 def ours_with_masks(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, masks):
     out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
-                                                          has_biases, masks)
+                                                          has_biases, masks, None)
     return out, h_n, (c_n if c0 is not None else None)
 
 
@@ -261,13 +261,155 @@ def test_dropout_between_layers_equals_the_layer_by_layer_reference(cell, bidire
     assert not torch.allclose(plain[0], got[0])
 
 
+# ---- variable lengths (packed sequences) ------------------------------------------------
+
+
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_a_cell_with_lengths_steps_where_it_runs_and_holds_where_not(cell):
+    spec, held = cells.get_cell(cell), cells.with_lengths(cell)
+    gen = torch.Generator().manual_seed(4)
+    B, H = 4, 3
+    env = {"h": torch.randn(B, H, generator=gen, dtype=torch.float64),
+           **{f"{k}_{g}": torch.randn(B, H, generator=gen, dtype=torch.float64) for k in "xh" for g in spec.gates}}
+    if spec.has_cell_state:
+        env["c"] = torch.randn(B, H, generator=gen, dtype=torch.float64)
+    for block in spec.between_stages:
+        env = cells.evaluate(block, env, TORCH_FUNCTIONS)
+    runs = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)[:, None]
+    want = cells.evaluate(spec.pointwise, env, TORCH_FUNCTIONS)
+    got = cells.evaluate(held.pointwise, {**env, cells.STEP_RUNS: runs}, TORCH_FUNCTIONS)
+    for name, state in zip(spec.outputs, ("h", "c")):
+        expected = torch.where(runs != 0, want[name], env[state])
+        assert torch.equal(got[name], expected), name  # exactly: the step, or the held state
+    assert cells.with_lengths(held) is held and held.lengths and not spec.lengths
+
+
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_step_backward_with_lengths_equals_autograd_of_the_held_step(cell):
+    # Rows past their length (step_runs 0) pass dh and dc through and give
+    # their gates zero gradient; the others are the cell's step.
+    spec = cells.with_lengths(cell)
+    gen = torch.Generator().manual_seed(6)
+    B, H = 5, 3
+    xg, h, w, b = (torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
+                   for s in ((B, spec.num_gates * H), (B, H), (spec.num_gates * H, H), (spec.num_gates * H,)))
+    c = torch.randn(B, H, generator=gen, dtype=torch.float64, requires_grad=True) if spec.has_cell_state else None
+    runs = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    stage_rows = [training._stage_rows(spec, j, H) for j in range(spec.num_stages)]
+    env, products = training._run_cell(spec, xg, h, c, lambda j, operand: operand @ w[stage_rows[j]].T +
+                                       b[stage_rows[j]], runs)
+    dh, dc = torch.randn(B, H, generator=gen, dtype=torch.float64), torch.randn(B, H, generator=gen,
+                                                                                  dtype=torch.float64)
+    outputs, grads = [env["h_new"]], [dh]
+    if c is not None:
+        outputs.append(env["c_new"])
+        grads.append(dc)
+    leaves = [xg, h, w, b] + ([c] if c is not None else [])
+    want = dict(zip(["xg", "h", "w", "b", "c"], torch.autograd.grad(outputs, leaves, grads)))
+    with torch.no_grad():
+        d_xg, d_gates, dh_prev, dc_prev, operands = training.step_backward(
+            spec, xg, torch.cat(products, 1), h, c, [w[rows] for rows in stage_rows], dh,
+            dc if c is not None else None, runs)
+    got = {"xg": d_xg, "h": dh_prev, "b": d_gates.sum(0), "c": dc_prev,
+           "w": torch.cat([d_gates[:, rows].T @ operand for rows, operand in zip(stage_rows, operands)])}
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    held = runs == 0
+    assert torch.equal(d_xg[held], torch.zeros_like(d_xg[held])) and torch.equal(dh_prev[held], dh[held])
+
+
+def ours_with_lengths(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, lengths):
+    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
+                                                          has_biases, [], lengths)
+    return out, h_n, (c_n if cells.get_cell(cell).has_cell_state else None)
+
+
+def each_sequence_alone(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, lengths):
+    """The padded batch's results made from each sequence run alone on its own
+    steps (no lengths, no padding): outputs zero past a length, as torch's
+    packed sequences pad."""
+    outs, hs, cs = [], [], []
+    for b, length in enumerate(lengths.tolist()):
+        out, h_n, c_n = ours(cell, x[:length, b:b + 1], h0[:, b:b + 1], None if c0 is None else c0[:, b:b + 1],
+                             weights, num_layers, bidirectional, has_biases)
+        outs.append(torch.cat([out, out.new_zeros(x.shape[0] - length, *out.shape[1:])]))
+        hs.append(h_n)
+        cs.append(c_n)
+    return torch.cat(outs, 1), torch.cat(hs, 1), (torch.cat(cs, 1) if c0 is not None else None)
+
+
+PACKED_CASES = [(cell, layers, bidirectional, bias) for cell in CELL_NAMES
+                for layers, bidirectional, bias in ((1, False, True), (2, True, True), (2, False, False))]
+
+
+@pytest.mark.parametrize("cell,num_layers,bidirectional,has_biases", PACKED_CASES)
+def test_lengths_give_each_sequence_run_alone(cell, num_layers, bidirectional, has_biases):
+    # A reference with no masking in it: the same sequences one by one on
+    # their own steps. Outputs, final states and every gradient (the loss of
+    # the batch is the sum of the sequences' losses).
+    steps, batch = 7, 5
+    options = (num_layers, bidirectional, has_biases)
+    x, h0, c0, weights = random_model(cell, 3, 4, *options, steps, batch, seed=steps + num_layers)
+    lengths = torch.tensor([7, 2, 5, 7, 1], dtype=torch.int32)
+    mine = ours_with_lengths(cell, x, h0, c0, weights, *options, lengths)
+    want = each_sequence_alone(cell, x, h0, c0, weights, *options, lengths)
+    for got, expected in zip(mine, want):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    got = gradients(ours_with_lengths, cell, x, h0, c0, weights, *options, lengths)
+    expected = gradients(each_sequence_alone, cell, x, h0, c0, weights, *options, lengths)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+TORCH_MODULES = {"lstm": ("LSTM", {}), "gru": ("GRU", {}), "rnn_tanh": ("RNN", {"nonlinearity": "tanh"}),
+                 "rnn_relu": ("RNN", {"nonlinearity": "relu"})}
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("cell", sorted(TORCH_MODULES))
+def test_lengths_give_torchs_packed_sequence_results(cell, bidirectional):
+    # torch's own module on a PackedSequence (unsorted, float64, CPU): outputs, states and gradients.
+    kind, kwargs = TORCH_MODULES[cell]
+    torch.manual_seed(12)
+    steps, batch, num_layers = 6, 4, 2
+    module = getattr(torch.nn, kind)(3, 5, num_layers, bidirectional=bidirectional, **kwargs).double()
+    x, h0, c0, _ = random_model(cell, 3, 5, num_layers, bidirectional, True, steps, batch, seed=2)
+    lengths = torch.tensor([3, 6, 1, 4])
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+    out, state = module(packed, (h0, c0) if c0 is not None else h0)
+    out = torch.nn.utils.rnn.pad_packed_sequence(out, total_length=steps)[0]
+    theirs = (out, *state) if c0 is not None else (out, state, None)
+    weights = list(module._flat_weights)
+    mine = ours_with_lengths(cell, x, h0, c0, weights, num_layers, bidirectional, True, lengths.to(torch.int32))
+    leaves = [t for t in (x, h0, c0, *weights) if t is not None]
+    for got, expected in zip(mine, theirs):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(loss_of(mine), leaves),
+                                   torch.autograd.grad(loss_of(theirs), leaves))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("lengths, error, message", [
+    (torch.tensor([3, 1], dtype=torch.int64), TypeError, "lengths: expected dtype torch.int32, got torch.int64"),
+    (torch.tensor([3, 1, 2], dtype=torch.int32), ValueError, r"lengths: expected shape \(2,\), got \(3,\)"),
+    (torch.tensor([4, 1], dtype=torch.int32), ValueError, r"expected every length in 1\.\.3"),
+    (torch.tensor([3, 0], dtype=torch.int32), ValueError, r"expected every length in 1\.\.3"),
+])
+def test_lengths_are_checked(lengths, error, message):
+    x, h0, c0, weights = random_model("gru", 2, 3, 1, False, True, steps=3, batch=2)
+    with pytest.raises(error, match=message):
+        ours_with_lengths("gru", x, h0, c0, weights, 1, False, True, lengths)
+
+
 def test_dropout_masks_are_checked():
     x, h0, c0, weights = random_model("lstm", 7, 5, 2, False, True, steps=4, batch=2)
     good = training.dropout_masks(0.5, 2, (4, 2, 5), x)
     for masks, message in (([good[0], good[0]], "expected none or 1"),
                            ([good[0][:3]], r"expected \(4, 2, 5\)"), ([good[0].float()], "torch.float64")):
         with pytest.raises(ValueError, match=message):
-            torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, False, True, masks)
+            torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, False, True, masks, None)
     assert training.dropout_masks(0.0, 2, (4, 2, 5), x) == [] and training.dropout_masks(0.5, 1, (4, 2, 5), x) == []
 
 
@@ -297,7 +439,8 @@ def test_torch_compile_traces_forward_and_backward_without_a_graph_break():
     x, h0, c0, weights = random_model("lstm", 3, 5, 1, False, True, steps=3, batch=2, seed=6)
 
     def step(x, h0, c0, *weights):
-        out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(weights), "lstm", 1, False, True, [])
+        out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(weights), "lstm", 1, False, True, [],
+                                                              None)
         return out.square().sum() + h_n.sum()
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -310,19 +453,22 @@ def test_torch_compile_traces_forward_and_backward_without_a_graph_break():
 # ---- the save_gates kernel variant (sm_90 builds on the CPU) -----------------------
 
 
-def save_gates_config(cell, hidden, batch, dtype="float32", sync=None):
-    """The default configuration a training forward compiles, with save_gates."""
+def save_gates_config(cell, hidden, batch, dtype="float32", sync=None, lengths=False):
+    """The default configuration a training forward compiles, with save_gates
+    (and lengths, for a padded batch of sequences)."""
     config = persistent.default_config(cell, hidden, batch, sm_count=132, dtype=dtype)
     if sync == "grid":  # the default takes a cluster wherever one holds the weights
         config = dataclasses.replace(config, sync="grid", blocks=persistent.blocks_for(hidden, 32))
-    return dataclasses.replace(config, save_gates=True)
+    return dataclasses.replace(config, save_gates=True, one_sync=False, lengths=lengths)
 
 
 # Every cell in each sync mode (single block, cluster, grid), both 16-bit
-# paths through fp16/bf16, odd H: what the GPU tests run, and more.
+# paths through fp16/bf16, odd H, with and without lengths: what the GPU
+# tests run, and more.
 SAVE_GATES_CONFIGS = sorted({
-    save_gates_config(cell, hidden, batch, dtype, sync)
+    save_gates_config(cell, hidden, batch, dtype, sync, lengths)
     for cell in CELL_NAMES
+    for lengths in (False, True)
     for hidden, batch, dtype, sync in ((33, 1, "float32", None), (333, 4, "float32", None),
                                        (257, 8, "float32", "grid"), (100, 3, "bfloat16", None),
                                        (64, 8, "float16", None))
@@ -355,7 +501,7 @@ def test_save_gates_refuses_variants_without_per_layer_gates(changes, message):
 
 def test_saved_shapes_match_what_the_forward_keeps():
     x, h0, c0, weights = random_model("lstm", 3, 5, 2, True, True, steps=4, batch=2, seed=8)
-    _, _, _, saved = torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, True, True, [])
+    _, _, _, saved = torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, True, True, [], None)
     shapes = training.saved_shapes(cells.get_cell("lstm"), 4, 2, 5, 2, 2)
     assert [tuple(t.shape) for t in saved] == [s for s, _ in shapes]
 
@@ -363,19 +509,22 @@ def test_saved_shapes_match_what_the_forward_keeps():
 # ---- the fused backward step (sm_90 builds, and its kernels emulated on the CPU) ----------
 
 
-BLOCK_KERNELS = [(cell, block.block) for cell in CELL_NAMES for block in adjoint.step_backward_program(cell).blocks]
+BLOCK_KERNELS = [(spec, block.block) for spec in (*cells.CELLS.values(), *map(cells.with_lengths, cells.CELLS))
+                 for block in adjoint.step_backward_program(spec).blocks]
 
 
-@pytest.mark.parametrize("cell,block", BLOCK_KERNELS)
+@pytest.mark.parametrize("cell,block", BLOCK_KERNELS, ids=lambda v: v.name if isinstance(v, cells.CellSpec) else str(v))
 def test_backward_kernel_compiles_for_sm90_without_local_memory(cell, block):
     binary = adjoint.compile_block_kernel(cell, block, arch="sm_90")
     res = binary.kernel_resources(adjoint.KERNEL_NAME)
     assert not res.uses_local_memory, res
 
 
-def direction_inputs(cell, steps, batch, hidden, seed):
+def direction_inputs(cell, steps, batch, hidden, seed, lengths=False):
     """Random float64 inputs of one direction's backward recurrence (standard
-    normal, states halved; W_hh uniform in ±1/sqrt(H)), never zeros."""
+    normal, states halved; W_hh uniform in ±1/sqrt(H)), never zeros; with
+    ``lengths``, ``step_runs`` (T, B) of random lengths in 1..T (1 and T
+    included where the batch has room)."""
     spec = cells.get_cell(cell)
     gen = torch.Generator().manual_seed(seed)
     gh = spec.num_gates * hidden
@@ -389,18 +538,32 @@ def direction_inputs(cell, steps, batch, hidden, seed):
                 c_prev=normal(steps, batch, hidden, scale=0.5) if has_c else None,
                 w_hh=(torch.rand(gh, hidden, generator=gen, dtype=torch.float64) * 2 - 1) * hidden ** -0.5,
                 d_out=normal(steps, batch, hidden), dh_n=normal(batch, hidden),
-                dc_n=normal(batch, hidden) if has_c else None)
+                dc_n=normal(batch, hidden) if has_c else None,
+                **({"step_runs": step_runs_of(random_lengths(steps, batch, gen), steps)} if lengths else {}))
+
+
+def random_lengths(steps, batch, gen):
+    """int32 (B,): random lengths in 1..T, the first T and the last 1 (where B > 1)."""
+    lengths = torch.randint(1, steps + 1, (batch,), generator=gen, dtype=torch.int32)
+    lengths[0] = steps
+    if batch > 1:
+        lengths[-1] = 1
+    return lengths
+
+
+def step_runs_of(lengths, steps):
+    return (torch.arange(steps)[:, None] < lengths[None, :]).double()
 
 
 def run_steps(steps_backward, cell, inputs, reverse, device="cpu", dtype=torch.float64):
     """One direction's step loop on copies of ``inputs``, every output poisoned
     (NaN) first: an element the steps never write shows."""
-    spec = cells.get_cell(cell)
+    spec = cells.with_lengths(cell) if "step_runs" in inputs else cells.get_cell(cell)
     t = {k: None if v is None else v.to(device, dtype) for k, v in inputs.items()}
     d_xw, d_gates = torch.full_like(t["xw"], float("nan")), torch.full_like(t["gates"], float("nan"))
     stage_operands = torch.full((spec.num_stages - 1, *t["h_prev"].shape), float("nan"), dtype=dtype, device=device)
     dh0, dc0 = steps_backward(spec, t["xw"], t["gates"], t["h_prev"], t["c_prev"], t["w_hh"], t["d_out"], t["dh_n"],
-                              t["dc_n"], reverse, d_xw, d_gates, stage_operands)
+                              t["dc_n"], reverse, d_xw, d_gates, stage_operands, t.get("step_runs"))
     return {"d_xw": d_xw, "d_gates": d_gates, "stage_operands": stage_operands, "dh0": dh0, "dc0": dc0}
 
 
@@ -444,12 +607,13 @@ class EmulatedBlockKernels:
             exec(re.sub(r"\b(\d+\.\d*(?:e[+-]?\d+)?)f\b", r"\1", line), dict(self.FUNCTIONS), env)
 
 
+@pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("cell", CELL_NAMES)
-def test_fused_step_loop_with_emulated_kernels_equals_the_torch_op_steps(cell, reverse, monkeypatch):
-    inputs = direction_inputs(cell, steps=4, batch=3, hidden=7, seed=11)
+def test_fused_step_loop_with_emulated_kernels_equals_the_torch_op_steps(cell, reverse, lengths, monkeypatch):
+    inputs = direction_inputs(cell, steps=4, batch=3, hidden=7, seed=11, lengths=lengths)
     want = run_steps(training._torch_steps, cell, inputs, reverse)
-    kernels = EmulatedBlockKernels(cell)
+    kernels = EmulatedBlockKernels(cells.with_lengths(cell) if lengths else cell)
     monkeypatch.setattr(training, "_block_kernels", lambda spec, device: kernels.kernels)
     monkeypatch.setattr(training.runtime, "launch", kernels)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
@@ -626,9 +790,9 @@ def test_gpu_saved_gates_equal_the_torch_op_forward(cell):
     x, h0, c0, weights = random_model(cell, 16, 100, 1, True, True, steps=9, batch=3, dtype=torch.float32,
                                       device="cuda", seed=2)
     with torch.no_grad():
-        kernel = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, 1, True, True, [])
+        kernel = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, 1, True, True, [], None)
         cpu = [None if t is None else t.cpu() for t in (x, h0, c0, *weights)]
-        ops_path = torch.ops.persistrnn.train_forward(cpu[0], cpu[1], cpu[2], cpu[3:], cell, 1, True, True, [])
+        ops_path = torch.ops.persistrnn.train_forward(cpu[0], cpu[1], cpu[2], cpu[3:], cell, 1, True, True, [], None)
     for got, want in zip(kernel[3], ops_path[3]):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 

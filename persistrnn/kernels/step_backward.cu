@@ -6,7 +6,8 @@
 //
 // One thread per (batch row b, hidden unit u): it reads the forward values of
 // its element (the input projections xg and recurrent products the forward
-// kept, h_{t-1}, c_{t-1}) and the adjoints the step and the blocks after this
+// kept, h_{t-1}, c_{t-1}, and for a cell with lengths whether its row's
+// sequence runs the step) and the adjoints the step and the blocks after this
 // one left (dh + d_out, dc, the slots), recomputes the forward values the
 // block's adjoints need and writes the adjoints the GEMMs and the blocks
 // before it read. Consecutive threads take consecutive units, so every load
@@ -34,6 +35,8 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS)
                        const float* __restrict__ prnn_dh,     // [B][H] dL/dh_t through the recurrence
                        const float* __restrict__ prnn_dout,   // [B][H] dL/dh_t through the output
                        const float* __restrict__ prnn_dc,     // [B][H] dL/dc_t
+                       const float* __restrict__ prnn_step_runs,  // [B] 1 where the row's sequence runs the
+                                                                  // step, 0 past its length (cells with lengths)
                        float* __restrict__ prnn_dxg,          // [B][G*H] slots
                        float* __restrict__ prnn_dgates,       // [B][G*H]
                        float* __restrict__ prnn_dh_prev,      // [B][H]
@@ -44,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS)
     const int prnn_n = blockIdx.x * PRNN_THREADS + threadIdx.x;
     if (prnn_n >= prnn_batch * prnn_hidden) return;
     // Element (b, u) of gate g in a [B][G*H] matrix is prnn_row + g * H.
-    const int prnn_row = prnn_n / prnn_hidden * (PRNN_G * prnn_hidden) + prnn_n % prnn_hidden;
+    const int prnn_b = prnn_n / prnn_hidden;
+    const int prnn_row = prnn_b * (PRNN_G * prnn_hidden) + prnn_n % prnn_hidden;
     // ---- the block's statements ----
 }

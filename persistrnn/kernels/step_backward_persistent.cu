@@ -31,7 +31,8 @@
 // PRNN_ROWS (PRNN_G * PRNN_UNITS rounded up to 4), PRNN_W_STRIDE (floats from
 // one column of the transposed slice to the next), PRNN_THREADS,
 // PRNN_BATCH_TILE (batch rows per product thread), PRNN_CELL_STATE (the cell
-// carries c), PRNN_DIRECT_DH (the statements store a part of dh_{t-1}).
+// carries c), PRNN_DIRECT_DH (the statements store a part of dh_{t-1}),
+// PRNN_LENGTHS (the statements read step_runs: a cell with lengths).
 //
 // The statements name their values prnn_v<k>, prnn_g<k> and prnn_d<k>_<name>
 // besides the cell's own names, which never start with prnn_: no parameter or
@@ -71,13 +72,15 @@ __device__ __forceinline__ void prnn_st_cluster_f32(prnn_u32 addr, float value) 
 }
 
 // Planes staged per step and batch row (each [B][PRNN_UNITS]): xg's gates,
-// the gates' recurrent products, h_{t-1}, d_out, then c_{t-1}.
+// the gates' recurrent products, h_{t-1}, d_out, then c_{t-1} (cells with one)
+// and step_runs (cells with lengths).
 #define PRNN_PLANE_XG 0
 #define PRNN_PLANE_GATES PRNN_G
 #define PRNN_PLANE_H (2 * PRNN_G)
 #define PRNN_PLANE_DOUT (2 * PRNN_G + 1)
 #define PRNN_PLANE_C (2 * PRNN_G + 2)
-#define PRNN_PLANES (2 * PRNN_G + 2 + PRNN_CELL_STATE)
+#define PRNN_PLANE_RUNS (2 * PRNN_G + 2 + PRNN_CELL_STATE)
+#define PRNN_PLANES (PRNN_PLANE_RUNS + PRNN_LENGTHS)
 
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     prnn_step_backward_persistent(const float* __restrict__ prnn_xw_all,     // [T][B][G*H]
@@ -88,6 +91,8 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                                   const float* __restrict__ prnn_dout_all,   // [T][B][H]
                                   const float* __restrict__ prnn_dh_last,    // [B][H] dL/dh_n
                                   const float* __restrict__ prnn_dc_last,    // [B][H] dL/dc_n
+                                  const float* __restrict__ prnn_step_runs_all,  // [T][B] 1 where the row's
+                                                       // sequence runs the step, 0 past its length (cells with lengths)
                                   float* __restrict__ prnn_dxw_all,          // [T][B][G*H]
                                   float* __restrict__ prnn_dgates_all,       // [T][B][G*H]
                                   float* __restrict__ prnn_dh_first,         // [B][H] dL/dh_0
@@ -139,6 +144,10 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
 #if PRNN_CELL_STATE
             prnn_cp_async_4(prnn_planes + PRNN_PLANE_C * prnn_elements + prnn_e, prnn_c_all + prnn_unit_at);
 #endif
+#if PRNN_LENGTHS
+            prnn_cp_async_4(prnn_planes + PRNN_PLANE_RUNS * prnn_elements + prnn_e,
+                            prnn_step_runs_all + (size_t)prnn_p * prnn_batch + prnn_b);
+#endif
         }
         prnn_cp_async_commit();
     };
@@ -182,6 +191,8 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
             [[maybe_unused]] const float* prnn_c = prnn_planes + PRNN_PLANE_C * prnn_elements + prnn_e;
             const float* prnn_dout = prnn_planes + PRNN_PLANE_DOUT * prnn_elements + prnn_e;
             const float* prnn_dh = &prnn_dh_now;
+            // step_runs of row b, staged per element: [prnn_b] is this element's.
+            [[maybe_unused]] const float* prnn_step_runs = prnn_planes + PRNN_PLANE_RUNS * prnn_elements + prnn_e - prnn_b;
             // dc_t in, dc_{t-1} out, in place: the statements read every input before they store.
             [[maybe_unused]] float* prnn_dc = prnn_dc_state + prnn_e;
             [[maybe_unused]] float* prnn_dc_prev = prnn_dc_state + prnn_e;
