@@ -261,7 +261,7 @@ class _Persistent:
             states = (zeros, zeros) if pairs else zeros
         h0, c0 = states if pairs else (states, None)
         if trains:
-            out, h_n, c_n = training.run_module(self, x, h0, c0, lengths=lengths.to(x.device, torch.int32))
+            out, h_n, c_n = training.run_module(self, x, h0, c0, lengths=lengths)
         else:
             out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
                                          num_layers=self.num_layers, bidirectional=self.bidirectional,

@@ -64,8 +64,7 @@ import torch
 from . import adjoint, ops, persistent, runtime, training_kernel
 from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_program
 from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
-from .checks import check_lengths
-from .errors import ArgumentError, ConfigError, UnsupportedError
+from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
 
 __all__ = ["GRAPHS", "TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "dropout_masks",
            "forward", "graph_key", "run_module", "saved_shapes", "step_backward", "training_config"]
@@ -474,8 +473,9 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
     h_n, c_n (empty without a cell state), the saved list).
     ``dropout_masks``: none, or one (T, B, D*H) per layer but the last, which
     multiplies that layer's output before the next layer reads it (0 or
-    1 / (1 - p): :func:`dropout_masks`). ``lengths``: None, or int32 (B,) on
-    ``x``'s device, each sequence's steps (1 to T) for a padded batch, as
+    1 / (1 - p): :func:`dropout_masks`). ``lengths``: None, or a CPU
+    integer tensor (B,) (as ``torch.nn.utils.rnn.pack_padded_sequence``
+    takes them), each sequence's steps (1 to T) for a padded batch, run as
     torch runs a packed sequence: past its length a sequence outputs zeros
     and keeps its states, and a reverse direction starts at its last step."""
     spec = get_cell(cell)
@@ -488,7 +488,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
     hidden = layers[0][0]["w_hh"].shape[1]
     _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
     compute = _compute_dtype(x.dtype)
-    step_runs = _step_runs(lengths, steps, batch, x, compute)
+    lengths = _lengths_on_device(lengths, steps, batch, x)
+    step_runs = _step_runs(lengths, steps, compute)
     launch = None
     if x.is_cuda:
         runtime.raise_reported_failure(x.device.index)
@@ -551,7 +552,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     d_weights: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
     dh0 = torch.empty(h0.shape, dtype=compute, device=h0.device)
     dc0 = torch.empty(c0.shape, dtype=compute, device=c0.device) if spec.has_cell_state else None
-    step_runs = _step_runs(lengths, x.shape[0], x.shape[1], x, compute)
+    step_runs = _step_runs(_lengths_on_device(lengths, x.shape[0], x.shape[1], x), x.shape[0], compute)
     if step_runs is not None:
         spec = with_lengths(spec)
     d_layer_out = d_out.to(compute) if step_runs is None else d_out.to(compute) * step_runs[:, :, None]
@@ -592,9 +593,9 @@ def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.
     """A persistrnn module's training call through the operators: ``x``
     (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros,
     ``weights`` the module's flat weights (default) or differentiable casts
-    of them to ``x``'s dtype (autocast), ``lengths`` int32 (B,) on ``x``'s
-    device for a padded batch of sequences (:func:`forward`). Returns (out,
-    h_n, c_n or None), differentiable."""
+    of them to ``x``'s dtype (autocast), ``lengths`` (B,) on the CPU for a
+    padded batch of sequences (:func:`forward`). Returns (out, h_n, c_n or
+    None), differentiable."""
     has_c = get_cell(module.cell).has_cell_state
     if h0 is None:
         h0 = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
@@ -619,15 +620,34 @@ def dropout_masks(p: float, num_layers: int, shape: tuple[int, int, int], like: 
     return [torch.nn.functional.dropout(ones, p, training=True) for _ in range(num_layers - 1)]
 
 
-def _step_runs(lengths: torch.Tensor | None, steps: int, batch: int, x: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor | None:
-    """(T, B) in ``dtype``: 1 where sequence b runs position t (t < its
-    length), else 0; None without lengths. Checks ``lengths`` (int32 (B,) on
-    ``x``'s device, every length in 1..T; reads the extremes back)."""
+def _lengths_on_device(lengths: torch.Tensor | None, steps: int, batch: int,
+                       x: torch.Tensor) -> torch.Tensor | None:
+    """``lengths`` checked on the host (a CPU integer tensor (B,), every length
+    in 1..T, as torch's ``pack_padded_sequence`` takes them: no device
+    synchronisation), as int32 on ``x``'s device; None without lengths."""
     if lengths is None:
         return None
-    check_lengths(lengths, steps, batch, x.device)
-    return (torch.arange(steps, device=x.device)[:, None] < lengths[None, :]).to(dtype)
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype not in (torch.int64, torch.int32):
+        got = lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__
+        raise ArgumentTypeError(f"lengths: expected a torch.int64 or torch.int32 tensor, got {got}")
+    if lengths.device.type != "cpu":
+        raise ArgumentError(f"lengths: expected a CPU tensor (as torch.nn.utils.rnn.pack_padded_sequence takes "
+                            f"them), got one on {lengths.device}")
+    if tuple(lengths.shape) != (batch,):
+        raise ArgumentError(f"lengths: expected shape ({batch},), got {tuple(lengths.shape)}")
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < 1 or high > steps:
+        raise ArgumentError(f"lengths: expected every length in 1..{steps} (the steps of the input), "
+                            f"got lengths from {low} to {high}")
+    return lengths.to(x.device, torch.int32)
+
+
+def _step_runs(lengths: torch.Tensor | None, steps: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """(T, B) in ``dtype`` on the lengths' device: 1 where sequence b runs
+    position t (t < its length), else 0; None without lengths."""
+    if lengths is None:
+        return None
+    return (torch.arange(steps, device=lengths.device)[:, None] < lengths[None, :]).to(dtype)
 
 
 def _check_masks(masks: list[torch.Tensor], num_layers: int, shape: tuple[int, int, int], x: torch.Tensor) -> None:

@@ -392,7 +392,7 @@ def test_lengths_give_torchs_packed_sequence_results(cell, bidirectional):
 
 
 @pytest.mark.parametrize("lengths, error, message", [
-    (torch.tensor([3, 1], dtype=torch.int64), TypeError, "lengths: expected dtype torch.int32, got torch.int64"),
+    (torch.tensor([3.0, 1.0]), TypeError, "lengths: expected a torch.int64 or torch.int32 tensor, got torch.float32"),
     (torch.tensor([3, 1, 2], dtype=torch.int32), ValueError, r"lengths: expected shape \(2,\), got \(3,\)"),
     (torch.tensor([4, 1], dtype=torch.int32), ValueError, r"expected every length in 1\.\.3"),
     (torch.tensor([3, 0], dtype=torch.int32), ValueError, r"expected every length in 1\.\.3"),
@@ -898,14 +898,53 @@ def test_gpu_module_training_call_gives_float64_gradients(kind, kw, compiled, re
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind,kw", MODULES)
+def test_gpu_module_training_on_a_packed_sequence_gives_float64_gradients(kind, kw, recwarn):
+    # An unsorted PackedSequence through a module with training_kernels:
+    # the packed output, the final states and every gradient against the
+    # float64 reference run on each sequence alone (no lengths in it).
+    import persistrnn
+
+    torch.manual_seed(8)
+    model = getattr(persistrnn, kind)(16, 65, **{"num_layers": 2, "bidirectional": True, **kw}).cuda().train()
+    model.training_kernels = True
+    steps, batch = 9, 6
+    lengths = torch.tensor([4, 9, 1, 7, 9, 2])
+    x = torch.randn(batch, steps, 16, device="cuda", requires_grad=True)  # batch-first: one layout for both
+    sequences = [x[b, :n] for b, n in enumerate(lengths.tolist())]
+    packed = torch.nn.utils.rnn.pack_sequence(sequences, enforce_sorted=False)
+    out, state = model(packed)
+    h_n = state[0] if model.cell == "lstm" else state
+    padded = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=model.batch_first, total_length=steps)[0]
+    padded = padded if model.batch_first else padded.transpose(0, 1)  # (B, T, D*H)
+    loss_of((padded.double(), h_n.double())).backward()
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)], "the call ran torch's implementation"
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, *model._flat_weights)]
+    h0 = torch.zeros(4, batch, 65, dtype=torch.float64)
+    want_out, want_h, _ = each_sequence_alone(model.cell, leaves[0].transpose(0, 1), h0,
+                                              h0 if model.cell == "lstm" else None, leaves[1:], 2, True, model.bias,
+                                              lengths.to(torch.int32))
+    assert_close_to_reference({"out": padded, "h_n": h_n},
+                              {"out": want_out.transpose(0, 1), "h_n": want_h}, dtype="float32",
+                              context=f"packed {kind} {kw}")
+    want = torch.autograd.grad(loss_of((want_out.transpose(0, 1), want_h)), leaves)
+    got = [x.grad] + [w.grad for w in model._flat_weights]
+    names = ["x"] + list(model._flat_weights_names)
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32",
+                              context=f"packed {kind} {kw}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 333)])
 @pytest.mark.parametrize("cell", CELL_NAMES)
-def test_gpu_fused_steps_equal_the_float64_torch_op_steps(cell, batch, hidden, reverse):
+@pytest.mark.parametrize("lengths", [False, True])
+def test_gpu_fused_steps_equal_the_float64_torch_op_steps(cell, batch, hidden, reverse, lengths):
     # The fp32 kernels and GEMMs against the torch-op steps in float64 on the
     # same (fp32-rounded) inputs, outputs poisoned; odd sizes, one partial block.
     inputs = {k: None if v is None else v.float().double()
-              for k, v in direction_inputs(cell, steps=5, batch=batch, hidden=hidden, seed=hidden).items()}
+              for k, v in direction_inputs(cell, steps=5, batch=batch, hidden=hidden, seed=hidden,
+                                           lengths=lengths).items()}
     want = run_steps(training._torch_steps, cell, inputs, reverse)
     got = run_steps(training._fused_steps, cell, inputs, reverse, device="cuda", dtype=torch.float32)
     for name, value in want.items():
@@ -927,19 +966,30 @@ def captured_instance(spec, args, reverse):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("steps,batch,hidden", [(5, 5, 37), (7, 3, 333)])
 @pytest.mark.parametrize("cell", CELL_NAMES)
-def test_gpu_graphed_direction_backward_equals_the_plain_launches_bit_for_bit(cell, steps, batch, hidden, reverse):
-    # The capture's first replay, then a replay on fresh inputs with the
-    # graph's outputs poisoned: an element the replay does not write, or
-    # writes from the capture's inputs, shows.
-    spec = cells.get_cell(cell)
+@pytest.mark.parametrize("lengths", [False, True])
+def test_gpu_graphed_direction_backward_equals_the_plain_launches_bit_for_bit(cell, steps, batch, hidden, reverse,
+                                                                            lengths):
+    # The capture's first replay, then a replay on fresh inputs (and fresh
+    # lengths) with the graph's outputs poisoned: an element the replay does
+    # not write, or writes from the capture's inputs, shows.
+    spec = cells.with_lengths(cell) if lengths else cells.get_cell(cell)
+
+    def runs(seed):
+        if not lengths:
+            return None
+        gen = torch.Generator().manual_seed(seed)
+        return step_runs_of(random_lengths(steps, batch, gen), steps).float().cuda()
+
     first = direction_backward_args(cell, steps, batch, hidden, seed=hidden + steps)
-    assert_bitwise_equal(training.direction_backward(spec, *first, reverse),
-                         training._plain_direction_backward(spec, *first, reverse))
+    first_runs = runs(1)
+    assert_bitwise_equal(training.direction_backward(spec, *first, reverse, first_runs),
+                         training._plain_direction_backward(spec, *first, reverse, first_runs))
     for output in captured_instance(spec, first, reverse).outputs:
         output.fill_(float("nan"))
     fresh = direction_backward_args(cell, steps, batch, hidden, seed=hidden + steps + 1)
-    assert_bitwise_equal(training.direction_backward(spec, *fresh, reverse),
-                         training._plain_direction_backward(spec, *fresh, reverse))
+    fresh_runs = runs(2)
+    assert_bitwise_equal(training.direction_backward(spec, *fresh, reverse, fresh_runs),
+                         training._plain_direction_backward(spec, *fresh, reverse, fresh_runs))
 
 
 @pytest.mark.gpu

@@ -28,10 +28,11 @@ def test_single_stage_cells_are_the_ones_expected():
 
 # H=37 at batch 3: partial blocks (16 blocks of 3 units, the last ones idle)
 # and one partial batch tile; H=256 at batch 32: the widest tile, the most registers.
+@pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32)])
 @pytest.mark.parametrize("cell", SINGLE_STAGE)
-def test_kernel_compiles_for_sm90_without_local_memory(cell, hidden, batch):
-    config = training_kernel.plan(cell, hidden, batch, H100_SHARED)
+def test_kernel_compiles_for_sm90_without_local_memory(cell, hidden, batch, lengths):
+    config = training_kernel.plan(cells.with_lengths(cell) if lengths else cell, hidden, batch, H100_SHARED)
     binary = training_kernel.compile_kernel(config, arch="sm_90")
     resources = binary.kernel_resources(training_kernel.KERNEL_NAME)
     assert not resources.uses_local_memory, resources
@@ -119,9 +120,11 @@ def test_gpu_fits_follows_the_size_rule():
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("steps,batch,hidden", [(7, 3, 37), (5, 1, 100), (6, 8, 256), (1, 32, 256)])
 @pytest.mark.parametrize("cell", SINGLE_STAGE)
-def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batch, hidden, reverse):
+@pytest.mark.parametrize("lengths", [False, True])
+def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batch, hidden, reverse, lengths):
     inputs = {k: None if v is None else v.float().double()
-              for k, v in direction_inputs(cell, steps=steps, batch=batch, hidden=hidden, seed=hidden + batch).items()}
+              for k, v in direction_inputs(cell, steps=steps, batch=batch, hidden=hidden, seed=hidden + batch,
+                                           lengths=lengths).items()}
     want = run_steps(training._torch_steps, cell, inputs, reverse)
     got = run_steps(training_kernel.persistent_steps, cell, inputs, reverse, device="cuda", dtype=torch.float32)
     for name, value in want.items():
