@@ -69,6 +69,23 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+def _packed_positions(batch_sizes: torch.Tensor, sorted_indices: torch.Tensor | None,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the row of the time-major padded (T * B) layout that each row of a
+    packed sequence's data fills, on ``device``; each sequence's length, in
+    the batch's own order, on the CPU). Packed rows run step by step, each
+    step's sequences in the sorted order: row k of step t is sorted column
+    j, the sequence ``sorted_indices[j]``."""
+    steps, batch = len(batch_sizes), int(batch_sizes[0])
+    step_of_row = torch.repeat_interleave(torch.arange(steps), batch_sizes)
+    first_row = torch.cumsum(batch_sizes, 0) - batch_sizes
+    column_of_row = torch.arange(len(step_of_row)) - first_row[step_of_row]
+    sorted_lengths = (batch_sizes[None, :] > torch.arange(batch)[:, None]).sum(1)
+    order = torch.arange(batch) if sorted_indices is None else sorted_indices.cpu()
+    lengths = torch.empty_like(sorted_lengths).index_copy_(0, order, sorted_lengths)
+    return (step_of_row * batch + order[column_of_row]).to(device), lengths
+
+
 def torch_forward(spec: CellSpec, module: torch.nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
     """Any cell with torch ops, step by step (autograd through it): the
     reset-before GRU's path where no kernel runs. ``x`` is (T, B, I), ``hx``
@@ -245,19 +262,28 @@ class _Persistent:
     def _packed_forward(self, packed: PackedSequence, hx: Any) -> Any:
         """A PackedSequence on the kernels: padded in the batch's own order,
         run with each sequence's length, packed again in the input's order
-        (hx and the final states are in the batch's own order, as torch's)."""
-        padded, lengths = torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first=self.batch_first)
-        x, states, _ = self._normalise(padded, hx)
-        if self._torch_reason(padded, trains=True) is not None or padded.is_cuda and torch.is_autocast_enabled("cuda"):
+        (hx and the final states are in the batch's own order, as torch's).
+        Padding and packing are one gather each (:func:`_packed_positions`):
+        torch's ``pad_packed_sequence`` / ``pack_padded_sequence`` copy one
+        time step at a time, and the backward of the latter measured 2.6 ms
+        of host time per call at T=100 on the H100's host."""
+        data, batch_sizes = packed.data, packed.batch_sizes
+        steps, batch = len(batch_sizes), int(batch_sizes[0])
+        positions, lengths = _packed_positions(batch_sizes, packed.sorted_indices, data.device)
+        # (T * B, I) zeros, each packed row at its (step, sequence): time-major
+        x = data.new_zeros(steps * batch, data.shape[1]).index_copy(0, positions, data).view(steps, batch, -1)
+        layout = x.transpose(0, 1) if self.batch_first else x  # the padded input in the module's layout
+        x, states, _ = self._normalise(layout, hx)
+        if self._torch_reason(layout, trains=True) is not None or data.is_cuda and torch.is_autocast_enabled("cuda"):
             return self._torch_forward(packed, hx)
-        trains = self._needs_grad(padded)  # the training operators, with each sequence's length
-        chosen = None if trains else self.plan_for(x.shape[1])
+        trains = self._needs_grad(layout)  # the training operators, with each sequence's length
+        chosen = None if trains else self.plan_for(batch)
         if chosen is not None and chosen.path != "persistent":
             return self._torch_forward(packed, hx)
         runtime.raise_reported_failure(x.device.index)
         pairs = self.spec.has_cell_state
         if states is None:
-            zeros = x.new_zeros(self.num_layers * (2 if self.bidirectional else 1), x.shape[1], self.hidden_size)
+            zeros = x.new_zeros(self.num_layers * (2 if self.bidirectional else 1), batch, self.hidden_size)
             states = (zeros, zeros) if pairs else zeros
         h0, c0 = states if pairs else (states, None)
         if trains:
@@ -266,10 +292,8 @@ class _Persistent:
             out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
                                          num_layers=self.num_layers, bidirectional=self.bidirectional,
                                          has_biases=self.bias, lengths=lengths.to(x.device, torch.int32))
-        if packed.sorted_indices is not None:
-            out, lengths = out.index_select(1, packed.sorted_indices), lengths[packed.sorted_indices.cpu()]
-        data = torch.nn.utils.rnn.pack_padded_sequence(out, lengths).data
-        packed_out = PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+        packed_out = PackedSequence(out.reshape(steps * batch, -1).index_select(0, positions), batch_sizes,
+                                    packed.sorted_indices, packed.unsorted_indices)
         return packed_out, ((h_n, c_n) if pairs else h_n)
 
     def _compiled_forward(self, input: Any, hx: Any) -> Any:

@@ -297,10 +297,14 @@ def test_gpu_bad_device_and_grad_paths(untuned):
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # cuDNN's RNNs use TF32 by default
         theirs(x2)[0].square().sum().backward()
     assert torch.allclose(x.grad, x2.grad, rtol=0, atol=1e-5)
-    packed = torch.nn.utils.rnn.pack_padded_sequence(x, [3, 2])
-    pnn._warned.clear()  # the warning is given once per module type, and the first call above gave it
-    with pytest.warns(UserWarning, match="gradients"):  # packed training calls still run torch's implementation
-        model(packed)
+    x.grad = x2.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a packed training call runs our operators too
+        out, _ = model(torch.nn.utils.rnn.pack_padded_sequence(x, [3, 2]))
+    out.data.square().sum().backward()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        theirs(torch.nn.utils.rnn.pack_padded_sequence(x2, [3, 2]))[0].data.square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, rtol=0, atol=1e-5)
 
 
 @pytest.mark.gpu
