@@ -487,14 +487,38 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
     steps, batch = x.shape[0], x.shape[1]
     hidden = layers[0][0]["w_hh"].shape[1]
     _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
-    compute = _compute_dtype(x.dtype)
     lengths = _lengths_on_device(lengths, steps, batch, x)
-    step_runs = _step_runs(lengths, steps, compute)
     launch = None
     if x.is_cuda:
         runtime.raise_reported_failure(x.device.index)
         launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index,
                                  lengths is not None)
+    options = (spec, num_layers, bidirectional, has_biases, launch)
+    if not _captures_operators(x, lengths):
+        return _forward_launches(*options, x, h0, c0, weights, dropout_masks, lengths)
+
+    def run(*flat: torch.Tensor) -> list[torch.Tensor]:
+        x, h0, c0, *rest = flat
+        out, h_n, c_n, saved = _forward_launches(*options, x, h0, c0, rest[:len(weights)], rest[len(weights):], None)
+        return [out, h_n, c_n, *saved]
+
+    key = ("train_forward", *options, *_operator_key(x, h0, c0, weights, dropout_masks))
+    flat = (x, h0, c0, *weights, *dropout_masks)
+    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat), x.device.index, *flat)
+    return results[0], results[1], results[2], results[3:]
+
+
+def _forward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has_biases: bool, launch: Any,
+                      x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],
+                      dropout_masks: list[torch.Tensor], lengths: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """:func:`forward` launched op by op (``launch``: :func:`training_config`'s
+    answer; ``lengths`` int32 on ``x``'s device)."""
+    directions = 2 if bidirectional else 1
+    layers = ops.layer_params(weights, num_layers, directions, has_biases)
+    steps, batch = x.shape[0], x.shape[1]
+    hidden = layers[0][0]["w_hh"].shape[1]
+    compute = _compute_dtype(x.dtype)
+    step_runs = _step_runs(lengths, steps, compute)
     h0 = h0.contiguous()
     c0 = c0.contiguous() if spec.has_cell_state else None
     h_n, c_n = torch.empty_like(h0), (torch.empty_like(c0) if c0 is not None else x.new_empty(0))
@@ -542,6 +566,35 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     gradient of ``out`` past a sequence's length is not read: those outputs
     are zeros whatever the weights."""
     spec = get_cell(cell)
+    lengths = _lengths_on_device(lengths, x.shape[0], x.shape[1], x)
+    options = (spec, num_layers, bidirectional, has_biases)
+    if not _captures_operators(x, lengths):
+        return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
+                                  lengths, graphed=True)
+    counts = (len(weights), len(saved))
+
+    def run(*flat: torch.Tensor) -> list[torch.Tensor]:
+        d_out, dh_n, dc_n, x, h0, c0, out, *rest = flat
+        weights, saved, masks = rest[:counts[0]], rest[counts[0]:sum(counts)], rest[sum(counts):]
+        dx, dh0, dc0, d_weights = _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved,
+                                                     masks, None, graphed=False)
+        return [dx, dh0, dc0, *d_weights]
+
+    key = ("train_backward", *options, dc_n is None, len(saved), *_operator_key(x, h0, c0, weights, dropout_masks))
+    flat = (d_out, dh_n, dc_n, x, h0, c0, out, *weights, *saved, *dropout_masks)
+    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat), x.device.index, *flat)
+    return results[0], results[1], results[2], results[3:]
+
+
+def _backward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has_biases: bool, d_out: torch.Tensor,
+                       dh_n: torch.Tensor, dc_n: torch.Tensor | None, x: torch.Tensor, h0: torch.Tensor,
+                       c0: torch.Tensor | None, weights: list[torch.Tensor], out: torch.Tensor,
+                       saved: list[torch.Tensor], dropout_masks: list[torch.Tensor], lengths: torch.Tensor | None, *,
+                       graphed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`backward` launched op by op (``lengths`` int32 on ``x``'s
+    device); ``graphed``: each direction's recurrence replays its own graph
+    (:func:`direction_backward`), else its plain launches (when this whole
+    backward is being captured, or warmed up for a capture)."""
     directions = 2 if bidirectional else 1
     layers = ops.layer_params(weights, num_layers, directions, has_biases)
     hidden = layers[0][0]["w_hh"].shape[1]
@@ -552,7 +605,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     d_weights: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
     dh0 = torch.empty(h0.shape, dtype=compute, device=h0.device)
     dc0 = torch.empty(c0.shape, dtype=compute, device=c0.device) if spec.has_cell_state else None
-    step_runs = _step_runs(_lengths_on_device(lengths, x.shape[0], x.shape[1], x), x.shape[0], compute)
+    step_runs = _step_runs(lengths, x.shape[0], compute)
     if step_runs is not None:
         spec = with_lengths(spec)
     d_layer_out = d_out.to(compute) if step_runs is None else d_out.to(compute) * step_runs[:, :, None]
@@ -566,7 +619,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
             xw, gates = saved[i * per], saved[i * per + 1]
             cs = saved[i * per + 2] if spec.has_cell_state else None
             columns = slice(d * hidden, (d + 1) * hidden)
-            d_xw, d_gates, d_w_hh, dh0[i], dc = direction_backward(
+            d_xw, d_gates, d_w_hh, dh0[i], dc = (direction_backward if graphed else _plain_direction_backward)(
                 spec, xw, gates, cs, outputs[layer][:, :, columns].to(compute), h0[i].to(compute),
                 c0[i].to(compute) if cs is not None else None, p["w_hh"].to(compute), d_layer_out[:, :, columns],
                 dh_n[i].to(compute), dc_n[i].to(compute) if cs is not None else None, d == 1, step_runs)
@@ -585,6 +638,34 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
             d_layer_input
     return (d_layer_out.to(x.dtype), dh0.to(h0.dtype), dc0.to(c0.dtype) if dc0 is not None else x.new_empty(0),
             d_weights)
+
+
+# A captured training forward holds its saved tensors and outputs, a
+# captured backward its copies of them and the gradients: each about the
+# activations of one step (LSTM 1024, T=100, batch 32, one layer: ~0.13 GB).
+OPERATOR_GRAPHS = runtime.GraphCache(capacity=8)
+"""Captured training forwards and backwards on CUDA (:func:`forward`,
+:func:`backward`), one per (:func:`_operator_key` and the model, device,
+stream), under the forward's rule (:data:`persistrnn.ops.GRAPHS`): a call
+copies its tensors (the weights included) into the graph's inputs, replays
+it, and copies its outputs into fresh tensors."""
+
+
+def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None) -> bool:
+    """Whether :func:`forward` and :func:`backward` replay a captured graph: on
+    CUDA, outside a caller's capture, for a batch without lengths (a packed
+    batch's padded length changes from batch to batch, and each length would
+    be a capture)."""
+    return x.is_cuda and lengths is None and not torch.cuda.is_current_stream_capturing()
+
+
+def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],
+                  dropout_masks: list[torch.Tensor]) -> tuple:
+    """What a captured training operator fixes beside the model: shapes and
+    dtypes, the masks' count, and the launch and GEMM settings (the tensors'
+    addresses and values are not in it: the graph reads copies)."""
+    return (x.shape, x.dtype, h0.shape, c0 is None, tuple((w.shape, w.dtype) for w in weights), len(dropout_masks),
+            ops.launch_settings(), _matmul_settings())
 
 
 def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None,

@@ -709,6 +709,36 @@ def test_graphed_dispatch_returns_the_plain_results_in_order(cell, reverse, monk
     assert keys == [training.graph_key(spec, args[0], args[6], reverse)]
 
 
+@pytest.mark.parametrize("cell,num_layers,bidirectional,has_biases", [("lstm", 2, True, True), ("gru", 1, False, False),
+                                                                       ("gru_reset_before", 2, False, True)])
+def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, bidirectional, has_biases,
+                                                              monkeypatch):
+    # The operators' replay path with the graph emulated (CopyingCall): the
+    # forward's outputs and saved list and the backward's gradients come
+    # back in order, bit for bit those of the plain launches, one capture per
+    # operator and key.
+    options = (num_layers, bidirectional, has_biases)
+    x, h0, c0, weights = random_model(cell, 3, 4, *options, steps=5, batch=2, seed=9)
+    want = gradients(ours, cell, x, h0, c0, weights, *options)
+    want_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)
+    keys = []
+
+    def call(key, make, device, *call_args):
+        keys.append(key)
+        return make()(*call_args)
+
+    monkeypatch.setattr(training, "_captures_operators", lambda x, lengths: lengths is None)
+    monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
+    monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(call=call))
+    got_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)
+    for a, b in zip([*got_forward[:3], *got_forward[3]], [*want_forward[:3], *want_forward[3]], strict=True):
+        assert torch.equal(a, b)
+    got = gradients(ours, cell, x, h0, c0, weights, *options)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert [key[0] for key in keys] == ["train_forward", "train_forward", "train_backward"]
+    assert keys[0] == keys[1]
+
+
 def test_cpu_and_float64_run_the_plain_launches():
     args = direction_backward_args("gru", 3, 2, 4, seed=1, device="cpu", dtype=torch.float32)
     assert not training._replays_graph(args[0]) and not training._replays_graph(args[0].double())
@@ -1001,6 +1031,79 @@ def test_gpu_graphed_direction_backward_with_two_shapes_interleaved():
         args = direction_backward_args(spec.name, steps, batch, hidden, seed=20 + i)
         assert_bitwise_equal(training.direction_backward(spec, *args, reverse),
                              training._plain_direction_backward(spec, *args, reverse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell,dtype", [("lstm", torch.float32), ("gru_reset_before", torch.float32),
+                                        ("rnn_tanh", torch.bfloat16)])
+def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype, monkeypatch):
+    # A training step (forward and backward) replayed from the operators'
+    # graphs against the same step launched op by op; then, with every
+    # graph's outputs poisoned, a step on fresh inputs: an element a replay
+    # does not write, or writes from the capture's inputs, shows.
+    options = (2, True, True)
+    training.OPERATOR_GRAPHS.clear()
+
+    def step(seed):
+        x, h0, c0, weights = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=dtype, device="cuda",
+                                          seed=seed)
+        forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)
+        return [*forward[:3], *forward[3], *gradients(ours, cell, x, h0, c0, weights, *options)]
+
+    def plain(seed):
+        with monkeypatch.context() as m:
+            m.setattr(training, "_captures_operators", lambda x, lengths: False)
+            return step(seed)
+
+    assert all(torch.equal(a, b) for a, b in zip(step(1), plain(1), strict=True))
+    assert len(training.OPERATOR_GRAPHS) == 2  # one forward and one backward, on this stream
+    for entry in training.OPERATOR_GRAPHS._entries.values():
+        for output in entry.outputs:
+            output.fill_(float("nan"))
+    assert all(torch.equal(a, b) for a, b in zip(step(2), plain(2), strict=True))
+
+
+@pytest.mark.gpu
+def test_gpu_captured_training_steps_from_four_threads_on_their_own_streams():
+    # One model, four threads each on its own stream and inputs, training
+    # steps through the module at once: each gradient its single-threaded one.
+    import persistrnn
+
+    torch.manual_seed(3)
+    model = persistrnn.LSTM(16, 100, num_layers=2).cuda().train()
+    model.training_kernels = True
+    threads, calls = 4, 5
+    inputs = [torch.randn(8, 3, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+              for i in range(threads)]
+
+    def input_gradient(x):
+        leaf = x.clone().requires_grad_()
+        out, _ = model(leaf)
+        return torch.autograd.grad(out.square().sum(), [leaf, *model._flat_weights])
+
+    want = [input_gradient(x) for x in inputs]
+    torch.cuda.synchronize()
+    start, results, errors = threading.Barrier(threads), [None] * threads, []
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                start.wait()
+                results[i] = [input_gradient(inputs[i]) for _ in range(calls)]
+            stream.synchronize()
+        except BaseException as error:  # reported in the test's thread
+            errors.append(error)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    for i in range(threads):
+        for got in results[i]:
+            assert all(torch.equal(a, b) for a, b in zip(got, want[i], strict=True))
 
 
 @pytest.mark.gpu
