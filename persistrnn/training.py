@@ -46,9 +46,17 @@ copy out, and no step costs Python. Elsewhere (the CPU; float64, also on
 CUDA) the same statements run as torch ops (:func:`step_backward`).
 After the recurrence: one GEMM each for ``dW_hh`` (per stage: its gradients
 by its operands), ``dW_ih`` and ``dx``; bias gradients are sums. Nothing
-reduces with atomics, so the same inputs give bit-identical gradients. A
-persistent backward kernel (``W_hh^T`` resident, one exchange per step)
-would also take the per-step GEMM's reads of ``W_hh`` off the step chain.
+reduces with atomics, so the same inputs give bit-identical gradients.
+Where a layer's W_hh fits a cluster, :mod:`persistrnn.training_kernel` runs
+the whole step loop in one launch instead.
+
+On CUDA both operators replay a graph captured per shape and stream
+(:data:`OPERATOR_GRAPHS`), except for a batch with lengths.
+
+Lengths (a padded batch of sequences, as a ``PackedSequence`` runs): the
+forward kernel's ``lengths`` variant, and the backward generated from
+:func:`persistrnn.cells.with_lengths`, the cell that holds its states past a
+sequence's length.
 """
 
 from __future__ import annotations
