@@ -18,7 +18,9 @@
   gradients, unless the module's ``training_kernels`` is set: then a padded
   CUDA call, or a ``PackedSequence`` (each sequence with its length), runs
   :mod:`persistrnn.training`'s forward and backward, through autograd,
-  dropout between layers included.
+  dropout between layers included, where that step measured faster than
+  cuDNN's at the call's shape (:func:`persistrnn.training.cudnn_trains_faster`:
+  timed once per shape; always under ``torch.use_deterministic_algorithms``).
 
 Every call is independent: any number of threads and streams may call one
 module at once, and each call gets its own answer (the captured forwards are
@@ -176,12 +178,16 @@ class _Persistent:
             return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
         if self._needs_grad(input):
             if trains:
+                x = input.transpose(0, 1) if self.batch_first and input.dim() == 3 else input
+                if training.cudnn_trains_faster(self, x if x.dim() == 3 else x.unsqueeze(1)):
+                    return "training: cuDNN measured faster at this shape"
                 return None
             if warn:
                 _warn_once(f"grad-{type(self).__name__}",
                            f"persistrnn.{type(self).__name__}: this call needs gradients; it runs torch's "
-                           "implementation (training_kernels=True runs persistrnn's training operators on a padded "
-                           "input: deterministic gradients)")
+                           "implementation (training_kernels=True runs persistrnn's training operators where they "
+                           "measure faster than cuDNN; always, and deterministic, under "
+                           "torch.use_deterministic_algorithms(True))")
             return "gradients"
         return None
 

@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
+import time
 from types import CodeType
 from typing import Any, Callable, Optional
 
@@ -73,9 +75,11 @@ from . import adjoint, ops, persistent, runtime, training_kernel
 from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_program
 from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
 from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
+from .log import logger
 
-__all__ = ["GRAPHS", "TORCH_FUNCTIONS", "backward", "direction_backward", "direction_forward", "dropout_masks",
-           "forward", "graph_key", "run_module", "saved_shapes", "step_backward", "training_config"]
+__all__ = ["GRAPHS", "OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faster", "direction_backward",
+           "direction_forward", "dropout_masks", "forward", "graph_key", "run_module", "saved_shapes", "step_backward",
+           "training_config"]
 
 TORCH_FUNCTIONS = {name: getattr(torch, name) for name in NUMPY_FUNCTIONS}
 """The cell expression language's functions on tensors (autograd included):
@@ -674,6 +678,70 @@ def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, we
     addresses and values are not in it: the graph reads copies)."""
     return (x.shape, x.dtype, h0.shape, c0 is None, tuple((w.shape, w.dtype) for w in weights), len(dropout_masks),
             ops.launch_settings(), _matmul_settings())
+
+
+# ---- persistrnn's training step or cuDNN's: timed once per shape ----------------------
+
+TORCH_TRAINING_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+"""The cells torch trains with cuDNN (``torch._VF.<cell>``); the reset-before GRU has no cuDNN peer."""
+
+_TRAINING_CHOICES: dict[tuple, bool] = {}
+
+
+def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
+    """Whether ``module``'s training step on ``x`` (T, B, I, time-major) runs
+    torch's implementation (cuDNN) because it measured faster than the
+    training operators: timed once per (model, dtype, B, T rounded up to a
+    power of two, device) on first use, both steps (forward and backward of
+    the output's sum) on random inputs with the module's weights, in 5
+    interleaved rounds after a warm-up to steady clocks, and logged at INFO.
+    Never where determinism is asked for (``torch.use_deterministic_algorithms``:
+    cuDNN's RNN gradients are not bit-reproducible), where cuDNN is off or
+    has no such cell, under autocast, or while tracing."""
+    if (not x.is_cuda or module.cell not in TORCH_TRAINING_CELLS or torch.are_deterministic_algorithms_enabled()
+            or not torch.backends.cudnn.enabled or torch.is_autocast_enabled("cuda") or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()):
+        return False
+    steps, batch = x.shape[0], x.shape[1]
+    key = (module.cell, module.input_size, module.hidden_size, module.num_layers, bool(module.bidirectional),
+           bool(module.bias), x.dtype, batch, 1 << (steps - 1).bit_length(), x.device.index)
+    choice = _TRAINING_CHOICES.get(key)
+    if choice is None:
+        ours_ms, cudnn_ms = _time_training_steps(module, x)
+        choice = _TRAINING_CHOICES.setdefault(key, cudnn_ms < ours_ms)
+        logger.info("training %s %d->%d x%d%s, %s, batch %d, T=%d: persistrnn %.3f ms, cuDNN %.3f ms per step; "
+                    "runs %s", module.cell, module.input_size, module.hidden_size, module.num_layers,
+                    " bidirectional" if module.bidirectional else "", str(x.dtype).removeprefix("torch."), batch,
+                    steps, ours_ms, cudnn_ms, "cuDNN" if choice else "persistrnn")
+    return choice
+
+
+def _time_training_steps(module: Any, x: torch.Tensor) -> tuple[float, float]:
+    """(persistrnn's, cuDNN's) ms per training step of ``module`` on inputs of ``x``'s shape and dtype."""
+    directions = 2 if module.bidirectional else 1
+    inputs = torch.randn(x.shape, dtype=x.dtype, device=x.device, requires_grad=True)
+    h0 = x.new_zeros(module.num_layers * directions, x.shape[1], module.hidden_size)
+    has_c = get_cell(module.cell).has_cell_state
+    weights = [w.detach().requires_grad_() for w in module._flat_weights]  # their gradients stay here
+    options = (module.num_layers, bool(module.bidirectional), bool(module.bias))
+
+    def ours() -> None:
+        out = torch.ops.persistrnn.train_forward(inputs, h0, h0 if has_c else None, weights, module.cell, *options,
+                                                 [], None)[0]
+        torch.autograd.grad(out.sum(), [inputs, *weights])
+
+    def cudnn() -> None:
+        out = getattr(torch._VF, module.cell)(inputs, (h0, h0) if has_c else h0, weights, options[2], options[0],
+                                              0.0, True, options[1], False)[0]
+        torch.autograd.grad(out.sum(), [inputs, *weights])
+
+    started = time.perf_counter()
+    runtime.warm_up(ours)
+    runtime.warm_up(cudnn)
+    rounds = [(runtime.time_cuda_ms(ours, warmup=0, repeats=1), runtime.time_cuda_ms(cudnn, warmup=0, repeats=1))
+              for _ in range(5)]
+    logger.debug("timing the training steps took %.2f s", time.perf_counter() - started)
+    return tuple(statistics.median(r[i] for r in rounds) for i in (0, 1))  # type: ignore[return-value]
 
 
 def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None,

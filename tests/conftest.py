@@ -1,5 +1,6 @@
 """Test configuration: the ``gpu`` marker, an isolated kernel cache, plans
-without tuning, and a synthetic cost-model calibration for every GPU test."""
+without tuning, a synthetic cost-model calibration for every GPU test, and
+training on persistrnn's operators wherever a module asks for them."""
 
 import pytest
 
@@ -86,6 +87,18 @@ def synthetic_cost_model(request, monkeypatch, _tuning_dir):
     monkeypatch.setattr(cost, "calibration", calibration)
     monkeypatch.setattr(tuner, "cache_path", cache_path)
     yield calibration
+
+
+@pytest.fixture(autouse=True)
+def training_runs_persistrnn(monkeypatch):
+    """A module with ``training_kernels`` trains on persistrnn's operators in
+    every test, whatever timing them against cuDNN would choose: the timing
+    is replaced by one where they are faster, and no choice is kept between
+    tests. Tests of the choice itself put their own timing in."""
+    from persistrnn import training
+
+    monkeypatch.setattr(training, "_time_training_steps", lambda module, x: (1.0, 2.0))
+    monkeypatch.setattr(training, "_TRAINING_CHOICES", {})
 
 
 @pytest.fixture

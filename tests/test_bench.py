@@ -761,8 +761,8 @@ def test_training_step_markdown_gives_times_ratio_and_errors():
     assert bench.SUITES["training"] == "persistrnn.bench.training"
     row = {"hidden": 256, "batch": 8, "steps": 100, "ours_ms": 0.5, "cudnn_ms": 1.5, "cudnn_exact_ms": 2.0,
            "speedup": 3.0, "ours_grad_error": 2e-7, "cudnn_exact_grad_error": 3e-7}
-    packed = {**row, "inputs": "packed", "ours_ms": 0.75, "speedup": 2.0}
+    packed = {**row, "inputs": "packed", "runs": "cuDNN", "ours_ms": 0.75, "speedup": 2.0}
     text = training.markdown({"environment": ENV, "calls": 10, "repeats": 5, "rows": [row, packed]})
-    assert "| padded | 256 | 8 | 0.500 | 1.500 / 2.000 | 3.00× | 2.0e-07 | 3.0e-07 |" in text
-    assert "| packed | 256 | 8 | 0.750 | 1.500 / 2.000 | 2.00× | 2.0e-07 | 3.0e-07 |" in text
+    assert "| padded | 256 | 8 | persistrnn | 0.500 | 1.500 / 2.000 | 3.00× | 2.0e-07 | 3.0e-07 |" in text
+    assert "| packed | 256 | 8 | cuDNN | 0.750 | 1.500 / 2.000 | 2.00× | 2.0e-07 | 3.0e-07 |" in text
     assert ENV["commit"] in text

@@ -21,6 +21,7 @@ from persistrnn import adjoint, cells, persistent, reference, runtime, training
 from persistrnn.errors import UnsupportedError
 from persistrnn.nn import torch_forward
 from persistrnn.training import TORCH_FUNCTIONS
+from persistrnn.training import _time_training_steps as time_training_steps  # before the fixture replaces it
 
 CELL_NAMES = tuple(cells.CELLS)
 
@@ -401,6 +402,52 @@ def test_lengths_are_checked(lengths, error, message):
     x, h0, c0, weights = random_model("gru", 2, 3, 1, False, True, steps=3, batch=2)
     with pytest.raises(error, match=message):
         ours_with_lengths("gru", x, h0, c0, weights, 1, False, True, lengths)
+
+
+# ---- persistrnn's training step or cuDNN's ----------------------------------------------
+
+
+def choice_module(cell="lstm"):
+    return types.SimpleNamespace(cell=cell, input_size=16, hidden_size=32, num_layers=2, bidirectional=True,
+                                 bias=True)
+
+
+def cuda_like(steps, batch):
+    """What cudnn_trains_faster reads of a CUDA input, without a GPU."""
+    return types.SimpleNamespace(shape=(steps, batch, 16), dtype=torch.float32, is_cuda=True,
+                                 device=types.SimpleNamespace(index=0))
+
+
+def test_cudnn_trains_where_it_measured_faster_timed_once_per_shape(monkeypatch):
+    timed = []
+
+    def timing(module, x):
+        timed.append(tuple(x.shape))
+        return (2.0, 1.0) if x.shape[1] == 32 else (1.0, 2.0)  # cuDNN faster at batch 32 only
+
+    monkeypatch.setattr(training, "_time_training_steps", timing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    module = choice_module()
+    assert training.cudnn_trains_faster(module, cuda_like(100, 32))
+    assert not training.cudnn_trains_faster(module, cuda_like(100, 8))
+    assert training.cudnn_trains_faster(module, cuda_like(90, 32))  # T=90 and 100: one power-of-two bucket
+    assert not training.cudnn_trains_faster(module, cuda_like(100, 8))
+    assert timed == [(100, 32, 16), (100, 8, 16)]
+    assert not training.cudnn_trains_faster(module, types.SimpleNamespace(is_cuda=False))  # the CPU: ours
+
+
+@pytest.mark.parametrize("why", ["deterministic", "no cuDNN cell", "cuDNN off"])
+def test_cudnn_never_trains_where_persistrnn_must(why, monkeypatch):
+    monkeypatch.setattr(training, "_time_training_steps", lambda module, x: (2.0, 1.0))  # cuDNN faster
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    module = choice_module("gru_reset_before" if why == "no cuDNN cell" else "lstm")
+    with torch.backends.cudnn.flags(enabled=why != "cuDNN off"):
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(why == "deterministic")
+        try:
+            assert not training.cudnn_trains_faster(module, cuda_like(100, 32))
+        finally:
+            torch.use_deterministic_algorithms(previous)
 
 
 def test_dropout_masks_are_checked():
@@ -839,6 +886,46 @@ def test_gpu_gradients_are_bit_identical_run_to_run(cell, dtype):
 
 MODULES = [("LSTM", dict(num_layers=2)), ("GRU", dict(bidirectional=True)), ("GRU", dict(reset_after=False)),
            ("RNN", dict(nonlinearity="relu", batch_first=True))]
+
+
+@pytest.mark.gpu
+def test_gpu_the_training_choice_times_both_steps_once_and_logs_it(untuned, monkeypatch, caplog):
+    import logging
+
+    import persistrnn
+
+    monkeypatch.setattr(training, "_time_training_steps", time_training_steps)
+    model = persistrnn.LSTM(16, 32, num_layers=2).cuda().train()
+    x = torch.randn(7, 3, 16, device="cuda")
+    with caplog.at_level(logging.INFO, logger="persistrnn"):
+        first = training.cudnn_trains_faster(model, x)
+        assert training.cudnn_trains_faster(model, x) == first
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training lstm")]
+    assert len(messages) == 1 and re.search(r"persistrnn \d+\.\d+ ms, cuDNN \d+\.\d+ ms per step", messages[0])
+    assert all(p.grad is None for p in model.parameters())  # the timing leaves the module's gradients alone
+
+
+@pytest.mark.gpu
+def test_gpu_a_module_trains_on_cudnn_where_it_measured_faster(untuned, monkeypatch, recwarn):
+    import persistrnn
+
+    monkeypatch.setattr(training, "_time_training_steps", lambda module, x: (2.0, 1.0))  # cuDNN faster
+    torch.manual_seed(4)
+    model = persistrnn.LSTM(16, 32, num_layers=2).cuda().train()
+    model.training_kernels = True
+    theirs = torch.nn.LSTM(16, 32, num_layers=2).cuda().train()
+    theirs.load_state_dict(model.state_dict())
+    x = torch.randn(7, 3, 16, device="cuda", requires_grad=True)
+    assert model._torch_reason(x, trains=True) == "training: cuDNN measured faster at this shape"
+    out, _ = model(x)
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)]
+    assert torch.equal(out, theirs(x)[0])  # torch's own step, on the same weights
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:  # asked to be deterministic: persistrnn's operators, whatever the timing
+        assert model._torch_reason(x, trains=True) is None
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 @pytest.mark.gpu
