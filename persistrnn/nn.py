@@ -71,21 +71,23 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def _packed_positions(batch_sizes: torch.Tensor, sorted_indices: torch.Tensor | None,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the row of the time-major padded (T * B) layout that each row of a
-    packed sequence's data fills, on ``device``; each sequence's length, in
-    the batch's own order, on the CPU). Packed rows run step by step, each
-    step's sequences in the sorted order: row k of step t is sorted column
-    j, the sequence ``sorted_indices[j]``."""
+def _packed_positions(batch_sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the row of the time-major padded (T * B) layout, in the sorted order,
+    that each row of a packed sequence's data fills, on ``device``; each
+    sorted sequence's length, on the CPU), from ``batch_sizes`` alone. Packed
+    rows run step by step, each step's sequences longest first: row k of
+    step t is sorted column k - (the rows of the steps before t)."""
     steps, batch = len(batch_sizes), int(batch_sizes[0])
     step_of_row = torch.repeat_interleave(torch.arange(steps), batch_sizes)
     first_row = torch.cumsum(batch_sizes, 0) - batch_sizes
     column_of_row = torch.arange(len(step_of_row)) - first_row[step_of_row]
-    sorted_lengths = (batch_sizes[None, :] > torch.arange(batch)[:, None]).sum(1)
-    order = torch.arange(batch) if sorted_indices is None else sorted_indices.cpu()
-    lengths = torch.empty_like(sorted_lengths).index_copy_(0, order, sorted_lengths)
-    return (step_of_row * batch + order[column_of_row]).to(device), lengths
+    lengths = (batch_sizes[None, :] > torch.arange(batch)[:, None]).sum(1)
+    return runtime.to_device_async(step_of_row * batch + column_of_row, device), lengths
+
+
+def _permuted(states: torch.Tensor | None, order: torch.Tensor | None) -> torch.Tensor | None:
+    """(L*D, B, H) states with their batch rows in ``order`` (None: as they are)."""
+    return states if states is None or order is None else states.index_select(1, order)
 
 
 def torch_forward(spec: CellSpec, module: torch.nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
@@ -266,17 +268,19 @@ class _Persistent:
         return cast(input), hx
 
     def _packed_forward(self, packed: PackedSequence, hx: Any) -> Any:
-        """A PackedSequence on the kernels: padded in the batch's own order,
-        run with each sequence's length, packed again in the input's order
-        (hx and the final states are in the batch's own order, as torch's).
-        Padding and packing are one gather each (:func:`_packed_positions`):
-        torch's ``pad_packed_sequence`` / ``pack_padded_sequence`` copy one
-        time step at a time, and the backward of the latter measured 2.6 ms
-        of host time per call at T=100 on the H100's host."""
+        """A PackedSequence on the kernels, run as torch runs it: padded in
+        the sorted order (longest first, as the packed data is), each sequence
+        with its length, hx and the final states permuted by the sequence's
+        ``sorted_indices`` and back. Padding and packing are one gather each
+        (:func:`_packed_positions`): torch's ``pad_packed_sequence`` /
+        ``pack_padded_sequence`` copy one time step at a time (the backward of
+        the latter measured 2.6 ms of host time per call at T=100 on the
+        H100's host), and the sorted order needs nothing from the device, so
+        nothing here synchronises."""
         data, batch_sizes = packed.data, packed.batch_sizes
         steps, batch = len(batch_sizes), int(batch_sizes[0])
-        positions, lengths = _packed_positions(batch_sizes, packed.sorted_indices, data.device)
-        # (T * B, I) zeros, each packed row at its (step, sequence): time-major
+        positions, lengths = _packed_positions(batch_sizes, data.device)
+        # (T * B, I) zeros, each packed row at its (step, sorted column): time-major
         x = data.new_zeros(steps * batch, data.shape[1]).index_copy(0, positions, data).view(steps, batch, -1)
         layout = x.transpose(0, 1) if self.batch_first else x  # the padded input in the module's layout
         x, states, _ = self._normalise(layout, hx)
@@ -292,12 +296,15 @@ class _Persistent:
             zeros = x.new_zeros(self.num_layers * (2 if self.bidirectional else 1), batch, self.hidden_size)
             states = (zeros, zeros) if pairs else zeros
         h0, c0 = states if pairs else (states, None)
+        h0, c0 = _permuted(h0, packed.sorted_indices), _permuted(c0, packed.sorted_indices)
         if trains:
             out, h_n, c_n = training.run_module(self, x, h0, c0, lengths=lengths)
         else:
             out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
                                          num_layers=self.num_layers, bidirectional=self.bidirectional,
-                                         has_biases=self.bias, lengths=lengths.to(x.device, torch.int32))
+                                         has_biases=self.bias,
+                                         lengths=runtime.to_device_async(lengths.to(torch.int32), x.device))
+        h_n, c_n = _permuted(h_n, packed.unsorted_indices), _permuted(c_n, packed.unsorted_indices)
         packed_out = PackedSequence(out.reshape(steps * batch, -1).index_select(0, positions), batch_sizes,
                                     packed.sorted_indices, packed.unsorted_indices)
         return packed_out, ((h_n, c_n) if pairs else h_n)

@@ -796,7 +796,7 @@ def _lengths_on_device(lengths: torch.Tensor | None, steps: int, batch: int,
     if low < 1 or high > steps:
         raise ArgumentError(f"lengths: expected every length in 1..{steps} (the steps of the input), "
                             f"got lengths from {low} to {high}")
-    return lengths.to(x.device, torch.int32)
+    return runtime.to_device_async(lengths.to(torch.int32), x.device)
 
 
 def _step_runs(lengths: torch.Tensor | None, steps: int, dtype: torch.dtype) -> torch.Tensor | None:

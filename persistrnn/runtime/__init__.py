@@ -14,7 +14,7 @@ from .device import DeviceFacts, device_facts, facts_of, require_gpu
 from .graphs import CapturedCall, GraphCache, capture_graph
 from .launch import (WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
                      inject_failure, kernel_args, launch, raise_reported_failure, report_word, scratch,
-                     set_wait_timeout, wait_timeout_ns)
+                     set_wait_timeout, to_device_async, wait_timeout_ns)
 from .timing import per_iteration_us, time_cuda_ms, warm_up
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "inject_failure", "kernel_args", "key_lock", "launch", "map_in_threads", "nvrtc_compiles", "nvrtc_version",
     "parse_ptxas_report", "per_iteration_us", "program_options", "raise_reported_failure", "read_source",
     "render_template",
-    "report_word", "require_gpu", "scratch", "set_wait_timeout", "sources_dir", "time_cuda_ms", "wait_timeout_ns",
+    "report_word", "require_gpu", "scratch", "set_wait_timeout", "sources_dir", "time_cuda_ms", "to_device_async",
+    "wait_timeout_ns",
     "warm_up",
 ]

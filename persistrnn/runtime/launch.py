@@ -31,7 +31,7 @@ from .device import facts_of, require_gpu
 
 __all__ = ["LoadedKernel", "Scratch", "WAIT_TIMEOUT_ENV", "check_status", "get_kernel", "inject_failure",
            "kernel_args", "launch", "raise_reported_failure", "report_word", "scratch", "set_wait_timeout",
-           "wait_timeout_ns", "failure_hook"]
+           "to_device_async", "wait_timeout_ns", "failure_hook"]
 
 
 @dataclasses.dataclass
@@ -254,6 +254,19 @@ def launch(kernel: LoadedKernel, config: Any, *args: Any, stream: Any = None) ->
 
         stream = torch.cuda.current_stream()
     _core_launch(_stream(stream), config, kernel.kernel, *args)
+
+
+def to_device_async(tensor: Any, device: Any) -> Any:
+    """A CPU tensor on ``device`` without synchronising the host with the
+    device: through pinned memory and an asynchronous copy (torch's caching
+    host allocator keeps the pinned block until the copy has run). A plain
+    ``.to(device)`` of pageable memory waits for the stream, which serialises
+    a device-bound step's host work with its device work."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def kernel_args(*values: Any) -> tuple[Any, ...]:
