@@ -1,9 +1,11 @@
 """Where a training step's host time goes, padded and on a PackedSequence,
-ours beside cuDNN (LSTM 256, T=100, batch 8): ms per step, then torch.profiler
-tables (self and total CPU time per op) of 10 steps each.
+ours beside cuDNN (LSTM, T=100; 256 units at batch 8 unless --hidden and
+--batch say otherwise): ms per step, then torch.profiler tables (self and
+total CPU time per op) of 10 steps each.
 
     PYTHONPATH=. python scripts/profile_training_host.py
 """
+import argparse
 import time
 
 import torch
@@ -13,7 +15,11 @@ from torch.profiler import ProfilerActivity, profile
 import persistrnn
 
 torch.manual_seed(0)
-H, B, T = 256, 8, 100
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--hidden", type=int, default=256)
+parser.add_argument("--batch", type=int, default=8)
+args = parser.parse_args()
+H, B, T = args.hidden, args.batch, 100
 ours = persistrnn.LSTM(H, H).cuda()
 ours.training_kernels = True
 theirs = torch.nn.LSTM(H, H).cuda()
