@@ -63,9 +63,7 @@ def reference_autograd(cell, x, h0, c0, weights, num_layers, bidirectional, has_
 
 
 def ours(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases):
-    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
-                                                          has_biases, [], None)
-    return out, h_n, (c_n if cells.get_cell(cell).has_cell_state else None)
+    return training.train_step(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, [])
 
 
 def loss_of(result, seed=1):
@@ -232,9 +230,7 @@ def layered_reference(cell, x, h0, c0, weights, num_layers, bidirectional, has_b
 
 
 def ours_with_masks(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, masks):
-    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
-                                                          has_biases, masks, None)
-    return out, h_n, (c_n if c0 is not None else None)
+    return training.train_step(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, masks)
 
 
 @pytest.mark.parametrize("cell,bidirectional", [("lstm", True), ("gru", False), ("rnn_tanh", True),
@@ -320,9 +316,7 @@ def test_step_backward_with_lengths_equals_autograd_of_the_held_step(cell):
 
 
 def ours_with_lengths(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, lengths):
-    out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, num_layers, bidirectional,
-                                                          has_biases, [], lengths)
-    return out, h_n, (c_n if cells.get_cell(cell).has_cell_state else None)
+    return training.train_step(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, [], lengths)
 
 
 def each_sequence_alone(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, lengths):
@@ -486,8 +480,7 @@ def test_torch_compile_traces_forward_and_backward_without_a_graph_break():
     x, h0, c0, weights = random_model("lstm", 3, 5, 1, False, True, steps=3, batch=2, seed=6)
 
     def step(x, h0, c0, *weights):
-        out, h_n, c_n, _ = torch.ops.persistrnn.train_forward(x, h0, c0, list(weights), "lstm", 1, False, True, [],
-                                                              None)
+        out, h_n, c_n = training.train_step(x, h0, c0, list(weights), "lstm", 1, False, True, [])
         return out.square().sum() + h_n.sum()
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
