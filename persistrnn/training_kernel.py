@@ -37,7 +37,7 @@ import torch
 
 from . import runtime
 from .adjoint import render_block_body, step_backward_program
-from .cells import CELLS, CellSpec, get_cell
+from .cells import CellSpec, get_cell
 from .checks import check_tensor
 from .errors import ArgumentError, ConfigError, KernelLaunchError, UnsupportedError
 
@@ -70,9 +70,28 @@ class BackwardKernelConfig:
         return -(-self.hidden // self.blocks)
 
     @property
+    def stage_rows(self) -> tuple[tuple[int, int], ...]:
+        """Per stage, its rows [first, end) of the block's slice: its gates'
+        units, each stage's count padded to the product's float4 loads."""
+        bounds, first = [], 0
+        for stage in self.spec.stages:
+            end = first + -(-len(stage) * self.units // 4) * 4
+            bounds.append((first, end))
+            first = end
+        return tuple(bounds)
+
+    @property
+    def gate_row0(self) -> tuple[int, ...]:
+        """Per gate (torch's order), the slice row of its first owned unit."""
+        rows = {}
+        for (first, _), stage in zip(self.stage_rows, self.spec.stages):
+            rows.update((gate, first + k * self.units) for k, gate in enumerate(stage))
+        return tuple(rows[gate] for gate in self.spec.gates)
+
+    @property
     def rows(self) -> int:
-        """W_hh rows per block (every gate of its units), padded to the product's float4 loads."""
-        return -(-self.spec.num_gates * self.units // 4) * 4
+        """W_hh rows per block (every gate of its units, each stage padded to 4)."""
+        return self.stage_rows[-1][1]
 
     @property
     def w_stride(self) -> int:
@@ -90,7 +109,12 @@ class BackwardKernelConfig:
     @property
     def direct_dh(self) -> bool:
         """Whether the statements store a part of dh_{t-1} beside the product (GRU's z * dh)."""
-        return step_backward_program(self.spec).blocks[0].accumulate
+        return next(b for b in step_backward_program(self.spec).blocks if b.block == 0).accumulate
+
+    @property
+    def carry_planes(self) -> int:
+        """Per-element planes for adjoints that cross blocks otherwise (the reset-before GRU's d(r * h))."""
+        return len(step_backward_program(self.spec).carried)
 
     def slice_bytes(self) -> int:
         """The block's W_hh slice in shared memory (transposed, padded)."""
@@ -98,8 +122,9 @@ class BackwardKernelConfig:
 
     def batch_row_bytes(self) -> int:
         """Shared memory per batch row: d gates, the partials' two parities
-        from every block, the staged inputs' two parities, dc and the direct part of dh."""
-        state = int(self.spec.has_cell_state) + int(self.direct_dh)
+        from every block, the staged inputs' two parities, dc, the direct part
+        of dh and the carry planes."""
+        state = int(self.spec.has_cell_state) + int(self.direct_dh) + self.carry_planes
         return 4 * (self.rows + (2 * self.blocks + 2 * self.planes + state) * self.units)
 
     def shared_bytes(self, batch: int) -> int:
@@ -120,16 +145,17 @@ def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
     """The configuration for ``hidden`` units and ``batch`` rows on a device
     with ``shared_limit`` bytes of shared memory per block and clusters of up
     to ``cluster_limit`` blocks. Raises :class:`UnsupportedError` for a cell
-    of several stages and :class:`ConfigError`, naming the sizes that fit,
-    when a block's share does not fit."""
+    whose later stage multiplies ``h`` itself (no built-in cell does) and
+    :class:`ConfigError`, naming the sizes that fit, when a block's share does
+    not fit."""
     spec = get_cell(cell)
     for name, value in (("hidden", hidden), ("batch", batch), ("cluster_limit", cluster_limit)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ArgumentError(f"{name}: expected a positive int, got {value!r}")
-    if spec.num_stages != 1:
-        single = sorted(name for name, other in CELLS.items() if other.num_stages == 1)
-        raise UnsupportedError(f"the persistent backward kernel runs single-stage cells ({', '.join(single)}); "
-                               f"{spec.name} has {spec.num_stages} stages: its per-step launches run it")
+    if "h" in spec.stage_operands[1:]:
+        raise UnsupportedError(f"the persistent backward kernel runs cells whose later stages multiply a name "
+                               f"their statements assign; {spec.name}'s stage operands are {spec.stage_operands}: "
+                               "its per-step launches run it")
     config = _config(spec, hidden, batch, cluster_limit)
     if config.shared_bytes(batch) <= shared_limit:
         return config
@@ -144,20 +170,87 @@ def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
         f"W_hh slice); the device allows {shared_limit}: {at_hidden}, and {at_batch}")
 
 
+def _gate_row0_macro(config: BackwardKernelConfig) -> str:
+    """``PRNN_GATE_ROW0(g)``'s expansion: the slice row of gate g's first owned unit."""
+    rows = "".join(f"(g) == {g} ? {row} : " for g, row in enumerate(config.gate_row0[:-1]))
+    return f"({rows}{config.gate_row0[-1]})"
+
+
+def _step_source(config: BackwardKernelConfig) -> str:
+    """The body of one step: per statement block in walk order, the
+    adjoints the exchange before it left, its statements over the block's
+    elements, then its stage's product and one cluster barrier."""
+    program, spec = step_backward_program(config.spec), config.spec
+    exchanges = spec.num_stages
+    lines = []
+    for walk, block in enumerate(program.blocks):
+        j = block.block
+        if walk == 0:  # dh_t: the last exchange of the step before, or dL/dh_n
+            gather = ["const float prnn_dh_now = prnn_i == 0 ? prnn_dh_last[prnn_b * PRNN_H + prnn_u0 + prnn_j]",
+                      f"                                      : prnn_gathered_dh((prnn_i * {exchanges} - 1) & 1, "
+                      "prnn_e);",
+                      "const float* prnn_dh = &prnn_dh_now;"]
+        else:  # the operand of the stage exchanged just before: a carry plane
+            before = program.blocks[walk - 1]
+            plane = program.carried.index(spec.stage_operands[before.block])
+            into = f"prnn_carry_planes[{plane} * prnn_elements + prnn_e]"
+            summed = f"prnn_gathered((prnn_i * {exchanges} + {walk - 1}) & 1, prnn_e)"
+            gather = [f"{into} = {into + ' + ' if before.accumulate else ''}{summed};",
+                      "[[maybe_unused]] const float* prnn_dh = nullptr;"]
+        first, end = config.stage_rows[j]
+        body = textwrap.indent("\n".join([
+            "const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;",
+            "if (prnn_j >= prnn_owned) continue;",
+            *gather,
+            "// The statements' names, each at this thread's element (index 0, or g * PRNN_H).",
+            "[[maybe_unused]] constexpr int prnn_n = 0, prnn_row = 0, prnn_hidden = PRNN_H;",
+            "[[maybe_unused]] const prnn_gate_view prnn_xg{prnn_planes + PRNN_PLANE_XG * prnn_elements + prnn_e, "
+            "prnn_elements};",
+            "[[maybe_unused]] const prnn_gate_view prnn_gates{prnn_planes + PRNN_PLANE_GATES * prnn_elements + "
+            "prnn_e, prnn_elements};",
+            "[[maybe_unused]] const float* prnn_h = prnn_planes + PRNN_PLANE_H * prnn_elements + prnn_e;",
+            "[[maybe_unused]] const float* prnn_c = prnn_planes + PRNN_PLANE_C * prnn_elements + prnn_e;",
+            "[[maybe_unused]] const float* prnn_dout = prnn_planes + PRNN_PLANE_DOUT * prnn_elements + prnn_e;",
+            "// step_runs of row b, staged per element: [prnn_b] is this element's.",
+            "[[maybe_unused]] const float* prnn_step_runs = prnn_planes + PRNN_PLANE_RUNS * prnn_elements + prnn_e "
+            "- prnn_b;",
+            "// dc_t in, dc_{t-1} out, in place: the statements read every input before they store.",
+            "[[maybe_unused]] float* prnn_dc = prnn_dc_state + prnn_e;",
+            "[[maybe_unused]] float* prnn_dc_prev = prnn_dc_state + prnn_e;",
+            "[[maybe_unused]] float* prnn_dh_prev = prnn_direct + prnn_e;",
+            "[[maybe_unused]] const prnn_carry_view prnn_carry{prnn_carry_planes + prnn_e, prnn_batch * PRNN_H, "
+            "prnn_elements};",
+            "[[maybe_unused]] float* prnn_operands = prnn_operands_all + ((size_t)prnn_p * prnn_batch + prnn_b) * "
+            "PRNN_H + prnn_u0 + prnn_j;",
+            "const size_t prnn_gate_at = ((size_t)prnn_p * prnn_batch + prnn_b) * prnn_gh + prnn_u0 + prnn_j;",
+            "[[maybe_unused]] float* prnn_dxg = prnn_dxw_all + prnn_gate_at;",
+            "[[maybe_unused]] const prnn_gate_tee prnn_dgates{prnn_dgates_all + prnn_gate_at, "
+            "prnn_dg + prnn_b * PRNN_ROWS + prnn_j};",
+            textwrap.dedent(render_block_body(program, block))]), " " * 4)
+        lines += [f"// statement block {j}, then stage {j}'s product",
+                  "for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {", body, "}"]
+        if walk == 0:  # the next position's inputs, into the other staging buffer, while the products run
+            lines.append("if (prnn_i + 1 < prnn_steps) prnn_stage_position(prnn_position(prnn_i + 1), "
+                         "(prnn_i & 1) ^ 1);")
+        lines += ["__syncthreads();  // the block's d gates are in shared memory",
+                  f"prnn_product({first}, {end}, (prnn_i * {exchanges} + {walk}) & 1);",
+                  "prnn_cluster_sync();"]
+    return textwrap.indent("\n".join(lines), " " * 8)
+
+
 def kernel_source(config: BackwardKernelConfig) -> str:
     """The complete CUDA source of ``config``'s kernel: the template with the
-    cell's generated backward statements (:mod:`persistrnn.adjoint`)."""
-    program = step_backward_program(config.spec)
-    (block,) = program.blocks  # single-stage: one statement block
+    cell's generated backward statements (:mod:`persistrnn.adjoint`), one
+    statement block and one product per stage in each step."""
     defines = {"PRNN_G": config.spec.num_gates, "PRNN_H": config.hidden, "PRNN_BLOCKS": config.blocks,
                "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
                "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
                "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh),
-               "PRNN_LENGTHS": int(config.spec.lengths)}
+               "PRNN_LENGTHS": int(config.spec.lengths), "PRNN_CARRY": config.carry_planes,
+               "PRNN_EXCHANGES": config.spec.num_stages, "PRNN_GATE_ROW0(g)": _gate_row0_macro(config)}
     return runtime.render_template("step_backward_persistent.cu",
                                    title=f"persistent step backward: cell {config.spec.name}", defines=defines,
-                                   marker="            // ---- the block's statements ----",
-                                   generated=textwrap.indent(render_block_body(program, block), " " * 8),
+                                   marker="        // ---- the step's blocks ----", generated=_step_source(config),
                                    keep_marker=False)
 
 
@@ -210,9 +303,9 @@ def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_pr
                      d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor,
                      step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """:func:`persistrnn.training._fused_steps` in one cluster launch (fp32
-    CUDA tensors; a single-stage cell, so ``stage_operands`` is empty and
-    stays so): fills ``d_xw`` and ``d_gates`` (T, B, G*H), contiguous, and
-    returns (dh0, dc0 or None). ``h_prev``/``c_prev`` (T, B, H): the states
+    CUDA tensors): fills ``d_xw`` and ``d_gates`` (T, B, G*H) and
+    ``stage_operands`` (stages - 1, T, B, H), contiguous, and returns (dh0,
+    dc0 or None). ``h_prev``/``c_prev`` (T, B, H): the states
     each position started from; ``step_runs`` (T, B), for a cell with
     lengths only: 1 where a row's sequence runs the position, else 0.
     Raises where :func:`fits` says no."""
@@ -244,8 +337,11 @@ def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_pr
     else:
         dc0 = None
         cell_state = (no_tensor, no_tensor, no_tensor)
+    check_tensor("stage_operands", stage_operands, (spec.num_stages - 1, steps, batch, hidden), xw.device,
+                 torch.float32)
     args = runtime.kernel_args(xw, gates, h_prev, cell_state[0], w_hh, d_out, dh_n, cell_state[1],
-                               no_tensor if step_runs is None else step_runs, d_xw, d_gates, dh0, cell_state[2],
-                               steps, batch, int(reverse))
+                               no_tensor if step_runs is None else step_runs, d_xw, d_gates,
+                               stage_operands if spec.num_stages > 1 else no_tensor, dh0, cell_state[2], steps,
+                               batch, int(reverse))
     runtime.launch(kernel, launch_config, *args)
     return dh0, dc0

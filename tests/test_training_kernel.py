@@ -1,7 +1,7 @@
 """The persistent backward kernel (persistrnn.training_kernel): its source
-for every single-stage cell compiles for sm_90 without local memory and the
-size rule refuses what does not fit (CPU); on a GPU its step loop equals the
-float64 torch-op steps to fp32 rounding, bit for bit from run to run."""
+for every cell compiles for sm_90 without local memory and the size rule
+refuses what does not fit (CPU); on a GPU its step loop equals the float64
+torch-op steps to fp32 rounding, bit for bit from run to run."""
 
 import re
 
@@ -12,7 +12,7 @@ from test_training import direction_inputs, run_steps
 from persistrnn import cells, training, training_kernel
 from persistrnn.errors import ConfigError, UnsupportedError
 
-SINGLE_STAGE = tuple(name for name, spec in cells.CELLS.items() if spec.num_stages == 1)
+CELL_NAMES = tuple(cells.CELLS)
 H100_SHARED = 232448  # the H100's opt-in shared memory per block (227 KB): the size rule's numbers on the CPU
 
 # fp32 against float64 on the same fp32-rounded inputs: per element, and the
@@ -22,15 +22,11 @@ RTOL = ATOL = 1e-5
 MAX_ERROR = 1e-5
 
 
-def test_single_stage_cells_are_the_ones_expected():
-    assert set(SINGLE_STAGE) == {"lstm", "gru", "rnn_tanh", "rnn_relu"}
-
-
 # H=37 at batch 3: partial blocks (16 blocks of 3 units, the last ones idle)
 # and one partial batch tile; H=256 at batch 32: the widest tile, the most registers.
 @pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32)])
-@pytest.mark.parametrize("cell", SINGLE_STAGE)
+@pytest.mark.parametrize("cell", CELL_NAMES)
 def test_kernel_compiles_for_sm90_without_local_memory(cell, hidden, batch, lengths):
     config = training_kernel.plan(cells.with_lengths(cell) if lengths else cell, hidden, batch, H100_SHARED)
     binary = training_kernel.compile_kernel(config, arch="sm_90")
@@ -40,17 +36,34 @@ def test_kernel_compiles_for_sm90_without_local_memory(cell, hidden, batch, leng
     assert "warning" not in binary.log, binary.log
 
 
-@pytest.mark.parametrize("cell", SINGLE_STAGE)
+@pytest.mark.parametrize("cell", CELL_NAMES)
 def test_kernel_source_holds_the_generated_statements(cell):
     source = training_kernel.kernel_source(training_kernel.plan(cell, 100, 3, H100_SHARED))
-    assert "// ---- the block's statements ----" not in source
-    assert "prnn_d0_h_new = prnn_dh[prnn_n] + prnn_dout[prnn_n];" in source
-    assert f"#define PRNN_G {cells.get_cell(cell).num_gates}" in source
+    spec = cells.get_cell(cell)
+    assert "// ---- the step's blocks ----" not in source
+    assert source.count("prnn_d0_h_new = prnn_dh[prnn_n] + prnn_dout[prnn_n];") == 1  # the first block's seed
+    assert source.count("prnn_cluster_sync();") == spec.num_stages + 1  # one exchange per stage, and the start
+    assert f"#define PRNN_G {spec.num_gates}" in source and f"#define PRNN_EXCHANGES {spec.num_stages}" in source
 
 
-def test_multi_stage_cells_are_refused():
-    with pytest.raises(UnsupportedError, match="single-stage cells .*gru_reset_before has 2 stages"):
-        training_kernel.plan("gru_reset_before", 64, 1, H100_SHARED)
+def test_the_reset_before_gru_exchanges_d_r_h_before_its_first_stage():
+    # Walk order: the pointwise block and the n rows' product (d(r * h) into
+    # its carry plane), then block 0 and the r, z rows' product (dh).
+    config = training_kernel.plan("gru_reset_before", 37, 3, H100_SHARED)
+    assert config.stage_rows == ((0, 8), (8, 12)) and config.gate_row0 == (0, 3, 8) and config.carry_planes == 1
+    source = training_kernel.kernel_source(config)
+    order = [source.index(text) for text in ("// statement block 1", "prnn_product(8, 12, (prnn_i * 2 + 0) & 1);",
+                                             "// statement block 0",
+                                             "prnn_carry_planes[0 * prnn_elements + prnn_e] = prnn_gathered(",
+                                             "prnn_product(0, 8, (prnn_i * 2 + 1) & 1);")]
+    assert order == sorted(order)
+
+
+def test_a_later_stage_that_multiplies_h_is_refused():
+    spec = cells.CellSpec("two_products_of_h", ("a", "b"), False, (("a",), ("b",)), ("h", "h"), ((),),
+                          (("h_new", "tanh(x_a + h_a + x_b + h_b)"),))
+    with pytest.raises(UnsupportedError, match="stage operands are \\('h', 'h'\\)"):
+        training_kernel.plan(spec, 64, 1, H100_SHARED)
 
 
 @pytest.mark.parametrize("hidden,cluster_limit", [(1, 16), (5, 16), (37, 16), (256, 16), (256, 8), (100, 1)])
@@ -96,7 +109,7 @@ def test_too_large_is_refused_naming_what_fits(cell, hidden, batch):
 def test_shared_memory_grows_with_hidden_once_the_cluster_is_full():
     # "H up to X fits" holds for every H below X; below 16 units the cluster
     # grows with H and a block's share may shrink, but every such H fits.
-    for cell in SINGLE_STAGE:
+    for cell in CELL_NAMES:
         sizes = [training_kernel.plan(cell, h, 4, 1 << 30).shared_bytes(4) for h in range(16, 600)]
         assert sizes == sorted(sizes), cell
         assert all(training_kernel.plan(cell, h, 4, H100_SHARED) for h in range(1, 16))
@@ -110,8 +123,8 @@ def test_gpu_fits_follows_the_size_rule():
     device = torch.cuda.current_device()
     assert training_kernel.fits("lstm", 256, 8, device)
     assert training_kernel.fits(cells.get_cell("gru"), 100, 3, torch.device("cuda"))
+    assert training_kernel.fits("gru_reset_before", 64, 1, device)
     assert not training_kernel.fits("lstm", 1024, 1, device)
-    assert not training_kernel.fits("gru_reset_before", 64, 1, device)
 
 
 # Odd and even step counts (the last step's parity), batch 1, a partial tile
@@ -119,7 +132,7 @@ def test_gpu_fits_follows_the_size_rule():
 @pytest.mark.gpu
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("steps,batch,hidden", [(7, 3, 37), (5, 1, 100), (6, 8, 256), (1, 32, 256)])
-@pytest.mark.parametrize("cell", SINGLE_STAGE)
+@pytest.mark.parametrize("cell", CELL_NAMES)
 @pytest.mark.parametrize("lengths", [False, True])
 def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batch, hidden, reverse, lengths):
     inputs = {k: None if v is None else v.float().double()
@@ -138,7 +151,7 @@ def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cell", SINGLE_STAGE)
+@pytest.mark.parametrize("cell", CELL_NAMES)
 def test_gpu_persistent_steps_are_bit_identical_run_to_run(cell):
     inputs = direction_inputs(cell, steps=9, batch=5, hidden=100, seed=3)
     first = run_steps(training_kernel.persistent_steps, cell, inputs, True, device="cuda", dtype=torch.float32)

@@ -1,42 +1,55 @@
-// The backward recurrence of one layer direction in one cluster launch, for
-// single-stage cells (persistrnn/training_kernel.py renders and launches it;
-// persistrnn/adjoint.py generates the step's statements from the cell spec).
+// The backward recurrence of one layer direction in one cluster launch
+// (persistrnn/training_kernel.py renders and launches it; persistrnn/adjoint.py
+// generates the step's statements from the cell spec).
 //
 // Block `rank` of the cluster owns hidden units [u0, u0 + units) (PRNN_UNITS
 // each, the last blocks fewer, possibly none) and keeps the W_hh rows of its
-// units' gates in shared memory for the whole launch, transposed: row
-// r = g * PRNN_UNITS + j (gate g of unit u0 + j) at column r of w[k][.].
-// Per step, in the direction's backward order:
-//   1. for each (batch row b, owned unit): dh_t = the part of dh_t that did
-//      not go through W (the step before left it, GRU's z * dh) + the
-//      cluster's partial products, summed in block order (deterministic);
-//      then the generated statements: d xg, d gates (global, for the weight
-//      gradients after the kernel, and shared, for the product), dc_{t-1}
-//      (shared, in place) and that direct part of dh_{t-1};
-//   2. the block's partial product p[b][k] = sum over its rows r of
-//      d_gates[b][r] * W[r][k], for every column k, stored into the shared
-//      memory of k's owner at slot [parity][rank] (DSMEM stores);
-//   3. one cluster barrier: the slots of this step's parity are complete,
-//      and the slots of the other parity, which the next step fills, were
-//      read by every owner before it arrived.
+// units' gates in shared memory for the whole launch, transposed: gate g of
+// unit u0 + j is row prnn_gate_row0(g) + j at column r of w[k][.]; each
+// stage's rows start at a multiple of 4 (the product reads them as float4).
+// Per step, in the direction's backward order, for each statement block of
+// the cell (the last first; one for LSTM, GRU and RNN, two for the
+// reset-before GRU, whose r * h waits for r) and then its stage's product:
+//   1. for each (batch row b, owned unit): the adjoints the product before
+//      left, summed from the cluster's partials in block order
+//      (deterministic): dh_t at a step's first block (plus the part that did
+//      not go through W, GRU's z * dh), or a stage operand's adjoint (the
+//      reset-before GRU's d(r * h)) into its carry plane; then the block's
+//      generated statements: d xg, d gates (global, for the weight gradients
+//      after the kernel, and shared, for the product), dc_{t-1} (shared, in
+//      place), the direct part of dh_{t-1}, carry planes, and the stage
+//      operands dW_hh needs (global);
+//   2. the block's partial product of its stage, p[b][k] = sum over the
+//      stage's rows r of d_gates[b][r] * W[r][k], for every column k, stored
+//      into the shared memory of k's owner at slot [parity][rank] (DSMEM
+//      stores);
+//   3. one cluster barrier: the slots of this exchange's parity are
+//      complete, and those of the other parity, which the next exchange
+//      fills, were read by every owner before it arrived.
 // The step's forward values (xg, gates, h, c, d_out) do not depend on the
 // recurrence: each thread copies the next step's into shared memory (cp.async)
-// while the product and the barrier run, so no global load is on the chain.
+// while the products and the barriers run, so no global load is on the chain.
 //
 // Only the hardware cluster barrier waits, and the hardware co-schedules a
 // cluster, so nothing here can wait for a block that is not running.
 //
 // Configuration macros from training_kernel.py: PRNN_G (gates), PRNN_H
 // (hidden), PRNN_BLOCKS (cluster size), PRNN_UNITS (units per block),
-// PRNN_ROWS (PRNN_G * PRNN_UNITS rounded up to 4), PRNN_W_STRIDE (floats from
-// one column of the transposed slice to the next), PRNN_THREADS,
-// PRNN_BATCH_TILE (batch rows per product thread), PRNN_CELL_STATE (the cell
-// carries c), PRNN_DIRECT_DH (the statements store a part of dh_{t-1}),
-// PRNN_LENGTHS (the statements read step_runs: a cell with lengths).
+// PRNN_ROWS (every stage's PRNN_UNITS rows per gate, each stage rounded up to
+// 4), PRNN_W_STRIDE (floats from one column of the transposed slice to the
+// next), PRNN_THREADS, PRNN_BATCH_TILE (batch rows per product thread),
+// PRNN_CELL_STATE (the cell carries c), PRNN_DIRECT_DH (the statements store
+// a part of dh_{t-1}), PRNN_LENGTHS (the statements read step_runs: a cell
+// with lengths), PRNN_CARRY (carry planes: adjoints that cross blocks
+// otherwise than through dh, dc or the gates), PRNN_EXCHANGES (products per
+// step: the cell's stages) and PRNN_GATE_ROW0(g).
 //
 // The statements name their values prnn_v<k>, prnn_g<k> and prnn_d<k>_<name>
 // besides the cell's own names, which never start with prnn_: no parameter or
 // local below has any of these forms.
+
+// The slice row of gate g's first owned unit (PRNN_GATE_ROW0: each stage's rows start at a multiple of 4).
+__device__ __forceinline__ constexpr int prnn_gate_row0(int g) { return PRNN_GATE_ROW0(g); }
 
 // relu's derivative; 0 at 0, as torch's (and step_backward.cu's).
 __device__ __forceinline__ float prnn_relu_grad(float x) { return x > 0.0f ? 1.0f : 0.0f; }
@@ -51,7 +64,7 @@ struct prnn_gate_view {  // reads a staged plane set: gate g at base[g * stride]
     __device__ __forceinline__ float operator[](int index) const { return base[index / PRNN_H * stride]; }
 };
 
-struct prnn_gate_tee {  // writes d gates to global (gate stride H) and to the block's shared rows (PRNN_UNITS)
+struct prnn_gate_tee {  // writes d gates to global (gate stride H) and to the block's shared rows
     float* global;
     float* shared;
     struct element {
@@ -63,8 +76,15 @@ struct prnn_gate_tee {  // writes d gates to global (gate stride H) and to the b
         }
     };
     __device__ __forceinline__ element operator[](int index) const {
-        return {global + index, shared + index / PRNN_H * PRNN_UNITS};
+        return {global + index, shared + prnn_gate_row0(index / PRNN_H)};
     }
+};
+
+struct prnn_carry_view {  // the statements' carry plane k at index k * B * H: plane k of this element
+    float* base;
+    int plane;     // B * H: the statements' plane stride
+    int elements;  // B * PRNN_UNITS: the shared planes' stride
+    __device__ __forceinline__ float& operator[](int index) const { return base[index / plane * elements]; }
 };
 
 __device__ __forceinline__ void prnn_st_cluster_f32(prnn_u32 addr, float value) {
@@ -95,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                                                        // sequence runs the step, 0 past its length (cells with lengths)
                                   float* __restrict__ prnn_dxw_all,          // [T][B][G*H]
                                   float* __restrict__ prnn_dgates_all,       // [T][B][G*H]
+                                  float* __restrict__ prnn_operands_all,     // [stages - 1][T][B][H] stage operands
                                   float* __restrict__ prnn_dh_first,         // [B][H] dL/dh_0
                                   float* __restrict__ prnn_dc_first,         // [B][H] dL/dc_0
                                   int prnn_steps, int prnn_batch, int prnn_reverse) {
@@ -109,19 +130,24 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     float* prnn_stage = prnn_recv + 2 * PRNN_BLOCKS * prnn_elements;  // [2][PRNN_PLANES][B * PRNN_UNITS]
     float* prnn_dc_state = prnn_stage + 2 * PRNN_PLANES * prnn_elements;  // [B * PRNN_UNITS] (cells with c)
     float* prnn_direct = prnn_dc_state + PRNN_CELL_STATE * prnn_elements;  // [B * PRNN_UNITS] (PRNN_DIRECT_DH)
+    float* prnn_carry_planes = prnn_direct + PRNN_DIRECT_DH * prnn_elements;  // [PRNN_CARRY][B * PRNN_UNITS]
     constexpr int prnn_gh = PRNN_G * PRNN_H;
+    [[maybe_unused]] const size_t prnn_operand_stride = (size_t)prnn_steps * prnn_batch * PRNN_H;
 
-    // The slice, transposed; rows past the block's units stay zero (as do
-    // their d gates), so every block runs the same product loop.
-    for (int prnn_i = threadIdx.x; prnn_i < PRNN_ROWS * PRNN_H; prnn_i += PRNN_THREADS) {
-        const int prnn_r = prnn_i / PRNN_H, prnn_k = prnn_i % PRNN_H;
-        const int prnn_gate = prnn_r / PRNN_UNITS, prnn_j = prnn_r % PRNN_UNITS;
-        prnn_w[prnn_k * PRNN_W_STRIDE + prnn_r] =
-            prnn_gate < PRNN_G && prnn_j < prnn_owned
-                ? prnn_w_hh[(size_t)(prnn_gate * PRNN_H + prnn_u0 + prnn_j) * PRNN_H + prnn_k]
-                : 0.0f;
-    }
+    // The slice, transposed; rows past the block's units and a stage's
+    // padding stay zero (as do their d gates), so every block runs the same
+    // product loop.
+    for (int prnn_i = threadIdx.x; prnn_i < PRNN_ROWS * PRNN_H; prnn_i += PRNN_THREADS)
+        prnn_w[prnn_i / PRNN_ROWS * PRNN_W_STRIDE + prnn_i % PRNN_ROWS] = 0.0f;
     for (int prnn_i = threadIdx.x; prnn_i < prnn_batch * PRNN_ROWS; prnn_i += PRNN_THREADS) prnn_dg[prnn_i] = 0.0f;
+    __syncthreads();
+    for (int prnn_i = threadIdx.x; prnn_i < PRNN_G * PRNN_UNITS * PRNN_H; prnn_i += PRNN_THREADS) {
+        const int prnn_k = prnn_i % PRNN_H, prnn_gj = prnn_i / PRNN_H;
+        const int prnn_gate = prnn_gj / PRNN_UNITS, prnn_j = prnn_gj % PRNN_UNITS;
+        if (prnn_j < prnn_owned)
+            prnn_w[prnn_k * PRNN_W_STRIDE + prnn_gate_row0(prnn_gate) + prnn_j] =
+                prnn_w_hh[(size_t)(prnn_gate * PRNN_H + prnn_u0 + prnn_j) * PRNN_H + prnn_k];
+    }
 
     // Copy position prnn_p's forward values of this thread's elements into
     // staging buffer prnn_parity; the same thread reads them, after its wait.
@@ -152,62 +178,26 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
         prnn_cp_async_commit();
     };
 
-    // dh_{t-1} of element prnn_e: the direct part, then the blocks' partial
-    // products of parity prnn_parity, in block order.
-    auto prnn_gathered_dh = [&](int prnn_parity, int prnn_e) {
-        float prnn_sum = PRNN_DIRECT_DH ? prnn_direct[prnn_e] : 0.0f;
+    // The cluster's partial products of exchange parity prnn_parity for
+    // element prnn_e, summed in block order.
+    auto prnn_gathered = [&](int prnn_parity, int prnn_e) {
+        float prnn_sum = 0.0f;
         const float* prnn_slots = prnn_recv + prnn_parity * PRNN_BLOCKS * prnn_elements + prnn_e;
 #pragma unroll
         for (int prnn_src = 0; prnn_src < PRNN_BLOCKS; ++prnn_src) prnn_sum += prnn_slots[prnn_src * prnn_elements];
         return prnn_sum;
     };
+    // dh_{t-1} of element prnn_e: the direct part, then the partials.
+    auto prnn_gathered_dh = [&](int prnn_parity, int prnn_e) {
+        return (PRNN_DIRECT_DH ? prnn_direct[prnn_e] : 0.0f) + prnn_gathered(prnn_parity, prnn_e);
+    };
 
-    auto prnn_position = [&](int prnn_i) { return prnn_reverse ? prnn_i : prnn_steps - 1 - prnn_i; };
-    for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
-        const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
-        if (PRNN_CELL_STATE && prnn_j < prnn_owned)
-            prnn_dc_state[prnn_e] = prnn_dc_last[prnn_b * PRNN_H + prnn_u0 + prnn_j];
-    }
-    prnn_stage_position(prnn_position(0), 0);
-    // Every block has started (DSMEM stores need their target running) and
-    // its slice and zeros are in place.
-    prnn_cluster_sync();
-
-    for (int prnn_i = 0; prnn_i < prnn_steps; ++prnn_i) {
-        const int prnn_p = prnn_position(prnn_i), prnn_parity = prnn_i & 1;
-        const float* prnn_planes = prnn_stage + prnn_parity * PRNN_PLANES * prnn_elements;
-        prnn_cp_async_wait<0>();
-        for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
-            const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
-            if (prnn_j >= prnn_owned) continue;
-            const float prnn_dh_now = prnn_i == 0 ? prnn_dh_last[prnn_b * PRNN_H + prnn_u0 + prnn_j]
-                                                  : prnn_gathered_dh(prnn_parity ^ 1, prnn_e);
-            // The statements' names, each at this thread's element (index 0, or g * PRNN_H);
-            // a cell's statements read and store only some of them (LSTM's do not read h).
-            constexpr int prnn_n = 0, prnn_row = 0, prnn_hidden = PRNN_H;
-            const prnn_gate_view prnn_xg{prnn_planes + PRNN_PLANE_XG * prnn_elements + prnn_e, prnn_elements};
-            const prnn_gate_view prnn_gates{prnn_planes + PRNN_PLANE_GATES * prnn_elements + prnn_e, prnn_elements};
-            [[maybe_unused]] const float* prnn_h = prnn_planes + PRNN_PLANE_H * prnn_elements + prnn_e;
-            [[maybe_unused]] const float* prnn_c = prnn_planes + PRNN_PLANE_C * prnn_elements + prnn_e;
-            const float* prnn_dout = prnn_planes + PRNN_PLANE_DOUT * prnn_elements + prnn_e;
-            const float* prnn_dh = &prnn_dh_now;
-            // step_runs of row b, staged per element: [prnn_b] is this element's.
-            [[maybe_unused]] const float* prnn_step_runs = prnn_planes + PRNN_PLANE_RUNS * prnn_elements + prnn_e - prnn_b;
-            // dc_t in, dc_{t-1} out, in place: the statements read every input before they store.
-            [[maybe_unused]] float* prnn_dc = prnn_dc_state + prnn_e;
-            [[maybe_unused]] float* prnn_dc_prev = prnn_dc_state + prnn_e;
-            [[maybe_unused]] float* prnn_dh_prev = prnn_direct + prnn_e;
-            const size_t prnn_gate_at = ((size_t)prnn_p * prnn_batch + prnn_b) * prnn_gh + prnn_u0 + prnn_j;
-            float* prnn_dxg = prnn_dxw_all + prnn_gate_at;
-            const prnn_gate_tee prnn_dgates{prnn_dgates_all + prnn_gate_at, prnn_dg + prnn_b * PRNN_ROWS + prnn_j};
-            // ---- the block's statements ----
-        }
-        if (prnn_i + 1 < prnn_steps) prnn_stage_position(prnn_position(prnn_i + 1), prnn_parity ^ 1);
-        __syncthreads();  // the block's d gates are in shared memory
-
-        // The partial product, one column and PRNN_BATCH_TILE batch rows per
-        // item: a float4 of the column's weights and a float4 of each row's d
-        // gates (the same address across the warp: a broadcast) per 4 rows.
+    // The block's partial product of the rows [prnn_r0, prnn_r1) (one stage;
+    // prnn_r0 and the count multiples of 4) into every owner's slot of
+    // parity prnn_parity: one column and PRNN_BATCH_TILE batch rows per
+    // item, a float4 of the column's weights and a float4 of each row's d
+    // gates (the same address across the warp: a broadcast) per 4 rows.
+    auto prnn_product = [&](int prnn_r0, int prnn_r1, int prnn_parity) {
         const int prnn_items = (prnn_batch + PRNN_BATCH_TILE - 1) / PRNN_BATCH_TILE * PRNN_H;
         const prnn_u32 prnn_slot = prnn_smem_addr(prnn_recv + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_elements);
         for (int prnn_item = threadIdx.x; prnn_item < prnn_items; prnn_item += PRNN_THREADS) {
@@ -222,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                 prnn_acc[prnn_t] = 0.0f;
             }
 #pragma unroll 4
-            for (int prnn_r = 0; prnn_r < PRNN_ROWS; prnn_r += 4) {
+            for (int prnn_r = prnn_r0; prnn_r < prnn_r1; prnn_r += 4) {
                 const float4 prnn_wv = *reinterpret_cast<const float4*>(prnn_column + prnn_r);
 #pragma unroll
                 for (int prnn_t = 0; prnn_t < PRNN_BATCH_TILE; ++prnn_t) {
@@ -242,10 +232,28 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                                         prnn_acc[prnn_t]);
             }
         }
-        prnn_cluster_sync();
+    };
+
+    auto prnn_position = [&](int prnn_i) { return prnn_reverse ? prnn_i : prnn_steps - 1 - prnn_i; };
+    for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
+        const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
+        if (PRNN_CELL_STATE && prnn_j < prnn_owned)
+            prnn_dc_state[prnn_e] = prnn_dc_last[prnn_b * PRNN_H + prnn_u0 + prnn_j];
+    }
+    prnn_stage_position(prnn_position(0), 0);
+    // Every block has started (DSMEM stores need their target running) and
+    // its slice and zeros are in place.
+    prnn_cluster_sync();
+
+    for (int prnn_i = 0; prnn_i < prnn_steps; ++prnn_i) {
+        const int prnn_p = prnn_position(prnn_i);
+        const float* prnn_planes = prnn_stage + (prnn_i & 1) * PRNN_PLANES * prnn_elements;
+        prnn_cp_async_wait<0>();
+        // ---- the step's blocks ----
     }
 
-    const int prnn_last = (prnn_steps - 1) & 1;
+    // The last exchange's parity: PRNN_EXCHANGES per step.
+    const int prnn_last = (prnn_steps * PRNN_EXCHANGES - 1) & 1;
     for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
         const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
         if (prnn_j >= prnn_owned) continue;
