@@ -2,21 +2,24 @@
 (backpropagation through time) in one cluster launch, with W_hh on chip.
 
 :func:`persistent_steps` is :func:`persistrnn.training._fused_steps` (same
-arguments, same results to fp32 rounding) for single-stage cells in fp32:
-instead of one generated pointwise kernel and one GEMM per step, one launch
-of a cluster of :attr:`BackwardKernelConfig.blocks` blocks runs every step
+arguments, same results to fp32 rounding) in fp32: instead of one generated
+pointwise kernel and one GEMM per step and stage, one launch of a cluster of
+:attr:`BackwardKernelConfig.blocks` blocks runs every step
 (``kernels/step_backward_persistent.cu`` says how). Block b owns a
 contiguous range of hidden units and keeps the W_hh rows of their gates in
-shared memory for the whole launch; per step it runs the generated
-statements of the cell's backward (:mod:`persistrnn.adjoint`, the same
-rendering as the per-step kernels) for its units, multiplies its d gates by
-its rows, and stores the partial ``dh_{t-1}`` of every unit into the unit
-owner's shared memory; one cluster barrier per step, and each owner sums the
-partials in block order (deterministic: no atomics).
+shared memory for the whole launch; per step and statement block of the
+cell (one for LSTM, GRU and RNN; two for the reset-before GRU) it runs the
+generated statements of the cell's backward (:mod:`persistrnn.adjoint`, the
+same rendering as the per-step kernels) for its units, multiplies its d
+gates by its rows of that stage, and stores the partial products (``dh_{t-1}``,
+or the reset-before GRU's ``d(r * h)``) of every unit into the unit owner's
+shared memory; one cluster barrier per stage and step, and each owner sums
+the partials in block order (deterministic: no atomics). The step body is
+generated per cell (:func:`kernel_source`).
 
 :func:`fits` says whether a layer gets the kernel on a device; where it does
-not (a multi-stage cell, or a W_hh slice larger than a block's shared
-memory), the caller keeps the per-step launches. :func:`plan` is the size
+not (a W_hh slice larger than a block's shared memory), the caller keeps the
+per-step launches. :func:`plan` is the size
 rule without a device.
 
 The path: :func:`plan` -> :func:`kernel_source` -> :func:`compile_kernel` ->
@@ -289,8 +292,7 @@ def _device_index(device: Any) -> int:
 def fits(spec: str | CellSpec, hidden: int, batch: int, device: Any) -> bool:
     """Whether :func:`persistent_steps` runs a ``hidden``-unit layer of
     ``spec`` at ``batch`` on ``device`` (an index or a CUDA device): a
-    single-stage cell whose block share fits in shared memory, with a
-    cluster the device holds. Compiles the kernel (disk-cached)."""
+    block share that fits in shared memory, with a cluster the device holds. Compiles the kernel (disk-cached)."""
     try:
         _prepared(get_cell(spec), hidden, batch, _device_index(device))
     except (ConfigError, UnsupportedError, KernelLaunchError):
