@@ -607,11 +607,20 @@ def from_torch(module: torch.nn.RNNBase) -> torch.nn.Module:
     return new
 
 
-def convert(model: torch.nn.Module) -> torch.nn.Module:
+def convert(model: torch.nn.Module, *, training_kernels: bool | None = None) -> torch.nn.Module:
     """Replace every ``torch.nn.LSTM``/``GRU``/``RNN`` inside ``model`` (or
-    ``model`` itself) with its persistrnn module, in place; returns the model."""
+    ``model`` itself) with its persistrnn module, in place; returns the model.
+    ``training_kernels`` (when given) is set on every persistrnn module in
+    the result, converted or already one: ``convert(model,
+    training_kernels=True)`` before the optimiser loop trains on the training
+    operators."""
     if type(model) in _CLASSES:
-        return from_torch(model)
-    for name, child in model.named_children():
-        setattr(model, name, convert(child))
+        model = from_torch(model)
+    else:
+        for name, child in model.named_children():
+            setattr(model, name, convert(child))
+    if training_kernels is not None:
+        for module in model.modules():
+            if isinstance(module, _Persistent):
+                module.training_kernels = bool(training_kernels)
     return model

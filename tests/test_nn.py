@@ -194,6 +194,11 @@ def test_from_torch_shares_parameters_and_convert_swaps_nested_modules():
     assert persistrnn.convert(model) is model
     assert type(model[1][0]) is persistrnn.GRU and type(model[1][1]) is persistrnn.RNN
     assert model[1][1].cell == "rnn_relu"
+    assert not model[1][0].training_kernels  # opt-in
+    mixed = torch.nn.Sequential(torch.nn.LSTM(2, 3), persistrnn.GRU(3, 3), torch.nn.Linear(3, 1))
+    assert persistrnn.convert(mixed, training_kernels=True) is mixed
+    assert type(mixed[0]) is persistrnn.LSTM and mixed[0].training_kernels and mixed[1].training_kernels
+    assert persistrnn.convert(torch.nn.LSTM(2, 3), training_kernels=True).training_kernels
     with pytest.raises(TypeError, match="LSTM, GRU or RNN"):
         persistrnn.from_torch(torch.nn.Linear(2, 2))
 
