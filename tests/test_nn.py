@@ -203,6 +203,29 @@ def test_from_torch_shares_parameters_and_convert_swaps_nested_modules():
         persistrnn.from_torch(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_positions_pad_and_pack_as_torch_in_the_sorted_order(seed):
+    # Random unsorted lengths (one of them T, some equal): one index_copy
+    # pads the packed data in the sorted order, one index_select packs it
+    # back, and the lengths are the sorted ones.
+    gen = torch.Generator().manual_seed(seed)
+    steps, batch = 7, 6
+    lengths = torch.randint(1, steps + 1, (batch,), generator=gen)
+    lengths[seed % batch] = steps
+    x = torch.randn(steps, batch, 3, generator=gen)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+    positions, sorted_lengths = pnn._packed_positions(packed.batch_sizes, torch.device("cpu"))
+    padded = packed.data.new_zeros(steps * batch, 3).index_copy(0, positions, packed.data).view(steps, batch, 3)
+    want, want_lengths = torch.nn.utils.rnn.pad_packed_sequence(packed)
+    assert torch.equal(padded, want.index_select(1, packed.sorted_indices))
+    assert torch.equal(sorted_lengths, want_lengths[packed.sorted_indices])
+    assert torch.equal(padded.reshape(steps * batch, 3).index_select(0, positions), packed.data)
+    states = torch.randn(2, batch, 4, generator=gen)
+    there = pnn._permuted(states, packed.sorted_indices)
+    assert torch.equal(pnn._permuted(there, packed.unsorted_indices), states)
+    assert pnn._permuted(None, packed.sorted_indices) is None and pnn._permuted(states, None) is states
+
+
 def test_cpu_gradients_flow_through_torchs_implementation():
     model = persistrnn.LSTM(3, 4)
     theirs = torch.nn.LSTM(3, 4)

@@ -779,6 +779,21 @@ def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, 
     assert keys[0] == keys[1]
 
 
+def test_operator_key_holds_what_the_capture_fixes():
+    x, h0, c0, weights = random_model("lstm", 3, 4, 2, False, True, steps=5, batch=2, dtype=torch.float32)
+    masks = training.dropout_masks(0.5, 2, (5, 2, 4), x)
+    key = training._operator_key(x, h0, c0, weights, masks)
+    # The graph reads copies: other values and addresses share it.
+    assert training._operator_key(x.detach() + 1, h0 * 2, c0, [w.detach().clone() for w in weights], masks) == key
+    others = [training._operator_key(x[:4], h0, c0, weights, masks),
+              training._operator_key(x[:, :1], h0[:, :1], c0[:, :1], weights, masks),
+              training._operator_key(x.double(), h0.double(), c0.double(), [w.double() for w in weights], masks),
+              training._operator_key(x, h0, None, weights, masks),
+              training._operator_key(x, h0, c0, weights, []),
+              training._operator_key(x, h0, c0, [w[:4] if w.dim() == 1 else w for w in weights], masks)]
+    assert len({key, *others}) == len(others) + 1
+
+
 def test_cpu_and_float64_run_the_plain_launches():
     args = direction_backward_args("gru", 3, 2, 4, seed=1, device="cpu", dtype=torch.float32)
     assert not training._replays_graph(args[0]) and not training._replays_graph(args[0].double())
