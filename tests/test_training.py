@@ -85,43 +85,43 @@ def gradients(fn, cell, x, h0, c0, weights, *options):
 # ---- the cell, differentiated from its spec ------------------------------------
 
 
+@pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("cell", CELL_NAMES)
-def test_step_backward_equals_autograd_of_the_cell_step(cell):
+def test_step_backward_equals_autograd_of_the_cell_step(cell, lengths):
     # The generated statements evaluated with torch in float64 (random
     # inputs, never zeros; odd sizes), against autograd of the spec's step:
     # every input's gradient, the weights' through d gates and the operands.
-    spec = cells.get_cell(cell)
+    # With lengths, rows past their length (step_runs 0) pass dh and dc
+    # through and give their gates zero gradient.
+    spec = cells.with_lengths(cell) if lengths else cells.get_cell(cell)
     gen = torch.Generator().manual_seed(3)
-    B, H = 3, 5
+    B, H = 5, 3
     xg, h, w, b = (torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
                    for s in ((B, spec.num_gates * H), (B, H), (spec.num_gates * H, H), (spec.num_gates * H,)))
     c = torch.randn(B, H, generator=gen, dtype=torch.float64, requires_grad=True) if spec.has_cell_state else None
+    runs = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64) if lengths else None
+    stage_rows = [training._stage_rows(spec, j, H) for j in range(spec.num_stages)]
+    env, products = training._run_cell(spec, xg, h, c, lambda j, operand: operand @ w[stage_rows[j]].T +
+                                       b[stage_rows[j]], runs)
     dh, dc = torch.randn(B, H, generator=gen, dtype=torch.float64), torch.randn(B, H, generator=gen,
                                                                                   dtype=torch.float64)
-    h_new, c_new = spec.step_reference(xg, h, c, w, b, TORCH_FUNCTIONS)
-    outputs, grads = [h_new], [dh]
+    outputs, grads = [env["h_new"]], [dh]
     if c is not None:
-        outputs.append(c_new)
+        outputs.append(env["c_new"])
         grads.append(dc)
     leaves = [xg, h, w, b] + ([c] if c is not None else [])
     want = dict(zip(["xg", "h", "w", "b", "c"], torch.autograd.grad(outputs, leaves, grads)))
-    stage_rows = [slice(spec.gates.index(s[0]) * H, (spec.gates.index(s[-1]) + 1) * H) for s in spec.stages]
     with torch.no_grad():  # the recurrent products the forward keeps, as the kernel writes them
-        products = []
-        env = {"h": h, **({"c": c} if c is not None else {}),
-               **{f"x_{g}": xg[:, i * H:(i + 1) * H] for i, g in enumerate(spec.gates)}}
-        for k, (stage, operand) in enumerate(zip(spec.stages, spec.stage_operands)):
-            if k:
-                env = cells.evaluate(spec.between_stages[k - 1], env, TORCH_FUNCTIONS)
-            products.append(env[operand] @ w[stage_rows[k]].T + b[stage_rows[k]])
-            env.update({f"h_{g}": products[-1][:, i * H:(i + 1) * H] for i, g in enumerate(stage)})
         d_xg, d_gates, dh_prev, dc_prev, operands = training.step_backward(
             spec, xg, torch.cat(products, 1), h, c, [w[rows] for rows in stage_rows], dh,
-            dc if c is not None else None)
+            dc if c is not None else None, runs)
     got = {"xg": d_xg, "h": dh_prev, "b": d_gates.sum(0), "c": dc_prev,
            "w": torch.cat([d_gates[:, rows].T @ operand for rows, operand in zip(stage_rows, operands)])}
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    if lengths:
+        held = runs == 0
+        assert torch.equal(d_xg[held], torch.zeros_like(d_xg[held])) and torch.equal(dh_prev[held], dh[held])
 
 
 @pytest.mark.parametrize("cell", CELL_NAMES)
@@ -279,40 +279,6 @@ def test_a_cell_with_lengths_steps_where_it_runs_and_holds_where_not(cell):
         expected = torch.where(runs != 0, want[name], env[state])
         assert torch.equal(got[name], expected), name  # exactly: the step, or the held state
     assert cells.with_lengths(held) is held and held.lengths and not spec.lengths
-
-
-@pytest.mark.parametrize("cell", CELL_NAMES)
-def test_step_backward_with_lengths_equals_autograd_of_the_held_step(cell):
-    # Rows past their length (step_runs 0) pass dh and dc through and give
-    # their gates zero gradient; the others are the cell's step.
-    spec = cells.with_lengths(cell)
-    gen = torch.Generator().manual_seed(6)
-    B, H = 5, 3
-    xg, h, w, b = (torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
-                   for s in ((B, spec.num_gates * H), (B, H), (spec.num_gates * H, H), (spec.num_gates * H,)))
-    c = torch.randn(B, H, generator=gen, dtype=torch.float64, requires_grad=True) if spec.has_cell_state else None
-    runs = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
-    stage_rows = [training._stage_rows(spec, j, H) for j in range(spec.num_stages)]
-    env, products = training._run_cell(spec, xg, h, c, lambda j, operand: operand @ w[stage_rows[j]].T +
-                                       b[stage_rows[j]], runs)
-    dh, dc = torch.randn(B, H, generator=gen, dtype=torch.float64), torch.randn(B, H, generator=gen,
-                                                                                  dtype=torch.float64)
-    outputs, grads = [env["h_new"]], [dh]
-    if c is not None:
-        outputs.append(env["c_new"])
-        grads.append(dc)
-    leaves = [xg, h, w, b] + ([c] if c is not None else [])
-    want = dict(zip(["xg", "h", "w", "b", "c"], torch.autograd.grad(outputs, leaves, grads)))
-    with torch.no_grad():
-        d_xg, d_gates, dh_prev, dc_prev, operands = training.step_backward(
-            spec, xg, torch.cat(products, 1), h, c, [w[rows] for rows in stage_rows], dh,
-            dc if c is not None else None, runs)
-    got = {"xg": d_xg, "h": dh_prev, "b": d_gates.sum(0), "c": dc_prev,
-           "w": torch.cat([d_gates[:, rows].T @ operand for rows, operand in zip(stage_rows, operands)])}
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
-    held = runs == 0
-    assert torch.equal(d_xg[held], torch.zeros_like(d_xg[held])) and torch.equal(dh_prev[held], dh[held])
 
 
 def ours_with_lengths(cell, x, h0, c0, weights, num_layers, bidirectional, has_biases, lengths):
@@ -1128,6 +1094,33 @@ def test_gpu_graphed_direction_backward_with_two_shapes_interleaved():
                              training._plain_direction_backward(spec, *args, reverse))
 
 
+def on_own_streams(work, threads):
+    """[``work(i)`` for each thread i], run in ``threads`` threads at once
+    (started together), each on its own CUDA stream; the first failure is
+    re-raised here."""
+    torch.cuda.synchronize()
+    start, results, errors = threading.Barrier(threads), [None] * threads, []
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                start.wait()
+                results[i] = work(i)
+            stream.synchronize()
+        except BaseException as error:  # reported in the test's thread
+            errors.append(error)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cell,dtype", [("lstm", torch.float32), ("gru_reset_before", torch.float32),
                                         ("rnn_tanh", torch.bfloat16)])
@@ -1177,25 +1170,7 @@ def test_gpu_captured_training_steps_from_four_threads_on_their_own_streams():
         return torch.autograd.grad(out.square().sum(), [leaf, *model._flat_weights])
 
     want = [input_gradient(x) for x in inputs]
-    torch.cuda.synchronize()
-    start, results, errors = threading.Barrier(threads), [None] * threads, []
-
-    def worker(i):
-        try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                start.wait()
-                results[i] = [input_gradient(inputs[i]) for _ in range(calls)]
-            stream.synchronize()
-        except BaseException as error:  # reported in the test's thread
-            errors.append(error)
-
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors
+    results = on_own_streams(lambda i: [input_gradient(inputs[i]) for _ in range(calls)], threads)
     for i in range(threads):
         for got in results[i]:
             assert all(torch.equal(a, b) for a, b in zip(got, want[i], strict=True))
@@ -1208,25 +1183,8 @@ def test_gpu_graphed_direction_backward_from_four_threads_on_their_own_streams()
     spec, threads, calls = cells.get_cell("lstm"), 4, 5
     inputs = [direction_backward_args("lstm", 6, 3, 100, seed=40 + i) for i in range(threads)]
     want = [training.direction_backward(spec, *args, False) for args in inputs]
-    torch.cuda.synchronize()
-    start, results, errors = threading.Barrier(threads), [None] * threads, []
-
-    def worker(i):
-        try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                start.wait()
-                results[i] = [training.direction_backward(spec, *inputs[i], False) for _ in range(calls)]
-            stream.synchronize()
-        except BaseException as error:  # reported in the test's thread
-            errors.append(error)
-
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors
+    results = on_own_streams(lambda i: [training.direction_backward(spec, *inputs[i], False) for _ in range(calls)],
+                             threads)
     for i in range(threads):
         for got in results[i]:
             assert_bitwise_equal(got, want[i])
