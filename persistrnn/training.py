@@ -20,9 +20,12 @@ What is kept, per layer and direction (the "saved" list of the operator):
 
 all in the compute dtype (fp32 on the GPU, the input's dtype on the CPU),
 and per layer but the last its output (the next layer's input) in the layer's
-dtype. With the outputs, that is ``4 G H + 4 H_c + 2 D H`` bytes per position
-and sequence of an fp32 layer; cuDNN's reserve space holds the gate
-activations and cell states in the layer dtype.
+dtype. Per position and sequence that is ``4 (2 G H + H_c)`` bytes per
+layer direction (``H_c`` = H for cells with a cell state, else 0), plus
+``D H`` elements of each layer's output but the last's: an fp32 LSTM of
+H=256 keeps 9 KB per position and sequence per direction. cuDNN's reserve
+space holds its gate activations and cell states in the layer dtype (not
+measured against this).
 
 On CUDA the forward is the persistent kernel compiled with ``save_gates``
 (one launch per layer and direction; the kernel writes ``gates`` and ``c``
