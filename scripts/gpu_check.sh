@@ -13,6 +13,7 @@
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
 #   DYNAMIC_ARGS, SERVE_ARGS  narrow the treelstm/tagger and serve suites (e.g. DYNAMIC_ARGS="--batch 1 16")
+#   TRAINING_ARGS  the training suite's arguments (default: --inputs padded packed)
 #   PACK=1       pack everything under $OUT into $OUT/results.tgz at the end
 #   HOST_ARGS, COMPILE_ARGS  narrow the host-time and torch.compile suites (e.g. HOST_ARGS="--batch 1",
 #                COMPILE_ARGS="--cases lstm-2x128-b1 --no-torch-compile")
@@ -152,7 +153,7 @@ own_suite() {
         >"$OUT/bench_$suite.log" 2>&1
     RC[$stage]=$?
     if [ -f "$OUT/$suite.md" ]; then
-        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model/,/^$/p;/ met, .* missed, of /p;/^Mean regret/p' "$OUT/$suite.md" | cut -c1-220)")
+        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model\|^| inputs/,/^$/p;/ met, .* missed, of /p;/^Mean regret/p' "$OUT/$suite.md" | cut -c1-220)")
     else
         SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(tail -n 30 "$OUT/bench_$suite.log")")
     fi
@@ -171,7 +172,7 @@ stage_dynamic() {
     done
 }
 stage_serve() { own_suite serve serve ${SERVE_ARGS:-}; }
-stage_training() { own_suite training training ${TRAINING_ARGS:-}; }
+stage_training() { own_suite training training ${TRAINING_ARGS:---inputs padded packed}; }
 
 stage_targets() {
     local results=()
