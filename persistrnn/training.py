@@ -78,6 +78,7 @@ import torch
 from . import adjoint, ops, persistent, runtime, training_kernel
 from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_program
 from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
+from .checks import check_lengths
 from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
 from .log import logger
 
@@ -792,13 +793,9 @@ def _lengths_on_device(lengths: torch.Tensor | None, steps: int, batch: int,
     if lengths.device.type != "cpu":
         raise ArgumentError(f"lengths: expected a CPU tensor (as torch.nn.utils.rnn.pack_padded_sequence takes "
                             f"them), got one on {lengths.device}")
-    if tuple(lengths.shape) != (batch,):
-        raise ArgumentError(f"lengths: expected shape ({batch},), got {tuple(lengths.shape)}")
-    low, high = int(lengths.min()), int(lengths.max())
-    if low < 1 or high > steps:
-        raise ArgumentError(f"lengths: expected every length in 1..{steps} (the steps of the input), "
-                            f"got lengths from {low} to {high}")
-    return runtime.to_device_async(lengths.to(torch.int32), x.device)
+    lengths = lengths.to(torch.int32).contiguous()
+    check_lengths(lengths, steps, batch, lengths.device)  # the shape and the range, as the kernels' launches check
+    return runtime.to_device_async(lengths, x.device)
 
 
 def _step_runs(lengths: torch.Tensor | None, steps: int, dtype: torch.dtype) -> torch.Tensor | None:
