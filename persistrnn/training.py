@@ -51,8 +51,9 @@ CUDA) the same statements run as torch ops (:func:`step_backward`).
 After the recurrence: one GEMM each for ``dW_hh`` (per stage: its gradients
 by its operands), ``dW_ih`` and ``dx``; bias gradients are sums. Nothing
 reduces with atomics, so the same inputs give bit-identical gradients.
-Where a layer's W_hh fits a cluster, :mod:`persistrnn.training_kernel` runs
-the whole step loop in one launch instead.
+Where a layer's W_hh fits the shared memory of a cluster, or of a grid of
+one block per SM, :mod:`persistrnn.training_kernel` runs the whole step loop
+in one launch instead.
 
 On CUDA both operators replay a graph captured per shape and stream
 (:data:`OPERATOR_GRAPHS`), except for a batch with lengths.
@@ -324,8 +325,8 @@ def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Ten
     stage_operands = out.new_empty(spec.num_stages - 1, *out.shape)
     steps_backward = _torch_steps
     if xw.is_cuda and xw.dtype == torch.float32:
-        # One cluster launch for all steps where the layer's W_hh fits the
-        # cluster's shared memory (training_kernel.fits), else two launches per step.
+        # One launch for all steps where the layer's W_hh fits the shared
+        # memory of a cluster or a grid (training_kernel.fits), else two launches per step.
         fits = training_kernel.fits(spec, hidden, xw.shape[1], xw.device.index)
         steps_backward = training_kernel.persistent_steps if fits else _fused_steps
     dh, dc = steps_backward(spec, xw, gates, h_prev, c_prev, w_hh, d_out, dh_n, dc_n, reverse, d_xw, d_gates,

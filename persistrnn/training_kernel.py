@@ -1,11 +1,15 @@
 """The persistent backward kernel: one layer direction's backward recurrence
-(backpropagation through time) in one cluster launch, with W_hh on chip.
+(backpropagation through time) in one launch, with W_hh on chip.
 
 :func:`persistent_steps` is :func:`persistrnn.training._fused_steps` (same
 arguments, same results to fp32 rounding) in fp32: instead of one generated
-pointwise kernel and one GEMM per step and stage, one launch of a cluster of
+pointwise kernel and one GEMM per step and stage, one launch of
 :attr:`BackwardKernelConfig.blocks` blocks runs every step
-(``kernels/step_backward_persistent.cu`` says how). Block b owns a
+(``kernels/step_backward_persistent.cu`` says how): one cluster where the
+layer's W_hh fits a cluster's shared memory, else a cooperative grid of up
+to one block per SM, whose blocks exchange through global memory (L2) and
+wait at a counter barrier bounded by the wait timeout
+(:func:`persistrnn.runtime.set_wait_timeout`). Block b owns a
 contiguous range of hidden units and keeps the W_hh rows of their gates in
 shared memory for the whole launch; per step and statement block of the
 cell (one for LSTM, GRU and RNN; two for the reset-before GRU) it runs the
@@ -13,14 +17,15 @@ generated statements of the cell's backward (:mod:`persistrnn.adjoint`, the
 same rendering as the per-step kernels) for its units, multiplies its d
 gates by its rows of that stage, and stores the partial products (``dh_{t-1}``,
 or the reset-before GRU's ``d(r * h)``) of every unit into the unit owner's
-shared memory; one cluster barrier per stage and step, and each owner sums
-the partials in block order (deterministic: no atomics). The step body is
-generated per cell (:func:`kernel_source`).
+shared memory (a cluster) or the launch's exchange buffer (a grid); one
+barrier per stage and step, and each owner sums the partials in a fixed
+order (deterministic: no atomics). The step body is generated per cell
+(:func:`kernel_source`).
 
 :func:`fits` says whether a layer gets the kernel on a device; where it does
-not (a W_hh slice larger than a block's shared memory), the caller keeps the
-per-step launches. :func:`plan` is the size
-rule without a device.
+not (a W_hh slice larger than the shared memory of a block per SM), the
+caller keeps the per-step launches. :func:`plan` is the size rule without a
+device.
 
 The path: :func:`plan` -> :func:`kernel_source` -> :func:`compile_kernel` ->
 :func:`persistent_steps` (through the loaded kernel and launch configuration
@@ -58,14 +63,25 @@ MAX_BATCH_TILE = 8
 load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
 
 
+SYNC_MODES = ("cluster", "grid")
+"""How a launch's blocks exchange each step: one cluster (DSMEM stores and
+the hardware cluster barrier), or a cooperative grid (global stores and a
+counter barrier), for layers a cluster's shared memory does not hold."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardKernelConfig:
-    """One compiled variant: the cell, hidden size, cluster size and the product's batch tile."""
+    """One compiled variant: the cell, hidden size, block count, the product's batch tile and the sync mode."""
 
     spec: CellSpec
     hidden: int
     blocks: int
     batch_tile: int
+    sync: str = "cluster"
+
+    def __post_init__(self) -> None:
+        if self.sync not in SYNC_MODES:
+            raise ArgumentError(f"sync: expected one of {SYNC_MODES}, got {self.sync!r}")
 
     @property
     def units(self) -> int:
@@ -123,53 +139,80 @@ class BackwardKernelConfig:
         """The block's W_hh slice in shared memory (transposed, padded)."""
         return 4 * self.hidden * self.w_stride
 
+    @property
+    def recv_slots(self) -> int:
+        """Shared floats per element for what an exchange brings: the two
+        parities' partials from every block (a cluster), or their gathered
+        sum (a grid, whose partials stay in global memory)."""
+        return 2 * self.blocks if self.sync == "cluster" else 1
+
     def batch_row_bytes(self) -> int:
-        """Shared memory per batch row: d gates, the partials' two parities
-        from every block, the staged inputs' two parities, dc, the direct part
-        of dh and the carry planes."""
+        """Shared memory per batch row: d gates, what the exchange brings,
+        the staged inputs' two parities, dc, the direct part of dh and the
+        carry planes."""
         state = int(self.spec.has_cell_state) + int(self.direct_dh) + self.carry_planes
-        return 4 * (self.rows + (2 * self.blocks + 2 * self.planes + state) * self.units)
+        return 4 * (self.rows + (self.recv_slots + 2 * self.planes + state) * self.units)
+
+    def exchange_floats(self, batch: int) -> int:
+        """The grid's exchange buffer in global memory: two parities of every block's partials (0 in a cluster)."""
+        return 2 * self.blocks * batch * self.hidden if self.sync == "grid" else 0
 
     def shared_bytes(self, batch: int) -> int:
         """Dynamic shared memory per block at ``batch`` (kernels/step_backward_persistent.cu's layout)."""
         return self.slice_bytes() + batch * self.batch_row_bytes()
 
 
-def _config(spec: CellSpec, hidden: int, batch: int, cluster_limit: int) -> BackwardKernelConfig:
-    # The largest cluster: the slice and the product's work per block shrink
-    # with it, and each block's stores per step stay B x H whatever its size.
-    # A power of two, at most one block per unit.
-    blocks = 1 << (min(cluster_limit, hidden).bit_length() - 1)
-    return BackwardKernelConfig(spec, hidden, blocks, min(batch, MAX_BATCH_TILE))
+def _configs(spec: CellSpec, hidden: int, batch: int, cluster_limit: int,
+             grid_limit: int) -> tuple[BackwardKernelConfig, ...]:
+    """The candidates in order of preference. First the largest cluster:
+    the slice and the product's work per block shrink with it, and each
+    block's stores per step stay B x H whatever its size (a power of two, at
+    most one block per unit). Then, where ``grid_limit`` allows more blocks
+    than a cluster, a grid of up to ``grid_limit`` blocks (one per SM), with
+    as many units per block as leave none idle."""
+    tile = min(batch, MAX_BATCH_TILE)
+    cluster = BackwardKernelConfig(spec, hidden, 1 << (min(cluster_limit, hidden).bit_length() - 1), tile)
+    if min(grid_limit, hidden) <= cluster.blocks:
+        return (cluster,)
+    units = -(-hidden // grid_limit)
+    return cluster, BackwardKernelConfig(spec, hidden, -(-hidden // units), tile, "grid")
 
 
 def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
-         cluster_limit: int = MAX_CLUSTER) -> BackwardKernelConfig:
+         cluster_limit: int = MAX_CLUSTER, grid_limit: int = 0) -> BackwardKernelConfig:
     """The configuration for ``hidden`` units and ``batch`` rows on a device
-    with ``shared_limit`` bytes of shared memory per block and clusters of up
-    to ``cluster_limit`` blocks. Raises :class:`UnsupportedError` for a cell
-    whose later stage multiplies ``h`` itself (no built-in cell does) and
-    :class:`ConfigError`, naming the sizes that fit, when a block's share does
-    not fit."""
+    with ``shared_limit`` bytes of shared memory per block, clusters of up
+    to ``cluster_limit`` blocks and ``grid_limit`` SMs (0: no grid launch):
+    a cluster where the layer's share fits one, else a grid. Raises
+    :class:`UnsupportedError` for a cell whose later stage multiplies ``h``
+    itself (no built-in cell does) and :class:`ConfigError`, naming the sizes
+    that fit, when a block's share fits neither."""
     spec = get_cell(cell)
     for name, value in (("hidden", hidden), ("batch", batch), ("cluster_limit", cluster_limit)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ArgumentError(f"{name}: expected a positive int, got {value!r}")
+    if isinstance(grid_limit, bool) or not isinstance(grid_limit, int) or grid_limit < 0:
+        raise ArgumentError(f"grid_limit: expected an int >= 0, got {grid_limit!r}")
     if "h" in spec.stage_operands[1:]:
         raise UnsupportedError(f"the persistent backward kernel runs cells whose later stages multiply a name "
                                f"their statements assign; {spec.name}'s stage operands are {spec.stage_operands}: "
                                "its per-step launches run it")
-    config = _config(spec, hidden, batch, cluster_limit)
-    if config.shared_bytes(batch) <= shared_limit:
+
+    def fitting(h: int, b: int) -> BackwardKernelConfig | None:
+        return next((c for c in _configs(spec, h, b, cluster_limit, grid_limit)
+                     if c.shared_bytes(b) <= shared_limit), None)
+
+    if config := fitting(hidden, batch):
         return config
-    most_batch = (shared_limit - config.slice_bytes()) // config.batch_row_bytes()
-    most_hidden = next((h for h in range(hidden - 1, 0, -1)
-                        if _config(spec, h, batch, cluster_limit).shared_bytes(batch) <= shared_limit), 0)
+    largest = _configs(spec, hidden, batch, cluster_limit, grid_limit)[-1]
+    most_batch = (shared_limit - largest.slice_bytes()) // largest.batch_row_bytes()
+    most_hidden = next((h for h in range(hidden - 1, 0, -1) if fitting(h, batch)), 0)
     at_hidden = f"batch up to {most_batch} fits at H={hidden}" if most_batch > 0 else f"no batch fits at H={hidden}"
     at_batch = f"H up to {most_hidden} fits at batch {batch}" if most_hidden > 0 else f"no H fits at batch {batch}"
+    launch = f"a {largest.sync} of {largest.blocks} blocks"
     raise ConfigError(
-        f"the persistent backward of {spec.name} (H={hidden}, batch {batch}, a cluster of {config.blocks}) needs "
-        f"{config.shared_bytes(batch)} bytes of shared memory per block ({config.slice_bytes()} of them its "
+        f"the persistent backward of {spec.name} (H={hidden}, batch {batch}, {launch}) needs "
+        f"{largest.shared_bytes(batch)} bytes of shared memory per block ({largest.slice_bytes()} of them its "
         f"W_hh slice); the device allows {shared_limit}: {at_hidden}, and {at_batch}")
 
 
@@ -181,14 +224,16 @@ def _gate_row0_macro(config: BackwardKernelConfig) -> str:
 
 def _step_source(config: BackwardKernelConfig) -> str:
     """The body of one step: per statement block in walk order, the
-    adjoints the exchange before it left, its statements over the block's
-    elements, then its stage's product and one cluster barrier."""
+    adjoints the exchange before it left (gathered from global memory
+    first, in a grid), its statements over the block's elements, then its
+    stage's product and one barrier."""
     program, spec = step_backward_program(config.spec), config.spec
     exchanges = spec.num_stages
     lines = []
     for walk, block in enumerate(program.blocks):
         j = block.block
         if walk == 0:  # dh_t: the last exchange of the step before, or dL/dh_n
+            pass_ = f"if (prnn_i > 0) prnn_gather((prnn_i * {exchanges} - 1) & 1);"
             gather = ["const float prnn_dh_now = prnn_i == 0 ? prnn_dh_last[prnn_b * PRNN_H + prnn_u0 + prnn_j]",
                       f"                                      : prnn_gathered_dh((prnn_i * {exchanges} - 1) & 1, "
                       "prnn_e);",
@@ -198,6 +243,7 @@ def _step_source(config: BackwardKernelConfig) -> str:
             plane = program.carried.index(spec.stage_operands[before.block])
             into = f"prnn_carry_planes[{plane} * prnn_elements + prnn_e]"
             summed = f"prnn_gathered((prnn_i * {exchanges} + {walk - 1}) & 1, prnn_e)"
+            pass_ = f"prnn_gather((prnn_i * {exchanges} + {walk - 1}) & 1);"
             gather = [f"{into} = {into + ' + ' if before.accumulate else ''}{summed};",
                       "[[maybe_unused]] const float* prnn_dh = nullptr;"]
         first, end = config.stage_rows[j]
@@ -230,14 +276,17 @@ def _step_source(config: BackwardKernelConfig) -> str:
             "[[maybe_unused]] const prnn_gate_tee prnn_dgates{prnn_dgates_all + prnn_gate_at, "
             "prnn_dg + prnn_b * PRNN_ROWS + prnn_j};",
             textwrap.dedent(render_block_body(program, block))]), " " * 4)
-        lines += [f"// statement block {j}, then stage {j}'s product",
+        lines += [f"// statement block {j}, then stage {j}'s product", pass_,
                   "for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {", body, "}"]
         if walk == 0:  # the next position's inputs, into the other staging buffer, while the products run
             lines.append("if (prnn_i + 1 < prnn_steps) prnn_stage_position(prnn_position(prnn_i + 1), "
                          "(prnn_i & 1) ^ 1);")
         lines += ["__syncthreads();  // the block's d gates are in shared memory",
                   f"prnn_product({first}, {end}, (prnn_i * {exchanges} + {walk}) & 1);",
-                  "prnn_cluster_sync();"]
+                  f"if (!prnn_exchanged(prnn_i * {exchanges} + {walk})) {{",
+                  "    prnn_cp_async_wait<0>();  // no copy lands after the block left",
+                  "    return;",
+                  "}"]
     return textwrap.indent("\n".join(lines), " " * 8)
 
 
@@ -246,6 +295,7 @@ def kernel_source(config: BackwardKernelConfig) -> str:
     cell's generated backward statements (:mod:`persistrnn.adjoint`), one
     statement block and one product per stage in each step."""
     defines = {"PRNN_G": config.spec.num_gates, "PRNN_H": config.hidden, "PRNN_BLOCKS": config.blocks,
+               "PRNN_GRID": int(config.sync == "grid"),
                "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
                "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
                "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh),
@@ -261,7 +311,8 @@ def kernel_source(config: BackwardKernelConfig) -> str:
 def compile_kernel(config: BackwardKernelConfig, arch: str | None = None) -> runtime.CompiledBinary:
     """NVRTC-compile (disk-cached) ``config``'s kernel; ``arch=None`` is the current device's."""
     cell = re.sub(r"[^A-Za-z0-9_.-]", "_", config.spec.name)
-    name = f"step_backward_persistent_{cell}_h{config.hidden}_c{config.blocks}_t{config.batch_tile}"
+    blocks = f"c{config.blocks}" if config.sync == "cluster" else f"g{config.blocks}"
+    name = f"step_backward_persistent_{cell}_h{config.hidden}_{blocks}_t{config.batch_tile}"
     return runtime.compile_source(name, kernel_source(config), arch=arch)
 
 
@@ -270,14 +321,18 @@ def _prepared(spec: CellSpec, hidden: int, batch: int, device: int) -> tuple[Bac
     """(config, loaded kernel, checked launch configuration) on ``device``, once per shape:
     the residency queries cost far more than a launch."""
     with torch.cuda.device(device):
-        limit = runtime.facts_of(device).shared_per_block_optin
-        config = plan(spec, hidden, batch, limit)
+        facts = runtime.facts_of(device)
+        limit, sms = facts.shared_per_block_optin, facts.sm_count
+        config = plan(spec, hidden, batch, limit, grid_limit=sms)
         kernel = runtime.get_kernel(compile_kernel(config), KERNEL_NAME)
-        largest = kernel.max_cluster_size(THREADS, config.shared_bytes(batch))
-        if largest < config.blocks:  # e.g. a GPU partition without 16 SMs in a GPC
-            config = plan(spec, hidden, batch, limit, largest)
-            kernel = runtime.get_kernel(compile_kernel(config), KERNEL_NAME)
+        if config.sync == "cluster":
+            largest = kernel.max_cluster_size(THREADS, config.shared_bytes(batch))
+            if largest < config.blocks:  # e.g. a GPU partition without 16 SMs in a GPC
+                config = plan(spec, hidden, batch, limit, largest, sms)
+                kernel = runtime.get_kernel(compile_kernel(config), KERNEL_NAME)
         shared = config.shared_bytes(batch)
+        if config.sync == "grid":  # checks that every block can be resident at once, and raises if not
+            return config, kernel, kernel.config(config.blocks, THREADS, shared=shared, cooperative=True)
         return config, kernel, kernel.config(config.blocks, THREADS, shared=shared, cluster=config.blocks)
 
 
@@ -292,7 +347,8 @@ def _device_index(device: Any) -> int:
 def fits(spec: str | CellSpec, hidden: int, batch: int, device: Any) -> bool:
     """Whether :func:`persistent_steps` runs a ``hidden``-unit layer of
     ``spec`` at ``batch`` on ``device`` (an index or a CUDA device): a
-    block share that fits in shared memory, with a cluster the device holds. Compiles the kernel (disk-cached)."""
+    block share that fits in shared memory, with a cluster or a grid whose
+    blocks the device holds at once. Compiles the kernel (disk-cached)."""
     try:
         _prepared(get_cell(spec), hidden, batch, _device_index(device))
     except (ConfigError, UnsupportedError, KernelLaunchError):
@@ -304,7 +360,7 @@ def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_pr
                      w_hh: torch.Tensor, d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: Any, reverse: bool,
                      d_xw: torch.Tensor, d_gates: torch.Tensor, stage_operands: torch.Tensor,
                      step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
-    """:func:`persistrnn.training._fused_steps` in one cluster launch (fp32
+    """:func:`persistrnn.training._fused_steps` in one launch (fp32
     CUDA tensors): fills ``d_xw`` and ``d_gates`` (T, B, G*H) and
     ``stage_operands`` (stages - 1, T, B, H), contiguous, and returns (dh0,
     dc0 or None). ``h_prev``/``c_prev`` (T, B, H): the states
@@ -341,9 +397,17 @@ def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_pr
         cell_state = (no_tensor, no_tensor, no_tensor)
     check_tensor("stage_operands", stage_operands, (spec.num_stages - 1, steps, batch, hidden), xw.device,
                  torch.float32)
+    # A grid's own counter and status word (zeroed), and its exchange buffer:
+    # every slot is written before it is read, so it needs no zeros.
+    grid: tuple[Any, ...] = (no_tensor,) * 5
+    if config.sync == "grid":
+        own = runtime.scratch(xw.device, counters=1)
+        exchange = torch.empty(config.exchange_floats(batch), dtype=torch.float32, device=xw.device)
+        grid = (exchange, np.uint64(own.counters), np.uint64(own.status),
+                np.uint64(runtime.report_word(xw.device.index)), np.uint64(runtime.wait_timeout_ns()))
     args = runtime.kernel_args(xw, gates, h_prev, cell_state[0], w_hh, d_out, dh_n, cell_state[1],
                                no_tensor if step_runs is None else step_runs, d_xw, d_gates,
-                               stage_operands if spec.num_stages > 1 else no_tensor, dh0, cell_state[2], steps,
-                               batch, int(reverse))
+                               stage_operands if spec.num_stages > 1 else no_tensor, dh0, cell_state[2], *grid,
+                               steps, batch, int(reverse))
     runtime.launch(kernel, launch_config, *args)
     return dh0, dc0

@@ -1,5 +1,6 @@
 """One small launch of each kernel family (cell x sync mode), checked against
-the float64 reference, for compute-sanitizer:
+the float64 reference, for compute-sanitizer; then the persistent backward
+kernel on a cluster and on a grid, against the float64 torch-op steps:
 
     compute-sanitizer --tool memcheck --report-api-errors no python scripts/sanitize_recurrence.py
     compute-sanitizer --tool racecheck --report-api-errors no python scripts/sanitize_recurrence.py
@@ -10,8 +11,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import torch  # noqa: E402
 from test_persistent import _mma, _tolerance, check_against_reference  # noqa: E402
+from test_training import direction_inputs, run_steps  # noqa: E402
 
+from persistrnn import training, training_kernel  # noqa: E402
 from persistrnn.persistent import KernelConfig  # noqa: E402
 
 FAMILIES = [
@@ -31,4 +35,16 @@ for config in FAMILIES:
     ok = max(errors.values()) <= _tolerance(config)
     failed += not ok
     print(f"{'ok  ' if ok else 'FAIL'} {config}: {errors}")
+
+# The backward: H=100 on a cluster, H=601 on a grid (the last block short of units).
+for cell, hidden in (("lstm", 100), ("gru_reset_before", 100), ("lstm", 601), ("gru_reset_before", 601)):
+    inputs = {k: None if v is None else v.float().double()
+              for k, v in direction_inputs(cell, steps=3, batch=3, hidden=hidden, seed=1).items()}
+    want = run_steps(training._torch_steps, cell, inputs, False)
+    got = run_steps(training_kernel.persistent_steps, cell, inputs, False, device="cuda", dtype=torch.float32)
+    errors = {name: (got[name].cpu().double() - value).abs().max().item()
+              for name, value in want.items() if value is not None and value.numel()}
+    ok = max(errors.values()) <= 1e-5
+    failed += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} persistent backward {cell} H={hidden}: {errors}")
 sys.exit(1 if failed else 0)

@@ -1,7 +1,8 @@
 """The persistent backward kernel (persistrnn.training_kernel): its source
-for every cell compiles for sm_90 without local memory and the size rule
-refuses what does not fit (CPU); on a GPU its step loop equals the float64
-torch-op steps to fp32 rounding, bit for bit from run to run."""
+for every cell, on a cluster and on a grid, compiles for sm_90 without local
+memory and the size rule refuses what does not fit (CPU); on a GPU its step
+loop equals the float64 torch-op steps to fp32 rounding, bit for bit from
+run to run."""
 
 import re
 
@@ -14,6 +15,7 @@ from persistrnn.errors import ConfigError, UnsupportedError
 
 CELL_NAMES = tuple(cells.CELLS)
 H100_SHARED = 232448  # the H100's opt-in shared memory per block (227 KB): the size rule's numbers on the CPU
+H100_SMS = 132  # and its SM count, the most blocks of a grid launch
 
 # fp32 against float64 on the same fp32-rounded inputs: per element, and the
 # largest error against the largest value (a few wrong elements among large
@@ -23,12 +25,16 @@ MAX_ERROR = 1e-5
 
 
 # H=37 at batch 3: partial blocks (16 blocks of 3 units, the last ones idle)
-# and one partial batch tile; H=256 at batch 32: the widest tile, the most registers.
+# and one partial batch tile; H=256 at batch 32: the widest tile, the most
+# registers. On a grid (a cluster's shared memory does not hold the layer):
+# H=1024 at batch 1 and 32, and H=1100 at batch 5, its last block short of units.
 @pytest.mark.parametrize("lengths", [False, True])
-@pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32)])
+@pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32), (1024, 1), (1024, 32), (1100, 5)])
 @pytest.mark.parametrize("cell", CELL_NAMES)
 def test_kernel_compiles_for_sm90_without_local_memory(cell, hidden, batch, lengths):
-    config = training_kernel.plan(cells.with_lengths(cell) if lengths else cell, hidden, batch, H100_SHARED)
+    config = training_kernel.plan(cells.with_lengths(cell) if lengths else cell, hidden, batch, H100_SHARED,
+                                  grid_limit=H100_SMS)
+    assert config.sync == ("cluster" if hidden <= 256 else "grid")
     binary = training_kernel.compile_kernel(config, arch="sm_90")
     resources = binary.kernel_resources(training_kernel.KERNEL_NAME)
     assert not resources.uses_local_memory, resources
@@ -42,8 +48,11 @@ def test_kernel_source_holds_the_generated_statements(cell):
     spec = cells.get_cell(cell)
     assert "// ---- the step's blocks ----" not in source
     assert source.count("prnn_d0_h_new = prnn_dh[prnn_n] + prnn_dout[prnn_n];") == 1  # the first block's seed
-    assert source.count("prnn_cluster_sync();") == spec.num_stages + 1  # one exchange per stage, and the start
+    assert source.count("if (!prnn_exchanged(prnn_i * ") == spec.num_stages  # one exchange per stage
     assert f"#define PRNN_G {spec.num_gates}" in source and f"#define PRNN_EXCHANGES {spec.num_stages}" in source
+    assert "#define PRNN_GRID 0" in source
+    grid = training_kernel.kernel_source(training_kernel.plan(cell, 1000, 3, H100_SHARED, grid_limit=H100_SMS))
+    assert "#define PRNN_GRID 1" in grid and grid.count("if (!prnn_exchanged(prnn_i * ") == spec.num_stages
 
 
 def test_the_reset_before_gru_exchanges_d_r_h_before_its_first_stage():
@@ -77,6 +86,24 @@ def test_the_cluster_covers_every_unit(hidden, cluster_limit):
     assert config.w_stride % 8 == 4 and config.w_stride >= config.rows
 
 
+@pytest.mark.parametrize("cell,hidden", [("lstm", 465), ("lstm", 1024), ("gru", 529), ("rnn_relu", 1152),
+                                         ("gru_reset_before", 1500)])
+def test_a_layer_a_cluster_does_not_hold_runs_on_a_grid(cell, hidden):
+    # The cluster while it fits (464 is LSTM's largest H at batch 1 on an
+    # H100, 528 GRU's); past it, as many blocks as SMs allow, none idle.
+    assert training_kernel.plan(cell, hidden - 1 if hidden < 600 else 200, 1, H100_SHARED,
+                                grid_limit=H100_SMS).sync == "cluster"
+    config = training_kernel.plan(cell, hidden, 1, H100_SHARED, grid_limit=H100_SMS)
+    assert config.sync == "grid" and config.blocks <= H100_SMS
+    assert config.units == -(-hidden // H100_SMS) and (config.blocks - 1) * config.units < hidden
+    assert config.blocks * config.units >= hidden
+    assert config.shared_bytes(1) <= H100_SHARED
+    # The exchange stays in global memory: per element one shared float, not two per block.
+    assert config.recv_slots == 1 and config.exchange_floats(3) == 2 * config.blocks * 3 * hidden
+    with pytest.raises(ConfigError, match="a cluster of 16 blocks"):  # without a grid, it is refused
+        training_kernel.plan(cell, hidden, 1, H100_SHARED)
+
+
 def test_shared_bytes_counts_the_layout():
     # LSTM H=256 on 16 blocks: 16 units, 64 rows, column stride 68; per batch
     # row 64 d gates, 2 x 16 blocks x 16 partials, 2 x 11 planes x 16 staged, 16 dc.
@@ -87,23 +114,25 @@ def test_shared_bytes_counts_the_layout():
     assert gru.direct_dh and not config.direct_dh
 
 
-@pytest.mark.parametrize("cell,hidden,batch", [("lstm", 512, 1), ("rnn_tanh", 1024, 1), ("lstm", 256, 4096)])
-def test_too_large_is_refused_naming_what_fits(cell, hidden, batch):
+@pytest.mark.parametrize("cell,hidden,batch,grid_limit", [("lstm", 512, 1, 0), ("rnn_tanh", 1024, 1, 0),
+                                                          ("lstm", 256, 4096, 0), ("lstm", 4096, 1, H100_SMS),
+                                                          ("gru", 1024, 200, H100_SMS)])
+def test_too_large_is_refused_naming_what_fits(cell, hidden, batch, grid_limit):
     with pytest.raises(ConfigError) as refused:
-        training_kernel.plan(cell, hidden, batch, H100_SHARED)
+        training_kernel.plan(cell, hidden, batch, H100_SHARED, grid_limit=grid_limit)
     message = str(refused.value)
     assert f"the device allows {H100_SHARED}" in message
     most_hidden = re.search(r"H up to (\d+) fits|no H fits", message)
     most_batch = re.search(r"batch up to (\d+) fits|no batch fits", message)
     assert most_hidden and most_batch, message
     if most_hidden.group(1):
-        training_kernel.plan(cell, int(most_hidden.group(1)), batch, H100_SHARED)
+        training_kernel.plan(cell, int(most_hidden.group(1)), batch, H100_SHARED, grid_limit=grid_limit)
         with pytest.raises(ConfigError):
-            training_kernel.plan(cell, int(most_hidden.group(1)) + 1, batch, H100_SHARED)
+            training_kernel.plan(cell, int(most_hidden.group(1)) + 1, batch, H100_SHARED, grid_limit=grid_limit)
     if most_batch.group(1):
-        training_kernel.plan(cell, hidden, int(most_batch.group(1)), H100_SHARED)
+        training_kernel.plan(cell, hidden, int(most_batch.group(1)), H100_SHARED, grid_limit=grid_limit)
         with pytest.raises(ConfigError):
-            training_kernel.plan(cell, hidden, int(most_batch.group(1)) + 1, H100_SHARED)
+            training_kernel.plan(cell, hidden, int(most_batch.group(1)) + 1, H100_SHARED, grid_limit=grid_limit)
 
 
 def test_shared_memory_grows_with_hidden_once_the_cluster_is_full():
@@ -124,14 +153,18 @@ def test_gpu_fits_follows_the_size_rule():
     assert training_kernel.fits("lstm", 256, 8, device)
     assert training_kernel.fits(cells.get_cell("gru"), 100, 3, torch.device("cuda"))
     assert training_kernel.fits("gru_reset_before", 64, 1, device)
-    assert not training_kernel.fits("lstm", 1024, 1, device)
+    assert training_kernel.fits("lstm", 1024, 8, device)  # on a grid
+    assert not training_kernel.fits("lstm", 4096, 1, device)
 
 
 # Odd and even step counts (the last step's parity), batch 1, a partial tile
-# (3 < 8) and several full tiles (32), partial blocks (H=37, 100).
+# (3 < 8) and several full tiles (32), partial blocks (H=37, 100); on a grid
+# (a cluster does not hold the layer): H=601 (every cell but the RNN's; the
+# last block short of units) and H=1000 (every cell).
 @pytest.mark.gpu
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("steps,batch,hidden", [(7, 3, 37), (5, 1, 100), (6, 8, 256), (1, 32, 256)])
+@pytest.mark.parametrize("steps,batch,hidden", [(7, 3, 37), (5, 1, 100), (6, 8, 256), (1, 32, 256), (5, 3, 601),
+                                                (4, 9, 1000), (3, 1, 1000)])
 @pytest.mark.parametrize("cell", CELL_NAMES)
 @pytest.mark.parametrize("lengths", [False, True])
 def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batch, hidden, reverse, lengths):
@@ -151,9 +184,10 @@ def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [100, 1000])  # a cluster, a grid
 @pytest.mark.parametrize("cell", CELL_NAMES)
-def test_gpu_persistent_steps_are_bit_identical_run_to_run(cell):
-    inputs = direction_inputs(cell, steps=9, batch=5, hidden=100, seed=3)
+def test_gpu_persistent_steps_are_bit_identical_run_to_run(cell, hidden):
+    inputs = direction_inputs(cell, steps=9, batch=5, hidden=hidden, seed=3)
     first = run_steps(training_kernel.persistent_steps, cell, inputs, True, device="cuda", dtype=torch.float32)
     second = run_steps(training_kernel.persistent_steps, cell, inputs, True, device="cuda", dtype=torch.float32)
     for name, value in first.items():

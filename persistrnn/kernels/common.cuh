@@ -164,6 +164,14 @@ __device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_
     return v >= target;
 }
 
+// A float another block stored during this launch: through L2 only (.cg),
+// never from a stale L1 line.
+__device__ __forceinline__ float prnn_ld_cg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Returns false (and the status word holds a failure) if the other blocks
 // did not arrive.
 __device__ __forceinline__ bool prnn_grid_wait(prnn_u32* counter, prnn_u32 target, const prnn_watch& w) {

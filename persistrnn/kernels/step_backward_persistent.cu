@@ -1,8 +1,10 @@
-// The backward recurrence of one layer direction in one cluster launch
+// The backward recurrence of one layer direction in one launch, on one
+// cluster (PRNN_GRID 0) or on a cooperative grid of up to one block per SM
+// (PRNN_GRID 1: layers whose W_hh a cluster's shared memory does not hold)
 // (persistrnn/training_kernel.py renders and launches it; persistrnn/adjoint.py
 // generates the step's statements from the cell spec).
 //
-// Block `rank` of the cluster owns hidden units [u0, u0 + units) (PRNN_UNITS
+// Block `rank` of the launch owns hidden units [u0, u0 + units) (PRNN_UNITS
 // each, the last blocks fewer, possibly none) and keeps the W_hh rows of its
 // units' gates in shared memory for the whole launch, transposed: gate g of
 // unit u0 + j is row prnn_gate_row0(g) + j at column r of w[k][.]; each
@@ -11,8 +13,8 @@
 // the cell (the last first; one for LSTM, GRU and RNN, two for the
 // reset-before GRU, whose r * h waits for r) and then its stage's product:
 //   1. for each (batch row b, owned unit): the adjoints the product before
-//      left, summed from the cluster's partials in block order
-//      (deterministic): dh_t at a step's first block (plus the part that did
+//      left, summed from the launch's partials in a fixed order
+//      (deterministic, no atomics): dh_t at a step's first block (plus the part that did
 //      not go through W, GRU's z * dh), or a stage operand's adjoint (the
 //      reset-before GRU's d(r * h)) into its carry plane; then the block's
 //      generated statements: d xg, d gates (global, for the weight gradients
@@ -21,20 +23,27 @@
 //      operands dW_hh needs (global);
 //   2. the block's partial product of its stage, p[b][k] = sum over the
 //      stage's rows r of d_gates[b][r] * W[r][k], for every column k, stored
-//      into the shared memory of k's owner at slot [parity][rank] (DSMEM
-//      stores);
-//   3. one cluster barrier: the slots of this exchange's parity are
-//      complete, and those of the other parity, which the next exchange
-//      fills, were read by every owner before it arrived.
+//      at slot [parity][rank]: in a cluster into the shared memory of k's
+//      owner (DSMEM stores), summed there in block order; in a grid into the
+//      global exchange buffer, from which each owner gathers its units'
+//      partials after the barrier (lanes of a warp split the blocks, each in
+//      block order, then a fixed shuffle tree);
+//   3. one barrier: the slots of this exchange's parity are complete, and
+//      those of the other parity, which the next exchange fills, were read
+//      by every owner before it arrived.
 // The step's forward values (xg, gates, h, c, d_out) do not depend on the
 // recurrence: each thread copies the next step's into shared memory (cp.async)
 // while the products and the barriers run, so no global load is on the chain.
 //
-// Only the hardware cluster barrier waits, and the hardware co-schedules a
-// cluster, so nothing here can wait for a block that is not running.
+// In a cluster only the hardware cluster barrier waits, and the hardware
+// co-schedules a cluster, so nothing can wait for a block that is not
+// running. A grid's barrier is a counter that only grows (common.cuh): its
+// wait is bounded by the watch (no progress for the timeout fails the
+// launch, and a peer's failure ends it at once), and the launch is
+// cooperative, so the host checked that every block is resident.
 //
 // Configuration macros from training_kernel.py: PRNN_G (gates), PRNN_H
-// (hidden), PRNN_BLOCKS (cluster size), PRNN_UNITS (units per block),
+// (hidden), PRNN_BLOCKS (blocks in the launch), PRNN_GRID (grid sync), PRNN_UNITS (units per block),
 // PRNN_ROWS (every stage's PRNN_UNITS rows per gate, each stage rounded up to
 // 4), PRNN_W_STRIDE (floats from one column of the transposed slice to the
 // next), PRNN_THREADS, PRNN_BATCH_TILE (batch rows per product thread),
@@ -102,6 +111,14 @@ __device__ __forceinline__ void prnn_st_cluster_f32(prnn_u32 addr, float value) 
 #define PRNN_PLANE_RUNS (2 * PRNN_G + 2 + PRNN_CELL_STATE)
 #define PRNN_PLANES (PRNN_PLANE_RUNS + PRNN_LENGTHS)
 
+// Shared floats per element for what the exchange brings: in a cluster the
+// partials of both parities from every block; in a grid the gathered sum.
+#if PRNN_GRID
+#define PRNN_RECV_SLOTS 1
+#else
+#define PRNN_RECV_SLOTS (2 * PRNN_BLOCKS)
+#endif
+
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     prnn_step_backward_persistent(const float* __restrict__ prnn_xw_all,     // [T][B][G*H]
                                   const float* __restrict__ prnn_gates_all,  // [T][B][G*H]
@@ -118,16 +135,24 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                                   float* __restrict__ prnn_operands_all,     // [stages - 1][T][B][H] stage operands
                                   float* __restrict__ prnn_dh_first,         // [B][H] dL/dh_0
                                   float* __restrict__ prnn_dc_first,         // [B][H] dL/dc_0
+                                  float* __restrict__ prnn_exchange,  // grid: [2][PRNN_BLOCKS][B][H] partials
+                                  prnn_u32* prnn_counters,  // grid: the barrier's counter, zero at launch
+                                  int* prnn_status, int* prnn_report, prnn_u64 prnn_timeout_ns,  // grid: the watch
                                   int prnn_steps, int prnn_batch, int prnn_reverse) {
     extern __shared__ float4 prnn_shared4[];
+#if PRNN_GRID
+    const int prnn_rank = (int)blockIdx.x;
+    const prnn_watch prnn_watch_{prnn_status, prnn_report, prnn_timeout_ns};
+#else
     const int prnn_rank = (int)prnn_cluster_rank();
+#endif
     const int prnn_u0 = prnn_rank * PRNN_UNITS;
     const int prnn_owned = max(0, min(PRNN_UNITS, PRNN_H - prnn_u0));
     const int prnn_elements = prnn_batch * PRNN_UNITS;  // (b, j) at b * PRNN_UNITS + j; j >= prnn_owned idle
     float* prnn_w = reinterpret_cast<float*>(prnn_shared4);    // [PRNN_H][PRNN_W_STRIDE]
     float* prnn_dg = prnn_w + PRNN_H * PRNN_W_STRIDE;          // [B][PRNN_ROWS]
-    float* prnn_recv = prnn_dg + prnn_batch * PRNN_ROWS;       // [2][PRNN_BLOCKS][B * PRNN_UNITS]
-    float* prnn_stage = prnn_recv + 2 * PRNN_BLOCKS * prnn_elements;  // [2][PRNN_PLANES][B * PRNN_UNITS]
+    float* prnn_recv = prnn_dg + prnn_batch * PRNN_ROWS;       // [PRNN_RECV_SLOTS][B * PRNN_UNITS]
+    float* prnn_stage = prnn_recv + PRNN_RECV_SLOTS * prnn_elements;  // [2][PRNN_PLANES][B * PRNN_UNITS]
     float* prnn_dc_state = prnn_stage + 2 * PRNN_PLANES * prnn_elements;  // [B * PRNN_UNITS] (cells with c)
     float* prnn_direct = prnn_dc_state + PRNN_CELL_STATE * prnn_elements;  // [B * PRNN_UNITS] (PRNN_DIRECT_DH)
     float* prnn_carry_planes = prnn_direct + PRNN_DIRECT_DH * prnn_elements;  // [PRNN_CARRY][B * PRNN_UNITS]
@@ -178,6 +203,49 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
         prnn_cp_async_commit();
     };
 
+#if PRNN_GRID
+    // Lanes per element in the gather: as many as keep every thread busy,
+    // so that a small batch has its loads from L2 in flight at once.
+    int prnn_lanes = 32;
+    while (prnn_lanes > 1 && prnn_elements * prnn_lanes > PRNN_THREADS) prnn_lanes >>= 1;
+    // Every owned element's partials of exchange parity prnn_parity, summed
+    // into prnn_recv: lane l of an element's group adds blocks l, l + lanes,
+    // ... in order, then the group's shuffle tree adds the lanes (a fixed
+    // order: deterministic). Whole warps run each round (the shuffles).
+    auto prnn_gather = [&](int prnn_parity) {
+        const size_t prnn_slot = (size_t)prnn_batch * PRNN_H;
+        const float* prnn_slots = prnn_exchange + prnn_parity * PRNN_BLOCKS * prnn_slot + prnn_u0;
+        const int prnn_work = (prnn_elements * prnn_lanes + 31) / 32 * 32;
+        for (int prnn_t = threadIdx.x; prnn_t < prnn_work; prnn_t += PRNN_THREADS) {
+            const int prnn_e = prnn_t / prnn_lanes, prnn_lane = prnn_t % prnn_lanes;
+            const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
+            float prnn_sum = 0.0f;
+            if (prnn_e < prnn_elements && prnn_j < prnn_owned) {
+                const float* prnn_from = prnn_slots + (size_t)prnn_b * PRNN_H + prnn_j;
+#pragma unroll 8
+                for (int prnn_src = prnn_lane; prnn_src < PRNN_BLOCKS; prnn_src += prnn_lanes)
+                    prnn_sum += prnn_ld_cg_f32(prnn_from + prnn_src * prnn_slot);
+            }
+            for (int prnn_off = prnn_lanes / 2; prnn_off > 0; prnn_off >>= 1)
+                prnn_sum += __shfl_xor_sync(0xffffffffu, prnn_sum, prnn_off);
+            if (prnn_lane == 0 && prnn_e < prnn_elements) prnn_recv[prnn_e] = prnn_sum;
+        }
+        __syncthreads();
+    };
+    auto prnn_gathered = [&](int, int prnn_e) { return prnn_recv[prnn_e]; };
+    // Arrive at exchange prnn_k's barrier and wait for every block; false
+    // (the status word holds why) when the wait gave up.
+    auto prnn_exchanged = [&](int prnn_k) {
+        prnn_grid_arrive(prnn_counters);
+        bool prnn_arrived = true;
+        prnn_u32 prnn_seen;
+        if (threadIdx.x == 0)
+            prnn_arrived = prnn_wait_counter(prnn_counters, (prnn_u32)(PRNN_BLOCKS * (prnn_k + 1)), prnn_watch_,
+                                             PRNN_STATUS_GRID_BARRIER_TIMEOUT, &prnn_seen);
+        return __syncthreads_and(prnn_arrived) != 0;
+    };
+#else
+    auto prnn_gather = [](int) {};  // each owner sums its slots where it reads them
     // The cluster's partial products of exchange parity prnn_parity for
     // element prnn_e, summed in block order.
     auto prnn_gathered = [&](int prnn_parity, int prnn_e) {
@@ -187,6 +255,11 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
         for (int prnn_src = 0; prnn_src < PRNN_BLOCKS; ++prnn_src) prnn_sum += prnn_slots[prnn_src * prnn_elements];
         return prnn_sum;
     };
+    auto prnn_exchanged = [](int) {
+        prnn_cluster_sync();
+        return true;
+    };
+#endif
     // dh_{t-1} of element prnn_e: the direct part, then the partials.
     auto prnn_gathered_dh = [&](int prnn_parity, int prnn_e) {
         return (PRNN_DIRECT_DH ? prnn_direct[prnn_e] : 0.0f) + prnn_gathered(prnn_parity, prnn_e);
@@ -199,7 +272,11 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     // gates (the same address across the warp: a broadcast) per 4 rows.
     auto prnn_product = [&](int prnn_r0, int prnn_r1, int prnn_parity) {
         const int prnn_items = (prnn_batch + PRNN_BATCH_TILE - 1) / PRNN_BATCH_TILE * PRNN_H;
+#if PRNN_GRID
+        float* prnn_slot = prnn_exchange + (size_t)(prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_batch * PRNN_H;
+#else
         const prnn_u32 prnn_slot = prnn_smem_addr(prnn_recv + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_elements);
+#endif
         for (int prnn_item = threadIdx.x; prnn_item < prnn_items; prnn_item += PRNN_THREADS) {
             const int prnn_k = prnn_item % PRNN_H, prnn_b0 = prnn_item / PRNN_H * PRNN_BATCH_TILE;
             const float* prnn_column = prnn_w + prnn_k * PRNN_W_STRIDE;
@@ -223,6 +300,13 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                     prnn_acc[prnn_t] = fmaf(prnn_dv.w, prnn_wv.w, prnn_acc[prnn_t]);
                 }
             }
+#if PRNN_GRID
+#pragma unroll
+            for (int prnn_t = 0; prnn_t < PRNN_BATCH_TILE; ++prnn_t) {
+                const int prnn_b = prnn_b0 + prnn_t;
+                if (prnn_b < prnn_batch) prnn_slot[prnn_b * PRNN_H + prnn_k] = prnn_acc[prnn_t];
+            }
+#else
             const int prnn_owner = prnn_k / PRNN_UNITS, prnn_j = prnn_k % PRNN_UNITS;
 #pragma unroll
             for (int prnn_t = 0; prnn_t < PRNN_BATCH_TILE; ++prnn_t) {
@@ -231,6 +315,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                     prnn_st_cluster_f32(prnn_peer_addr(prnn_slot + 4u * (prnn_b * PRNN_UNITS + prnn_j), prnn_owner),
                                         prnn_acc[prnn_t]);
             }
+#endif
         }
     };
 
@@ -241,9 +326,13 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
             prnn_dc_state[prnn_e] = prnn_dc_last[prnn_b * PRNN_H + prnn_u0 + prnn_j];
     }
     prnn_stage_position(prnn_position(0), 0);
+#if PRNN_GRID
+    __syncthreads();  // the block's slice and zeros are in place
+#else
     // Every block has started (DSMEM stores need their target running) and
     // its slice and zeros are in place.
     prnn_cluster_sync();
+#endif
 
     for (int prnn_i = 0; prnn_i < prnn_steps; ++prnn_i) {
         const int prnn_p = prnn_position(prnn_i);
@@ -254,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
 
     // The last exchange's parity: PRNN_EXCHANGES per step.
     const int prnn_last = (prnn_steps * PRNN_EXCHANGES - 1) & 1;
+    prnn_gather(prnn_last);
     for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
         const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
         if (prnn_j >= prnn_owned) continue;
