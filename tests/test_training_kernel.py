@@ -4,7 +4,9 @@ memory and the size rule refuses what does not fit (CPU); on a GPU its step
 loop equals the float64 torch-op steps to fp32 rounding, bit for bit from
 run to run."""
 
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +144,16 @@ def test_shared_memory_grows_with_hidden_once_the_cluster_is_full():
         sizes = [training_kernel.plan(cell, h, 4, 1 << 30).shared_bytes(4) for h in range(16, 600)]
         assert sizes == sorted(sizes), cell
         assert all(training_kernel.plan(cell, h, 4, H100_SHARED) for h in range(1, 16))
+
+
+def test_the_sanitizer_script_imports_and_runs_the_backward_on_a_cluster_and_a_grid():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "sanitize_recurrence.py"
+    spec = importlib.util.spec_from_file_location("sanitize_recurrence", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # its imports from the tests resolve (main() runs only as a script)
+    modes = {training_kernel.plan(cell, hidden, 3, H100_SHARED, grid_limit=H100_SMS).sync
+             for cell, hidden in script.BACKWARD}
+    assert modes == {"cluster", "grid"}
 
 
 # ---- on the GPU ---------------------------------------------------------------------
