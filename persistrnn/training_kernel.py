@@ -58,6 +58,10 @@ MAX_CLUSTER = 16
 """The largest cluster a Hopper GPU launches (non-portable; 8 is portable).
 The driver's answer for the kernel's shared memory has the last word
 (:meth:`persistrnn.runtime.LoadedKernel.max_cluster_size`)."""
+GATHER_ELEMENTS = 4
+"""Elements a warp of a grid launch gathers at once: with ceil(blocks / 32)
+loads per lane each (4 at 128 blocks), 16 loads from L2 in flight per
+thread, so batch 1 (8 warps, 8 elements at H=1024) gathers in one round trip."""
 MAX_BATCH_TILE = 8
 """Batch rows per thread of the product: each row's d gates are a broadcast
 load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
@@ -295,7 +299,7 @@ def kernel_source(config: BackwardKernelConfig) -> str:
     cell's generated backward statements (:mod:`persistrnn.adjoint`), one
     statement block and one product per stage in each step."""
     defines = {"PRNN_G": config.spec.num_gates, "PRNN_H": config.hidden, "PRNN_BLOCKS": config.blocks,
-               "PRNN_GRID": int(config.sync == "grid"),
+               "PRNN_GRID": int(config.sync == "grid"), "PRNN_GATHER_ELEMENTS": GATHER_ELEMENTS,
                "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
                "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
                "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh),

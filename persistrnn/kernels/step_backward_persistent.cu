@@ -26,8 +26,8 @@
 //      at slot [parity][rank]: in a cluster into the shared memory of k's
 //      owner (DSMEM stores), summed there in block order; in a grid into the
 //      global exchange buffer, from which each owner gathers its units'
-//      partials after the barrier (lanes of a warp split the blocks, each in
-//      block order, then a fixed shuffle tree);
+//      partials after the barrier (a warp's lanes split the blocks, each
+//      lane adds its blocks in order, then a fixed shuffle tree);
 //   3. one barrier: the slots of this exchange's parity are complete, and
 //      those of the other parity, which the next exchange fills, were read
 //      by every owner before it arrived.
@@ -43,7 +43,8 @@
 // cooperative, so the host checked that every block is resident.
 //
 // Configuration macros from training_kernel.py: PRNN_G (gates), PRNN_H
-// (hidden), PRNN_BLOCKS (blocks in the launch), PRNN_GRID (grid sync), PRNN_UNITS (units per block),
+// (hidden), PRNN_BLOCKS (blocks in the launch), PRNN_GRID (grid sync),
+// PRNN_GATHER_ELEMENTS (a grid's elements gathered per warp at once), PRNN_UNITS (units per block),
 // PRNN_ROWS (every stage's PRNN_UNITS rows per gate, each stage rounded up to
 // 4), PRNN_W_STRIDE (floats from one column of the transposed slice to the
 // next), PRNN_THREADS, PRNN_BATCH_TILE (batch rows per product thread),
@@ -204,31 +205,43 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     };
 
 #if PRNN_GRID
-    // Lanes per element in the gather: as many as keep every thread busy,
-    // so that a small batch has its loads from L2 in flight at once.
-    int prnn_lanes = 32;
-    while (prnn_lanes > 1 && prnn_elements * prnn_lanes > PRNN_THREADS) prnn_lanes >>= 1;
     // Every owned element's partials of exchange parity prnn_parity, summed
-    // into prnn_recv: lane l of an element's group adds blocks l, l + lanes,
-    // ... in order, then the group's shuffle tree adds the lanes (a fixed
-    // order: deterministic). Whole warps run each round (the shuffles).
+    // into prnn_recv. A warp takes PRNN_GATHER_ELEMENTS elements at once,
+    // and lane l loads blocks l, l + 32, ... of each: all of those loads are
+    // in flight together (one L2 round trip at batch 1; counts known at
+    // compile time, so nothing is left to a remainder loop). Each lane adds
+    // its blocks in order, then a fixed shuffle tree adds the lanes: a fixed
+    // order, so the sums are deterministic.
+    constexpr int prnn_gather_loads = (PRNN_BLOCKS + 31) / 32;
     auto prnn_gather = [&](int prnn_parity) {
         const size_t prnn_slot = (size_t)prnn_batch * PRNN_H;
         const float* prnn_slots = prnn_exchange + prnn_parity * PRNN_BLOCKS * prnn_slot + prnn_u0;
-        const int prnn_work = (prnn_elements * prnn_lanes + 31) / 32 * 32;
-        for (int prnn_t = threadIdx.x; prnn_t < prnn_work; prnn_t += PRNN_THREADS) {
-            const int prnn_e = prnn_t / prnn_lanes, prnn_lane = prnn_t % prnn_lanes;
-            const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
-            float prnn_sum = 0.0f;
-            if (prnn_e < prnn_elements && prnn_j < prnn_owned) {
+        const int prnn_lane = threadIdx.x % 32;
+        for (int prnn_e0 = threadIdx.x / 32 * PRNN_GATHER_ELEMENTS; prnn_e0 < prnn_elements;
+             prnn_e0 += PRNN_THREADS / 32 * PRNN_GATHER_ELEMENTS) {
+            float prnn_v[PRNN_GATHER_ELEMENTS][prnn_gather_loads];
+#pragma unroll
+            for (int prnn_q = 0; prnn_q < PRNN_GATHER_ELEMENTS; ++prnn_q) {
+                const int prnn_e = prnn_e0 + prnn_q, prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
+                const bool prnn_mine = prnn_e < prnn_elements && prnn_j < prnn_owned;
                 const float* prnn_from = prnn_slots + (size_t)prnn_b * PRNN_H + prnn_j;
-#pragma unroll 8
-                for (int prnn_src = prnn_lane; prnn_src < PRNN_BLOCKS; prnn_src += prnn_lanes)
-                    prnn_sum += prnn_ld_cg_f32(prnn_from + prnn_src * prnn_slot);
+#pragma unroll
+                for (int prnn_l = 0; prnn_l < prnn_gather_loads; ++prnn_l) {
+                    const int prnn_src = prnn_lane + 32 * prnn_l;
+                    prnn_v[prnn_q][prnn_l] =
+                        prnn_mine && prnn_src < PRNN_BLOCKS ? prnn_ld_cg_f32(prnn_from + prnn_src * prnn_slot) : 0.0f;
+                }
             }
-            for (int prnn_off = prnn_lanes / 2; prnn_off > 0; prnn_off >>= 1)
-                prnn_sum += __shfl_xor_sync(0xffffffffu, prnn_sum, prnn_off);
-            if (prnn_lane == 0 && prnn_e < prnn_elements) prnn_recv[prnn_e] = prnn_sum;
+#pragma unroll
+            for (int prnn_q = 0; prnn_q < PRNN_GATHER_ELEMENTS; ++prnn_q) {
+                float prnn_sum = 0.0f;
+#pragma unroll
+                for (int prnn_l = 0; prnn_l < prnn_gather_loads; ++prnn_l) prnn_sum += prnn_v[prnn_q][prnn_l];
+#pragma unroll
+                for (int prnn_off = 16; prnn_off > 0; prnn_off >>= 1)
+                    prnn_sum += __shfl_xor_sync(0xffffffffu, prnn_sum, prnn_off);
+                if (prnn_lane == 0 && prnn_e0 + prnn_q < prnn_elements) prnn_recv[prnn_e0 + prnn_q] = prnn_sum;
+            }
         }
         __syncthreads();
     };
