@@ -58,10 +58,6 @@ MAX_CLUSTER = 16
 """The largest cluster a Hopper GPU launches (non-portable; 8 is portable).
 The driver's answer for the kernel's shared memory has the last word
 (:meth:`persistrnn.runtime.LoadedKernel.max_cluster_size`)."""
-GATHER_ELEMENTS = 4
-"""Elements a warp of a grid launch gathers at once: with ceil(blocks / 32)
-loads per lane each (4 at 128 blocks), 16 loads from L2 in flight per
-thread, so batch 1 (8 warps, 8 elements at H=1024) gathers in one round trip."""
 MAX_BATCH_TILE = 8
 """Batch rows per thread of the product: each row's d gates are a broadcast
 load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
@@ -158,12 +154,14 @@ class BackwardKernelConfig:
         return 4 * (self.rows + (self.recv_slots + 2 * self.planes + state) * self.units)
 
     def exchange_floats(self, batch: int) -> int:
-        """The grid's exchange buffer in global memory: two parities of every block's partials (0 in a cluster)."""
-        return 2 * self.blocks * batch * self.hidden if self.sync == "grid" else 0
+        """The grid's exchange buffer in global memory (0 in a cluster): two
+        parities of every block's partials, [owner][b][block][unit]."""
+        return 2 * self.blocks * batch * self.blocks * self.units if self.sync == "grid" else 0
 
     def shared_bytes(self, batch: int) -> int:
-        """Dynamic shared memory per block at ``batch`` (kernels/step_backward_persistent.cu's layout)."""
-        return self.slice_bytes() + batch * self.batch_row_bytes()
+        """Dynamic shared memory per block at ``batch`` (kernels/step_backward_persistent.cu's layout):
+        the slice, the batch rows, and in a grid the gather's lane sums (a float per thread)."""
+        return self.slice_bytes() + batch * self.batch_row_bytes() + (4 * THREADS if self.sync == "grid" else 0)
 
 
 def _configs(spec: CellSpec, hidden: int, batch: int, cluster_limit: int,
@@ -209,7 +207,7 @@ def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
     if config := fitting(hidden, batch):
         return config
     largest = _configs(spec, hidden, batch, cluster_limit, grid_limit)[-1]
-    most_batch = (shared_limit - largest.slice_bytes()) // largest.batch_row_bytes()
+    most_batch = (shared_limit - largest.shared_bytes(0)) // largest.batch_row_bytes()
     most_hidden = next((h for h in range(hidden - 1, 0, -1) if fitting(h, batch)), 0)
     at_hidden = f"batch up to {most_batch} fits at H={hidden}" if most_batch > 0 else f"no batch fits at H={hidden}"
     at_batch = f"H up to {most_hidden} fits at batch {batch}" if most_hidden > 0 else f"no H fits at batch {batch}"
@@ -299,7 +297,7 @@ def kernel_source(config: BackwardKernelConfig) -> str:
     cell's generated backward statements (:mod:`persistrnn.adjoint`), one
     statement block and one product per stage in each step."""
     defines = {"PRNN_G": config.spec.num_gates, "PRNN_H": config.hidden, "PRNN_BLOCKS": config.blocks,
-               "PRNN_GRID": int(config.sync == "grid"), "PRNN_GATHER_ELEMENTS": GATHER_ELEMENTS,
+               "PRNN_GRID": int(config.sync == "grid"),
                "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
                "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
                "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh),

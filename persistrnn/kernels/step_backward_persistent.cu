@@ -26,8 +26,8 @@
 //      at slot [parity][rank]: in a cluster into the shared memory of k's
 //      owner (DSMEM stores), summed there in block order; in a grid into the
 //      global exchange buffer, from which each owner gathers its units'
-//      partials after the barrier (a warp's lanes split the blocks, each
-//      lane adds its blocks in order, then a fixed shuffle tree);
+//      partials after the barrier (lanes split the blocks, each adds its
+//      blocks in order, then one thread per element adds the lanes);
 //   3. one barrier: the slots of this exchange's parity are complete, and
 //      those of the other parity, which the next exchange fills, were read
 //      by every owner before it arrived.
@@ -44,7 +44,7 @@
 //
 // Configuration macros from training_kernel.py: PRNN_G (gates), PRNN_H
 // (hidden), PRNN_BLOCKS (blocks in the launch), PRNN_GRID (grid sync),
-// PRNN_GATHER_ELEMENTS (a grid's elements gathered per warp at once), PRNN_UNITS (units per block),
+// PRNN_UNITS (units per block),
 // PRNN_ROWS (every stage's PRNN_UNITS rows per gate, each stage rounded up to
 // 4), PRNN_W_STRIDE (floats from one column of the transposed slice to the
 // next), PRNN_THREADS, PRNN_BATCH_TILE (batch rows per product thread),
@@ -136,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                                   float* __restrict__ prnn_operands_all,     // [stages - 1][T][B][H] stage operands
                                   float* __restrict__ prnn_dh_first,         // [B][H] dL/dh_0
                                   float* __restrict__ prnn_dc_first,         // [B][H] dL/dc_0
-                                  float* __restrict__ prnn_exchange,  // grid: [2][PRNN_BLOCKS][B][H] partials
+                                  float* __restrict__ prnn_exchange,  // grid: [2][owner][B][block][units]
                                   prnn_u32* prnn_counters,  // grid: the barrier's counter, zero at launch
                                   int* prnn_status, int* prnn_report, prnn_u64 prnn_timeout_ns,  // grid: the watch
                                   int prnn_steps, int prnn_batch, int prnn_reverse) {
@@ -157,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     float* prnn_dc_state = prnn_stage + 2 * PRNN_PLANES * prnn_elements;  // [B * PRNN_UNITS] (cells with c)
     float* prnn_direct = prnn_dc_state + PRNN_CELL_STATE * prnn_elements;  // [B * PRNN_UNITS] (PRNN_DIRECT_DH)
     float* prnn_carry_planes = prnn_direct + PRNN_DIRECT_DH * prnn_elements;  // [PRNN_CARRY][B * PRNN_UNITS]
+    [[maybe_unused]] float* prnn_lane_sums = prnn_carry_planes + PRNN_CARRY * prnn_elements;  // grid: [PRNN_THREADS]
     constexpr int prnn_gh = PRNN_G * PRNN_H;
     [[maybe_unused]] const size_t prnn_operand_stride = (size_t)prnn_steps * prnn_batch * PRNN_H;
 
@@ -205,42 +206,44 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     };
 
 #if PRNN_GRID
+    // The exchange buffer is laid out [parity][owner][b][source block][j]:
+    // an owner's partials from every block are one contiguous run, so the
+    // gather reads each 32-byte sector once (a layout by source block would
+    // read a sector per float: 8x the L2 traffic at 8 units per block).
+    const size_t prnn_run = (size_t)prnn_batch * PRNN_BLOCKS * PRNN_UNITS;  // one owner's partials
+    // Lanes per element: as many as keep the block's threads busy (a power
+    // of two), so a small batch has all its loads in flight at once.
+    int prnn_lanes = 32;
+    while (prnn_lanes > 1 && prnn_elements * prnn_lanes > PRNN_THREADS) prnn_lanes >>= 1;
     // Every owned element's partials of exchange parity prnn_parity, summed
-    // into prnn_recv. A warp takes PRNN_GATHER_ELEMENTS elements at once,
-    // and lane l loads blocks l, l + 32, ... of each: all of those loads are
-    // in flight together (one L2 round trip at batch 1; counts known at
-    // compile time, so nothing is left to a remainder loop). Each lane adds
-    // its blocks in order, then a fixed shuffle tree adds the lanes: a fixed
-    // order, so the sums are deterministic.
-    constexpr int prnn_gather_loads = (PRNN_BLOCKS + 31) / 32;
+    // into prnn_recv: lane l of element (b, j) adds the blocks l, l + lanes,
+    // ... in order (consecutive threads read consecutive units, then
+    // consecutive blocks: coalesced), then one thread per element adds its
+    // lanes in order. A fixed order: the sums are deterministic.
     auto prnn_gather = [&](int prnn_parity) {
-        const size_t prnn_slot = (size_t)prnn_batch * PRNN_H;
-        const float* prnn_slots = prnn_exchange + prnn_parity * PRNN_BLOCKS * prnn_slot + prnn_u0;
-        const int prnn_lane = threadIdx.x % 32;
-        for (int prnn_e0 = threadIdx.x / 32 * PRNN_GATHER_ELEMENTS; prnn_e0 < prnn_elements;
-             prnn_e0 += PRNN_THREADS / 32 * PRNN_GATHER_ELEMENTS) {
-            float prnn_v[PRNN_GATHER_ELEMENTS][prnn_gather_loads];
-#pragma unroll
-            for (int prnn_q = 0; prnn_q < PRNN_GATHER_ELEMENTS; ++prnn_q) {
-                const int prnn_e = prnn_e0 + prnn_q, prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
-                const bool prnn_mine = prnn_e < prnn_elements && prnn_j < prnn_owned;
-                const float* prnn_from = prnn_slots + (size_t)prnn_b * PRNN_H + prnn_j;
-#pragma unroll
-                for (int prnn_l = 0; prnn_l < prnn_gather_loads; ++prnn_l) {
-                    const int prnn_src = prnn_lane + 32 * prnn_l;
-                    prnn_v[prnn_q][prnn_l] =
-                        prnn_mine && prnn_src < PRNN_BLOCKS ? prnn_ld_cg_f32(prnn_from + prnn_src * prnn_slot) : 0.0f;
-                }
+        const float* prnn_mine = prnn_exchange + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_run;
+        float* prnn_into = prnn_lanes > 1 ? prnn_lane_sums : prnn_recv;  // one lane: the sum itself
+        for (int prnn_t = threadIdx.x; prnn_t < prnn_elements * prnn_lanes; prnn_t += PRNN_THREADS) {
+            const int prnn_j = prnn_t % PRNN_UNITS, prnn_lane = prnn_t / PRNN_UNITS % prnn_lanes;
+            const int prnn_b = prnn_t / (PRNN_UNITS * prnn_lanes);
+            float prnn_sum = 0.0f;
+            if (prnn_j < prnn_owned) {
+                const float* prnn_from = prnn_mine + (size_t)prnn_b * PRNN_BLOCKS * PRNN_UNITS + prnn_j;
+#pragma unroll 4
+                for (int prnn_src = prnn_lane; prnn_src < PRNN_BLOCKS; prnn_src += prnn_lanes)
+                    prnn_sum += prnn_ld_cg_f32(prnn_from + prnn_src * PRNN_UNITS);
             }
-#pragma unroll
-            for (int prnn_q = 0; prnn_q < PRNN_GATHER_ELEMENTS; ++prnn_q) {
+            prnn_into[prnn_t] = prnn_sum;  // [b][lane][j]
+        }
+        if (prnn_lanes > 1) {
+            __syncthreads();
+            for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
+                const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
+                const float* prnn_from = prnn_lane_sums + prnn_b * prnn_lanes * PRNN_UNITS + prnn_j;
                 float prnn_sum = 0.0f;
-#pragma unroll
-                for (int prnn_l = 0; prnn_l < prnn_gather_loads; ++prnn_l) prnn_sum += prnn_v[prnn_q][prnn_l];
-#pragma unroll
-                for (int prnn_off = 16; prnn_off > 0; prnn_off >>= 1)
-                    prnn_sum += __shfl_xor_sync(0xffffffffu, prnn_sum, prnn_off);
-                if (prnn_lane == 0 && prnn_e0 + prnn_q < prnn_elements) prnn_recv[prnn_e0 + prnn_q] = prnn_sum;
+#pragma unroll 8
+                for (int prnn_lane = 0; prnn_lane < prnn_lanes; ++prnn_lane) prnn_sum += prnn_from[prnn_lane * PRNN_UNITS];
+                prnn_recv[prnn_e] = prnn_sum;
             }
         }
         __syncthreads();
@@ -286,7 +289,8 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     auto prnn_product = [&](int prnn_r0, int prnn_r1, int prnn_parity) {
         const int prnn_items = (prnn_batch + PRNN_BATCH_TILE - 1) / PRNN_BATCH_TILE * PRNN_H;
 #if PRNN_GRID
-        float* prnn_slot = prnn_exchange + (size_t)(prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_batch * PRNN_H;
+        // [owner][b][this block][j] of this parity (see the gather)
+        float* prnn_slot = prnn_exchange + prnn_parity * PRNN_BLOCKS * prnn_run + prnn_rank * PRNN_UNITS;
 #else
         const prnn_u32 prnn_slot = prnn_smem_addr(prnn_recv + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_elements);
 #endif
@@ -314,10 +318,11 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                 }
             }
 #if PRNN_GRID
+            float* prnn_to = prnn_slot + (size_t)(prnn_k / PRNN_UNITS) * prnn_run + prnn_k % PRNN_UNITS;
 #pragma unroll
             for (int prnn_t = 0; prnn_t < PRNN_BATCH_TILE; ++prnn_t) {
                 const int prnn_b = prnn_b0 + prnn_t;
-                if (prnn_b < prnn_batch) prnn_slot[prnn_b * PRNN_H + prnn_k] = prnn_acc[prnn_t];
+                if (prnn_b < prnn_batch) prnn_to[prnn_b * PRNN_BLOCKS * PRNN_UNITS] = prnn_acc[prnn_t];
             }
 #else
             const int prnn_owner = prnn_k / PRNN_UNITS, prnn_j = prnn_k % PRNN_UNITS;
