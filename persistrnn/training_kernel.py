@@ -155,13 +155,22 @@ class BackwardKernelConfig:
 
     def exchange_floats(self, batch: int) -> int:
         """The grid's exchange buffer in global memory (0 in a cluster): two
-        parities of every block's partials, [owner][b][block][unit]."""
-        return 2 * self.blocks * batch * self.blocks * self.units if self.sync == "grid" else 0
+        parities of every block's partials, [owner][b][block][unit, padded to 4]."""
+        return 2 * self.blocks * batch * self.blocks * self.unit_stride if self.sync == "grid" else 0
+
+    @property
+    def unit_stride(self) -> int:
+        """A grid's exchange: floats per (owner, batch row, block), the units padded to whole float4s."""
+        return -(-self.units // 4) * 4
+
+    def lane_sum_bytes(self, batch: int) -> int:
+        """A grid's gather: a float4 lane sum per thread, or per quad of units where those are more (0 in a cluster)."""
+        return 16 * max(THREADS, batch * self.unit_stride // 4) if self.sync == "grid" else 0
 
     def shared_bytes(self, batch: int) -> int:
         """Dynamic shared memory per block at ``batch`` (kernels/step_backward_persistent.cu's layout):
-        the slice, the batch rows, and in a grid the gather's lane sums (a float per thread)."""
-        return self.slice_bytes() + batch * self.batch_row_bytes() + (4 * THREADS if self.sync == "grid" else 0)
+        the slice, the batch rows, and in a grid the gather's lane sums."""
+        return self.slice_bytes() + batch * self.batch_row_bytes() + self.lane_sum_bytes(batch)
 
 
 def _configs(spec: CellSpec, hidden: int, batch: int, cluster_limit: int,
@@ -208,6 +217,8 @@ def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
         return config
     largest = _configs(spec, hidden, batch, cluster_limit, grid_limit)[-1]
     most_batch = (shared_limit - largest.shared_bytes(0)) // largest.batch_row_bytes()
+    while most_batch > 0 and largest.shared_bytes(most_batch) > shared_limit:  # a grid's lane sums grow
+        most_batch -= 1
     most_hidden = next((h for h in range(hidden - 1, 0, -1) if fitting(h, batch)), 0)
     at_hidden = f"batch up to {most_batch} fits at H={hidden}" if most_batch > 0 else f"no batch fits at H={hidden}"
     at_batch = f"H up to {most_hidden} fits at batch {batch}" if most_hidden > 0 else f"no H fits at batch {batch}"

@@ -102,8 +102,9 @@ def test_a_layer_a_cluster_does_not_hold_runs_on_a_grid(cell, hidden):
     assert config.shared_bytes(1) <= H100_SHARED
     # The exchange stays in global memory ([parity][owner][b][block][unit]):
     # per element one shared float, not two per block, and the gather's lane sums.
-    assert config.recv_slots == 1 and config.exchange_floats(3) == 2 * config.blocks * 3 * config.blocks * config.units
-    assert config.shared_bytes(3) == config.slice_bytes() + 3 * config.batch_row_bytes() + 4 * training_kernel.THREADS
+    stride = -(-config.units // 4) * 4  # the units padded to float4s
+    assert config.recv_slots == 1 and config.exchange_floats(3) == 2 * config.blocks * 3 * config.blocks * stride
+    assert config.shared_bytes(3) == config.slice_bytes() + 3 * config.batch_row_bytes() + 16 * training_kernel.THREADS
     with pytest.raises(ConfigError, match="a cluster of 16 blocks"):  # without a grid, it is refused
         training_kernel.plan(cell, hidden, 1, H100_SHARED)
 

@@ -172,6 +172,13 @@ __device__ __forceinline__ float prnn_ld_cg_f32(const float* p) {
     return v;
 }
 
+__device__ __forceinline__ float4 prnn_ld_cg_v4(const float* p) {  // likewise, 16 bytes (16-byte aligned)
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p)
+                 : "memory");
+    return v;
+}
+
 // Returns false (and the status word holds a failure) if the other blocks
 // did not arrive.
 __device__ __forceinline__ bool prnn_grid_wait(prnn_u32* counter, prnn_u32 target, const prnn_watch& w) {

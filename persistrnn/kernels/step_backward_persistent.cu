@@ -26,8 +26,9 @@
 //      at slot [parity][rank]: in a cluster into the shared memory of k's
 //      owner (DSMEM stores), summed there in block order; in a grid into the
 //      global exchange buffer, from which each owner gathers its units'
-//      partials after the barrier (lanes split the blocks, each adds its
-//      blocks in order, then one thread per element adds the lanes);
+//      partials after the barrier (float4 loads of 4 units; lanes split the
+//      blocks, each adds its blocks in order, then one thread per element
+//      adds the lanes);
 //   3. one barrier: the slots of this exchange's parity are complete, and
 //      those of the other parity, which the next exchange fills, were read
 //      by every owner before it arrived.
@@ -116,6 +117,7 @@ __device__ __forceinline__ void prnn_st_cluster_f32(prnn_u32 addr, float value) 
 // partials of both parities from every block; in a grid the gathered sum.
 #if PRNN_GRID
 #define PRNN_RECV_SLOTS 1
+#define PRNN_UNIT_QUADS ((PRNN_UNITS + 3) / 4)  // the exchange's units per block and row, in float4s
 #else
 #define PRNN_RECV_SLOTS (2 * PRNN_BLOCKS)
 #endif
@@ -152,12 +154,18 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     const int prnn_elements = prnn_batch * PRNN_UNITS;  // (b, j) at b * PRNN_UNITS + j; j >= prnn_owned idle
     float* prnn_w = reinterpret_cast<float*>(prnn_shared4);    // [PRNN_H][PRNN_W_STRIDE]
     float* prnn_dg = prnn_w + PRNN_H * PRNN_W_STRIDE;          // [B][PRNN_ROWS]
+#if PRNN_GRID
+    // The gather's lane sums (float4s, 16-byte aligned: every size before is a multiple of 4 floats).
+    const int prnn_lane_quads = max(PRNN_THREADS, prnn_batch * PRNN_UNIT_QUADS);
+    float4* prnn_lane_sums = reinterpret_cast<float4*>(prnn_dg + prnn_batch * PRNN_ROWS);
+    float* prnn_recv = prnn_dg + prnn_batch * PRNN_ROWS + 4 * prnn_lane_quads;  // [B * PRNN_UNITS]
+#else
     float* prnn_recv = prnn_dg + prnn_batch * PRNN_ROWS;       // [PRNN_RECV_SLOTS][B * PRNN_UNITS]
+#endif
     float* prnn_stage = prnn_recv + PRNN_RECV_SLOTS * prnn_elements;  // [2][PRNN_PLANES][B * PRNN_UNITS]
     float* prnn_dc_state = prnn_stage + 2 * PRNN_PLANES * prnn_elements;  // [B * PRNN_UNITS] (cells with c)
     float* prnn_direct = prnn_dc_state + PRNN_CELL_STATE * prnn_elements;  // [B * PRNN_UNITS] (PRNN_DIRECT_DH)
     float* prnn_carry_planes = prnn_direct + PRNN_DIRECT_DH * prnn_elements;  // [PRNN_CARRY][B * PRNN_UNITS]
-    [[maybe_unused]] float* prnn_lane_sums = prnn_carry_planes + PRNN_CARRY * prnn_elements;  // grid: [PRNN_THREADS]
     constexpr int prnn_gh = PRNN_G * PRNN_H;
     [[maybe_unused]] const size_t prnn_operand_stride = (size_t)prnn_steps * prnn_batch * PRNN_H;
 
@@ -206,45 +214,49 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     };
 
 #if PRNN_GRID
-    // The exchange buffer is laid out [parity][owner][b][source block][j]:
-    // an owner's partials from every block are one contiguous run, so the
-    // gather reads each 32-byte sector once (a layout by source block would
-    // read a sector per float: 8x the L2 traffic at 8 units per block).
-    const size_t prnn_run = (size_t)prnn_batch * PRNN_BLOCKS * PRNN_UNITS;  // one owner's partials
-    // Lanes per element: as many as keep the block's threads busy (a power
-    // of two), so a small batch has all its loads in flight at once.
+    // The exchange buffer is laid out [parity][owner][b][source block][unit,
+    // padded to PRNN_UNIT_QUADS float4s]: an owner's partials from every
+    // block are one contiguous run, read as float4s, each 32-byte sector once
+    // (a layout by source block would read a sector per float).
+    const size_t prnn_run = (size_t)prnn_batch * PRNN_BLOCKS * 4 * PRNN_UNIT_QUADS;  // one owner's partials
+    // Lanes per quad of units: as many as keep the block's threads busy (a
+    // power of two), so that every thread has its loads in flight at once.
     int prnn_lanes = 32;
-    while (prnn_lanes > 1 && prnn_elements * prnn_lanes > PRNN_THREADS) prnn_lanes >>= 1;
+    while (prnn_lanes > 1 && prnn_batch * PRNN_UNIT_QUADS * prnn_lanes > PRNN_THREADS) prnn_lanes >>= 1;
     // Every owned element's partials of exchange parity prnn_parity, summed
-    // into prnn_recv: lane l of element (b, j) adds the blocks l, l + lanes,
-    // ... in order (consecutive threads read consecutive units, then
-    // consecutive blocks: coalesced), then one thread per element adds its
-    // lanes in order. A fixed order: the sums are deterministic.
+    // into prnn_recv: lane l of quad (b, q) adds the blocks l, l + lanes, ...
+    // in order (consecutive threads read consecutive quads, then blocks:
+    // coalesced), then one thread per element adds its lanes in order. A
+    // fixed order: the sums are deterministic.
     auto prnn_gather = [&](int prnn_parity) {
         const float* prnn_mine = prnn_exchange + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_run;
-        float* prnn_into = prnn_lanes > 1 ? prnn_lane_sums : prnn_recv;  // one lane: the sum itself
-        for (int prnn_t = threadIdx.x; prnn_t < prnn_elements * prnn_lanes; prnn_t += PRNN_THREADS) {
-            const int prnn_j = prnn_t % PRNN_UNITS, prnn_lane = prnn_t / PRNN_UNITS % prnn_lanes;
-            const int prnn_b = prnn_t / (PRNN_UNITS * prnn_lanes);
-            float prnn_sum = 0.0f;
-            if (prnn_j < prnn_owned) {
-                const float* prnn_from = prnn_mine + (size_t)prnn_b * PRNN_BLOCKS * PRNN_UNITS + prnn_j;
-#pragma unroll 4
-                for (int prnn_src = prnn_lane; prnn_src < PRNN_BLOCKS; prnn_src += prnn_lanes)
-                    prnn_sum += prnn_ld_cg_f32(prnn_from + prnn_src * PRNN_UNITS);
+        for (int prnn_t = threadIdx.x; prnn_t < prnn_batch * PRNN_UNIT_QUADS * prnn_lanes; prnn_t += PRNN_THREADS) {
+            const int prnn_q = prnn_t % PRNN_UNIT_QUADS, prnn_lane = prnn_t / PRNN_UNIT_QUADS % prnn_lanes;
+            const int prnn_b = prnn_t / (PRNN_UNIT_QUADS * prnn_lanes);
+            float4 prnn_sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (4 * prnn_q < prnn_owned) {  // padding past the owned units is never written, and never used
+                const float* prnn_from = prnn_mine + ((size_t)prnn_b * PRNN_BLOCKS * PRNN_UNIT_QUADS + prnn_q) * 4;
+#pragma unroll 16
+                for (int prnn_src = prnn_lane; prnn_src < PRNN_BLOCKS; prnn_src += prnn_lanes) {
+                    const float4 prnn_v = prnn_ld_cg_v4(prnn_from + prnn_src * 4 * PRNN_UNIT_QUADS);
+                    prnn_sum.x += prnn_v.x;
+                    prnn_sum.y += prnn_v.y;
+                    prnn_sum.z += prnn_v.z;
+                    prnn_sum.w += prnn_v.w;
+                }
             }
-            prnn_into[prnn_t] = prnn_sum;  // [b][lane][j]
+            prnn_lane_sums[prnn_t] = prnn_sum;  // [b][lane][q]
         }
-        if (prnn_lanes > 1) {
-            __syncthreads();
-            for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
-                const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
-                const float* prnn_from = prnn_lane_sums + prnn_b * prnn_lanes * PRNN_UNITS + prnn_j;
-                float prnn_sum = 0.0f;
+        __syncthreads();
+        for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
+            const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
+            const float* prnn_from = reinterpret_cast<const float*>(
+                prnn_lane_sums + prnn_b * prnn_lanes * PRNN_UNIT_QUADS + prnn_j / 4) + prnn_j % 4;
+            float prnn_sum = 0.0f;
 #pragma unroll 8
-                for (int prnn_lane = 0; prnn_lane < prnn_lanes; ++prnn_lane) prnn_sum += prnn_from[prnn_lane * PRNN_UNITS];
-                prnn_recv[prnn_e] = prnn_sum;
-            }
+            for (int prnn_lane = 0; prnn_lane < prnn_lanes; ++prnn_lane)
+                prnn_sum += prnn_from[4 * prnn_lane * PRNN_UNIT_QUADS];
+            prnn_recv[prnn_e] = prnn_sum;
         }
         __syncthreads();
     };
@@ -290,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
         const int prnn_items = (prnn_batch + PRNN_BATCH_TILE - 1) / PRNN_BATCH_TILE * PRNN_H;
 #if PRNN_GRID
         // [owner][b][this block][j] of this parity (see the gather)
-        float* prnn_slot = prnn_exchange + prnn_parity * PRNN_BLOCKS * prnn_run + prnn_rank * PRNN_UNITS;
+        float* prnn_slot = prnn_exchange + prnn_parity * PRNN_BLOCKS * prnn_run + prnn_rank * 4 * PRNN_UNIT_QUADS;
 #else
         const prnn_u32 prnn_slot = prnn_smem_addr(prnn_recv + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_elements);
 #endif
@@ -322,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
 #pragma unroll
             for (int prnn_t = 0; prnn_t < PRNN_BATCH_TILE; ++prnn_t) {
                 const int prnn_b = prnn_b0 + prnn_t;
-                if (prnn_b < prnn_batch) prnn_to[prnn_b * PRNN_BLOCKS * PRNN_UNITS] = prnn_acc[prnn_t];
+                if (prnn_b < prnn_batch) prnn_to[prnn_b * PRNN_BLOCKS * 4 * PRNN_UNIT_QUADS] = prnn_acc[prnn_t];
             }
 #else
             const int prnn_owner = prnn_k / PRNN_UNITS, prnn_j = prnn_k % PRNN_UNITS;
