@@ -58,6 +58,13 @@ MAX_CLUSTER = 16
 """The largest cluster a Hopper GPU launches (non-portable; 8 is portable).
 The driver's answer for the kernel's shared memory has the last word
 (:meth:`persistrnn.runtime.LoadedKernel.max_cluster_size`)."""
+GRID_EXCHANGE_BYTES = 8 << 20
+"""The most partials a grid exchanges through L2 per stage and step. Every
+block stores partials for every unit and batch row, so the exchange grows as
+blocks x batch x H; measured on the H100 (one direction, T=100), the per-step
+launches overtook the grid where it exchanged 8.3 MB (RNN 1152, batch ~10)
+to 13 MB (LSTM 1024, batch ~25) per stage and step. Past this the layer
+keeps the per-step launches."""
 MAX_BATCH_TILE = 8
 """Batch rows per thread of the product: each row's d gates are a broadcast
 load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
@@ -163,6 +170,10 @@ class BackwardKernelConfig:
         """A grid's exchange: floats per (owner, batch row, block), the units padded to whole float4s."""
         return -(-self.units // 4) * 4
 
+    def exchange_bytes(self, batch: int) -> int:
+        """What a grid stores and reads back through L2 per exchange (per stage and step)."""
+        return 4 * self.exchange_floats(batch) // 2
+
     def lane_sum_bytes(self, batch: int) -> int:
         """A grid's gather: a float4 lane sum per thread, or per quad of units where those are more (0 in a cluster)."""
         return 16 * max(THREADS, batch * self.unit_stride // 4) if self.sync == "grid" else 0
@@ -197,7 +208,9 @@ def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
     a cluster where the layer's share fits one, else a grid. Raises
     :class:`UnsupportedError` for a cell whose later stage multiplies ``h``
     itself (no built-in cell does) and :class:`ConfigError`, naming the sizes
-    that fit, when a block's share fits neither."""
+    that fit, when a block's share fits neither, or when a grid would
+    exchange more than :data:`GRID_EXCHANGE_BYTES` per step (the per-step
+    launches are faster there)."""
     spec = get_cell(cell)
     for name, value in (("hidden", hidden), ("batch", batch), ("cluster_limit", cluster_limit)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -214,6 +227,13 @@ def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
                      if c.shared_bytes(b) <= shared_limit), None)
 
     if config := fitting(hidden, batch):
+        if config.sync == "grid" and config.exchange_bytes(batch) > GRID_EXCHANGE_BYTES:
+            most = max(b for b in range(1, batch) if config.exchange_bytes(b) <= GRID_EXCHANGE_BYTES)
+            raise ConfigError(
+                f"the persistent backward of {spec.name} (H={hidden}, batch {batch}) would run on a grid of "
+                f"{config.blocks} blocks exchanging {config.exchange_bytes(batch) / 2**20:.1f} MiB per stage and step "
+                f"through L2; past {GRID_EXCHANGE_BYTES >> 20} MiB the per-step launches measured faster (batch up "
+                f"to {most} stays on the grid at H={hidden})")
         return config
     largest = _configs(spec, hidden, batch, cluster_limit, grid_limit)[-1]
     most_batch = (shared_limit - largest.shared_bytes(0)) // largest.batch_row_bytes()

@@ -29,9 +29,9 @@ MAX_ERROR = 1e-5
 # H=37 at batch 3: partial blocks (16 blocks of 3 units, the last ones idle)
 # and one partial batch tile; H=256 at batch 32: the widest tile, the most
 # registers. On a grid (a cluster's shared memory does not hold the layer):
-# H=1024 at batch 1 and 32, and H=1100 at batch 5, its last block short of units.
+# H=1024 at batch 1 and 16 (the widest tile), and H=1100 at batch 5, its last block short of units.
 @pytest.mark.parametrize("lengths", [False, True])
-@pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32), (1024, 1), (1024, 32), (1100, 5)])
+@pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32), (1024, 1), (1024, 16), (1100, 5)])
 @pytest.mark.parametrize("cell", CELL_NAMES)
 def test_kernel_compiles_for_sm90_without_local_memory(cell, hidden, batch, lengths):
     config = training_kernel.plan(cells.with_lengths(cell) if lengths else cell, hidden, batch, H100_SHARED,
@@ -109,6 +109,16 @@ def test_a_layer_a_cluster_does_not_hold_runs_on_a_grid(cell, hidden):
         training_kernel.plan(cell, hidden, 1, H100_SHARED)
 
 
+@pytest.mark.parametrize("cell,hidden,most_batch", [("lstm", 1024, 16), ("rnn_relu", 1152, 10)])
+def test_a_grid_whose_exchange_outgrows_l2_leaves_the_layer_to_the_per_step_launches(cell, hidden, most_batch):
+    # 128 blocks x batch x 1024 units (8 a block) x 4 bytes: 8 MiB at batch
+    # 16; at H=1152 (9 units a block, padded to 12) 6 MiB at batch 8.
+    config = training_kernel.plan(cell, hidden, most_batch, H100_SHARED, grid_limit=H100_SMS)
+    assert config.sync == "grid" and config.exchange_bytes(most_batch) <= training_kernel.GRID_EXCHANGE_BYTES
+    with pytest.raises(ConfigError, match=f"per-step launches measured faster \\(batch up to {most_batch} stays"):
+        training_kernel.plan(cell, hidden, most_batch + 1, H100_SHARED, grid_limit=H100_SMS)
+
+
 def test_shared_bytes_counts_the_layout():
     # LSTM H=256 on 16 blocks: 16 units, 64 rows, column stride 68; per batch
     # row 64 d gates, 2 x 16 blocks x 16 partials, 2 x 11 planes x 16 staged, 16 dc.
@@ -121,7 +131,7 @@ def test_shared_bytes_counts_the_layout():
 
 @pytest.mark.parametrize("cell,hidden,batch,grid_limit", [("lstm", 512, 1, 0), ("rnn_tanh", 1024, 1, 0),
                                                           ("lstm", 256, 4096, 0), ("lstm", 4096, 1, H100_SMS),
-                                                          ("gru", 1024, 200, H100_SMS)])
+                                                          ("gru", 1600, 1, H100_SMS)])
 def test_too_large_is_refused_naming_what_fits(cell, hidden, batch, grid_limit):
     with pytest.raises(ConfigError) as refused:
         training_kernel.plan(cell, hidden, batch, H100_SHARED, grid_limit=grid_limit)
@@ -169,6 +179,7 @@ def test_gpu_fits_follows_the_size_rule():
     assert training_kernel.fits(cells.get_cell("gru"), 100, 3, torch.device("cuda"))
     assert training_kernel.fits("gru_reset_before", 64, 1, device)
     assert training_kernel.fits("lstm", 1024, 8, device)  # on a grid
+    assert not training_kernel.fits("lstm", 1024, 32, device)  # the grid's exchange: the per-step launches are faster
     assert not training_kernel.fits("lstm", 4096, 1, device)
 
 
