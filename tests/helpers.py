@@ -25,6 +25,7 @@ element bound applies there.
 """
 
 import math
+import threading
 
 import numpy as np
 
@@ -264,6 +265,37 @@ def torch_peer(cell, layers, x, h0, c0=None, *, lengths=None):
 
 
 # ---- a synthetic calibration of the cost model --------------------------------
+
+
+def on_own_streams(threads, work):
+    """[``work(i, stream)`` for each thread i], run in ``threads`` threads
+    started together, each inside its own CUDA stream (``stream``), which it
+    synchronises before it ends; the first failure is raised here, naming
+    its thread."""
+    import torch
+
+    torch.cuda.synchronize()  # the inputs the threads read, made on this thread's stream, are ready
+    start, results, errors = threading.Barrier(threads), [None] * threads, []
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                start.wait()
+                results[i] = work(i, stream)
+            stream.synchronize()
+        except BaseException as error:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append((i, error))
+            start.abort()  # the threads still waiting to start fail too, instead of waiting forever
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise AssertionError(f"thread {errors[0][0]} failed") from errors[0][1]
+    return results
 
 
 def synthetic_calibration(device="synthetic", sm_count=132, version="0"):

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from helpers import on_own_streams
 
 import persistrnn
 from persistrnn import persistent
@@ -61,25 +62,12 @@ def rel(a, b):
 
 
 def run_threads(work):
-    """``work(thread_index, stream)`` in THREADS threads; re-raises the first failure."""
-    errors = []
+    """``work(thread_index, stream)`` in THREADS threads at once, under no_grad; re-raises the first failure."""
+    def without_grad(i, stream):
+        with torch.no_grad():
+            work(i, stream)
 
-    def body(i):
-        try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream), torch.no_grad():
-                work(i, stream)
-            stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - reported below with its thread
-            errors.append((i, exc))
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise AssertionError(f"thread {errors[0][0]} failed") from errors[0][1]
+    on_own_streams(THREADS, without_grad)
 
 
 def calls_match_torch(ours, theirs, *, with_state, calls=CALLS):

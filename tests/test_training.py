@@ -9,13 +9,12 @@ import ctypes
 import dataclasses
 import random
 import re
-import threading
 import types
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_to_reference, exact_torch
+from helpers import assert_close_to_reference, exact_torch, on_own_streams
 
 from persistrnn import adjoint, cells, persistent, reference, runtime, training
 from persistrnn.errors import UnsupportedError
@@ -1094,31 +1093,34 @@ def test_gpu_graphed_direction_backward_with_two_shapes_interleaved():
                              training._plain_direction_backward(spec, *args, reverse))
 
 
-def on_own_streams(work, threads):
-    """[``work(i)`` for each thread i], run in ``threads`` threads at once
-    (started together), each on its own CUDA stream; the first failure is
-    re-raised here."""
-    torch.cuda.synchronize()
-    start, results, errors = threading.Barrier(threads), [None] * threads, []
+class FakeStream:
+    """A CUDA stream on the CPU (for the thread helper's own test): records that it was synchronised."""
 
-    def worker(i):
-        try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                start.wait()
-                results[i] = work(i)
-            stream.synchronize()
-        except BaseException as error:  # reported in the test's thread
-            errors.append(error)
+    def __init__(self):
+        self.synchronized = False
 
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-    return results
+    def synchronize(self):
+        self.synchronized = True
+
+
+def test_on_own_streams_runs_every_thread_on_its_own_stream_and_names_a_failure(monkeypatch):
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    streams = on_own_streams(5, lambda i, stream: stream)
+    assert len({id(s) for s in streams}) == 5 and all(s.synchronized for s in streams)
+    assert on_own_streams(4, lambda i, stream: i * i) == [0, 1, 4, 9]
+
+    def third_fails(i, stream):
+        if i == 2:
+            raise ValueError("thread two's own error")
+        return i
+
+    with pytest.raises(AssertionError, match="thread 2 failed") as failed:
+        on_own_streams(4, third_fails)
+    assert isinstance(failed.value.__cause__, ValueError)
 
 
 @pytest.mark.gpu
@@ -1170,7 +1172,7 @@ def test_gpu_captured_training_steps_from_four_threads_on_their_own_streams():
         return torch.autograd.grad(out.square().sum(), [leaf, *model._flat_weights])
 
     want = [input_gradient(x) for x in inputs]
-    results = on_own_streams(lambda i: [input_gradient(inputs[i]) for _ in range(calls)], threads)
+    results = on_own_streams(threads, lambda i, stream: [input_gradient(inputs[i]) for _ in range(calls)])
     for i in range(threads):
         for got in results[i]:
             assert all(torch.equal(a, b) for a, b in zip(got, want[i], strict=True))
@@ -1183,8 +1185,8 @@ def test_gpu_graphed_direction_backward_from_four_threads_on_their_own_streams()
     spec, threads, calls = cells.get_cell("lstm"), 4, 5
     inputs = [direction_backward_args("lstm", 6, 3, 100, seed=40 + i) for i in range(threads)]
     want = [training.direction_backward(spec, *args, False) for args in inputs]
-    results = on_own_streams(lambda i: [training.direction_backward(spec, *inputs[i], False) for _ in range(calls)],
-                             threads)
+    results = on_own_streams(threads, lambda i, stream: [training.direction_backward(spec, *inputs[i], False)
+                                                         for _ in range(calls)])
     for i in range(threads):
         for got in results[i]:
             assert_bitwise_equal(got, want[i])
