@@ -49,8 +49,8 @@ from .cells import CellSpec, get_cell
 from .checks import check_tensor
 from .errors import ArgumentError, ConfigError, KernelLaunchError, UnsupportedError
 
-__all__ = ["KERNEL_NAME", "MAX_BATCH_TILE", "MAX_CLUSTER", "THREADS", "BackwardKernelConfig", "compile_kernel",
-           "fits", "kernel_source", "persistent_steps", "plan"]
+__all__ = ["GRID_EXCHANGE_BYTES", "KERNEL_NAME", "MAX_BATCH_TILE", "MAX_CLUSTER", "SYNC_MODES", "THREADS",
+           "BackwardKernelConfig", "compile_kernel", "fits", "kernel_source", "persistent_steps", "plan"]
 
 KERNEL_NAME = "prnn_step_backward_persistent"
 THREADS = 256  # per block: one thread per (batch row, owned unit) in the statements, per (column, batch tile) after
@@ -228,12 +228,13 @@ def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
 
     if config := fitting(hidden, batch):
         if config.sync == "grid" and config.exchange_bytes(batch) > GRID_EXCHANGE_BYTES:
-            most = max(b for b in range(1, batch) if config.exchange_bytes(b) <= GRID_EXCHANGE_BYTES)
+            most = max((b for b in range(1, batch) if config.exchange_bytes(b) <= GRID_EXCHANGE_BYTES), default=0)
+            stays = f"batch up to {most} stays" if most else "no batch stays"
             raise ConfigError(
                 f"the persistent backward of {spec.name} (H={hidden}, batch {batch}) would run on a grid of "
                 f"{config.blocks} blocks exchanging {config.exchange_bytes(batch) / 2**20:.1f} MiB per stage and step "
-                f"through L2; past {GRID_EXCHANGE_BYTES >> 20} MiB the per-step launches measured faster (batch up "
-                f"to {most} stays on the grid at H={hidden})")
+                f"through L2; past {GRID_EXCHANGE_BYTES >> 20} MiB the per-step launches measured faster ({stays} "
+                f"on the grid at H={hidden})")
         return config
     largest = _configs(spec, hidden, batch, cluster_limit, grid_limit)[-1]
     most_batch = (shared_limit - largest.shared_bytes(0)) // largest.batch_row_bytes()

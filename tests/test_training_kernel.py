@@ -119,6 +119,12 @@ def test_a_grid_whose_exchange_outgrows_l2_leaves_the_layer_to_the_per_step_laun
         training_kernel.plan(cell, hidden, most_batch + 1, H100_SHARED, grid_limit=H100_SMS)
 
 
+def test_an_exchange_past_the_limit_at_every_batch_says_so(monkeypatch):
+    monkeypatch.setattr(training_kernel, "GRID_EXCHANGE_BYTES", 1024)
+    with pytest.raises(ConfigError, match="no batch stays on the grid at H=1024"):
+        training_kernel.plan("lstm", 1024, 2, H100_SHARED, grid_limit=H100_SMS)
+
+
 def test_shared_bytes_counts_the_layout():
     # LSTM H=256 on 16 blocks: 16 units, 64 rows, column stride 68; per batch
     # row 64 d gates, 2 x 16 blocks x 16 partials, 2 x 11 planes x 16 staged, 16 dc.
