@@ -317,6 +317,32 @@ def test_a_tree_level_costs_two_stages():
     assert dynamic.schedule(graph, 5, train=False).stages == 2 * 5 + 1
 
 
+def test_a_tree_deeper_than_pythons_recursion_limit_builds():
+    # A left-branching chain of 3000 leaves (height 2999): the builder walks
+    # trees over an explicit stack, so depth is not bounded by recursion.
+    import sys
+
+    depth = sys.getrecursionlimit() + 2000
+    tree = dynamic.Tree(1, "a")
+    for _ in range(depth):
+        tree = dynamic.Tree(2, children=(tree, dynamic.Tree(3, "b")))
+    vocab = dynamic.Vocabulary(["a", "b"])
+    model = dynamic.Model(0)
+    graph = dynamic.Graph(model)
+    losses = dynamic.TreeLSTM(model, len(vocab), 4, 4).build(graph, tree, vocab)
+    assert len(losses) == 2 * depth + 1  # a loss per node, children before parents: the root's last
+
+
+def test_the_placement_is_checked_before_any_cached_tables():
+    model, builder, trees, vocab, _ = sst_batch(1, hidden=8, embedding=6)
+    graph = dynamic.Graph(model)
+    builder.build(graph, trees[0], vocab)
+    dynamic.schedule(graph, 1)  # caches the tables of (1 block, the default placement)
+    for blocks in (True, 1.0):  # equal to 1 as dictionary keys
+        with pytest.raises(ArgumentError, match="blocks must be an int >= 1"):
+            dynamic.schedule(graph, blocks)
+
+
 def test_training_on_more_blocks_than_work_waits_before_every_signal():
     # Regression: blocks with no work in the last stages used to send their
     # closing signal at once, so the counter reached the targets of later

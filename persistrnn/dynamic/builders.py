@@ -102,9 +102,10 @@ class TreeLSTM:
         lists one after another), word ids (0 for inner nodes), labels and
         levels (a leaf 0, else 1 + its children's deepest); nodes per tree.
 
-        One recursive walk that appends to flat lists (~0.5 µs per tree node;
-        ``Tree.nodes`` plus a dict of positions cost ~2 µs): a child's
-        position is what its visit returns, so no lookup by node is needed."""
+        One walk per tree over an explicit stack (a tree's depth is not
+        bounded by Python's recursion limit) that appends to flat lists; a
+        finished node leaves its position on a stack, so its parent takes
+        its children's positions from there, with no lookup by node."""
         kid_count: list[int] = []
         kid_flat: list[int] = []
         leaf_words: list[str] = []
@@ -113,27 +114,36 @@ class TreeLSTM:
         level: list[int] = []
         binary = self.variant == "binary"
 
-        def visit(node: Tree) -> int:
-            children = node.children
-            if children:
-                if node.word is not None:
-                    raise ArgumentError(f"a tree node has both a word ({node.word!r}) and children")
-                if binary and len(children) != 2:
-                    raise ArgumentError(f"the binary Tree-LSTM takes nodes of 0 or 2 children, got one of "
-                                        f"{len(children)} (use variant='childsum')")
-                inner = [visit(c) for c in children]
-                kid_count.append(len(inner))
-                kid_flat.extend(inner)
-                level.append(1 + max([level[k] for k in inner]))
-            else:
-                if node.word is None:
-                    raise ArgumentError("a tree node has neither a word nor children")
-                leaf_at.append(len(labels))
-                leaf_words.append(node.word)
-                kid_count.append(0)
-                level.append(0)
-            labels.append(node.label)
-            return len(labels) - 1
+        def visit(root: Tree) -> None:
+            todo: list[tuple[Tree, bool]] = [(root, False)]  # (node, its children are done)
+            finished: list[int] = []  # positions of finished nodes whose parent is not
+            while todo:
+                node, children_done = todo.pop()
+                children = node.children
+                if children and not children_done:
+                    if node.word is not None:
+                        raise ArgumentError(f"a tree node has both a word ({node.word!r}) and children")
+                    if binary and len(children) != 2:
+                        raise ArgumentError(f"the binary Tree-LSTM takes nodes of 0 or 2 children, got one of "
+                                            f"{len(children)} (use variant='childsum')")
+                    todo.append((node, True))
+                    todo.extend((child, False) for child in reversed(children))  # the first child first
+                    continue
+                if children:
+                    inner = finished[-len(children):]
+                    del finished[-len(children):]
+                    kid_count.append(len(inner))
+                    kid_flat.extend(inner)
+                    level.append(1 + max([level[k] for k in inner]))
+                else:
+                    if node.word is None:
+                        raise ArgumentError("a tree node has neither a word nor children")
+                    leaf_at.append(len(labels))
+                    leaf_words.append(node.word)
+                    kid_count.append(0)
+                    level.append(0)
+                labels.append(node.label)
+                finished.append(len(labels) - 1)
 
         tree_nodes = []
         leaf_ids: list[int] = []

@@ -114,10 +114,12 @@ def _device_script(script: Script, device: Any) -> tuple[Any, Any]:
     import torch
 
     head = -(-len(script.starts) // WORDS) * WORDS
-    packed = np.zeros(head + script.program.size, dtype=np.int32)
+    pinned = torch.empty(head + script.program.size, dtype=torch.int32, pin_memory=True)
+    packed = pinned.numpy()  # written once, in place: no pageable copy to pin afterwards
     packed[:len(script.starts)] = script.starts
+    packed[len(script.starts):head] = 0
     packed[head:] = script.program.ravel()
-    on_device = torch.from_numpy(packed).pin_memory().to(device, non_blocking=True)
+    on_device = pinned.to(device, non_blocking=True)
     return on_device[:len(script.starts)], on_device[head:]
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -112,13 +113,17 @@ def _partition(sizes: np.ndarray, rows: np.ndarray, blocks: int) -> np.ndarray:
     return count
 
 
-def matrix_layout(model: Model, blocks: int, placement: str = "partition") -> MatrixLayout:
-    """Place ``model``'s matrices on ``blocks`` blocks. ``partition`` falls
-    back to ``spread`` when there are more matrices than blocks."""
+def _check_placement(blocks: Any, placement: Any) -> None:
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ArgumentError(f"blocks must be an int >= 1, got {blocks!r}")
     if placement not in PLACEMENTS:
         raise ArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+
+
+def matrix_layout(model: Model, blocks: int, placement: str = "partition") -> MatrixLayout:
+    """Place ``model``'s matrices on ``blocks`` blocks. ``partition`` falls
+    back to ``spread`` when there are more matrices than blocks."""
+    _check_placement(blocks, placement)
     offsets = model.layout()
     mats = model.matrices
     rows = np.asarray([m.rows for m in mats], dtype=np.int64)
@@ -247,6 +252,7 @@ _TABLES: weakref.WeakKeyDictionary[Model, dict[tuple[int, str], _ModelTables]] =
 
 
 def _model_tables(model: Model, blocks: int, placement: str) -> _ModelTables:
+    _check_placement(blocks, placement)  # before the lookup: True and 1.0 hash as 1 does
     per_model = _TABLES.setdefault(model, {})
     tables = per_model.get((blocks, placement))
     if tables is None:
