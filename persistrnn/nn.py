@@ -303,7 +303,7 @@ class _Persistent:
             out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
                                          num_layers=self.num_layers, bidirectional=self.bidirectional,
                                          has_biases=self.bias,
-                                         lengths=runtime.to_device_async(lengths.to(torch.int32), x.device))
+                                         lengths=lengths.to(torch.int32))  # on the host: no synchronise
         h_n, c_n = _permuted(h_n, packed.unsorted_indices), _permuted(c_n, packed.unsorted_indices)
         packed_out = PackedSequence(out.reshape(steps * batch, -1).index_select(0, positions), batch_sizes,
                                     packed.sorted_indices, packed.unsorted_indices)
@@ -614,6 +614,9 @@ def convert(model: torch.nn.Module, *, training_kernels: bool | None = None) -> 
     the result, converted or already one: ``convert(model,
     training_kernels=True)`` before the optimiser loop trains on the training
     operators."""
+    if training_kernels is not None and not isinstance(training_kernels, bool):
+        raise ArgumentTypeError(f"convert: expected training_kernels to be a bool or None, got "
+                                f"{type(training_kernels).__name__}")
     if type(model) in _CLASSES:
         model = from_torch(model)
     else:
@@ -622,5 +625,5 @@ def convert(model: torch.nn.Module, *, training_kernels: bool | None = None) -> 
     if training_kernels is not None:
         for module in model.modules():
             if isinstance(module, _Persistent):
-                module.training_kernels = bool(training_kernels)
+                module.training_kernels = training_kernels
     return model

@@ -63,8 +63,9 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
     """(output (T, B, D*H), h_n, c_n or None (L*D, B, H)) of the model on the
     plan's path: the persistent kernels, the fallback, or torch's own RNN
     function (cuDNN), from torch's flat weight list, time-major, inference.
-    ``lengths`` (int32 on the GPU, one per sequence) runs variable lengths, on
-    the persistent path only."""
+    ``lengths`` (int32, one per sequence; on the CPU it is checked there and
+    copied without a synchronise) runs variable lengths, on the persistent
+    path only."""
     if lengths is not None and chosen.path != "persistent":
         raise ArgumentError(f"variable lengths run on the persistent path, got a {chosen.path!r} plan")
     if chosen.path == "cudnn":
@@ -83,10 +84,16 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
 
 def launch_settings() -> tuple:
     """What a capture fixes beside shapes and addresses, so a graph is kept
-    per value: cuDNN's settings (a captured cuDNN call) and the kernels' wait
-    bound and test hook (kernel arguments)."""
+    per value: cuDNN's settings (a captured cuDNN call), the kernels' wait
+    bound and test hook (kernel arguments), and what a captured fp32 GEMM
+    fixes (the input projection, the backward's GEMMs): whether cuBLAS may
+    use TF32, and the BLAS library torch calls. torch 2.9 and later read
+    TF32 as ``fp32_precision`` (reading the legacy ``allow_tf32`` there
+    raises once both APIs have set it); earlier ones have only ``allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
     return (torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32, runtime.wait_timeout_ns(),
-            runtime.failure_hook())
+            runtime.failure_hook(), getattr(matmul, "fp32_precision", None) or matmul.allow_tf32,
+            torch.backends.cuda.preferred_blas_library())
 
 
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,

@@ -88,6 +88,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from . import runtime
 from .errors import ArgumentError, ArgumentTypeError, EngineFullError, InputShapeError, InputTypeError
 
 __all__ = ["Engine", "Stream"]
@@ -153,6 +154,15 @@ def _finish(chunk: _Chunk, out: Any, error: BaseException | None, futures: list[
 def _set_futures(futures: list[_Chunk]) -> None:
     for chunk in futures:
         _settle(chunk.future, chunk.out, chunk.error)
+
+
+def _check_wait(what: str, timeout: Any) -> float:
+    """``timeout``, checked: seconds to wait, a number >= 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ArgumentTypeError(f"{what}: expected a timeout in seconds (a number >= 0), got {timeout!r}")
+    if not timeout >= 0:
+        raise ArgumentError(f"{what}: expected a timeout in seconds (a number >= 0), got {timeout!r}")
+    return timeout
 
 
 def _first_not_run(streams: list["Stream"], start: int) -> int | None:
@@ -402,7 +412,9 @@ class Engine:
         way nothing is taken."""
         return self._take("pull_many", self._group_streams(streams, "pull_many"), timeout)
 
-    def _group_streams(self, streams: Iterable[Stream], what: str) -> list[Stream]:
+    def _group_streams(self, streams: Sequence[Stream], what: str) -> list[Stream]:
+        if not isinstance(streams, Sequence):  # a set would pair rows with streams in hash order
+            raise ArgumentTypeError(f"{what}: expected a sequence of Stream objects, got {type(streams).__name__}")
         streams = list(streams)
         for stream in streams:
             if not isinstance(stream, Stream):
@@ -456,6 +468,9 @@ class Engine:
     def _chunk_input(self, chunk: Any, what: str) -> _Chunk:
         """The chunk, its input a private (T, I) copy in the engine's dtype."""
         self._check_chunk(chunk, what)
+        return self._checked_chunk_input(chunk)
+
+    def _checked_chunk_input(self, chunk: torch.Tensor) -> _Chunk:
         x, ready = self._own_copy(chunk)
         return _Chunk(x[None] if chunk.dim() == 1 else x, chunk.dim() == 1, ready)
 
@@ -479,7 +494,7 @@ class Engine:
                 return []
             first = chunks[0]
             if any(c.shape != first.shape or c.dtype != first.dtype or c.device != first.device for c in chunks):
-                return [self._chunk_input(chunk, what) for chunk in chunks]
+                return [self._checked_chunk_input(chunk) for chunk in chunks]
             x, ready = self._own_copy(torch.stack(list(chunks)), copied=True)
             single_step = first.dim() == 1
         rows = (x[:, None] if single_step else x).unbind(0)  # each (T, I); one torch call for the group
@@ -490,6 +505,7 @@ class Engine:
         every one or none: each stream must be open, and have room under
         ``max_pending``, which it is waited for (up to ``timeout``)."""
         max_pending = self.max_pending
+        _check_wait(what, timeout)
         with self._lock:
             deadline = None
             while True:
@@ -530,7 +546,7 @@ class Engine:
         one of ``streams`` has run (waiting at most ``timeout``, None: the
         engine's), take them all: each one's output, ready for the caller's
         CUDA stream, or its error."""
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else _check_wait(what, timeout)
         deadline = None
         with self._lock:
             start, waited = 0, False
@@ -833,7 +849,7 @@ class Engine:
         order = on_host + on_device  # batch rows: host chunks, device chunks, then padding
         slots = [c.stream.slot for c in order] + [self.max_streams] * (size - n)
         x = self._device_input(on_host, on_device, size, T)
-        index = torch.tensor(slots, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        index = runtime.to_device_async(torch.tensor(slots, dtype=torch.long), self.device)
         rows = self._forward(x, index, n).transpose(0, 1)  # (size, T, H)
         outputs: list[torch.Tensor] = []
         if on_host:

@@ -244,21 +244,13 @@ and intermediates, about 4 T·B·G·H + 5 T·B·H + 3 G·H² floats (LSTM 1024,
 T=100, batch 32: ~0.32 GB)."""
 
 
-def _matmul_settings() -> tuple:
-    """What a captured fp32 GEMM fixes beside shapes: whether cuBLAS may use
-    TF32, and the BLAS library torch calls. torch 2.9 and later read TF32 as
-    ``fp32_precision`` (reading the legacy ``allow_tf32`` there raises once
-    both APIs have set it); earlier ones have only ``allow_tf32``."""
-    matmul = torch.backends.cuda.matmul
-    return getattr(matmul, "fp32_precision", None) or matmul.allow_tf32, torch.backends.cuda.preferred_blas_library()
-
-
 def graph_key(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, reverse: bool) -> tuple:
     """What a captured direction backward fixes beside its device and stream:
-    the cell, (T, B, G*H), H, the direction, the dtype and the GEMM settings.
+    the cell, (T, B, G*H), H, the direction, the dtype, and the launch and
+    GEMM settings (the persistent kernel's wait bound is a kernel argument).
     The tensors' addresses, strides and values are not in it: the graph reads
     copies of them."""
-    return spec, xw.shape, w_hh.shape[1], reverse, xw.dtype, _matmul_settings()
+    return spec, xw.shape, w_hh.shape[1], reverse, xw.dtype, ops.launch_settings()
 
 
 def _replays_graph(xw: torch.Tensor) -> bool:
@@ -361,9 +353,12 @@ def _torch_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: 
 
 @functools.lru_cache(maxsize=64)
 def _block_kernels(spec: CellSpec, device: int) -> tuple[runtime.LoadedKernel, ...]:
-    """The spec's backward kernels on ``device``, in walk order (compiled once, then from the disk cache)."""
-    return tuple(runtime.get_kernel(adjoint.compile_block_kernel(spec, block.block), adjoint.KERNEL_NAME)
-                 for block in step_backward_program(spec).blocks)
+    """The spec's backward kernels on ``device``, in walk order (compiled once, then from the disk cache):
+    compiled for that device's architecture and loaded there, whichever device is current."""
+    with torch.cuda.device(device):
+        arch = runtime.facts_of(device).arch
+        return tuple(runtime.get_kernel(adjoint.compile_block_kernel(spec, block.block, arch), adjoint.KERNEL_NAME)
+                     for block in step_backward_program(spec).blocks)
 
 
 def _fused_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_prev: torch.Tensor, c_prev: Any,
@@ -683,7 +678,7 @@ def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, we
     dtypes, the masks' count, and the launch and GEMM settings (the tensors'
     addresses and values are not in it: the graph reads copies)."""
     return (x.shape, x.dtype, h0.shape, c0 is None, tuple((w.shape, w.dtype) for w in weights), len(dropout_masks),
-            ops.launch_settings(), _matmul_settings())
+            ops.launch_settings())
 
 
 # ---- persistrnn's training step or cuDNN's: timed once per shape ----------------------
@@ -725,7 +720,9 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
 def _time_training_steps(module: Any, x: torch.Tensor) -> tuple[float, float]:
     """(persistrnn's, cuDNN's) ms per training step of ``module`` on inputs of ``x``'s shape and dtype."""
     directions = 2 if module.bidirectional else 1
-    inputs = torch.randn(x.shape, dtype=x.dtype, device=x.device, requires_grad=True)
+    # Its own generator: the caller's random stream (dropout masks, its own draws) is left where it was.
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    inputs = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator, requires_grad=True)
     h0 = x.new_zeros(module.num_layers * directions, x.shape[1], module.hidden_size)
     has_c = get_cell(module.cell).has_cell_state
     weights = [w.detach().requires_grad_() for w in module._flat_weights]  # their gradients stay here
@@ -814,9 +811,11 @@ def _check_masks(masks: list[torch.Tensor], num_layers: int, shape: tuple[int, i
         raise ArgumentError(f"dropout_masks: expected none or {num_layers - 1} (one per layer but the last), "
                             f"got {len(masks)}")
     for m in masks:
-        if tuple(m.shape) != shape or m.dtype != x.dtype or m.device != x.device:
-            raise ArgumentError(f"dropout_masks: expected {shape} {x.dtype} tensors on {x.device}, got "
-                                f"{tuple(m.shape)} {m.dtype} on {m.device}")
+        if m.dtype != x.dtype:  # a type error, as check_tensor's (torch's convention)
+            raise ArgumentTypeError(f"dropout_masks: expected {x.dtype} tensors (x's dtype), got {m.dtype}")
+        if tuple(m.shape) != shape or m.device != x.device:
+            raise ArgumentError(f"dropout_masks: expected {shape} tensors on {x.device}, got "
+                                f"{tuple(m.shape)} on {m.device}")
 
 
 # ---- the operators -------------------------------------------------------------------

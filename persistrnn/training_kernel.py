@@ -358,12 +358,12 @@ def _prepared(spec: CellSpec, hidden: int, batch: int, device: int) -> tuple[Bac
         facts = runtime.facts_of(device)
         limit, sms = facts.shared_per_block_optin, facts.sm_count
         config = plan(spec, hidden, batch, limit, grid_limit=sms)
-        kernel = runtime.get_kernel(compile_kernel(config), KERNEL_NAME)
+        kernel = runtime.get_kernel(compile_kernel(config, facts.arch), KERNEL_NAME)
         if config.sync == "cluster":
             largest = kernel.max_cluster_size(THREADS, config.shared_bytes(batch))
             if largest < config.blocks:  # e.g. a GPU partition without 16 SMs in a GPC
                 config = plan(spec, hidden, batch, limit, largest, sms)
-                kernel = runtime.get_kernel(compile_kernel(config), KERNEL_NAME)
+                kernel = runtime.get_kernel(compile_kernel(config, facts.arch), KERNEL_NAME)
         shared = config.shared_bytes(batch)
         if config.sync == "grid":  # checks that every block can be resident at once, and raises if not
             return config, kernel, kernel.config(config.blocks, THREADS, shared=shared, cooperative=True)

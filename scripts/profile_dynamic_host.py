@@ -8,8 +8,8 @@ heap), then the top functions by own time under cProfile for each.
 that freed memory stays in the heap: the time without the page faults.
 
 The inputs, model sizes and batches are those of ``bench treelstm`` and
-``bench tagger`` (consecutive SST train trees, WikiNER dev sentences; the
-vocabulary of the first ``--inputs``); no GPU is used.
+``bench tagger`` (consecutive SST train trees, WikiNER dev sentences, with
+those suites' vocabularies); no GPU is used.
 
     PYTHONPATH=. python scripts/profile_dynamic_host.py [--suite treelstm tagger] [--batch 1 16 128] [--keep-heap]
 """

@@ -59,6 +59,7 @@ class Timers:
         self.cpu: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.chunks: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()  # client threads add at once: a bare += loses updates
 
     def wrap(self, name: str, fn, chunks=lambda *args, **kw: 1):
         """``fn`` timed under ``name``; ``chunks(*args, **kw)``: the chunks a call handles."""
@@ -67,10 +68,13 @@ class Timers:
             try:
                 return fn(*args, **kw)
             finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.cpu[name] += time.thread_time() - start_cpu
-                self.calls[name] += 1
-                self.chunks[name] += chunks(*args, **kw)
+                seconds, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+                handled = chunks(*args, **kw)
+                with self._lock:
+                    self.seconds[name] += seconds
+                    self.cpu[name] += cpu
+                    self.calls[name] += 1
+                    self.chunks[name] += handled
         return timed
 
 

@@ -199,6 +199,8 @@ def test_from_torch_shares_parameters_and_convert_swaps_nested_modules():
     assert persistrnn.convert(mixed, training_kernels=True) is mixed
     assert type(mixed[0]) is persistrnn.LSTM and mixed[0].training_kernels and mixed[1].training_kernels
     assert persistrnn.convert(torch.nn.LSTM(2, 3), training_kernels=True).training_kernels
+    with pytest.raises(TypeError, match="expected training_kernels to be a bool or None, got str"):
+        persistrnn.convert(torch.nn.LSTM(2, 3), training_kernels="False")  # truthy: it must not read as True
     with pytest.raises(TypeError, match="LSTM, GRU or RNN"):
         persistrnn.from_torch(torch.nn.Linear(2, 2))
 

@@ -22,6 +22,34 @@ MODULES = [
 ]
 
 
+def test_launch_settings_change_with_each_setting_a_capture_fixes():
+    # Every captured graph is keyed on these: a graph of the old value would
+    # replay it (cuDNN's math, cuBLAS's TF32 in a captured projection or
+    # backward GEMM, the kernels' wait bound).
+    from persistrnn import runtime
+
+    base = ops.launch_settings()
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    # cuBLAS's TF32 through the API this torch reads (fp32_precision from 2.9 on)
+    tf32, other = (("fp32_precision", "ieee" if matmul.fp32_precision == "tf32" else "tf32")
+                   if hasattr(matmul, "fp32_precision") else ("allow_tf32", not matmul.allow_tf32))
+    changed = []
+    saved = getattr(matmul, tf32), cudnn.allow_tf32, runtime.wait_timeout_ns() / 1e9
+    try:
+        setattr(matmul, tf32, other)
+        changed.append(ops.launch_settings())
+        setattr(matmul, tf32, saved[0])
+        cudnn.allow_tf32 = not saved[1]
+        changed.append(ops.launch_settings())
+        cudnn.allow_tf32 = saved[1]
+        runtime.set_wait_timeout(2 * saved[2])
+        changed.append(ops.launch_settings())
+    finally:
+        setattr(matmul, tf32, saved[0])
+        cudnn.allow_tf32 = saved[1]
+        runtime.set_wait_timeout(saved[2])
+    assert ops.launch_settings() == base and len({base, *changed}) == 4
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_layer_params_follow_torchs_flat_weight_order(bias, bidirectional):

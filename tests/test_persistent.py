@@ -290,6 +290,24 @@ def test_batch_slices_match_float64_reference(config, batch, batch_slice):
     check_against_reference(config, batch, 7, seed=seed, batch_slice=batch_slice)
 
 
+@pytest.mark.parametrize("lengths,message", [
+    ([3, 0], r"every length in 1\.\.5 .*got lengths from 0 to 3"),
+    ([6, 2], r"every length in 1\.\.5 .*got lengths from 2 to 6"),
+    ([3], r"lengths: expected shape \(2,\), got \(1,\)"),
+])
+def test_host_lengths_are_checked_on_the_host_before_anything_runs(lengths, message):
+    import torch
+
+    layers = [[{}]]  # never read: the lengths are refused first
+    x = torch.zeros(5, 2, 3)
+    with pytest.raises(ValueError, match=message):
+        persistent.forward_model(KernelConfig("gru", 64, "single", 1), layers, x, torch.zeros(1, 2, 64), None,
+                                 lengths=torch.tensor(lengths, dtype=torch.int32))
+    with pytest.raises(TypeError, match="lengths: expected dtype torch.int32, got torch.int64"):
+        persistent.forward_model(KernelConfig("gru", 64, "single", 1), layers, x, torch.zeros(1, 2, 64), None,
+                                 lengths=torch.tensor(lengths))
+
+
 @pytest.mark.gpu
 def test_bad_inputs_raise_before_launch():
     import torch

@@ -406,7 +406,9 @@ def test_a_group_with_a_closed_failed_foreign_or_repeated_stream_is_refused_whol
         engine.push_many([a], [chunk])
         torch.testing.assert_close(engine.pull_many([a], timeout=WAIT)[0], alone(model, [chunk])[0],
                                    **TOLERANCES["cpu"])
-        assert engine.pull_many([]) == [] and engine.push_many([], torch.randn(0, 7)) is None
+        ticks = engine.ticks
+        engine.push_many([], torch.randn(0, 7))  # an empty group queues nothing and runs no tick
+        assert engine.pull_many([]) == [] and a.pending == 0 and engine.ticks == ticks
 
 
 def test_a_group_pull_that_times_out_takes_nothing_and_an_error_comes_back_in_its_place():
@@ -681,6 +683,19 @@ def test_bad_arguments_and_chunks_say_what_was_expected():
             stream.push(torch.randn(0, 7))
         with pytest.raises(InputTypeError, match="got list"):
             stream.push([0.0] * 7)
+        # A wait's bound is checked when given, not first used when a stream is full.
+        for bad, error in ((None, ArgumentTypeError), ("1", ArgumentTypeError), (True, ArgumentTypeError),
+                           (-1.0, ArgumentError)):
+            with pytest.raises(error, match="push: expected a timeout in seconds \\(a number >= 0\\), got "):
+                stream.push(torch.randn(7), timeout=bad)
+            with pytest.raises(error, match="push_many: expected a timeout in seconds"):
+                engine.push_many([stream], torch.randn(1, 7), timeout=bad)
+        with pytest.raises(ArgumentError, match="pull: expected a timeout in seconds"):
+            stream.pull(timeout=-1)
+        assert stream.pending == 0  # nothing was queued by a refused call
+        for streams in ({stream}, stream):  # a set would pair rows with streams in hash order
+            with pytest.raises(ArgumentTypeError, match="push_many: expected a sequence of Stream objects, got"):
+                engine.push_many(streams, torch.randn(1, 7))
 
 
 # ---- the load generator (python -m persistrnn bench serve) -----------------------------------

@@ -412,9 +412,10 @@ def test_cudnn_never_trains_where_persistrnn_must(why, monkeypatch):
 def test_dropout_masks_are_checked():
     x, h0, c0, weights = random_model("lstm", 7, 5, 2, False, True, steps=4, batch=2)
     good = training.dropout_masks(0.5, 2, (4, 2, 5), x)
-    for masks, message in (([good[0], good[0]], "expected none or 1"),
-                           ([good[0][:3]], r"expected \(4, 2, 5\)"), ([good[0].float()], "torch.float64")):
-        with pytest.raises(ValueError, match=message):
+    for masks, error, message in (([good[0], good[0]], ValueError, "expected none or 1"),
+                                  ([good[0][:3]], ValueError, r"expected \(4, 2, 5\)"),
+                                  ([good[0].float()], TypeError, "expected torch.float64 tensors .*got torch.float32")):
+        with pytest.raises(error, match=message):
             torch.ops.persistrnn.train_forward(x, h0, c0, weights, "lstm", 2, False, True, masks, None)
     assert training.dropout_masks(0.0, 2, (4, 2, 5), x) == [] and training.dropout_masks(0.5, 1, (4, 2, 5), x) == []
 
@@ -671,13 +672,19 @@ def test_graph_key_holds_what_the_capture_fixes():
         other_tf32 = training.graph_key(lstm, xw, w_hh, False)
     finally:
         matmul.allow_tf32 = previous
+    timeout = runtime.wait_timeout_ns() / 1e9
+    try:
+        runtime.set_wait_timeout(2 * timeout)  # the persistent backward's wait bound is a kernel argument
+        other_timeout = training.graph_key(lstm, xw, w_hh, False)
+    finally:
+        runtime.set_wait_timeout(timeout)
     others = [training.graph_key(cells.get_cell("gru"), torch.zeros(5, 3, 21), torch.zeros(21, 7), False),
               training.graph_key(lstm, torch.zeros(6, 3, 28), w_hh, False),
               training.graph_key(lstm, torch.zeros(5, 4, 28), w_hh, False),
               training.graph_key(lstm, torch.zeros(5, 3, 32), torch.zeros(32, 8), False),
               training.graph_key(lstm, xw, w_hh, True),
               training.graph_key(lstm, xw.double(), w_hh.double(), False),
-              other_tf32]
+              other_tf32, other_timeout]
     assert len({key, *others}) == len(others) + 1
 
 
@@ -870,9 +877,11 @@ def test_gpu_the_training_choice_times_both_steps_once_and_logs_it(untuned, monk
     monkeypatch.setattr(training, "_time_training_steps", time_training_steps)
     model = persistrnn.LSTM(16, 32, num_layers=2).cuda().train()
     x = torch.randn(7, 3, 16, device="cuda")
+    rng = torch.cuda.get_rng_state()
     with caplog.at_level(logging.INFO, logger="persistrnn"):
         first = training.cudnn_trains_faster(model, x)
         assert training.cudnn_trains_faster(model, x) == first
+    assert torch.equal(torch.cuda.get_rng_state(), rng)  # the caller's random stream (dropout's) is untouched
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training lstm")]
     assert len(messages) == 1 and re.search(r"persistrnn \d+\.\d+ ms, cuDNN \d+\.\d+ ms per step", messages[0])
     assert all(p.grad is None for p in model.parameters())  # the timing leaves the module's gradients alone

@@ -270,7 +270,9 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
 
     ``layers[l][d]`` holds the tensors ``w_ih``, ``w_hh``, ``b_ih``, ``b_hh``
     of layer l, direction d (1: reverse); ``x`` is (T, B, I); ``h0``, ``c0``
-    are (L*D, B, H); ``lengths`` and ``batch_slice`` as in :func:`run_instances`. Returns
+    are (L*D, B, H); ``lengths`` and ``batch_slice`` as in :func:`run_instances`
+    (``lengths`` may also be on the CPU: checked there, copied without a
+    synchronise). Returns
     (output (T, B, D*H), h_n, c_n (L*D, B, H)).
 
     A pipeline configuration runs all layers in one launch; one with two
@@ -282,7 +284,12 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
 
     L, D = len(layers), len(layers[0])
     T, B, _ = x.shape
-    if lengths is not None:
+    if lengths is not None and lengths.device.type == "cpu":
+        # Checked on the host and copied without a synchronise (on the
+        # device, the check reads the extremes back: it waits for the stream).
+        check_lengths(lengths, T, B, lengths.device)
+        lengths = runtime.to_device_async(lengths, x.device)
+    elif lengths is not None:
         check_lengths(lengths, T, B, x.device)
     H = config.hidden_size
     has_c = config.spec.has_cell_state
