@@ -43,11 +43,8 @@ one GEMM: the stage operand's adjoint (``dh_{t-1}``, or e.g. ``d(r * h)``)
 ``+= d_product_j @ W_j``. On CUDA in fp32 (:func:`_fused_steps`) each block's
 statements are one generated kernel over (batch row, unit) and the GEMM is a
 ``torch.mm``/``addmm_`` into buffers allocated before the loop: two
-launches per step and stage, no allocation. Those launches, with the dW_hh
-GEMMs after them, are captured once per shape and stream into a CUDA graph
-(:data:`GRAPHS`), so a direction's backward is a copy in, one replay and a
-copy out, and no step costs Python. Elsewhere (the CPU; float64, also on
-CUDA) the same statements run as torch ops (:func:`step_backward`).
+launches per step and stage, no allocation. Elsewhere (the CPU; float64,
+also on CUDA) the same statements run as torch ops (:func:`step_backward`).
 After the recurrence: one GEMM each for ``dW_hh`` (per stage: its gradients
 by its operands), ``dW_ih`` and ``dx``; bias gradients are sums. Nothing
 reduces with atomics, so the same inputs give bit-identical gradients.
@@ -56,7 +53,9 @@ one block per SM, :mod:`persistrnn.training_kernel` runs the whole step loop
 in one launch instead.
 
 On CUDA both operators replay a graph captured per shape and stream
-(:data:`OPERATOR_GRAPHS`), except for a batch with lengths.
+(:data:`OPERATOR_GRAPHS`), so no step costs Python, except for a batch with
+lengths: its padded length changes from batch to batch, so it runs its
+launches as they come (a capture per length would cost more than it saves).
 
 Lengths (a padded batch of sequences, as a ``PackedSequence`` runs): the
 forward kernel's ``lengths`` variant, and the backward generated from
@@ -83,8 +82,8 @@ from .checks import check_lengths
 from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
 from .log import logger
 
-__all__ = ["GRAPHS", "OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faster", "direction_backward",
-           "direction_forward", "dropout_masks", "forward", "graph_key", "run_module", "saved_shapes", "step_backward",
+__all__ = ["OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faster", "direction_backward",
+           "direction_forward", "dropout_masks", "forward", "run_module", "saved_shapes", "step_backward",
            "train_step", "training_config"]
 
 TORCH_FUNCTIONS = {name: getattr(torch, name) for name in NUMPY_FUNCTIONS}
@@ -232,33 +231,6 @@ def direction_forward(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, b_hh
     return out, gates, cs, h, c
 
 
-# A backward graph holds its copies of the saved tensors and its outputs:
-# ~4 T B G H + 5 T B H floats, 0.3 GB at LSTM 1024, T=100, batch 32. A
-# bound of 8 keeps the worst case near 2.5 GB where many (T, B) shapes train.
-GRAPHS = runtime.GraphCache(capacity=8)
-"""Captured backward recurrences of one layer's direction on CUDA in fp32
-(:func:`direction_backward`), one per (:func:`graph_key`, device, stream),
-under the forward's rule (:data:`persistrnn.ops.GRAPHS`: 64, the oldest
-dropped first). Each holds its own buffers: the direction's inputs, outputs
-and intermediates, about 4 T·B·G·H + 5 T·B·H + 3 G·H² floats (LSTM 1024,
-T=100, batch 32: ~0.32 GB)."""
-
-
-def graph_key(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, reverse: bool) -> tuple:
-    """What a captured direction backward fixes beside its device and stream:
-    the cell, (T, B, G*H), H, the direction, the dtype, and the launch and
-    GEMM settings (the persistent kernel's wait bound is a kernel argument).
-    The tensors' addresses, strides and values are not in it: the graph reads
-    copies of them."""
-    return spec, xw.shape, w_hh.shape[1], reverse, xw.dtype, ops.launch_settings()
-
-
-def _replays_graph(xw: torch.Tensor) -> bool:
-    """Whether :func:`direction_backward` replays a captured graph: on CUDA in
-    fp32 (the fused kernels' path), outside a caller's capture."""
-    return xw.is_cuda and xw.dtype == torch.float32 and not torch.cuda.is_current_stream_capturing()
-
-
 def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs: torch.Tensor | None,
                        out: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, w_hh: torch.Tensor,
                        d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, reverse: bool,
@@ -273,41 +245,14 @@ def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs
     position, 0 past its length (where ``out`` is zero and ``d_out`` is not
     read). Returns (d xw, d gates (T, B, G*H), dW_hh, dh0, dc0 or None).
 
-    On CUDA in fp32 this replays the whole direction (:func:`_plain_direction_backward`)
-    from the graph captured for its :func:`graph_key` and torch's current
-    stream (:data:`GRAPHS`): the arguments are copied into the graph's input
-    buffers, and its outputs into fresh tensors, since a later replay on this
-    stream (the next layer's, or another thread's) rewrites the graph's own.
-    Inside a caller's capture (``torch.cuda.graph``, or torch.compile's
-    CUDA graphs) the launches go into the caller's graph instead: a capture
-    does not nest.
-    """
+    The step loop (on CUDA in fp32
+    :func:`persistrnn.training_kernel.persistent_steps` where the layer fits
+    it, else :func:`_fused_steps`; elsewhere :func:`_torch_steps`), then the
+    dW_hh GEMMs, launched as they come (the training operators capture them
+    with the rest of the backward)."""
     if spec.lengths != (step_runs is not None):
         raise ArgumentError(f"step_runs: expected a (T, B) tensor for a cell with lengths and None otherwise; "
                             f"cell {spec.name}, got {'None' if step_runs is None else tuple(step_runs.shape)}")
-    args = (xw, gates, cs, out, h0, c0, w_hh, d_out, dh_n, dc_n)
-    if not _replays_graph(xw):
-        return _plain_direction_backward(spec, *args, reverse, step_runs)
-
-    def run(*static: Any) -> list[torch.Tensor]:
-        return [t for t in _plain_direction_backward(spec, *static[:-1], reverse, static[-1]) if t is not None]
-
-    args += (step_runs,)
-    results = GRAPHS.call(graph_key(spec, xw, w_hh, reverse), lambda: runtime.CapturedCall(run, args),
-                          xw.device.index, *args)
-    return results[0], results[1], results[2], results[3], (results[4] if cs is not None else None)
-
-
-def _plain_direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs: torch.Tensor | None,
-                              out: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, w_hh: torch.Tensor,
-                              d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, reverse: bool,
-                              step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor, torch.Tensor, Any]:
-    """:func:`direction_backward` launched op by op: the step loop
-    (on CUDA in fp32 :func:`persistrnn.training_kernel.persistent_steps`
-    where the layer fits it, else :func:`_fused_steps`; elsewhere
-    :func:`_torch_steps`), then
-    the dW_hh GEMMs."""
     hidden = w_hh.shape[1]
     h_prev = _previous(out, h0, reverse, step_runs)
     c_prev = _previous(cs, c0, reverse, step_runs) if cs is not None else None
@@ -583,14 +528,14 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     options = (spec, num_layers, bidirectional, has_biases)
     if not _captures_operators(x, lengths):
         return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
-                                  lengths, graphed=True)
+                                  lengths)
     counts = (len(weights), len(saved))
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
         d_out, dh_n, dc_n, x, h0, c0, out, *rest = flat
         weights, saved, masks = rest[:counts[0]], rest[counts[0]:sum(counts)], rest[sum(counts):]
         dx, dh0, dc0, d_weights = _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved,
-                                                     masks, None, graphed=False)
+                                                     masks, None)
         return [dx, dh0, dc0, *d_weights]
 
     key = ("train_backward", *options, dc_n is None, len(saved), *_operator_key(x, h0, c0, weights, dropout_masks))
@@ -602,12 +547,9 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
 def _backward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has_biases: bool, d_out: torch.Tensor,
                        dh_n: torch.Tensor, dc_n: torch.Tensor | None, x: torch.Tensor, h0: torch.Tensor,
                        c0: torch.Tensor | None, weights: list[torch.Tensor], out: torch.Tensor,
-                       saved: list[torch.Tensor], dropout_masks: list[torch.Tensor], lengths: torch.Tensor | None, *,
-                       graphed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """:func:`backward` launched op by op (``lengths`` int32 on ``x``'s
-    device); ``graphed``: each direction's recurrence replays its own graph
-    (:func:`direction_backward`), else its plain launches (when this whole
-    backward is being captured, or warmed up for a capture)."""
+                       saved: list[torch.Tensor], dropout_masks: list[torch.Tensor], lengths: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`backward` launched op by op (``lengths`` int32 on ``x``'s device)."""
     directions = 2 if bidirectional else 1
     layers = ops.layer_params(weights, num_layers, directions, has_biases)
     hidden = layers[0][0]["w_hh"].shape[1]
@@ -632,7 +574,7 @@ def _backward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has
             xw, gates = saved[i * per], saved[i * per + 1]
             cs = saved[i * per + 2] if spec.has_cell_state else None
             columns = slice(d * hidden, (d + 1) * hidden)
-            d_xw, d_gates, d_w_hh, dh0[i], dc = (direction_backward if graphed else _plain_direction_backward)(
+            d_xw, d_gates, d_w_hh, dh0[i], dc = direction_backward(
                 spec, xw, gates, cs, outputs[layer][:, :, columns].to(compute), h0[i].to(compute),
                 c0[i].to(compute) if cs is not None else None, p["w_hh"].to(compute), d_layer_out[:, :, columns],
                 dh_n[i].to(compute), dc_n[i].to(compute) if cs is not None else None, d == 1, step_runs)

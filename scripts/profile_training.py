@@ -9,8 +9,7 @@ GPU sleep, so issue time is hidden and only the GPU's work is timed. The
 pieces: the training step (forward + backward of (output²).sum()), the
 forward alone, the backward alone, one direction's step loop launched from
 Python (``training._fused_steps``, also as host µs per step), one direction's
-whole backward launched from Python and replayed from its graph
-(``training.direction_backward``), and cuDNN's step, forward and backward
+whole backward (``training.direction_backward``), and cuDNN's step, forward and backward
 with torch's default settings. A torch.profiler summary of one of our
 training steps per case (top ops by self device and self CPU time) and its
 trace go under ``--out``.
@@ -135,8 +134,7 @@ def profile_case(hidden, batch, repeats, out_dir):
         "ours forward": (mine.forward, mine.clear),
         "ours backward": (mine.backward, lambda: (mine.clear(), mine.forward())),
         "step loop, launched": (fused_steps_call(spec, args), lambda: None),
-        "direction, launched": (lambda: training._plain_direction_backward(spec, *args, False), lambda: None),
-        "direction, graph": (lambda: training.direction_backward(spec, *args, False), lambda: None),
+        "direction": (lambda: training.direction_backward(spec, *args, False), lambda: None),
         "cuDNN step": (cudnn.step, cudnn.clear),
         "cuDNN forward": (cudnn.forward, cudnn.clear),
         "cuDNN backward": (cudnn.backward, lambda: (cudnn.clear(), cudnn.forward())),

@@ -659,35 +659,6 @@ def assert_bitwise_equal(got, want):
         assert a is None or torch.equal(a, b), f"{name}: max difference {(a - b).abs().max().item()}"
 
 
-def test_graph_key_holds_what_the_capture_fixes():
-    lstm = cells.get_cell("lstm")
-    xw, w_hh = torch.zeros(5, 3, 28), torch.zeros(28, 7)
-    key = training.graph_key(lstm, xw, w_hh, False)
-    # The graph reads copies: other addresses, strides and values share it.
-    assert training.graph_key(lstm, torch.randn(5, 6, 28)[:, ::2], torch.randn(7, 28).T, False) == key
-    matmul = torch.backends.cuda.matmul
-    previous = matmul.allow_tf32
-    try:
-        matmul.allow_tf32 = not previous  # cuBLAS's math mode is fixed at capture
-        other_tf32 = training.graph_key(lstm, xw, w_hh, False)
-    finally:
-        matmul.allow_tf32 = previous
-    timeout = runtime.wait_timeout_ns() / 1e9
-    try:
-        runtime.set_wait_timeout(2 * timeout)  # the persistent backward's wait bound is a kernel argument
-        other_timeout = training.graph_key(lstm, xw, w_hh, False)
-    finally:
-        runtime.set_wait_timeout(timeout)
-    others = [training.graph_key(cells.get_cell("gru"), torch.zeros(5, 3, 21), torch.zeros(21, 7), False),
-              training.graph_key(lstm, torch.zeros(6, 3, 28), w_hh, False),
-              training.graph_key(lstm, torch.zeros(5, 4, 28), w_hh, False),
-              training.graph_key(lstm, torch.zeros(5, 3, 32), torch.zeros(32, 8), False),
-              training.graph_key(lstm, xw, w_hh, True),
-              training.graph_key(lstm, xw.double(), w_hh.double(), False),
-              other_tf32, other_timeout]
-    assert len({key, *others}) == len(others) + 1
-
-
 class CopyingCall:
     """runtime.CapturedCall's contract without a GPU: ``fn`` runs on dense
     copies of the arguments, and a call returns copies of its outputs."""
@@ -698,27 +669,6 @@ class CopyingCall:
     def __call__(self, *args):
         dense = [None if a is None else a.clone(memory_format=torch.contiguous_format) for a in args]
         return [t.clone() for t in self.fn(*dense)]
-
-
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("cell", CELL_NAMES)
-def test_graphed_dispatch_returns_the_plain_results_in_order(cell, reverse, monkeypatch):
-    # The replay's path with the graph emulated: the outputs come back in
-    # order, dc0 None for cells without a cell state, one call per key.
-    spec = cells.get_cell(cell)
-    args = direction_backward_args(cell, 4, 3, 5, seed=7, device="cpu", dtype=torch.float64)
-    want = training._plain_direction_backward(spec, *args, reverse)
-    keys = []
-
-    def call(key, make, device, *call_args):
-        keys.append(key)
-        return make()(*call_args)
-
-    monkeypatch.setattr(training, "_replays_graph", lambda xw: True)
-    monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
-    monkeypatch.setattr(training, "GRAPHS", types.SimpleNamespace(call=call))
-    assert_bitwise_equal(training.direction_backward(spec, *args, reverse), want)
-    assert keys == [training.graph_key(spec, args[0], args[6], reverse)]
 
 
 @pytest.mark.parametrize("cell,num_layers,bidirectional,has_biases", [("lstm", 2, True, True), ("gru", 1, False, False),
@@ -764,11 +714,6 @@ def test_operator_key_holds_what_the_capture_fixes():
               training._operator_key(x, h0, c0, weights, []),
               training._operator_key(x, h0, c0, [w[:4] if w.dim() == 1 else w for w in weights], masks)]
     assert len({key, *others}) == len(others) + 1
-
-
-def test_cpu_and_float64_run_the_plain_launches():
-    args = direction_backward_args("gru", 3, 2, 4, seed=1, device="cpu", dtype=torch.float32)
-    assert not training._replays_graph(args[0]) and not training._replays_graph(args[0].double())
 
 
 # ---- GPU ----------------------------------------------------------------------------------
@@ -1052,56 +997,6 @@ def test_gpu_fused_steps_equal_the_float64_torch_op_steps(cell, batch, hidden, r
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
-def captured_instance(spec, args, reverse):
-    """The graph direction_backward replays for ``args`` on the current stream (captured already)."""
-    def no_capture():
-        raise AssertionError("expected the graph captured already")
-
-    return training.GRAPHS.get(training.graph_key(spec, args[0], args[6], reverse), no_capture,
-                               args[0].device.index)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("steps,batch,hidden", [(5, 5, 37), (7, 3, 333)])
-@pytest.mark.parametrize("cell", CELL_NAMES)
-@pytest.mark.parametrize("lengths", [False, True])
-def test_gpu_graphed_direction_backward_equals_the_plain_launches_bit_for_bit(cell, steps, batch, hidden, reverse,
-                                                                            lengths):
-    # The capture's first replay, then a replay on fresh inputs (and fresh
-    # lengths) with the graph's outputs poisoned: an element the replay does
-    # not write, or writes from the capture's inputs, shows.
-    spec = cells.with_lengths(cell) if lengths else cells.get_cell(cell)
-
-    def runs(seed):
-        if not lengths:
-            return None
-        gen = torch.Generator().manual_seed(seed)
-        return step_runs_of(random_lengths(steps, batch, gen), steps).float().cuda()
-
-    first = direction_backward_args(cell, steps, batch, hidden, seed=hidden + steps)
-    first_runs = runs(1)
-    assert_bitwise_equal(training.direction_backward(spec, *first, reverse, first_runs),
-                         training._plain_direction_backward(spec, *first, reverse, first_runs))
-    for output in captured_instance(spec, first, reverse).outputs:
-        output.fill_(float("nan"))
-    fresh = direction_backward_args(cell, steps, batch, hidden, seed=hidden + steps + 1)
-    fresh_runs = runs(2)
-    assert_bitwise_equal(training.direction_backward(spec, *fresh, reverse, fresh_runs),
-                         training._plain_direction_backward(spec, *fresh, reverse, fresh_runs))
-
-
-@pytest.mark.gpu
-def test_gpu_graphed_direction_backward_with_two_shapes_interleaved():
-    spec = cells.get_cell("gru_reset_before")
-    shapes = [(6, 5, 37, False), (4, 3, 100, True)]
-    for i in range(6):
-        steps, batch, hidden, reverse = shapes[i % 2]
-        args = direction_backward_args(spec.name, steps, batch, hidden, seed=20 + i)
-        assert_bitwise_equal(training.direction_backward(spec, *args, reverse),
-                             training._plain_direction_backward(spec, *args, reverse))
-
-
 class FakeStream:
     """A CUDA stream on the CPU (for the thread helper's own test): records that it was synchronised."""
 
@@ -1188,11 +1083,13 @@ def test_gpu_captured_training_steps_from_four_threads_on_their_own_streams():
 
 
 @pytest.mark.gpu
-def test_gpu_graphed_direction_backward_from_four_threads_on_their_own_streams():
-    # One key, four streams: four instances replayed at once, each on its
-    # own inputs, each result its thread's single-threaded one.
+@pytest.mark.parametrize("hidden", [100, 601])  # the persistent backward on a cluster, on a grid
+def test_gpu_direction_backward_from_four_threads_on_their_own_streams(hidden):
+    # Four streams at once, each launch with its own scratch (a grid's
+    # counter, status word and exchange buffer), each on its own inputs:
+    # each result is its thread's single-threaded one, bit for bit.
     spec, threads, calls = cells.get_cell("lstm"), 4, 5
-    inputs = [direction_backward_args("lstm", 6, 3, 100, seed=40 + i) for i in range(threads)]
+    inputs = [direction_backward_args("lstm", 6, 3, hidden, seed=40 + i) for i in range(threads)]
     want = [training.direction_backward(spec, *args, False) for args in inputs]
     results = on_own_streams(threads, lambda i, stream: [training.direction_backward(spec, *inputs[i], False)
                                                          for _ in range(calls)])
@@ -1202,12 +1099,13 @@ def test_gpu_graphed_direction_backward_from_four_threads_on_their_own_streams()
 
 
 @pytest.mark.gpu
-def test_gpu_inside_a_callers_capture_the_plain_launches_are_captured():
-    spec = cells.get_cell("gru")
-    args = direction_backward_args("gru", 5, 3, 37, seed=9)
-    cached = len(training.GRAPHS)
-    graph, got = runtime.graphs.capture(lambda: training.direction_backward(spec, *args, True),
-                                        lambda: training._plain_direction_backward(spec, *args, True))
+@pytest.mark.parametrize("cell,hidden", [("gru", 37), ("gru_reset_before", 601)])  # a cluster, a grid
+def test_gpu_inside_a_callers_capture_the_direction_backward_is_captured(cell, hidden):
+    spec = cells.get_cell(cell)
+    args = direction_backward_args(cell, 5, 3, hidden, seed=9)
+    graph, got = runtime.graphs.capture(lambda: training.direction_backward(spec, *args, True))
+    for output in got:
+        if output is not None:
+            output.fill_(float("nan"))  # the replay must write every output again
     graph.replay()
-    assert len(training.GRAPHS) == cached, "a graph was captured inside the caller's capture"
-    assert_bitwise_equal(got, training._plain_direction_backward(spec, *args, True))
+    assert_bitwise_equal(got, training.direction_backward(spec, *args, True))
