@@ -755,14 +755,95 @@ def test_planner_regret_is_registered():
     assert bench.SUITES["planner-regret"] == "persistrnn.bench.planner_regret"
 
 
-def test_training_step_markdown_gives_times_ratio_and_errors():
+def test_training_step_markdown_gives_times_ratio_flops_memory_and_errors(tmp_path, capsys):
     from persistrnn.bench import __main__ as bench, training
 
     assert bench.SUITES["training"] == "persistrnn.bench.training"
     row = {"hidden": 256, "batch": 8, "steps": 100, "ours_ms": 0.5, "cudnn_ms": 1.5, "cudnn_exact_ms": 2.0,
            "speedup": 3.0, "ours_grad_error": 2e-7, "cudnn_exact_grad_error": 3e-7}
     packed = {**row, "inputs": "packed", "runs": "cuDNN", "ours_ms": 0.75, "speedup": 2.0}
-    text = training.markdown({"environment": ENV, "calls": 10, "repeats": 5, "rows": [row, packed]})
-    assert "| padded | 256 | 8 | persistrnn | 0.500 | 1.500 / 2.000 | 3.00× | 2.0e-07 | 3.0e-07 |" in text
-    assert "| packed | 256 | 8 | cuDNN | 0.750 | 1.500 / 2.000 | 2.00× | 2.0e-07 | 3.0e-07 |" in text
-    assert ENV["commit"] in text
+    relu = {**row, "cell": "rnn_relu", "hidden": 1152, "batch": 4, "ours_ms": 0.4, "cudnn_ms": 2.0}
+    memory = {"cell": "rnn_relu", "hidden": 1152, "steps": 1000, "batch": 4, "ours_bytes": 40 * 2**20,
+              "cudnn_bytes": 90 * 2**20, "cudnn_exact_bytes": 80 * 2**20}
+    result = {"environment": ENV, "calls": 10, "repeats": 5, "rows": [row, packed, relu], "memory": [memory]}
+    text = training.markdown(result)
+    # LSTM: 6 * 4 gates * 256 * (256 + 256) * 100 steps * 8 = 2.517e9 FLOP: 5.03 TFLOP/s in 0.5 ms, 1.68 in 1.5
+    assert "| lstm | padded | 256 | 8 | persistrnn | 0.500 | 1.500 / 2.000 | 3.00× | 5.03 / 1.68 | 2.0e-07 |" in text
+    assert "| lstm | packed | 256 | 8 | cuDNN | 0.750 | 1.500 / 2.000 | 2.00× | 3.36 / 1.68 |" in text
+    # ReLU RNN 1152 (one gate): 6 * 1152 * 2304 * 100 * 4 = 6.37e9 FLOP: 15.93 TFLOP/s in 0.4 ms; cuDNN's faster 2.0
+    assert "| rnn_relu | padded | 1152 | 4 | persistrnn | 0.400 | 2.000 / 2.000 | 3.00× | 15.93 / 3.19 |" in text
+    assert "| rnn_relu | 1152 | 1000 | 4 | 40.0 | 90.0 / 80.0 | 2.00× |" in text
+    assert ENV["commit"] in text and "LSTM, RNN (relu)" in text
+    saved = tmp_path / "training.json"
+    saved.write_text(json.dumps(result))
+    assert training.main(["--from-json", str(saved), "--plot", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 0 and "5.03 / 1.68" in capsys.readouterr().out
+
+
+# ---- bench charlm ----------------------------------------------------------
+
+def _ptb_folder(tmp_path):
+    """A small PTB-like pair of texts in the data sets' layout."""
+    words = ["the", "market", "fell", "<unk>", "N", "shares", "rose", "in", "trading", "'s"]
+    gen = __import__("random").Random(3)
+    for name, lines in (("dev.txt", 60), ("test.txt", 30)):
+        text = "".join(" " + " ".join(gen.choice(words) for _ in range(gen.randint(3, 12))) + " \n"
+                       for _ in range(lines))
+        (tmp_path / "ptb").mkdir(exist_ok=True)
+        (tmp_path / "ptb" / name).write_text(text)
+    return tmp_path
+
+
+def test_charlm_data_is_every_character_in_contiguous_streams():
+    import torch
+
+    from persistrnn.bench import charlm
+
+    vocab = charlm.vocabulary("ab c\n", "cd")
+    assert list(vocab) == sorted(set("ab c\ncd"))
+    ids = charlm.encode("abcd cab\n", vocab)
+    assert [list(vocab)[i] for i in ids.tolist()] == list("abcd cab\n")
+    data = charlm.streams(torch.arange(11), 2)  # 5 characters per stream; the 11th is dropped
+    assert data.shape == (5, 2) and data[:, 1].tolist() == [5, 6, 7, 8, 9]
+    # every window's targets are its inputs one character later, and the last target is the last character
+    assert charlm.windows(data, 2) == [(0, 2), (2, 2)]
+    assert charlm.windows(torch.arange(7).view(7, 1), 3) == [(0, 3), (3, 3)]
+    with pytest.raises(ValueError, match="at least 8 characters for batch 4, got 5"):
+        charlm.streams(torch.arange(5), 4)
+
+
+def test_charlm_refuses_a_missing_text_naming_the_path(tmp_path):
+    from persistrnn.bench import charlm
+
+    with pytest.raises(ValueError, match="could not read .*nothing.txt"):
+        charlm.read_text(tmp_path / "nothing.txt")
+
+
+def test_charlm_trains_both_models_from_one_initialisation_and_writes_its_outputs(tmp_path, capsys):
+    """On the CPU both modules run torch's implementation: the two runs must
+    then give the same losses step by step (one initialisation, one data
+    order), the float64 run stays within rounding of them, and the losses fall."""
+    from persistrnn.bench import charlm
+
+    data = _ptb_folder(tmp_path)
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--hidden", "24", "--embedding", "8", "--batch", "4", "--steps", "12",
+            "--train-steps", "40", "--compare-steps", "10", "--log-every", "10", "--validate-every", "20",
+            "--valid-batch", "2", "--valid-chars", "400", "--learning-rate", "0.01", "--data", str(data),
+            "--out", str(out), "--no-progress"]
+    assert charlm.main(args) == 0
+    result = json.loads((out / "charlm.json").read_text())
+    ours, theirs = result["persistrnn"], result["torch.nn"]
+    assert len(ours["loss"]) == len(theirs["loss"]) == 40 and len(result["float64_loss"]) == 10
+    assert ours["loss"] == theirs["loss"]
+    a = charlm.agreement(result)
+    assert a["persistrnn_vs_torch"] == 0 and 0 < a["torch_vs_float64"] < 1e-4
+    assert [s for s, _ in ours["valid_bpc"]] == [0, 20, 40]
+    assert ours["valid_bpc"][-1][1] < ours["valid_bpc"][0][1]  # it learns
+    assert len(ours["window_ms"]) == 4 and ours["tokens_per_s"] > 0
+    assert result["persistrnn_runs"] == "torch's implementation (a CPU input)"
+    text = (out / "charlm.md").read_text()
+    assert "agree to fp32 rounding" in text and "| persistrnn |" in text and "loss falls" in text
+    # written again from its json, without running
+    assert charlm.main(["--from-json", str(out / "charlm.json")]) == 0
+    assert "| torch.nn |" in capsys.readouterr().out

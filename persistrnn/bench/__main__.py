@@ -16,6 +16,7 @@ SUITES = {
     "compile": "persistrnn.bench.compiled",
     "planner-regret": "persistrnn.bench.planner_regret",
     "training": "persistrnn.bench.training",
+    "charlm": "persistrnn.bench.charlm",
     "treelstm": "persistrnn.bench.treelstm",
     "tagger": "persistrnn.bench.tagger",
     "serve": "persistrnn.bench.serve",

@@ -1,8 +1,9 @@
 """One training step beside cuDNN's: ``python -m persistrnn bench training``.
 
-For LSTM at each hidden size and batch (T = 100, input = hidden, fp32), in
-one process: a persistrnn module and a ``torch.nn.LSTM`` with the same
-weights, each timed for forward + backward of ``(output ** 2).sum()`` with
+For a cell (LSTM by default; ``--cell rnn_relu --hidden 1152`` is the
+Persistent RNNs paper's Figure 3) at each hidden size and batch (T = 100,
+input = hidden, fp32), in one process: a persistrnn module and torch's module
+of that cell with the same weights, each timed for forward + backward of ``(output ** 2).sum()`` with
 CUDA events around ``calls`` steps back to back (median of ``repeats``,
 after a warm-up to steady clocks). torch runs cuDNN's training path with its
 own settings (TF32 allowed in cuDNN, torch's default) and without TF32
@@ -12,11 +13,25 @@ float64 autograd of torch's CPU module. "ours" is the persistrnn module with
 cuDNN (the row says which ran). ``--inputs packed`` times the same
 step on a PackedSequence (unsorted; each sequence's length drawn uniformly
 from T/2..T, the first T), for both: the loss is then over the packed data.
+
+Useful TFLOP/s (``--plot``: against the batch, ours beside cuDNN's faster
+setting) counts the model's arithmetic, not what either implementation
+does: per step and sequence, the forward's products 2·G·H·(I+H) (G gates),
+and twice that for the backward (the data gradients and the weight
+gradients), so 6·G·H·(I+H)·T·B per training step.
+
+``--memory`` reports what a forward in training mode keeps for the backward
+(``torch.cuda.memory_allocated`` after a forward, less before it and less
+the tensors it returns; the second such call, so that one-time buffers are
+already there) for each module, at T=1000, batch 4: cuDNN's is its reserve
+space.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -24,6 +39,30 @@ from typing import Any
 HIDDEN = (256, 1024)
 BATCHES = (1, 8, 32)
 STEPS = 100
+CELLS = {"lstm": ("LSTM", {}, 4), "gru": ("GRU", {}, 3), "rnn_tanh": ("RNN", {"nonlinearity": "tanh"}, 1),
+         "rnn_relu": ("RNN", {"nonlinearity": "relu"}, 1)}
+"""Cells torch trains on cuDNN: (module class, its arguments, gates)."""
+MEMORY_SHAPE = (1000, 4)
+"""(T, batch) of ``--memory``: the issue's activation-memory comparison."""
+
+
+def _modules(cell: str, hidden: int) -> tuple[Any, Any]:
+    """(torch's module, persistrnn's with the same weights), on the GPU."""
+    import torch
+
+    import persistrnn
+
+    name, kwargs, _ = CELLS[cell]
+    theirs = getattr(torch.nn, name)(hidden, hidden, **kwargs).cuda()
+    ours = getattr(persistrnn, name)(hidden, hidden, **kwargs).cuda()
+    ours.load_state_dict(theirs.state_dict())
+    ours.training_kernels = True  # opt-in: without it the module trains on torch's implementation
+    return theirs, ours
+
+
+def useful_tflops(cell: str, hidden: int, batch: int, steps: int, ms: float) -> float:
+    """The model's training arithmetic (6·G·H·(I+H)·T·B, input = hidden) over ``ms``, in TFLOP/s."""
+    return 6 * CELLS[cell][2] * hidden * 2 * hidden * steps * batch / (ms * 1e-3) / 1e12
 
 
 def _step(module: Any, x: Any, lengths: Any = None):
@@ -58,31 +97,27 @@ def _input_grad_error(module: Any, x: Any, want: Any, lengths: Any) -> float:
     return float((got - want).norm() / want.norm())
 
 
-def run_case(hidden: int, batch: int, calls: int, repeats: int, inputs: str = "padded") -> dict[str, Any]:
+def run_case(hidden: int, batch: int, calls: int, repeats: int, inputs: str = "padded",
+             cell: str = "lstm") -> dict[str, Any]:
     import torch
 
-    import persistrnn
     from .. import runtime, training
 
     torch.manual_seed(hidden * 1000 + batch)
-    theirs = torch.nn.LSTM(hidden, hidden).cuda()
-    ours = persistrnn.LSTM(hidden, hidden).cuda()
-    ours.load_state_dict(theirs.state_dict())
-    ours.training_kernels = True  # opt-in: without it the module trains on torch's implementation
+    theirs, ours = _modules(cell, hidden)
     x = torch.randn(STEPS, batch, hidden, device="cuda", requires_grad=True)
-    reference = torch.nn.LSTM(hidden, hidden).double()
-    reference.load_state_dict(theirs.state_dict())
+    reference = copy.deepcopy(theirs).cpu().double()
     x64 = x.detach().double().cpu().requires_grad_()
     lengths = None
     if inputs == "packed":
         lengths = torch.randint(STEPS // 2, STEPS + 1, (batch,), generator=torch.Generator().manual_seed(batch))
         lengths[0] = STEPS
     _step(reference, x64, lengths)()
-    row: dict[str, Any] = {"hidden": hidden, "batch": batch, "steps": STEPS, "inputs": inputs}
+    row: dict[str, Any] = {"cell": cell, "hidden": hidden, "batch": batch, "steps": STEPS, "inputs": inputs}
     reason = ours._torch_reason(x, warn=False, trains=True)  # times the two steps on first use
     row["runs"] = "persistrnn" if reason is None else "cuDNN"
     if reason is not None and not training.cudnn_trains_faster(ours, x):  # anything else would time torch as ours
-        raise RuntimeError(f"persistrnn.LSTM would train on torch's implementation here ({reason})")
+        raise RuntimeError(f"persistrnn's {cell} would train on torch's implementation here ({reason})")
     row["ours_grad_error"] = _input_grad_error(ours, x, x64.grad, lengths)
     runtime.warm_up(_step(ours, x, lengths))
     row["ours_ms"] = _time_ms(_step(ours, x, lengths), calls, repeats)
@@ -95,26 +130,103 @@ def run_case(hidden: int, batch: int, calls: int, repeats: int, inputs: str = "p
     return row
 
 
+def _tflops(row: dict[str, Any]) -> tuple[float, float]:
+    """(ours, cuDNN's faster setting) useful TFLOP/s of a row."""
+    cell = row.get("cell", "lstm")
+    return tuple(useful_tflops(cell, row["hidden"], row["batch"], row["steps"], ms)  # type: ignore[return-value]
+                 for ms in (row["ours_ms"], min(row["cudnn_ms"], row["cudnn_exact_ms"])))
+
+
+def activation_memory(cell: str, hidden: int, steps: int, batch: int) -> dict[str, Any]:
+    """Bytes a training-mode forward keeps for the backward, ours and cuDNN's (TF32 allowed and not)."""
+    import torch
+
+    theirs, ours = _modules(cell, hidden)
+    x = torch.randn(steps, batch, hidden, device="cuda", requires_grad=True)
+
+    def kept(module: Any) -> int:
+        for _ in range(2):  # the second call: one-time buffers (captured graphs, workspaces) are already there
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            out, state = module(x)
+            returned = [out, *(state if isinstance(state, tuple) else (state,))]
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated() - before - sum(t.numel() * t.element_size() for t in returned)
+            del out, state, returned
+        return held
+
+    row: dict[str, Any] = {"cell": cell, "hidden": hidden, "steps": steps, "batch": batch, "ours_bytes": kept(ours)}
+    for label, tf32 in (("cudnn_bytes", True), ("cudnn_exact_bytes", False)):
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+            row[label] = kept(theirs)
+    return row
+
+
 def markdown(result: dict[str, Any]) -> str:
     from .environment import describe
 
+    cells = ", ".join(sorted({CELLS[r.get("cell", "lstm")][0] + ("" if r.get("cell", "lstm") in ("lstm", "gru")
+                                                                else f" ({r['cell'][4:]})") for r in result["rows"]}))
     lines = ["# A training step beside cuDNN's (`python -m persistrnn bench training`)", "",
              describe(result["environment"]),
-             f"- Method: LSTM, T={STEPS}, input = hidden, fp32; forward + backward of (output²).sum(), CUDA events "
-             f"around {result['calls']} steps back to back, median of {result['repeats']}, after a warm-up to "
-             "steady clocks. cuDNN with TF32 allowed (torch's default) and without. Gradient error: the input "
-             "gradient against float64 autograd of torch's CPU module. Inputs packed: a PackedSequence (unsorted) "
-             "of lengths drawn uniformly from T/2..T (the first T), the loss over its data. Runs: what the module "
-             "trains on at that shape (persistrnn's operators, or cuDNN where that measured faster; "
-             "`training.cudnn_trains_faster`).", "",
-             "| inputs | H | batch | runs | ours ms | cuDNN ms (TF32 / exact) | speed-up vs cuDNN's faster | "
-             "ours grad error | cuDNN exact grad error |", "|---|---|---|---|---|---|---|---|---|"]
+             f"- Method: {cells or 'LSTM'}, T={STEPS}, input = hidden, fp32; forward + backward of (output²).sum(), "
+             f"CUDA events around {result['calls']} steps back to back, median of {result['repeats']}, after a "
+             "warm-up to steady clocks. cuDNN with TF32 allowed (torch's default) and without. Gradient error: the "
+             "input gradient against float64 autograd of torch's CPU module. Inputs packed: a PackedSequence "
+             "(unsorted) of lengths drawn uniformly from T/2..T (the first T), the loss over its data. Runs: "
+             "what the module trains on at that shape (persistrnn's operators, or cuDNN where that measured faster; "
+             "`training.cudnn_trains_faster`). Useful TFLOP/s: 6·G·H·(I+H)·T·B per step (G gates) over the time, "
+             "cuDNN's at its faster setting.", "",
+             "| cell | inputs | H | batch | runs | ours ms | cuDNN ms (TF32 / exact) | speed-up vs cuDNN's faster | "
+             "useful TFLOP/s (ours / cuDNN) | ours grad error | cuDNN exact grad error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r.get('inputs', 'padded')} | {r['hidden']} | {r['batch']} | "
+        cell = r.get("cell", "lstm")
+        flops = " / ".join(f"{v:.2f}" for v in _tflops(r))
+        lines.append(f"| {cell} | {r.get('inputs', 'padded')} | {r['hidden']} | {r['batch']} | "
                      f"{r.get('runs', 'persistrnn')} | {r['ours_ms']:.3f} | {r['cudnn_ms']:.3f} / "
-                     f"{r['cudnn_exact_ms']:.3f} | {r['speedup']:.2f}× | {r['ours_grad_error']:.1e} | "
+                     f"{r['cudnn_exact_ms']:.3f} | {r['speedup']:.2f}× | {flops} | {r['ours_grad_error']:.1e} | "
                      f"{r['cudnn_exact_grad_error']:.1e} |")
+    if result.get("memory"):
+        lines += ["", "What a forward in training mode keeps for the backward (bytes allocated after it, less before "
+                      "it and less what it returns; the second call):", "",
+                  "| cell | H | T | batch | persistrnn MiB | cuDNN MiB (TF32 / exact) | cuDNN over ours |",
+                  "|---|---|---|---|---|---|---|"]
+        for m in result["memory"]:
+            mib = [m[k] / 2**20 for k in ("ours_bytes", "cudnn_bytes", "cudnn_exact_bytes")]
+            lines.append(f"| {m['cell']} | {m['hidden']} | {m['steps']} | {m['batch']} | {mib[0]:.1f} | "
+                         f"{mib[1]:.1f} / {mib[2]:.1f} | {min(mib[1:]) / mib[0]:.2f}× |")
     return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> str:
+    """Useful TFLOP/s against the batch, ours beside cuDNN's faster setting, a line per cell and size."""
+    from .compare import NO_MATPLOTLIB, _pyplot
+
+    plt = _pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    series: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        series.setdefault((r.get("cell", "lstm"), r["hidden"], r.get("inputs", "padded")), []).append(r)
+    for (cell, hidden, inputs), rows in series.items():
+        rows.sort(key=lambda r: r["batch"])
+        batches = [r["batch"] for r in rows]
+        label = f"{cell} {hidden}" + ("" if inputs == "padded" else f" {inputs}")
+        ours, cudnn = zip(*(_tflops(r) for r in rows))
+        line, = ax.plot(batches, ours, "-o", label=f"persistrnn, {label}")
+        ax.plot(batches, cudnn, "--s", color=line.get_color(), label=f"cuDNN (faster setting), {label}")
+    ax.set(xscale="log", xlabel="batch", ylabel="useful TFLOP/s (forward + backward)",
+           title=f"training step, T={STEPS}, fp32")
+    ax.set_xticks(sorted({r["batch"] for r in result["rows"]}), labels=[str(b) for b in
+                                                                        sorted({r["batch"] for r in result["rows"]})])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,19 +234,35 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m persistrnn bench training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cell", choices=sorted(CELLS), default="lstm")
     p.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--inputs", nargs="+", choices=("padded", "packed"), default=["padded"],
                    help="a padded tensor, and/or a PackedSequence of random lengths")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--memory", action="store_true",
+                   help=f"also what a training forward keeps, at T={MEMORY_SHAPE[0]}, batch {MEMORY_SHAPE[1]}, "
+                        "for each --hidden")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
+    p.add_argument("--plot", type=Path, help="useful TFLOP/s against the batch, as a PNG")
+    p.add_argument("--from-json", type=Path, help="write the table and plot of an earlier run's --json instead")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    result: dict[str, Any] = {"environment": environment(), "calls": args.calls, "repeats": args.repeats,
-                              "rows": [run_case(h, b, args.calls, args.repeats, inputs)
-                                       for inputs in args.inputs for h in args.hidden for b in args.batch]}
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+    else:
+        from ..runtime import require_gpu
+
+        require_gpu()
+        result = {"environment": environment(), "calls": args.calls, "repeats": args.repeats,
+                  "rows": [run_case(h, b, args.calls, args.repeats, inputs, args.cell)
+                           for inputs in args.inputs for h in args.hidden for b in args.batch],
+                  "memory": [activation_memory(args.cell, h, *MEMORY_SHAPE) for h in args.hidden] if args.memory
+                  else []}
     text = markdown(result)
+    if args.plot:
+        text += "\n" + plot(result, args.plot) + "\n"
     write_result(args, result, text)
     return 0
