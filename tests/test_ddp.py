@@ -24,3 +24,15 @@ def test_ddp_training_matches_one_process_on_the_global_batch(ranks):
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["world_size"] == ranks
     assert result["largest_relative_difference"] <= 1e-6, result
+
+
+def test_the_overlap_profile_measures_intersections_of_unions_of_intervals():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_ddp", ROOT / "scripts" / "profile_ddp.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    assert profile.merged([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
+    # all-reduce kernels [0, 4) and [10, 12); compute [2, 6) and [3, 11): 2 + 1 overlapped, counted once
+    assert profile.overlap([(0, 4), (10, 12)], [(2, 6), (3, 11)]) == 3
+    assert profile.overlap([(0, 1)], [(1, 2)]) == 0 and profile.overlap([], [(0, 1)]) == 0

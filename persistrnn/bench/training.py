@@ -36,6 +36,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .compare import DTYPE_NAMES
+
 HIDDEN = (256, 1024)
 BATCHES = (1, 8, 32)
 STEPS = 100
@@ -46,15 +48,15 @@ MEMORY_SHAPE = (1000, 4)
 """(T, batch) of ``--memory``: the issue's activation-memory comparison."""
 
 
-def _modules(cell: str, hidden: int) -> tuple[Any, Any]:
-    """(torch's module, persistrnn's with the same weights), on the GPU."""
+def _modules(cell: str, hidden: int, dtype: str = "float32") -> tuple[Any, Any]:
+    """(torch's module, persistrnn's with the same weights), on the GPU, in ``dtype``."""
     import torch
 
     import persistrnn
 
     name, kwargs, _ = CELLS[cell]
-    theirs = getattr(torch.nn, name)(hidden, hidden, **kwargs).cuda()
-    ours = getattr(persistrnn, name)(hidden, hidden, **kwargs).cuda()
+    theirs = getattr(torch.nn, name)(hidden, hidden, **kwargs).to("cuda", getattr(torch, dtype))
+    ours = getattr(persistrnn, name)(hidden, hidden, **kwargs).to("cuda", getattr(torch, dtype))
     ours.load_state_dict(theirs.state_dict())
     ours.training_kernels = True  # opt-in: without it the module trains on torch's implementation
     return theirs, ours
@@ -98,14 +100,14 @@ def _input_grad_error(module: Any, x: Any, want: Any, lengths: Any) -> float:
 
 
 def run_case(hidden: int, batch: int, calls: int, repeats: int, inputs: str = "padded",
-             cell: str = "lstm") -> dict[str, Any]:
+             cell: str = "lstm", dtype: str = "float32") -> dict[str, Any]:
     import torch
 
     from .. import runtime, training
 
     torch.manual_seed(hidden * 1000 + batch)
-    theirs, ours = _modules(cell, hidden)
-    x = torch.randn(STEPS, batch, hidden, device="cuda", requires_grad=True)
+    theirs, ours = _modules(cell, hidden, dtype)
+    x = torch.randn(STEPS, batch, hidden, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
     reference = copy.deepcopy(theirs).cpu().double()
     x64 = x.detach().double().cpu().requires_grad_()
     lengths = None
@@ -113,7 +115,8 @@ def run_case(hidden: int, batch: int, calls: int, repeats: int, inputs: str = "p
         lengths = torch.randint(STEPS // 2, STEPS + 1, (batch,), generator=torch.Generator().manual_seed(batch))
         lengths[0] = STEPS
     _step(reference, x64, lengths)()
-    row: dict[str, Any] = {"cell": cell, "hidden": hidden, "batch": batch, "steps": STEPS, "inputs": inputs}
+    row: dict[str, Any] = {"cell": cell, "dtype": dtype, "hidden": hidden, "batch": batch, "steps": STEPS,
+                           "inputs": inputs}
     reason = ours._torch_reason(x, warn=False, trains=True)  # times the two steps on first use
     row["runs"] = "persistrnn" if reason is None else "cuDNN"
     if reason is not None and not training.cudnn_trains_faster(ours, x):  # anything else would time torch as ours
@@ -169,21 +172,23 @@ def markdown(result: dict[str, Any]) -> str:
                                                                 else f" ({r['cell'][4:]})") for r in result["rows"]}))
     lines = ["# A training step beside cuDNN's (`python -m persistrnn bench training`)", "",
              describe(result["environment"]),
-             f"- Method: {cells or 'LSTM'}, T={STEPS}, input = hidden, fp32; forward + backward of (output²).sum(), "
+             f"- Method: {cells or 'LSTM'}, T={STEPS}, input = hidden; forward + backward of (output²).sum(), "
              f"CUDA events around {result['calls']} steps back to back, median of {result['repeats']}, after a "
-             "warm-up to steady clocks. cuDNN with TF32 allowed (torch's default) and without. Gradient error: the "
+             "warm-up to steady clocks. cuDNN with TF32 allowed (torch's default) and without (alike in 16-bit). "
+             "Gradient error: the "
              "input gradient against float64 autograd of torch's CPU module. Inputs packed: a PackedSequence "
              "(unsorted) of lengths drawn uniformly from T/2..T (the first T), the loss over its data. Runs: "
              "what the module trains on at that shape (persistrnn's operators, or cuDNN where that measured faster; "
              "`training.cudnn_trains_faster`). Useful TFLOP/s: 6·G·H·(I+H)·T·B per step (G gates) over the time, "
              "cuDNN's at its faster setting.", "",
-             "| cell | inputs | H | batch | runs | ours ms | cuDNN ms (TF32 / exact) | speed-up vs cuDNN's faster | "
-             "useful TFLOP/s (ours / cuDNN) | ours grad error | cuDNN exact grad error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cell | dtype | inputs | H | batch | runs | ours ms | cuDNN ms (TF32 / exact) | "
+             "speed-up vs cuDNN's faster | useful TFLOP/s (ours / cuDNN) | ours grad error | cuDNN exact grad error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         cell = r.get("cell", "lstm")
         flops = " / ".join(f"{v:.2f}" for v in _tflops(r))
-        lines.append(f"| {cell} | {r.get('inputs', 'padded')} | {r['hidden']} | {r['batch']} | "
+        dtype = DTYPE_NAMES[r.get("dtype", "float32")]
+        lines.append(f"| {cell} | {dtype} | {r.get('inputs', 'padded')} | {r['hidden']} | {r['batch']} | "
                      f"{r.get('runs', 'persistrnn')} | {r['ours_ms']:.3f} | {r['cudnn_ms']:.3f} / "
                      f"{r['cudnn_exact_ms']:.3f} | {r['speedup']:.2f}× | {flops} | {r['ours_grad_error']:.1e} | "
                      f"{r['cudnn_exact_grad_error']:.1e} |")
@@ -209,16 +214,17 @@ def plot(result: dict[str, Any], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     series: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in result["rows"]:
-        series.setdefault((r.get("cell", "lstm"), r["hidden"], r.get("inputs", "padded")), []).append(r)
-    for (cell, hidden, inputs), rows in series.items():
+        series.setdefault((r.get("cell", "lstm"), r.get("dtype", "float32"), r["hidden"], r.get("inputs", "padded")),
+                          []).append(r)
+    for (cell, dtype, hidden, inputs), rows in series.items():
         rows.sort(key=lambda r: r["batch"])
         batches = [r["batch"] for r in rows]
-        label = f"{cell} {hidden}" + ("" if inputs == "padded" else f" {inputs}")
+        label = f"{cell} {hidden} {DTYPE_NAMES[dtype]}" + ("" if inputs == "padded" else f" {inputs}")
         ours, cudnn = zip(*(_tflops(r) for r in rows))
         line, = ax.plot(batches, ours, "-o", label=f"persistrnn, {label}")
         ax.plot(batches, cudnn, "--s", color=line.get_color(), label=f"cuDNN (faster setting), {label}")
     ax.set(xscale="log", xlabel="batch", ylabel="useful TFLOP/s (forward + backward)",
-           title=f"training step, T={STEPS}, fp32")
+           title=f"training step, T={STEPS}")
     ax.set_xticks(sorted({r["batch"] for r in result["rows"]}), labels=[str(b) for b in
                                                                         sorted({r["batch"] for r in result["rows"]})])
     ax.grid(alpha=0.3)
@@ -235,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m persistrnn bench training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", choices=sorted(CELLS), default="lstm")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
     p.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--inputs", nargs="+", choices=("padded", "packed"), default=["padded"],
@@ -257,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
         require_gpu()
         result = {"environment": environment(), "calls": args.calls, "repeats": args.repeats,
-                  "rows": [run_case(h, b, args.calls, args.repeats, inputs, args.cell)
+                  "rows": [run_case(h, b, args.calls, args.repeats, inputs, args.cell, args.dtype)
                            for inputs in args.inputs for h in args.hidden for b in args.batch],
                   "memory": [activation_memory(args.cell, h, *MEMORY_SHAPE) for h in args.hidden] if args.memory
                   else []}
