@@ -848,3 +848,83 @@ def test_charlm_trains_both_models_from_one_initialisation_and_writes_its_output
     # written again from its json, without running
     assert charlm.main(["--from-json", str(out / "charlm.json")]) == 0
     assert "| torch.nn |" in capsys.readouterr().out
+
+
+# ---- bench sst ---------------------------------------------------------------
+
+def _sst_folder(tmp_path, train=40, dev=12):
+    """The test copy of SST dev trees split into a train and a dev file, in the data sets' layout."""
+    lines = (Path(__file__).parent / "data" / "sst-dev.txt").read_text().splitlines()[:train + dev]
+    (tmp_path / "sst").mkdir()
+    (tmp_path / "sst" / "train.txt").write_text("\n".join(lines[:train]) + "\n")
+    (tmp_path / "sst" / "dev.txt").write_text("\n".join(lines[train:]) + "\n")
+    return tmp_path
+
+
+def test_sst_epochs_visit_every_tree_once_in_a_fixed_order_per_epoch():
+    from persistrnn.bench import sst
+
+    first, again, second = (sst.epoch_batches(23, 5, e, 7) for e in (0, 0, 1))
+    assert first == again and first != second
+    assert [len(b) for b in first] == [5, 5, 5, 5, 3]
+    assert sorted(i for b in first for i in b) == list(range(23))
+
+
+def test_sst_evaluation_scores_each_trees_root_and_every_node():
+    """The batched evaluation against one tree at a time (the root's row of a
+    one-tree plan) and against the eager one-node-at-a-time loss."""
+    import torch
+
+    from persistrnn import dynamic
+    from persistrnn.bench import sst
+    from persistrnn.bench.treelstm import TorchTreeLSTM
+
+    trees = dynamic.read_sst(Path(__file__).parent / "data" / "sst-dev.txt", limit=9)
+    vocab = dynamic.Vocabulary(w for t in trees for w in t.words())
+    model = dynamic.Model(3)
+    builder = dynamic.TreeLSTM(model, len(vocab), 10, 12)
+    peer = TorchTreeLSTM(model, builder, vocab, torch.device("cpu"))
+    got = sst.evaluate(peer, trees, chunk=4)  # chunks of 4, 4 and 1 trees
+    hits = 0
+    for t in trees:
+        plan = peer.plan([t])
+        root = peer.logits(plan).detach()[plan["roots"]][0]
+        assert plan["labels"][plan["roots"]].item() == t.label
+        hits += int(root.argmax()) == t.label
+    nodes = sum(len(t.nodes()) for t in trees)
+    assert got["root_accuracy"] == hits / len(trees)
+    assert got["loss_per_node"] == pytest.approx(float(peer.eager_loss(trees).detach()) / nodes, rel=1e-5)
+    assert 0 <= got["node_accuracy"] <= 1
+
+
+def test_sst_markdown_and_plot_from_a_run(tmp_path, capsys):
+    from persistrnn.bench import sst
+
+    dev = {"root_accuracy": 0.25, "node_accuracy": 0.6, "loss_per_node": 1.2}
+    result = {"suite": "sst", "environment": ENV, "settings": {**sst.Settings().__dict__, "epochs": 1},
+              "jit_s": 0.2, "blocks": 132, "train_trees": 4, "dev_trees": 2, "vocabulary": 30,
+              "nodes_per_step": [10, 12], "initial_dev": {**dev, "root_accuracy": 0.2},
+              "epochs": [{"epoch": 1, "steps": 2, "persistrnn_sent_s": 900.0, "pytorch_sent_s": 300.0,
+                          "persistrnn_dev": dev, "pytorch_dev": {**dev, "root_accuracy": 0.3}}],
+              "loss": {"persistrnn": [20.0, 18.0], "pytorch": [20.0, 18.0000001]}, "float64_loss": [20.0, 18.0]}
+    text = sst.markdown(result)
+    assert "| 1 | 900 | 300 | 3.00× | 0.250 / 0.300 | 0.600 / 0.600 | 1.2000 / 1.2000 |" in text
+    assert "follow it to fp32 rounding" in text and ENV["commit"] in text
+    saved = tmp_path / "sst.json"
+    saved.write_text(json.dumps(result))
+    assert sst.main(["--from-json", str(saved), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "sst.png").stat().st_size > 0 and "| 1 | 900 |" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_sst_trains_with_the_interpreter_and_pytorch_along_one_curve(tmp_path):
+    from persistrnn.bench import sst
+
+    s = sst.Settings(hidden=32, embedding=16, batch=8, epochs=2, compare_steps=6)
+    result = sst.run(s, _sst_folder(tmp_path), progress=False)
+    a = sst.agreement(result)
+    assert a["steps"] == 6 and a["persistrnn_vs_float64"] <= max(2 * a["pytorch_vs_float64"], 1e-5), a
+    assert len(result["loss"]["persistrnn"]) == len(result["loss"]["pytorch"]) == 10  # 2 epochs of 5 batches
+    for r in result["epochs"]:
+        assert r["persistrnn_sent_s"] > 0 and 0 <= r["persistrnn_dev"]["root_accuracy"] <= 1
+        assert r["persistrnn_dev"]["loss_per_node"] == pytest.approx(r["pytorch_dev"]["loss_per_node"], rel=1e-3)

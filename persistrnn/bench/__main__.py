@@ -19,6 +19,7 @@ SUITES = {
     "charlm": "persistrnn.bench.charlm",
     "treelstm": "persistrnn.bench.treelstm",
     "tagger": "persistrnn.bench.tagger",
+    "sst": "persistrnn.bench.sst",
     "serve": "persistrnn.bench.serve",
 }
 

@@ -229,7 +229,7 @@ def _curve(trainer: Trainer) -> list[float]:
     return torch.stack(trainer.losses).double().cpu().tolist() if trainer.losses else []
 
 
-def _fp32_exact() -> Any:
+def fp32_exact() -> Any:
     """TF32 off in cuDNN and cuBLAS for the duration: fp32 losses that can agree to rounding."""
     import contextlib
 
@@ -268,7 +268,7 @@ def run(s: Settings, data_dir: Path | None = None, progress: bool = True) -> dic
     result: dict[str, Any] = {"suite": "charlm", "environment": environment() if s.device.startswith("cuda") else {},
                               "settings": dataclasses.asdict(s), "vocabulary": len(vocab),
                               "train_chars": len(train_text), "valid_chars": min(len(valid_text), s.valid_chars)}
-    with _fp32_exact():
+    with fp32_exact():
         float64 = Trainer(reference, train_data, s)
         float64.run(min(s.compare_steps, s.train_steps))
         valid: dict[str, list[tuple[int, float]]] = {p: [] for p in PROVIDERS}

@@ -87,10 +87,11 @@ def _wall_ms(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _torch_params(model: Any, device: Any) -> dict[str, Any]:
+def _torch_params(model: Any, device: Any, flat: Any = None) -> dict[str, Any]:
+    """The parameters as torch tensors from a flat buffer in the model's layout (default: the initial values)."""
     import torch
 
-    flat = model.initial_values()
+    flat = model.initial_values() if flat is None else flat
     return {p.name: torch.tensor(model.view(flat, p), device=device).squeeze(-1).requires_grad_()
             for p in model.parameters}
 
@@ -99,8 +100,8 @@ class TorchTreeLSTM:
     """The same binary Tree-LSTM in PyTorch (fp32), from the interpreter's
     initial parameters; ``U`` holds ``[U_iou; U_f]`` as the builder's does."""
 
-    def __init__(self, model: Any, builder: Any, vocab: Any, device: Any) -> None:
-        self.p = _torch_params(model, device)
+    def __init__(self, model: Any, builder: Any, vocab: Any, device: Any, flat: Any = None) -> None:
+        self.p = _torch_params(model, device, flat)
         self.H, self.vocab, self.device = builder.hidden, vocab, device
 
     def optimizer(self, lr: float) -> Any:
@@ -143,7 +144,8 @@ class TorchTreeLSTM:
         return torch.nn.functional.cross_entropy(torch.stack(logits), target, reduction="sum")
 
     def plan(self, trees: list) -> dict[str, Any]:
-        """Host-side plan of a batch: nodes numbered level by level (height from the leaves)."""
+        """Host-side plan of a batch: nodes numbered level by level (height from the leaves); ``roots``
+        numbers each tree's root."""
         import torch
 
         order: list[list[Any]] = []
@@ -166,9 +168,11 @@ class TorchTreeLSTM:
                 "labels": torch.tensor([n.label for level in order for n in level], device=dev),
                 "children": [(torch.tensor([number[id(n.children[0])] for n in level], device=dev),
                               torch.tensor([number[id(n.children[1])] for n in level], device=dev))
-                             for level in order[1:]]}
+                             for level in order[1:]],
+                "roots": torch.tensor([number[id(t)] for t in trees], device=dev)}
 
-    def batched_loss(self, plan: dict[str, Any]) -> Any:
+    def logits(self, plan: dict[str, Any]) -> Any:
+        """(nodes, classes): every node's sentiment logits, in the plan's numbering."""
         import torch
 
         p, H = self.p, self.H
@@ -179,8 +183,12 @@ class TorchTreeLSTM:
             f = torch.sigmoid(gates[:, 3 * H:] + p["b_f"])
             h, c = self._cell(gates[:, :3 * H] + p["b_iou"], f[:, :H] * c_all[left] + f[:, H:] * c_all[right])
             h_all, c_all = torch.cat([h_all, h]), torch.cat([c_all, c])
-        logits = h_all @ p["W_out"].t() + p["b_out"]
-        return torch.nn.functional.cross_entropy(logits, plan["labels"], reduction="sum")
+        return h_all @ p["W_out"].t() + p["b_out"]
+
+    def batched_loss(self, plan: dict[str, Any]) -> Any:
+        import torch
+
+        return torch.nn.functional.cross_entropy(self.logits(plan), plan["labels"], reduction="sum")
 
 
 @dataclasses.dataclass
