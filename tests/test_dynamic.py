@@ -422,6 +422,15 @@ def test_sst_reader_names_the_line(tmp_path):
         dynamic.read_sst(path)
 
 
+def test_a_no_break_space_inside_a_word_does_not_split_it(tmp_path):
+    # SST train line 4342 has the leaf "(2 8\xa01\/2)"; str.split() cut it in two and the reader refused the file.
+    tree = dynamic.parse_tree("(2 (2 like) (2 8\xa01\\/2))")
+    assert tree.words() == ["like", "8\xa01\\/2"]
+    path = tmp_path / "ner.txt"
+    path.write_text("8\xa01/2|O Smith|I-PER\n", encoding="utf-8")
+    assert dynamic.read_wikiner(path) == [[("8\xa01/2", "O"), ("Smith", "I-PER")]]
+
+
 def test_unknown_words_map_to_unk_and_train_its_row():
     vocab = dynamic.Vocabulary(["film", "lovely"])
     assert vocab["film"] == 1 and vocab["never-seen"] == 0 and vocab.items[0] == "<unk>"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
@@ -66,8 +67,17 @@ class Tree:
         return [n.word for n in self.nodes() if n.word is not None]
 
 
+_SEPARATORS = re.compile(r"[ \t\r\n\f\v]+")
+"""ASCII whitespace only: SST words may hold a no-break space (``8\xa01\\/2``, one word), which
+``str.split()`` would cut in two."""
+
+
+def _split(text: str) -> list[str]:
+    return [t for t in _SEPARATORS.split(text) if t]
+
+
 def _tokens(text: str) -> list[str]:
-    return text.replace("(", " ( ").replace(")", " ) ").split()
+    return _split(text.replace("(", " ( ").replace(")", " ) "))
 
 
 def parse_tree(text: str, *, where: str = "tree", labels: int = SST_LABELS) -> Tree:
@@ -134,7 +144,7 @@ def read_sst(path: str | Path, limit: int | None = None) -> list[Tree]:
 
 
 def _parse_sentence(line: str, where: str) -> list[tuple[str, str]]:
-    tokens = line.split()
+    tokens = _split(line)
     if not tokens:
         raise ArgumentError(f"{where}: expected a sentence of word|TAG tokens, got an empty line")
     sentence = []
