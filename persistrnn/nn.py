@@ -279,17 +279,20 @@ class _Persistent:
         nothing here synchronises."""
         data, batch_sizes = packed.data, packed.batch_sizes
         steps, batch = len(batch_sizes), int(batch_sizes[0])
-        positions, lengths = _packed_positions(batch_sizes, data.device)
-        # (T * B, I) zeros, each packed row at its (step, sorted column): time-major
-        x = data.new_zeros(steps * batch, data.shape[1]).index_copy(0, positions, data).view(steps, batch, -1)
-        layout = x.transpose(0, 1) if self.batch_first else x  # the padded input in the module's layout
-        x, states, _ = self._normalise(layout, hx)
-        if self._torch_reason(layout, trains=True) is not None or data.is_cuda and torch.is_autocast_enabled("cuda"):
+        # The checks and the choice of path see the padded input's shape only: where torch's implementation
+        # runs, nothing is padded (an unallocated stand-in of that shape, not a copy of the data).
+        probe = data.new_empty(1).requires_grad_(data.requires_grad and torch.is_grad_enabled()).expand(
+            (batch, steps, data.shape[1]) if self.batch_first else (steps, batch, data.shape[1]))
+        _, states, _ = self._normalise(probe, hx)
+        if self._torch_reason(probe, trains=True) is not None or data.is_cuda and torch.is_autocast_enabled("cuda"):
             return self._torch_forward(packed, hx)
-        trains = self._needs_grad(layout)  # the training operators, with each sequence's length
+        trains = self._needs_grad(probe)  # the training operators, with each sequence's length
         chosen = None if trains else self.plan_for(batch)
         if chosen is not None and chosen.path != "persistent":
             return self._torch_forward(packed, hx)
+        positions, lengths = _packed_positions(batch_sizes, data.device)
+        # (T * B, I) zeros, each packed row at its (step, sorted column): time-major
+        x = data.new_zeros(steps * batch, data.shape[1]).index_copy(0, positions, data).view(steps, batch, -1)
         runtime.raise_reported_failure(x.device.index)
         pairs = self.spec.has_cell_state
         if states is None:
