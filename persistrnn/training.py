@@ -462,7 +462,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
 
     key = ("train_forward", *options, *_operator_key(x, h0, c0, weights, dropout_masks))
     flat = (x, h0, c0, *weights, *dropout_masks)
-    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat), x.device.index, *flat)
+    copy_in = [True] * 3 + [not _reads_in_place(weights)] * len(weights) + [True] * len(dropout_masks)
+    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat, copy_in), x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -540,7 +541,8 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
 
     key = ("train_backward", *options, dc_n is None, len(saved), *_operator_key(x, h0, c0, weights, dropout_masks))
     flat = (d_out, dh_n, dc_n, x, h0, c0, out, *weights, *saved, *dropout_masks)
-    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat), x.device.index, *flat)
+    copy_in = [True] * 7 + [not _reads_in_place(weights)] * len(weights) + [True] * (len(saved) + len(dropout_masks))
+    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat, copy_in), x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -602,8 +604,11 @@ OPERATOR_GRAPHS = runtime.GraphCache(capacity=8)
 """Captured training forwards and backwards on CUDA (:func:`forward`,
 :func:`backward`), one per (:func:`_operator_key` and the model, device,
 stream), under the forward's rule (:data:`persistrnn.ops.GRAPHS`): a call
-copies its tensors (the weights included) into the graph's inputs, replays
-it, and copies its outputs into fresh tensors."""
+copies its tensors into the graph's inputs, replays it, and copies its
+outputs into fresh tensors. Leaf weights (a module's parameters, whose
+optimiser updates them in place) are read where they live, as the inference
+graphs read them, and their addresses are in the key: a copy of LSTM 1024's
+weights is 34 MB, twice a step."""
 
 
 def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None) -> bool:
@@ -617,10 +622,21 @@ def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None) -> bool:
 def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],
                   dropout_masks: list[torch.Tensor]) -> tuple:
     """What a captured training operator fixes beside the model: shapes and
-    dtypes, the masks' count, and the launch and GEMM settings (the tensors'
-    addresses and values are not in it: the graph reads copies)."""
+    dtypes, the masks' count, the launch and GEMM settings, and the weights'
+    addresses where the graph reads them in place (:func:`_reads_in_place`;
+    every other tensor's address and value is not in it: the graph reads
+    copies)."""
     return (x.shape, x.dtype, h0.shape, c0 is None, tuple((w.shape, w.dtype) for w in weights), len(dropout_masks),
-            ops.launch_settings())
+            ops.launch_settings(),
+            tuple(w.data_ptr() for w in weights) if _reads_in_place(weights) else None)
+
+
+def _reads_in_place(weights: list[torch.Tensor]) -> bool:
+    """Whether the captured operators read ``weights`` where they live: leaf
+    tensors (parameters, which keep their storage across optimiser steps).
+    Others (autocast's casts, made anew each call) are copied, or every call
+    would capture a graph of its own."""
+    return all(w.is_leaf for w in weights)
 
 
 # ---- persistrnn's training step or cuDNN's: timed once per shape ----------------------

@@ -661,13 +661,19 @@ def assert_bitwise_equal(got, want):
 
 class CopyingCall:
     """runtime.CapturedCall's contract without a GPU: ``fn`` runs on dense
-    copies of the arguments, and a call returns copies of its outputs."""
+    copies of the arguments (those marked False in ``copy_in`` as they are),
+    and a call returns copies of its outputs."""
 
-    def __init__(self, fn, args):
+    def __init__(self, fn, args, copy_in=None):
         self.fn = fn
+        self.copy_in = [True] * len(args) if copy_in is None else list(copy_in)
+        self.in_place = [a for a, c in zip(args, self.copy_in) if not c]
 
     def __call__(self, *args):
-        dense = [None if a is None else a.clone(memory_format=torch.contiguous_format) for a in args]
+        given = [a for a, c in zip(args, self.copy_in) if not c]
+        assert all(a is b for a, b in zip(given, self.in_place, strict=True)), "an in-place argument changed"
+        dense = [a if a is None or not c else a.clone(memory_format=torch.contiguous_format)
+                 for a, c in zip(args, self.copy_in)]
         return [t.clone() for t in self.fn(*dense)]
 
 
@@ -705,8 +711,19 @@ def test_operator_key_holds_what_the_capture_fixes():
     x, h0, c0, weights = random_model("lstm", 3, 4, 2, False, True, steps=5, batch=2, dtype=torch.float32)
     masks = training.dropout_masks(0.5, 2, (5, 2, 4), x)
     key = training._operator_key(x, h0, c0, weights, masks)
-    # The graph reads copies: other values and addresses share it.
-    assert training._operator_key(x.detach() + 1, h0 * 2, c0, [w.detach().clone() for w in weights], masks) == key
+    # The graph reads copies of everything but leaf weights (parameters), which it reads in place: other values
+    # and addresses share it, other parameters' addresses do not.
+    assert all(w.is_leaf for w in weights)
+    assert training._operator_key(x.detach() + 1, h0 * 2, c0, weights, masks) == key
+    with torch.no_grad():
+        weights[0].add_(1)  # an optimiser's step: same storage
+    assert training._operator_key(x, h0, c0, weights, masks) == key
+    clones = [w.detach().clone().requires_grad_() for w in weights]
+    assert training._operator_key(x, h0, c0, clones, masks) != key
+    casts = [w * 1 for w in weights]  # e.g. autocast's casts, made anew each call: copied, their addresses left out
+    assert not training._reads_in_place(casts)
+    doubled = [w * 2 for w in weights]
+    assert training._operator_key(x, h0, c0, casts, masks) == training._operator_key(x, h0, c0, doubled, masks)
     others = [training._operator_key(x[:4], h0, c0, weights, masks),
               training._operator_key(x[:, :1], h0[:, :1], c0[:, :1], weights, masks),
               training._operator_key(x.double(), h0.double(), c0.double(), [w.double() for w in weights], masks),
