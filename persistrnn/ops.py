@@ -36,8 +36,9 @@ shape, weights' addresses, plan, stream); each holds its own buffers."""
 def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
                  has_biases: bool) -> list[list[dict[str, torch.Tensor]]]:
     """torch's flat weight list (per layer and direction: W_ih, W_hh, then
-    b_ih, b_hh when the model has biases) as ``layers[l][d]`` dicts. The
-    kernels always add a bias, so a model without one gets zeros."""
+    b_ih, b_hh when the model has biases) as ``layers[l][d]`` dicts of
+    contiguous tensors. The kernels always add a bias, so a model without
+    one gets zeros."""
     per = 4 if has_biases else 2
     if len(weights) != num_layers * directions * per:
         raise ArgumentError(f"expected {num_layers * directions * per} weights for {num_layers} layer(s), "
@@ -46,7 +47,9 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
     for layer in range(num_layers):
         directions_of_layer = []
         for d in range(directions):
-            w = weights[(layer * directions + d) * per:(layer * directions + d + 1) * per]
+            # The kernels read each matrix by address, row-major: a strided parameter (e.g. a transposed
+            # view) is copied first, and inside a capture the copy is part of the graph.
+            w = [t.contiguous() for t in weights[(layer * directions + d) * per:(layer * directions + d + 1) * per]]
             p = {"w_ih": w[0], "w_hh": w[1]}
             if has_biases:
                 p["b_ih"], p["b_hh"] = w[2], w[3]

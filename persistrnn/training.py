@@ -632,11 +632,12 @@ def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, we
 
 
 def _reads_in_place(weights: list[torch.Tensor]) -> bool:
-    """Whether the captured operators read ``weights`` where they live: leaf
-    tensors (parameters, which keep their storage across optimiser steps).
-    Others (autocast's casts, made anew each call) are copied, or every call
-    would capture a graph of its own."""
-    return all(w.is_leaf for w in weights)
+    """Whether the captured operators read ``weights`` where they live:
+    trainable leaf tensors (parameters, which keep their storage across
+    optimiser steps). Others (autocast's casts, made anew each call; the
+    tensors torch.compile's runtime passes, with gradients off) are copied,
+    or a call could capture a graph of its own."""
+    return all(w.is_leaf and w.requires_grad for w in weights)
 
 
 # ---- persistrnn's training step or cuDNN's: timed once per shape ----------------------

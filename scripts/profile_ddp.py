@@ -116,7 +116,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({
             "world_size": dist.get_world_size(), "gpu": torch.cuda.get_device_name(), "hidden": args.hidden,
-            "layers": args.layers, "batch_per_rank": args.batch, "steps": 100,
+            "layers": args.layers, "batch_per_rank": args.batch, "seq_len": 100,
             "parameters": sum(p.numel() for p in model.parameters()),
             "step_ms": with_allreduce, "step_ms_no_sync": without,
             "allreduce_kernel_ms_per_step": nccl_us / 1e3 / args.steps,

@@ -765,7 +765,7 @@ def test_training_step_markdown_gives_times_ratio_flops_memory_and_errors(tmp_pa
     relu = {**row, "cell": "rnn_relu", "dtype": "bfloat16", "hidden": 1152, "batch": 4, "ours_ms": 0.4,
             "cudnn_ms": 2.0}
     memory = {"cell": "rnn_relu", "hidden": 1152, "steps": 1000, "batch": 4, "ours_bytes": 40 * 2**20,
-              "cudnn_bytes": 90 * 2**20, "cudnn_exact_bytes": 80 * 2**20}
+              "ours_graph_bytes": 40 * 2**20, "cudnn_bytes": 90 * 2**20, "cudnn_exact_bytes": 80 * 2**20}
     result = {"environment": ENV, "calls": 10, "repeats": 5, "rows": [row, packed, relu], "memory": [memory]}
     text = training.markdown(result)
     # LSTM: 6 * 4 gates * 256 * (256 + 256) * 100 steps * 8 = 2.517e9 FLOP: 5.03 TFLOP/s in 0.5 ms, 1.68 in 1.5
@@ -773,7 +773,8 @@ def test_training_step_markdown_gives_times_ratio_flops_memory_and_errors(tmp_pa
     assert "| lstm | fp32 | packed | 256 | 8 | cuDNN | 0.750 | 1.500 / 2.000 | 2.00× | 3.36 / 1.68 |" in text
     # ReLU RNN 1152 (one gate): 6 * 1152 * 2304 * 100 * 4 = 6.37e9 FLOP: 15.93 TFLOP/s in 0.4 ms; cuDNN's faster 2.0
     assert "| rnn_relu | bf16 | padded | 1152 | 4 | persistrnn | 0.400 | 2.000 / 2.000 | 3.00× | 15.93 / 3.19 |" in text
-    assert "| rnn_relu | 1152 | 1000 | 4 | 40.0 | 90.0 / 80.0 | 2.00× |" in text
+    assert ("| rnn_relu | fp32 | 1152 | 1000 | 4 | persistrnn | 40.0 | 40.0 | 80.0 | 90.0 / 80.0 | 2.00× / 1.00× |"
+            in text)
     assert ENV["commit"] in text and "LSTM, RNN (relu)" in text
     saved = tmp_path / "training.json"
     saved.write_text(json.dumps(result))

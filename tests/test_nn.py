@@ -365,6 +365,38 @@ def test_gpu_replayed_forward_sees_new_inputs_and_weights(untuned):
     assert len(ops.GRAPHS) == 2
 
 
+@pytest.mark.gpu
+def test_gpu_strided_parameters_are_read_by_value(untuned, monkeypatch):
+    # The kernels read a matrix by address, row-major: a parameter that is a
+    # transposed view (same values, other strides) must give the same outputs
+    # and gradients as a contiguous one, in inference and in training.
+    from persistrnn import training
+
+    monkeypatch.setattr(training, "cudnn_trains_faster", lambda module, x: False)  # the training operators
+    torch.manual_seed(12)
+    model = persistrnn.LSTM(16, 64, num_layers=2).cuda()
+    model.training_kernels = True
+    twin = copy.deepcopy(model)
+    for name in ("weight_hh_l0", "weight_ih_l1"):
+        value = getattr(model, name).detach()
+        setattr(twin, name, torch.nn.Parameter(value.t().contiguous().t()))  # equal values, column-major
+        assert not getattr(twin, name).is_contiguous()
+    twin._flat_weights = [getattr(twin, n) for n in twin._flat_weights_names]
+    x = torch.randn(9, 3, 16, device="cuda")
+    with torch.no_grad():
+        for m in (model, twin):
+            m.eval()
+        assert torch.equal(model(x)[0], twin(x)[0])
+    for m in (model, twin):
+        m.train()
+    grads = []
+    for m in (model, twin):
+        leaf = x.clone().requires_grad_()
+        out, _ = m(leaf)
+        grads.append(torch.autograd.grad(out.square().sum(), [leaf, *m._flat_weights]))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_copies_and_pickles_leave_the_caches_behind():
     import copy
     import pickle

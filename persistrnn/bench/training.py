@@ -20,11 +20,14 @@ does: per step and sequence, the forward's products 2·G·H·(I+H) (G gates),
 and twice that for the backward (the data gradients and the weight
 gradients), so 6·G·H·(I+H)·T·B per training step.
 
-``--memory`` reports what a forward in training mode keeps for the backward
-(``torch.cuda.memory_allocated`` after a forward, less before it and less
-the tensors it returns; the second such call, so that one-time buffers are
-already there) for each module, at T=1000, batch 4: cuDNN's is its reserve
-space.
+``--memory`` reports, at T=1000, batch 4, what a forward in training mode
+keeps for the backward (``torch.cuda.memory_allocated`` after a forward,
+less before it and less the tensors it returns; the second such call, so
+that one-time buffers are already there) for each module (cuDNN's is its
+reserve space), and what persistrnn's captured training graphs hold for
+that shape across steps (``torch.cuda.memory_reserved`` after capturing one
+step's forward and backward anew, less before, the caching allocator's free
+blocks released on both sides).
 """
 
 from __future__ import annotations
@@ -140,12 +143,18 @@ def _tflops(row: dict[str, Any]) -> tuple[float, float]:
                  for ms in (row["ours_ms"], min(row["cudnn_ms"], row["cudnn_exact_ms"])))
 
 
-def activation_memory(cell: str, hidden: int, steps: int, batch: int) -> dict[str, Any]:
-    """Bytes a training-mode forward keeps for the backward, ours and cuDNN's (TF32 allowed and not)."""
+def activation_memory(cell: str, hidden: int, steps: int, batch: int, dtype: str = "float32") -> dict[str, Any]:
+    """Memory of a training step beside cuDNN's: what a forward keeps for its
+    backward (ours and cuDNN's, TF32 allowed and not), and what persistrnn's
+    captured operator graphs hold for this shape across steps."""
+    import gc
+
     import torch
 
-    theirs, ours = _modules(cell, hidden)
-    x = torch.randn(steps, batch, hidden, device="cuda", requires_grad=True)
+    from .. import training
+
+    theirs, ours = _modules(cell, hidden, dtype)
+    x = torch.randn(steps, batch, hidden, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
 
     def kept(module: Any) -> int:
         for _ in range(2):  # the second call: one-time buffers (captured graphs, workspaces) are already there
@@ -158,7 +167,29 @@ def activation_memory(cell: str, hidden: int, steps: int, batch: int) -> dict[st
             del out, state, returned
         return held
 
-    row: dict[str, Any] = {"cell": cell, "hidden": hidden, "steps": steps, "batch": batch, "ours_bytes": kept(ours)}
+    def graphs_hold() -> int:
+        """Device memory reserved by the training forward's and backward's graphs (their static inputs and
+        outputs and the pools of what they allocate), captured anew for one step."""
+        training.OPERATOR_GRAPHS.clear()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        out, _ = ours(x)
+        out.float().square().sum().backward()
+        del out
+        ours.zero_grad(set_to_none=True)
+        x.grad = None
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved() - before
+
+    reason = ours._torch_reason(x, warn=False, trains=True)
+    row: dict[str, Any] = {"cell": cell, "dtype": dtype, "hidden": hidden, "steps": steps, "batch": batch,
+                           "runs": "persistrnn" if reason is None else f"torch ({reason})",
+                           "ours_bytes": kept(ours)}
+    row["ours_graph_bytes"] = graphs_hold() if reason is None else 0
     for label, tf32 in (("cudnn_bytes", True), ("cudnn_exact_bytes", False)):
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
             row[label] = kept(theirs)
@@ -193,14 +224,22 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{r['cudnn_exact_ms']:.3f} | {r['speedup']:.2f}× | {flops} | {r['ours_grad_error']:.1e} | "
                      f"{r['cudnn_exact_grad_error']:.1e} |")
     if result.get("memory"):
-        lines += ["", "What a forward in training mode keeps for the backward (bytes allocated after it, less before "
-                      "it and less what it returns; the second call):", "",
-                  "| cell | H | T | batch | persistrnn MiB | cuDNN MiB (TF32 / exact) | cuDNN over ours |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Memory of a training step: what a forward keeps for the backward (bytes allocated after it, "
+                      "less before it and less what it returns; the second call), and what persistrnn's captured "
+                      "training graphs hold for the shape across steps (device memory reserved by capturing one "
+                      "step's forward and backward anew: their static inputs and outputs and their pools):", "",
+                  "| cell | dtype | H | T | batch | runs | persistrnn kept MiB | persistrnn graphs MiB "
+                  "| persistrnn total MiB | cuDNN kept MiB (TF32 / exact) | cuDNN over ours (kept / total) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m in result["memory"]:
-            mib = [m[k] / 2**20 for k in ("ours_bytes", "cudnn_bytes", "cudnn_exact_bytes")]
-            lines.append(f"| {m['cell']} | {m['hidden']} | {m['steps']} | {m['batch']} | {mib[0]:.1f} | "
-                         f"{mib[1]:.1f} / {mib[2]:.1f} | {min(mib[1:]) / mib[0]:.2f}× |")
+            mib = {k: m.get(k, 0) / 2**20 for k in ("ours_bytes", "ours_graph_bytes", "cudnn_bytes",
+                                                     "cudnn_exact_bytes")}
+            total = mib["ours_bytes"] + mib["ours_graph_bytes"]
+            cudnn = min(mib["cudnn_bytes"], mib["cudnn_exact_bytes"])
+            lines.append(f"| {m['cell']} | {DTYPE_NAMES[m.get('dtype', 'float32')]} | {m['hidden']} | {m['steps']} | "
+                         f"{m['batch']} | {m.get('runs', 'persistrnn')} | {mib['ours_bytes']:.1f} | "
+                         f"{mib['ours_graph_bytes']:.1f} | {total:.1f} | {mib['cudnn_bytes']:.1f} / "
+                         f"{mib['cudnn_exact_bytes']:.1f} | {cudnn / mib['ours_bytes']:.2f}× / {cudnn / total:.2f}× |")
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +251,7 @@ def plot(result: dict[str, Any], path: Path) -> str:
     if plt is None:
         return NO_MATPLOTLIB
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    series: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    series: dict[tuple[str, str, int, str], list[dict[str, Any]]] = {}
     for r in result["rows"]:
         series.setdefault((r.get("cell", "lstm"), r.get("dtype", "float32"), r["hidden"], r.get("inputs", "padded")),
                           []).append(r)
@@ -266,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"environment": environment(), "calls": args.calls, "repeats": args.repeats,
                   "rows": [run_case(h, b, args.calls, args.repeats, inputs, args.cell, args.dtype)
                            for inputs in args.inputs for h in args.hidden for b in args.batch],
-                  "memory": [activation_memory(args.cell, h, *MEMORY_SHAPE) for h in args.hidden] if args.memory
-                  else []}
+                  "memory": [activation_memory(args.cell, h, *MEMORY_SHAPE, args.dtype) for h in args.hidden]
+                  if args.memory else []}
     text = markdown(result)
     if args.plot:
         text += "\n" + plot(result, args.plot) + "\n"
