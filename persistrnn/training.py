@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from types import CodeType
@@ -384,6 +385,13 @@ def saved_shapes(spec: CellSpec, steps: int, batch: int, hidden: int, num_layers
     return per * (num_layers * directions) + [((steps, batch, directions * hidden), False)] * (num_layers - 1)
 
 
+def saved_bytes(spec: CellSpec, x: torch.Tensor, hidden: int, num_layers: int, directions: int) -> int:
+    """Bytes of the saved list (:func:`saved_shapes`) of a forward on ``x`` (T, B, I)."""
+    compute = _compute_dtype(x.dtype).itemsize
+    return sum(math.prod(shape) * (compute if in_compute else x.element_size())
+               for shape, in_compute in saved_shapes(spec, x.shape[0], x.shape[1], hidden, num_layers, directions))
+
+
 @functools.lru_cache(maxsize=256)
 def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device: int,
                     lengths: bool = False) -> tuple[persistent.KernelConfig, int | None] | None:
@@ -452,7 +460,7 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
         launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index,
                                  lengths is not None)
     options = (spec, num_layers, bidirectional, has_biases, launch)
-    if not _captures_operators(x, lengths):
+    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions)):
         return _forward_launches(*options, x, h0, c0, weights, dropout_masks, lengths)
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -527,7 +535,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     spec = get_cell(cell)
     lengths = _lengths_on_device(lengths, x.shape[0], x.shape[1], x)
     options = (spec, num_layers, bidirectional, has_biases)
-    if not _captures_operators(x, lengths):
+    if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved)):
         return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
                                   lengths)
     counts = (len(weights), len(saved))
@@ -611,12 +619,22 @@ graphs read them, and their addresses are in the key: a copy of LSTM 1024's
 weights is 34 MB, twice a step."""
 
 
-def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None) -> bool:
+GRAPH_SAVED_BYTES = 32 << 20
+"""The training operators capture a step only while what its forward saves
+for the backward is at most this. The captured forward and backward hold
+about ten times as much, per shape and across steps (their static copies of
+the activations and the pools of what they compute: 344 MiB for the 35 MiB a
+ReLU RNN 1152 saves at T=1000, batch 4; perf-notes §45); past the bound the
+launches run as they come, and only what autograd keeps stays."""
+
+
+def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int) -> bool:
     """Whether :func:`forward` and :func:`backward` replay a captured graph: on
     CUDA, outside a caller's capture, for a batch without lengths (a packed
     batch's padded length changes from batch to batch, and each length would
-    be a capture)."""
-    return x.is_cuda and lengths is None and not torch.cuda.is_current_stream_capturing()
+    be a capture) whose saved activations are at most :data:`GRAPH_SAVED_BYTES`."""
+    return (x.is_cuda and lengths is None and saved_bytes <= GRAPH_SAVED_BYTES
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],

@@ -692,7 +692,7 @@ def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, 
         keys.append(key)
         return make()(*call_args)
 
-    monkeypatch.setattr(training, "_captures_operators", lambda x, lengths: lengths is None)
+    monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes: lengths is None)
     monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
     monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(call=call))
     got_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)
@@ -702,6 +702,27 @@ def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, 
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert [key[0] for key in keys] == ["train_forward", "train_forward", "train_backward"]
     assert keys[0] == keys[1]
+
+
+@pytest.mark.parametrize("cell,num_layers,bidirectional", [("lstm", 2, True), ("gru_reset_before", 3, False)])
+def test_the_capture_bound_counts_the_saved_list(cell, num_layers, bidirectional):
+    # The forward decides from the shapes (saved_bytes), the backward from the
+    # tensors it is given: the same number, so both capture or neither does.
+    options = (num_layers, bidirectional, True)
+    x, h0, c0, weights = random_model(cell, 3, 5, *options, steps=6, batch=2, dtype=torch.float32)
+    saved = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)[3]
+    got = training.saved_bytes(cells.get_cell(cell), x, 5, num_layers, 2 if bidirectional else 1)
+    assert got == sum(t.numel() * t.element_size() for t in saved) > 0
+
+
+def test_steps_whose_saved_activations_pass_the_bound_are_not_captured(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    on_gpu = types.SimpleNamespace(is_cuda=True)
+    bound = training.GRAPH_SAVED_BYTES
+    assert training._captures_operators(on_gpu, None, bound)
+    assert not training._captures_operators(on_gpu, None, bound + 1)
+    assert not training._captures_operators(on_gpu, torch.ones(2), 1)  # lengths: never
+    assert not training._captures_operators(types.SimpleNamespace(is_cuda=False), None, 1)
 
 
 def test_operator_key_holds_what_the_capture_fixes():
@@ -1068,7 +1089,7 @@ def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype
 
     def plain(seed):
         with monkeypatch.context() as m:
-            m.setattr(training, "_captures_operators", lambda x, lengths: False)
+            m.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes: False)
             return step(seed)
 
     assert all(torch.equal(a, b) for a, b in zip(step(1), plain(1), strict=True))
