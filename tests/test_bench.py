@@ -839,7 +839,7 @@ def test_charlm_trains_both_models_from_one_initialisation_and_writes_its_output
     assert len(ours["loss"]) == len(theirs["loss"]) == 40 and len(result["float64_loss"]) == 10
     assert ours["loss"] == theirs["loss"]
     a = charlm.agreement(result)
-    assert a["persistrnn_vs_torch"] == 0 and 0 < a["torch_vs_float64"] < 1e-4
+    assert a["persistrnn_vs_peer"] == 0 and 0 < a["peer_vs_float64"] < 1e-4
     assert [s for s, _ in ours["valid_bpc"]] == [0, 20, 40]
     assert ours["valid_bpc"][-1][1] < ours["valid_bpc"][0][1]  # it learns
     assert len(ours["window_ms"]) == 4 and ours["tokens_per_s"] > 0
@@ -910,7 +910,7 @@ def test_sst_markdown_and_plot_from_a_run(tmp_path, capsys):
               "loss": {"persistrnn": [20.0, 18.0], "pytorch": [20.0, 18.0000001]}, "float64_loss": [20.0, 18.0]}
     text = sst.markdown(result)
     assert "| 1 | 900 | 300 | 3.00× | 0.250 / 0.300 | 0.600 / 0.600 | 1.2000 / 1.2000 |" in text
-    assert "follow it to fp32 rounding" in text and ENV["commit"] in text
+    assert "follow PyTorch's to fp32 rounding" in text and ENV["commit"] in text
     saved = tmp_path / "sst.json"
     saved.write_text(json.dumps(result))
     assert sst.main(["--from-json", str(saved), "--out", str(tmp_path / "out")]) == 0
@@ -924,7 +924,7 @@ def test_sst_trains_with_the_interpreter_and_pytorch_along_one_curve(tmp_path):
     s = sst.Settings(hidden=32, embedding=16, batch=8, epochs=2, compare_steps=6)
     result = sst.run(s, _sst_folder(tmp_path), progress=False)
     a = sst.agreement(result)
-    assert a["steps"] == 6 and a["persistrnn_vs_float64"] <= max(2 * a["pytorch_vs_float64"], 1e-5), a
+    assert a["steps"] == 6 and a["persistrnn_vs_float64"] <= max(2 * a["peer_vs_float64"], 1e-5), a
     assert len(result["loss"]["persistrnn"]) == len(result["loss"]["pytorch"]) == 10  # 2 epochs of 5 batches
     for r in result["epochs"]:
         assert r["persistrnn_sent_s"] > 0 and 0 <= r["persistrnn_dev"]["root_accuracy"] <= 1

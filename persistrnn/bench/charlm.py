@@ -42,10 +42,8 @@ step, both runs together).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -316,17 +314,10 @@ def run(s: Settings, data_dir: Path | None = None, progress: bool = True) -> dic
 # ----------------------------------------------------------------------------
 
 def agreement(result: dict[str, Any]) -> dict[str, float]:
-    """Largest relative loss difference over the compared steps: each fp32
-    run against float64, and the two fp32 runs against each other."""
-    ref = result["float64_loss"]
-    n = len(ref)
+    """:func:`.runs.loss_agreement` of persistrnn and torch.nn (TF32 off) against the float64 run."""
+    from .runs import loss_agreement
 
-    def worst(a: list[float], b: list[float]) -> float:
-        return max((abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n])), default=float("nan"))
-
-    ours, theirs = result["persistrnn"]["loss"], result["torch.nn"]["loss"]
-    return {"persistrnn_vs_float64": worst(ours, ref), "torch_vs_float64": worst(theirs, ref),
-            "persistrnn_vs_torch": worst(ours, theirs), "steps": n}
+    return loss_agreement(result["persistrnn"]["loss"], result["torch.nn"]["loss"], result["float64_loss"])
 
 
 def _falls(curve: list[float], head: int = 10) -> bool:
@@ -337,6 +328,7 @@ def _falls(curve: list[float], head: int = 10) -> bool:
 
 def markdown(result: dict[str, Any]) -> str:
     from .environment import describe
+    from .runs import agreement_text
 
     s = result["settings"]
     a = agreement(result)
@@ -370,12 +362,7 @@ def markdown(result: dict[str, Any]) -> str:
                      if bits and valid and tokens else f"| {name} | — | — | — | — | — | — |")
     theirs = max((result[p]["tokens_per_s"] or 0 for p in PROVIDERS[1:] if p in result), default=0)
     if a["steps"]:
-        rounding = max(2 * a["torch_vs_float64"], 1e-5)
-        verdict = "agree to fp32 rounding" if a["persistrnn_vs_float64"] <= rounding else "**do not agree**"
-        lines += ["", f"Losses over the first {a['steps']} steps, largest relative difference: persistrnn against "
-                      f"float64 {a['persistrnn_vs_float64']:.1e}, torch.nn (fp32) against float64 "
-                      f"{a['torch_vs_float64']:.1e}, persistrnn against torch.nn {a['persistrnn_vs_torch']:.1e}: "
-                      f"{verdict} (persistrnn within 2× torch.nn's own distance from float64, or 1e-5)."]
+        lines += ["", agreement_text(a, "torch.nn", "they agree to fp32 rounding")]
     if theirs and result["persistrnn"]["tokens_per_s"]:
         speed = result["persistrnn"]["tokens_per_s"] / theirs
         status = "met" if speed >= TARGET_SPEEDUP else "**missed**"
@@ -386,57 +373,26 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> str:
     """Training loss (bits/char, a running mean over 10 steps) and validation bits/char against the step."""
-    from .compare import NO_MATPLOTLIB, _pyplot
+    from .runs import two_panels
 
-    plt = _pyplot()
-    if plt is None:
-        return NO_MATPLOTLIB
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style in zip(COMPARED, ("-", "--")):
-        bits = [x / math.log(2) for x in result[name]["loss"]]
-        smooth = [statistics.fmean(bits[max(0, i - 9):i + 1]) for i in range(len(bits))]
-        left.plot(range(1, len(smooth) + 1), smooth, style, label=name)
-        steps, bpc = zip(*result[name]["valid_bpc"]) if result[name]["valid_bpc"] else ((), ())
-        right.plot(steps, bpc, style + "o", label=name)
-    ref = [x / math.log(2) for x in result["float64_loss"]]
-    left.plot(range(1, len(ref) + 1), ref, ":", label="torch.nn float64 (first steps)")
-    left.set(xlabel="training step", ylabel="training loss, bits/char (mean of 10 steps)", title="training")
-    right.set(xlabel="training step", ylabel="bits/char", title="validation")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    def draw(left: Any, right: Any) -> None:
+        for name, style in zip(COMPARED, ("-", "--")):
+            bits = [x / math.log(2) for x in result[name]["loss"]]
+            smooth = [statistics.fmean(bits[max(0, i - 9):i + 1]) for i in range(len(bits))]
+            left.plot(range(1, len(smooth) + 1), smooth, style, label=name)
+            steps, bpc = zip(*result[name]["valid_bpc"]) if result[name]["valid_bpc"] else ((), ())
+            right.plot(steps, bpc, style + "o", label=name)
+        ref = [x / math.log(2) for x in result["float64_loss"]]
+        left.plot(range(1, len(ref) + 1), ref, ":", label="torch.nn float64 (first steps)")
+        left.set(xlabel="training step", ylabel="training loss, bits/char (mean of 10 steps)", title="training")
+        right.set(xlabel="training step", ylabel="bits/char", title="validation")
+
+    return two_panels(path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m persistrnn bench charlm", description=__doc__.split("\n\n")[0])
-    defaults = Settings()
-    for field in dataclasses.fields(Settings):
-        p.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults, field.name)),
-                       default=getattr(defaults, field.name))
-    p.add_argument("--data", type=Path, default=None,
-                   help="the data sets' folder (default: persistrnn.dynamic.DATA_DIR)")
-    p.add_argument("--out", type=Path, default=None, help="write charlm.{md,json,png} into this folder")
-    p.add_argument("--from-json", type=Path, default=None, help="write the outputs of an earlier run's charlm.json")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    if args.from_json:
-        result = json.loads(args.from_json.read_text())
-    else:
-        s = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
-        if s.device.startswith("cuda"):
-            from ..runtime import require_gpu
+    import sys
 
-            require_gpu()
-        result = run(s, args.data, progress=not args.no_progress)
-    text = markdown(result)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "charlm.json").write_text(json.dumps(result, indent=1))
-        (args.out / "charlm.md").write_text(text)
-        text += "\n" + plot(result, args.out / "charlm.png") + "\n"
-    print(text)
-    return 0
+    from . import runs
+
+    return runs.main(argv, "charlm", sys.modules[__name__], lambda s: s.device.startswith("cuda"))

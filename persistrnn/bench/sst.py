@@ -33,9 +33,7 @@ against the epoch).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -160,20 +158,15 @@ def run(s: Settings, data_dir: Path | None = None, progress: bool = True) -> dic
 # ----------------------------------------------------------------------------
 
 def agreement(result: dict[str, Any]) -> dict[str, float]:
-    """Largest relative loss difference over the compared steps: each fp32 run
-    against float64, and the two fp32 runs against each other."""
-    ref = result["float64_loss"]
-    ours, theirs = result["loss"]["persistrnn"], result["loss"]["pytorch"]
+    """:func:`.runs.loss_agreement` of the interpreter and PyTorch against the float64 run."""
+    from .runs import loss_agreement
 
-    def worst(a: list[float], b: list[float]) -> float:
-        return max((abs(x - y) / abs(y) for x, y in zip(a[:len(ref)], b[:len(ref)])), default=float("nan"))
-
-    return {"persistrnn_vs_float64": worst(ours, ref), "pytorch_vs_float64": worst(theirs, ref),
-            "persistrnn_vs_pytorch": worst(ours, theirs), "steps": len(ref)}
+    return loss_agreement(result["loss"]["persistrnn"], result["loss"]["pytorch"], result["float64_loss"])
 
 
 def markdown(result: dict[str, Any]) -> str:
     from .environment import describe
+    from .runs import agreement_text
 
     s = result["settings"]
     a = agreement(result)
@@ -200,69 +193,35 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{theirs['root_accuracy']:.3f} | {ours['node_accuracy']:.3f} / {theirs['node_accuracy']:.3f} "
                      f"| {ours['loss_per_node']:.4f} / {theirs['loss_per_node']:.4f} |")
     if a["steps"]:
-        rounding = max(2 * a["pytorch_vs_float64"], 1e-5)
-        verdict = "follow it to fp32 rounding" if a["persistrnn_vs_float64"] <= rounding else "**do not follow it**"
-        lines += ["", f"Losses over the first {a['steps']} steps, largest relative difference: persistrnn against "
-                      f"float64 {a['persistrnn_vs_float64']:.1e}, PyTorch (fp32) against float64 "
-                      f"{a['pytorch_vs_float64']:.1e}, persistrnn against PyTorch {a['persistrnn_vs_pytorch']:.1e}: "
-                      f"persistrnn's losses {verdict} (within 2× PyTorch's own distance from float64, or 1e-5)."]
+        lines += ["", agreement_text(a, "PyTorch", "persistrnn's losses follow PyTorch's to fp32 rounding")]
     return "\n".join(lines) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> str:
     """Training loss per node (a running mean over 20 steps) and dev root accuracy."""
-    from .compare import NO_MATPLOTLIB, _pyplot
+    from .runs import two_panels
 
-    plt = _pyplot()
-    if plt is None:
-        return NO_MATPLOTLIB
     nodes = result["nodes_per_step"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style in zip(PROVIDERS, ("-", "--")):
-        per_node = [loss / n for loss, n in zip(result["loss"][name], nodes)]
-        smooth = [statistics.fmean(per_node[max(0, i - 19):i + 1]) for i in range(len(per_node))]
-        left.plot(range(1, len(smooth) + 1), smooth, style, label=name)
-        accuracy = [result["initial_dev"]["root_accuracy"]] + [r[f"{name}_dev"]["root_accuracy"]
-                                                               for r in result["epochs"]]
-        right.plot(range(len(accuracy)), accuracy, style + "o", label=name)
-    ref = [loss / n for loss, n in zip(result["float64_loss"], nodes)]
-    left.plot(range(1, len(ref) + 1), ref, ":", label="PyTorch float64 (first steps)")
-    left.set(xlabel="training step", ylabel="training loss per node (mean of 20 steps)", title="training")
-    right.set(xlabel="epoch", ylabel="dev root accuracy (5 classes)", title="dev")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+
+    def draw(left: Any, right: Any) -> None:
+        for name, style in zip(PROVIDERS, ("-", "--")):
+            per_node = [loss / n for loss, n in zip(result["loss"][name], nodes)]
+            smooth = [statistics.fmean(per_node[max(0, i - 19):i + 1]) for i in range(len(per_node))]
+            left.plot(range(1, len(smooth) + 1), smooth, style, label=name)
+            accuracy = [result["initial_dev"]["root_accuracy"]] + [r[f"{name}_dev"]["root_accuracy"]
+                                                                   for r in result["epochs"]]
+            right.plot(range(len(accuracy)), accuracy, style + "o", label=name)
+        ref = [loss / n for loss, n in zip(result["float64_loss"], nodes)]
+        left.plot(range(1, len(ref) + 1), ref, ":", label="PyTorch float64 (first steps)")
+        left.set(xlabel="training step", ylabel="training loss per node (mean of 20 steps)", title="training")
+        right.set(xlabel="epoch", ylabel="dev root accuracy (5 classes)", title="dev")
+
+    return two_panels(path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m persistrnn bench sst", description=__doc__.split("\n\n")[0])
-    defaults = Settings()
-    for field in dataclasses.fields(Settings):
-        p.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults, field.name)),
-                       default=getattr(defaults, field.name))
-    p.add_argument("--data", type=Path, default=None,
-                   help="the data sets' folder (default: persistrnn.dynamic.DATA_DIR)")
-    p.add_argument("--out", type=Path, default=None, help="write sst.{md,json,png} into this folder")
-    p.add_argument("--from-json", type=Path, default=None, help="write the outputs of an earlier run's sst.json")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    if args.from_json:
-        result = json.loads(args.from_json.read_text())
-    else:
-        from ..runtime import require_gpu
+    import sys
 
-        require_gpu()
-        s = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
-        result = run(s, args.data, progress=not args.no_progress)
-    text = markdown(result)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "sst.json").write_text(json.dumps(result, indent=1))
-        (args.out / "sst.md").write_text(text)
-        text += "\n" + plot(result, args.out / "sst.png") + "\n"
-    print(text)
-    return 0
+    from . import runs
+
+    return runs.main(argv, "sst", sys.modules[__name__], lambda s: True)
