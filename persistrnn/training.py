@@ -69,6 +69,7 @@ import dataclasses
 import functools
 import math
 import statistics
+import threading
 import time
 from types import CodeType
 from typing import Any, Callable
@@ -664,6 +665,7 @@ TORCH_TRAINING_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 """The cells torch trains with cuDNN (``torch._VF.<cell>``); the reset-before GRU has no cuDNN peer."""
 
 _TRAINING_CHOICES: dict[tuple, bool] = {}
+_CHOICE_LOCK = threading.Lock()  # one timing at a time: two at once would each time the other's work too
 
 
 def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
@@ -684,9 +686,14 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
     key = (module.cell, module.input_size, module.hidden_size, module.num_layers, bool(module.bidirectional),
            bool(module.bias), x.dtype, batch, 1 << (steps - 1).bit_length(), x.device.index)
     choice = _TRAINING_CHOICES.get(key)
-    if choice is None:
+    if choice is not None:
+        return choice
+    with _CHOICE_LOCK:  # threads training a new shape at once wait for one timing, and take its choice
+        choice = _TRAINING_CHOICES.get(key)
+        if choice is not None:
+            return choice
         ours_ms, cudnn_ms = _time_training_steps(module, x)
-        choice = _TRAINING_CHOICES.setdefault(key, cudnn_ms < ours_ms)
+        choice = _TRAINING_CHOICES[key] = cudnn_ms < ours_ms
         logger.info("training %s %d->%d x%d%s, %s, batch %d, T=%d: persistrnn %.3f ms, cuDNN %.3f ms per step; "
                     "runs %s", module.cell, module.input_size, module.hidden_size, module.num_layers,
                     " bidirectional" if module.bidirectional else "", str(x.dtype).removeprefix("torch."), batch,

@@ -1153,3 +1153,36 @@ def test_gpu_inside_a_callers_capture_the_direction_backward_is_captured(cell, h
             output.fill_(float("nan"))  # the replay must write every output again
     graph.replay()
     assert_bitwise_equal(got, training.direction_backward(spec, *args, True))
+
+
+def test_threads_training_a_new_shape_at_once_share_one_timing(monkeypatch):
+    # The first training call of a shape times both steps; threads that
+    # arrive together wait for that one timing (two at once would each time
+    # the other's GPU work too) and all take its choice.
+    import threading
+    import time as clock
+
+    import persistrnn
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timings = []
+
+    def timed(module, x):
+        timings.append(threading.get_ident())
+        clock.sleep(0.05)
+        return 2.0, 1.0  # cuDNN faster
+
+    monkeypatch.setattr(training, "_time_training_steps", timed)
+    module = persistrnn.LSTM(3, 4)
+    on_gpu = types.SimpleNamespace(is_cuda=True, shape=(10, 2, 3), dtype=torch.float32,
+                                   device=types.SimpleNamespace(index=0))
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(training.cudnn_trains_faster(module, on_gpu)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [True] * 4 and len(timings) == 1
+    assert training.cudnn_trains_faster(module, types.SimpleNamespace(**{**vars(on_gpu), "shape": (12, 2, 3)}))
+    assert len(timings) == 1  # T=12 rounds up to the same power of two as T=10: the same choice, no timing
