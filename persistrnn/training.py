@@ -821,6 +821,8 @@ def _outside_autocast(implementation: Callable[..., Any]) -> Callable[..., Any]:
     its GEMMs when a caller's autocast region is still active."""
     @functools.wraps(implementation)
     def run(*args: Any) -> Any:
+        if not torch.is_autocast_enabled("cuda"):  # the common case: no context to enter (µs a call)
+            return implementation(*args)
         with torch.autocast("cuda", enabled=False):
             return implementation(*args)
     return run
@@ -877,9 +879,15 @@ class _TrainingStep(torch.autograd.Function):
         weight_count, saved_count, has_c = ctx.layout
         weights, saved = rest[:weight_count], rest[weight_count:weight_count + saved_count]
         masks = rest[weight_count + saved_count:]
-        dx, dh0, dc0, d_weights = torch.ops.persistrnn.train_backward(
-            d_out, dh_n, dc_n if has_c else None, x, h0, c0, list(weights), out, list(saved), *ctx.options,
-            list(masks), lengths)
+        args = (d_out, dh_n, dc_n if has_c else None, x, h0, c0, list(weights), out, list(saved), *ctx.options,
+                list(masks), lengths)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # create_graph: through the operator's autograd, so that a second backward raises (and a traced
+            # backward calls the operator as it is)
+            dx, dh0, dc0, d_weights = torch.ops.persistrnn.train_backward(*args)
+        else:  # a plain backward: past the autograd wrapper, whose Python costs tens of µs a step
+            with torch._C._AutoDispatchBelowAutograd():
+                dx, dh0, dc0, d_weights = torch.ops.persistrnn.train_backward(*args)
         return (dx, dh0, dc0 if has_c else None, None, None, None, *d_weights, *[None] * len(masks))
 
 
