@@ -677,7 +677,9 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
     interleaved rounds after a warm-up to steady clocks, and logged at INFO.
     Never where determinism is asked for (``torch.use_deterministic_algorithms``:
     cuDNN's RNN gradients are not bit-reproducible), where cuDNN is off or
-    has no such cell, under autocast, or while tracing."""
+    has no such cell, under autocast, or while tracing; nor, untimed and
+    with no choice kept, for a call on one of autograd's threads while
+    another thread times."""
     if (not x.is_cuda or module.cell not in TORCH_TRAINING_CELLS or torch.are_deterministic_algorithms_enabled()
             or not torch.backends.cudnn.enabled or torch.is_autocast_enabled("cuda") or torch.compiler.is_compiling()
             or torch.cuda.is_current_stream_capturing()):
@@ -688,7 +690,12 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
     choice = _TRAINING_CHOICES.get(key)
     if choice is not None:
         return choice
-    with _CHOICE_LOCK:  # threads training a new shape at once wait for one timing, and take its choice
+    # Threads training a new shape at once wait for one timing and take its choice. Never on one of autograd's
+    # threads (a backward that recomputes a forward, e.g. reentrant checkpointing): the timing thread's own
+    # backward may need that thread, so waiting there could deadlock; such a call runs the operators untimed.
+    if not _CHOICE_LOCK.acquire(blocking=torch._C._current_graph_task_id() == -1):
+        return False
+    try:
         choice = _TRAINING_CHOICES.get(key)
         if choice is not None:
             return choice
@@ -698,6 +705,8 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
                     "runs %s", module.cell, module.input_size, module.hidden_size, module.num_layers,
                     " bidirectional" if module.bidirectional else "", str(x.dtype).removeprefix("torch."), batch,
                     steps, ours_ms, cudnn_ms, "cuDNN" if choice else "persistrnn")
+    finally:
+        _CHOICE_LOCK.release()
     return choice
 
 

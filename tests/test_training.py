@@ -1186,3 +1186,24 @@ def test_threads_training_a_new_shape_at_once_share_one_timing(monkeypatch):
     assert got == [True] * 4 and len(timings) == 1
     assert training.cudnn_trains_faster(module, types.SimpleNamespace(**{**vars(on_gpu), "shape": (12, 2, 3)}))
     assert len(timings) == 1  # T=12 rounds up to the same power of two as T=10: the same choice, no timing
+
+
+def test_a_backward_thread_never_waits_for_a_timing(monkeypatch):
+    # A forward recomputed inside a backward (reentrant checkpointing) runs on
+    # one of autograd's threads, which the timing thread's own backward may
+    # need: there the choice does not wait for the lock. It runs the
+    # operators untimed and keeps no choice; the next call outside times.
+    import persistrnn
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timings = []
+    monkeypatch.setattr(training, "_time_training_steps", lambda module, x: timings.append(1) or (2.0, 1.0))
+    module = persistrnn.LSTM(3, 4)
+    on_gpu = types.SimpleNamespace(is_cuda=True, shape=(10, 2, 3), dtype=torch.float32,
+                                   device=types.SimpleNamespace(index=0))
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: 7)  # inside a backward
+    with training._CHOICE_LOCK:  # another thread is timing
+        assert training.cudnn_trains_faster(module, on_gpu) is False
+    assert timings == [] and not training._TRAINING_CHOICES
+    assert training.cudnn_trains_faster(module, on_gpu) is True  # the lock is free: it times, even there
+    assert timings == [1]
