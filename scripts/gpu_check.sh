@@ -7,8 +7,9 @@
 #
 #   STAGES       which stages run, in this order (default: all of them):
 #                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
-#                dynamic serve training targets sync recurrence (models is the real-models suite; host, compile and regret come
-#                after grnn and models, whose tuning leaves every case's plan in the cache)
+#                dynamic serve training figure3 runs targets sync recurrence (models is the real-models suite; host,
+#                compile and regret come after grnn and models, whose tuning leaves every case's plan in the cache;
+#                figure3 is the ReLU RNN 1152 training sweep with its memory, runs the char-LM and SST training runs)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
@@ -25,7 +26,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve training targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve training figure3 runs targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -153,7 +154,7 @@ own_suite() {
         >"$OUT/bench_$suite.log" 2>&1
     RC[$stage]=$?
     if [ -f "$OUT/$suite.md" ]; then
-        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model\|^| inputs/,/^$/p;/ met, .* missed, of /p;/^Mean regret/p' "$OUT/$suite.md" | cut -c1-220)")
+        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model\|^| inputs\|^| cell/,/^$/p;/ met, .* missed, of /p;/^Mean regret/p' "$OUT/$suite.md" | cut -c1-220)")
     else
         SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(tail -n 30 "$OUT/bench_$suite.log")")
     fi
@@ -173,6 +174,26 @@ stage_dynamic() {
 }
 stage_serve() { own_suite serve serve ${SERVE_ARGS:-}; }
 stage_training() { own_suite training training ${TRAINING_ARGS:---inputs padded packed}; }
+
+# The Persistent RNNs paper's Figure 3 (ReLU RNN 1152, useful TFLOP/s against the batch) with the memory a step keeps.
+stage_figure3() {
+    $PY -m persistrnn bench training --no-progress --cell rnn_relu --hidden 1152 --batch 1 2 4 8 16 32 64 --memory \
+        --json "$OUT/training-rnn-relu.json" --markdown "$OUT/training-rnn-relu.md" \
+        --plot "$OUT/training-rnn-relu.png" >"$OUT/bench_training-rnn-relu.log" 2>&1
+    RC[figure3]=$?
+    SUMMARY+=("bench training, ReLU RNN 1152: exit ${RC[figure3]}" \
+              "$(sed -n '/^| cell/,/^$/p' "$OUT/training-rnn-relu.md" 2>/dev/null | cut -c1-220)")
+}
+
+# Real training runs beside PyTorch: the char-LM on PTB and the Tree-LSTM on SST, each writing its own files.
+stage_runs() {
+    RC[runs]=0
+    for suite in charlm sst; do
+        $PY -m persistrnn bench "$suite" --no-progress --out "$OUT" >"$OUT/bench_$suite.log" 2>&1 || RC[runs]=$?
+        SUMMARY+=("bench $suite: $(grep -E '^\| |^Losses|^Target' "$OUT/$suite.md" 2>/dev/null | cut -c1-220 \
+                                   || tail -n 5 "$OUT/bench_$suite.log")")
+    done
+}
 
 stage_targets() {
     local results=()
