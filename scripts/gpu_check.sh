@@ -7,9 +7,10 @@
 #
 #   STAGES       which stages run, in this order (default: all of them):
 #                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
-#                dynamic serve training figure3 runs targets sync recurrence (models is the real-models suite; host,
-#                compile and regret come after grnn and models, whose tuning leaves every case's plan in the cache;
-#                figure3 is the ReLU RNN 1152 training sweep with its memory, runs the char-LM and SST training runs)
+#                dynamic serve training figure3 runs onnx targets sync recurrence (models is the real-models suite;
+#                host, compile and regret come after grnn and models, whose tuning leaves every case's plan in the
+#                cache; figure3 is the ReLU RNN 1152 training sweep with its memory, runs the char-LM and SST training
+#                runs, onnx the imported GRU and LSTM of the import issue's targets against ONNX Runtime)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
@@ -26,7 +27,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve training figure3 runs targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve training figure3 runs onnx targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -192,6 +193,18 @@ stage_runs() {
         $PY -m persistrnn bench "$suite" --no-progress --out "$OUT" >"$OUT/bench_$suite.log" 2>&1 || RC[runs]=$?
         SUMMARY+=("bench $suite: $(grep -E '^\| |^Losses|^Target' "$OUT/$suite.md" 2>/dev/null | cut -c1-220 \
                                    || tail -n 5 "$OUT/bench_$suite.log")")
+    done
+}
+
+# The import issue's targets: an imported canonical GRU (T=100, batch 1) and LSTM (batch 1 and 8), H=256, timed
+# against ONNX Runtime's CPU provider and its CUDA provider where the installed build has one.
+stage_onnx() {
+    RC[onnx]=0
+    $PY scripts/onnx_models.py "$OUT/onnx" >"$OUT/onnx_models.log" 2>&1 || RC[onnx]=$?
+    for case in "gru256 1" "lstm256 1" "lstm256 8"; do
+        set -- $case
+        $PY -m persistrnn onnx "$OUT/onnx/$1.onnx" --batch "$2" --steps 100 >"$OUT/onnx-$1-b$2.txt" 2>&1 || RC[onnx]=$?
+        SUMMARY+=("onnx $1, batch $2: $(grep -E '^persistrnn:|^ONNX Runtime|at batch' "$OUT/onnx-$1-b$2.txt" | cut -c1-200)")
     done
 }
 

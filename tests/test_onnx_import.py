@@ -650,3 +650,28 @@ def test_gpu_cli_times_against_onnxruntime(untuned, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "LSTM node 'lstm_node' at batch 3: persistent kernels" in out
     assert "ONNX Runtime CPUExecutionProvider:" in out and "outputs differ by at most" in out
+
+
+def test_the_speed_target_models_import_as_their_cells(tmp_path):
+    # scripts/onnx_models.py writes the models `gpu_check.sh`'s onnx stage times:
+    # the canonical GRU must come back as the reset-before GRU, the LSTM as an
+    # LSTM, and both must give ONNX's reference outputs.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "onnx_models.py"
+    spec = importlib.util.spec_from_file_location("onnx_models", path)
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    written = {p.stem: p for p in models.write(tmp_path)}
+    assert sorted(written) == ["gru256", "lstm256"]
+    x = np.random.default_rng(3).standard_normal((7, 2, 256)).astype(np.float32)
+    for name, cell in (("gru256", "gru_reset_before"), ("lstm256", "lstm")):
+        module = persistrnn.from_onnx(str(written[name]))
+        assert [m.rnn.cell for m in module.modules() if isinstance(m, RecurrentNode)] == [cell]
+        want = ReferenceEvaluator(str(written[name])).run(None, {"X": x})
+        with torch.no_grad():
+            got = module(torch.from_numpy(x))
+        assert len(got) == len(want) == 2  # Y (T, 1, B, H) and Y_h (1, B, H)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and np.abs(g.numpy() - w).max() <= 1e-5 * np.abs(w).max() + 1e-6

@@ -44,6 +44,64 @@ def _reorder(w: np.ndarray, cell: str) -> np.ndarray:
     return np.concatenate([blocks[k] for k in _GATE_ORDER[cell]], axis=0)
 
 
+def _recurrent_node(cell: str, entries: Any, hidden_size: int, layer_input: str, prefix: str,
+                    outputs: list[str]) -> tuple[Any, list[Any]]:
+    """One layer as ONNX's recurrent operator: (the node, its W, R and B initializers)."""
+    from onnx import helper, numpy_helper
+
+    gates = len(_GATE_ORDER[cell])
+    directions = len(entries)
+
+    def stacked(key: str) -> np.ndarray:
+        return np.stack([_reorder(e[key], cell) for e in entries])
+
+    def bias(key: str) -> np.ndarray:
+        return np.stack([_reorder(e[key], cell) if key in e else np.zeros(gates * hidden_size) for e in entries])
+
+    w, r = stacked("w_ih"), stacked("w_hh")
+    b = np.concatenate([bias("b_ih"), bias("b_hh")], axis=1)
+    initializers = [numpy_helper.from_array(value.astype(np.float32), f"{prefix}_{key}")
+                    for key, value in (("W", w), ("R", r), ("B", b))]
+    attributes: dict[str, Any] = {"hidden_size": hidden_size,
+                                  "direction": "bidirectional" if directions == 2 else "forward"}
+    if cell.startswith("gru"):
+        attributes["linear_before_reset"] = int(cell == "gru")
+    if cell.startswith("rnn"):
+        attributes["activations"] = ["Tanh" if cell == "rnn_tanh" else "Relu"] * directions
+    node = helper.make_node(_OPERATOR[cell], [layer_input, f"{prefix}_W", f"{prefix}_R", f"{prefix}_B"], outputs,
+                            name=f"{prefix}_{_OPERATOR[cell]}", **attributes)
+    return node, initializers
+
+
+def _check_cell(cell: str, params: Params) -> None:
+    if cell not in _OPERATOR:
+        raise ValueError(f"cell: expected one of {sorted(_OPERATOR)}, got {cell!r}")
+    if any("w_hr" in entry for entries in params for entry in entries):
+        raise ValueError("ONNX's LSTM has no projection (proj_size > 0)")
+
+
+def build_node_model(cell: str, params: Params, input_size: int, hidden_size: int) -> bytes:
+    """A serialised ONNX model of one layer as one recurrent node and nothing
+    else: ``X [T, B, input_size]`` float32 to the node's own ``Y [T, D, B, H]``
+    and ``Y_h [D, B, H]``, as an exported model holds it."""
+    from onnx import TensorProto, helper
+
+    _check_cell(cell, params)
+    if len(params) != 1:
+        raise ValueError(f"build_node_model: expected one layer, got {len(params)}")
+    directions = len(params[0])
+    node, initializers = _recurrent_node(cell, params[0], hidden_size, "X", "l0", ["Y", "Y_h"])
+    graph = helper.make_graph(
+        [node], f"persistrnn_{cell}_node",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "B", input_size])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["T", directions, "B", hidden_size]),
+         helper.make_tensor_value_info("Y_h", TensorProto.FLOAT, [directions, "B", hidden_size])],
+        initializer=initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                             ir_version=IR_VERSION).SerializeToString()
+
+
 def build_model(cell: str, params: Params, input_size: int, hidden_size: int) -> bytes:
     """A serialised ONNX model: ``x [T, B, input_size]`` float32 to ``y [T, B, D * H]``.
 
@@ -52,35 +110,15 @@ def build_model(cell: str, params: Params, input_size: int, hidden_size: int) ->
     """
     from onnx import TensorProto, helper, numpy_helper
 
-    if cell not in _OPERATOR:
-        raise ValueError(f"cell: expected one of {sorted(_OPERATOR)}, got {cell!r}")
-    if any("w_hr" in entry for entries in params for entry in entries):
-        raise ValueError("ONNX's LSTM has no projection (proj_size > 0)")
-    gates = len(_GATE_ORDER[cell])
+    _check_cell(cell, params)
     nodes, initializers = [], []
     layer_input = "x"
     for layer, entries in enumerate(params):
         directions = len(entries)
-        names = {k: f"l{layer}_{k}" for k in ("W", "R", "B", "Y", "Yt", "y")}
-
-        def stacked(key: str, entries: list = entries) -> np.ndarray:
-            return np.stack([_reorder(e[key], cell) for e in entries])
-
-        def bias(key: str, entries: list = entries) -> np.ndarray:
-            return np.stack([_reorder(e[key], cell) if key in e else np.zeros(gates * hidden_size) for e in entries])
-
-        w, r = stacked("w_ih"), stacked("w_hh")
-        b = np.concatenate([bias("b_ih"), bias("b_hh")], axis=1)
-        for key, value in (("W", w), ("R", r), ("B", b)):
-            initializers.append(numpy_helper.from_array(value.astype(np.float32), names[key]))
-        attributes: dict[str, Any] = {"hidden_size": hidden_size,
-                                      "direction": "bidirectional" if directions == 2 else "forward"}
-        if cell.startswith("gru"):
-            attributes["linear_before_reset"] = int(cell == "gru")
-        if cell.startswith("rnn"):
-            attributes["activations"] = ["Tanh" if cell == "rnn_tanh" else "Relu"] * directions
-        nodes.append(helper.make_node(_OPERATOR[cell], [layer_input, names["W"], names["R"], names["B"]],
-                                      [names["Y"]], **attributes))
+        names = {k: f"l{layer}_{k}" for k in ("Y", "Yt", "y")}
+        node, weights = _recurrent_node(cell, entries, hidden_size, layer_input, f"l{layer}", [names["Y"]])
+        nodes.append(node)
+        initializers += weights
         # Y [T, D, B, H] -> [T, B, D, H] -> [T, B, D * H]
         nodes.append(helper.make_node("Transpose", [names["Y"]], [names["Yt"]], perm=[0, 2, 1, 3]))
         shape_name = f"l{layer}_shape"
