@@ -918,3 +918,58 @@ def test_captured_peer_holds_its_plan_and_nothing_grows_per_replay(suite):
     del steps, step, infer
     gc.collect()
     assert all(r() is None for r in held)
+
+
+def test_adam_refuses_a_beta1_the_kernel_would_read_as_sgd():
+    # The kernel tells SGD apart by beta1 == 0 (in fp32); an Adam with that
+    # beta1 would have trained as SGD on the GPU while the reference ran Adam.
+    for beta1 in (0.0, 1e-50):
+        with pytest.raises(ArgumentError, match="beta1 must be above 0 in float32"):
+            dynamic.Adam(beta1=beta1)
+    assert dynamic.Adam(beta1=1e-3).scalars(1)[1] > 0
+
+
+def test_builders_refuse_ids_and_labels_that_are_not_integers():
+    from persistrnn import ArgumentTypeError
+
+    model = dynamic.Model(0)
+    tagger = dynamic.BiLSTMTagger(model, 5, 3, 4, 4)
+    for words, tags in (([1.7, 2], [0, 1]), ([1, 2], [True, 1]), (["3", 2], [0, 1]), (np.array([1.0, 2.0]), [0, 1])):
+        with pytest.raises(ArgumentTypeError, match="expected integer ids and labels"):
+            tagger.build(dynamic.Graph(model), words, tags)
+    tagger.build(dynamic.Graph(model), np.array([1, 2]), [np.int32(0), 2])  # numpy integers are integers
+    model = dynamic.Model(0)
+    tree_lstm = dynamic.TreeLSTM(model, 5, 4, 6)
+    with pytest.raises(ArgumentTypeError, match="2.7"):
+        tree_lstm.build(dynamic.Graph(model), dynamic.Tree(2.7, "a"), {"a": 1})
+    tree = dynamic.parse_tree("(3 (2 lovely) (1 film))")
+    with pytest.raises(ArgumentError, match="tree 0 has 2 leaves, got 3 ids"):
+        tree_lstm.build(dynamic.Graph(model), tree, ids=[1, 2, 3])  # extra ids were ignored: a likely mistake
+    with pytest.raises(ArgumentError, match="one id sequence per tree \\(1\\), got 2"):
+        tree_lstm.build_batch(dynamic.Graph(model), [tree], ids=[[1, 2], [3, 4]])
+    with pytest.raises(ArgumentError, match="'film' is not in word_ids"):
+        tree_lstm.build(dynamic.Graph(model), tree, {"lovely": 1})
+
+
+def test_a_workspace_past_int32_is_refused_even_when_every_node_starts_below_it():
+    model = dynamic.Model(0)
+    table = model.embedding("E", 2, 1)
+    model.matrix("W", 2, 1)
+    g = dynamic.Graph(model)
+    x = g.lookup(table, 0)
+    for _ in range(30):
+        x = g.concat([x, x])  # 2**30 floats: the last node starts at 2**31 - 1 and ends past it
+    g.tanh(x)
+    with pytest.raises(ArgumentError, match="offsets must fit in int32"):
+        dynamic.schedule(g, 4, train=False)
+
+
+def test_the_tree_reader_takes_any_depth_and_names_a_bad_label():
+    deep = dynamic.parse_tree("(1 " * 3000 + "(2 a)" + ")" * 3000)  # past Python's recursion limit
+    depth = 0
+    while deep.children:
+        deep, depth = deep.children[0], depth + 1
+    assert depth == 3000 and deep.word == "a"
+    for text in ("(--1 a)", "(\u00b2 a)"):
+        with pytest.raises(ArgumentError, match="expected an integer label at token 1"):
+            dynamic.parse_tree(text)

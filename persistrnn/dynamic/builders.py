@@ -13,11 +13,11 @@ their order are those of calling the cell code per node and token, at
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ArgumentTypeError
 from .batch import Instances, Template, instantiate
 from .data import Tree, Vocabulary
 from .graph import Expr, Graph
@@ -151,16 +151,18 @@ class TreeLSTM:
             start, leaves = len(labels), len(leaf_words)
             visit(tree)
             tree_nodes.append(len(labels) - start)
-            if ids is not None:  # the tree's leaves in order, one id each (extra ids are ignored)
+            if ids is not None:  # the tree's leaves in order, one id each
                 given = list(ids[t])
-                if len(given) < len(leaf_words) - leaves:
+                if len(given) != len(leaf_words) - leaves:
                     raise ArgumentError(f"build: tree {t} has {len(leaf_words) - leaves} leaves, got "
                                         f"{len(given)} ids")
-                leaf_ids.extend(given[:len(leaf_words) - leaves])
+                leaf_ids.extend(given)
+        if ids is not None and len(ids) != len(trees):
+            raise ArgumentError(f"build: expected one id sequence per tree ({len(trees)}), got {len(ids)}")
         if ids is None:
             leaf_ids = (word_ids.encode(leaf_words) if isinstance(word_ids, Vocabulary)
-                        else [word_ids[w] for w in leaf_words])
-        as_array = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
+                        else [_lookup(word_ids, w) for w in leaf_words])
+        as_array = _integers
         words = np.zeros(len(labels), dtype=np.int64)
         words[as_array(leaf_at)] = as_array(leaf_ids)
         return (as_array(kid_count), as_array(kid_flat), words, as_array(labels), as_array(level),
@@ -248,8 +250,8 @@ class BiLSTMTagger:
                                     f"{len(tags)} tags")
         if not sentences:
             return []
-        words = np.asarray([w for s, _ in sentences for w in s], dtype=np.int64)
-        tags = np.asarray([t for _, s in sentences for t in s], dtype=np.int64)
+        words = _integers([w for s, _ in sentences for w in s])
+        tags = _integers([t for _, s in sentences for t in s])
         _check_range("lookup", "row", words, self.embed.rows, f" for {self.embed.name!r}")
         _check_range("loss", "label", tags, self.tags, "")
         # A sentence's nodes depend only on its length, up to the word and tag
@@ -337,6 +339,28 @@ class BiLSTMTagger:
 
     def _output(self, g: Graph, forward: Expr, backward: Expr, tag: int) -> Expr:
         return g.loss(g.matvec(self.w_out, g.concat([forward, backward])) + g.parameter(self.b_out), tag)
+
+
+def _integers(values: Sequence[Any]) -> np.ndarray:
+    """``values`` as int64, refusing what is not an integer (a float, a bool,
+    a string), as the expression API refuses it: ``np.asarray(..., int64)``
+    alone would truncate 1.7 to 1 and read True as 1."""
+    array = np.asarray(values)
+    # a list mixing True with ints comes out int64: the bools are looked for in the list itself
+    if array.size and (array.dtype.kind not in "iu" or (not isinstance(values, np.ndarray)
+                                                         and any(v.__class__ is bool for v in values))):
+        bad = next(v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)))
+        raise ArgumentTypeError(f"build: expected integer ids and labels, got {bad!r} ({type(bad).__name__})")
+    return array.astype(np.int64, copy=False).reshape(-1)
+
+
+def _lookup(word_ids: Mapping[str, int], word: str) -> int:
+    """A word's id in a mapping that is not a :class:`~.data.Vocabulary` (which maps unknown words to UNK)."""
+    try:
+        return word_ids[word]
+    except KeyError:
+        raise ArgumentError(f"build: the word {word!r} is not in word_ids ({len(word_ids)} words); pass a "
+                            "Vocabulary, whose id 0 takes every unknown word") from None
 
 
 def _check_range(what: str, name: str, values: np.ndarray, bound: int, table: str) -> None:

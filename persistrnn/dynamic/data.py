@@ -80,8 +80,13 @@ def _tokens(text: str) -> list[str]:
     return _split(text.replace("(", " ( ").replace(")", " ) "))
 
 
+_LABEL = re.compile(r"-?[0-9]+")
+
+
 def parse_tree(text: str, *, where: str = "tree", labels: int = SST_LABELS) -> Tree:
-    """One PTB-bracketed tree with an integer label in [0, labels) on every node."""
+    """One PTB-bracketed tree with an integer label in [0, labels) on every
+    node. Parsed over an explicit stack: a tree's depth is not bounded by
+    Python's recursion limit."""
     tokens = _tokens(text)
     if not tokens:
         raise ArgumentError(f"{where}: expected a bracketed tree such as '(3 (2 a) (2 b))', got an empty line")
@@ -91,12 +96,14 @@ def parse_tree(text: str, *, where: str = "tree", labels: int = SST_LABELS) -> T
         got = repr(tokens[position]) if position < len(tokens) else "the end of the line"
         return ArgumentError(f"{where}: expected {expected} at token {position}, got {got}")
 
-    def node() -> Tree:
-        nonlocal position
+    open_nodes: list[tuple[int, list[Tree]]] = []  # (label, children so far) of the nodes not closed yet
+    tree: Tree | None = None
+    while True:
+        # a node opens: "(" label, then a word and ")" (a leaf) or its children
         if position >= len(tokens) or tokens[position] != "(":
             raise fail("'('")
         position += 1
-        if position >= len(tokens) or not tokens[position].lstrip("-").isdigit():
+        if position >= len(tokens) or not _LABEL.fullmatch(tokens[position]):
             raise fail("an integer label")
         label = int(tokens[position])
         if not 0 <= label < labels:
@@ -108,18 +115,25 @@ def parse_tree(text: str, *, where: str = "tree", labels: int = SST_LABELS) -> T
             if position >= len(tokens) or tokens[position] != ")":
                 raise fail("')' after the word")
             position += 1
-            return Tree(label, word)
-        children = []
-        while position < len(tokens) and tokens[position] == "(":
-            children.append(node())
-        if not children:
-            raise fail("a word or a child '('")
-        if position >= len(tokens) or tokens[position] != ")":
-            raise fail("')'")
-        position += 1
-        return Tree(label, None, tuple(children))
-
-    tree = node()
+            done = Tree(label, word)
+        else:
+            if position >= len(tokens) or tokens[position] != "(":
+                raise fail("a word or a child '('")
+            open_nodes.append((label, []))
+            continue
+        # close every node whose children are complete
+        while open_nodes:
+            open_nodes[-1][1].append(done)
+            if position < len(tokens) and tokens[position] == "(":
+                break  # another child of the innermost open node
+            if position >= len(tokens) or tokens[position] != ")":
+                raise fail("')'")
+            position += 1
+            parent_label, children = open_nodes.pop()
+            done = Tree(parent_label, None, tuple(children))
+        else:
+            tree = done
+            break
     if position != len(tokens):
         raise fail("the end of the tree")
     return tree

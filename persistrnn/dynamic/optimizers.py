@@ -43,6 +43,9 @@ class Adam:
     def __post_init__(self) -> None:
         _check("lr", self.lr, 0.0, float("inf"))
         _check("beta1", self.beta1, 0.0, 1.0)
+        if float(np.float32(self.beta1)) == 0.0:  # the kernel reads beta1 = 0 (in fp32) as SGD's marker
+            raise ArgumentError(f"Adam: beta1 must be above 0 in float32 (0 is how the kernel tells SGD apart), got "
+                                f"{self.beta1!r}; use a small positive beta1, or SGD")
         _check("beta2", self.beta2, 0.0, 1.0)
         _check("eps", self.eps, 0.0, float("inf"))
 

@@ -429,7 +429,7 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     # bounds buffer; the orders are permutations).
     rows = len(words) + len(items) + len(mv_items)
     high = max(int(words.max()), int(items.max()) if items.size else 0, int(mv_items.max()) if mv_items.size else 0)
-    if high >= 2**31:
+    if max(high, workspace) >= 2**31:  # a node that starts below 2**31 may end past it
         raise ArgumentError(f"the batch needs a workspace of {workspace} floats and {rows} script rows; "
                             "offsets must fit in int32: split the batch")
     program = np.empty((rows, WORDS), dtype=np.int32)
