@@ -156,12 +156,16 @@ def _set_futures(futures: list[_Chunk]) -> None:
         _settle(chunk.future, chunk.out, chunk.error)
 
 
-def _check_wait(what: str, timeout: Any) -> float:
-    """``timeout``, checked: seconds to wait, a number >= 0."""
+def _check_wait(what: str, timeout: Any, *, positive: bool = False) -> float:
+    """``timeout``, checked: seconds to wait, a number >= 0 (> 0 where
+    ``positive``) and at most ``threading.TIMEOUT_MAX`` (the most a thread's
+    wait takes: more raised OverflowError inside the wait)."""
+    expected = (f"a timeout in seconds (a number {'> 0' if positive else '>= 0'} and at most "
+                f"threading.TIMEOUT_MAX, {threading.TIMEOUT_MAX:.3g})")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ArgumentTypeError(f"{what}: expected a timeout in seconds (a number >= 0), got {timeout!r}")
-    if not timeout >= 0:
-        raise ArgumentError(f"{what}: expected a timeout in seconds (a number >= 0), got {timeout!r}")
+        raise ArgumentTypeError(f"{what}: expected {expected}, got {timeout!r}")
+    if not (timeout > 0 if positive else timeout >= 0) or not timeout <= threading.TIMEOUT_MAX:
+        raise ArgumentError(f"{what}: expected {expected}, got {timeout!r}")
     return timeout
 
 
@@ -315,8 +319,7 @@ class Engine:
         for name, value, low in (("max_streams", max_streams, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ArgumentError(f"Engine: expected a positive int {name}, got {value!r}")
-        if not timeout > 0:
-            raise ArgumentError(f"Engine: expected a positive timeout in seconds, got {timeout!r}")
+        _check_wait("Engine", timeout, positive=True)
         self.model = model
         self.max_streams = max_streams
         self.max_pending = max_pending
@@ -627,26 +630,33 @@ class Engine:
         worker ends within ``timeout``; if it does not (the device stopped
         answering), the running tick's chunks fail with ``TimeoutError``.
         ``cancel=False`` first lets the queued chunks run (up to
-        ``timeout``). Closing twice does nothing."""
+        ``timeout``). Closing again waits for the worker as the first close
+        did. On the worker itself (a chunk's done-callback) ``close()``
+        returns at once and the worker stops after its tick; ``cancel=False``
+        is refused there, since the worker would wait for itself."""
+        on_worker = threading.current_thread() is self._worker
+        if not cancel and on_worker:
+            raise ArgumentError("Engine.close(cancel=False): called on the engine's worker (from a chunk's "
+                                "done-callback), which would wait for itself to run the queued chunks; close "
+                                "from another thread, or with cancel=True")
         if not cancel:
             self._drain()
         futures: list[_Chunk] = []
+        calls: list[concurrent.futures.Future] = []
         with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            for stream in list(self._streams.values()):
-                self._close_stream(stream, "the engine was closed", futures)
-            calls = [future for _, future in self._calls]
-            self._calls.clear()
-            self._wake.notify_all()
+            if not self._closing:
+                self._closing = True
+                for stream in list(self._streams.values()):
+                    self._close_stream(stream, "the engine was closed", futures)
+                calls = [future for _, future in self._calls]
+                self._calls.clear()
+                self._wake.notify_all()
         _set_futures(futures)
         for future in calls:
             _settle(future, error=concurrent.futures.CancelledError("the engine was closed before this call"))
-        _LIVE_ENGINES.discard(self)
-        if threading.current_thread() is self._worker:  # a done-callback closing the engine
+        if on_worker:  # the worker ends after this tick; the exit hook still joins it
             return
-        self._worker.join(self.timeout + 1.0)
+        self._worker.join(min(self.timeout + 1.0, threading.TIMEOUT_MAX))
         if self._worker.is_alive():
             error = TimeoutError(f"the engine closed and its worker did not finish the running tick within "
                                  f"{self.timeout} s")
@@ -656,6 +666,7 @@ class Engine:
                     chunk.stream._changed.notify_all()
             _set_futures(futures)
             raise TimeoutError(f"Engine.close: the worker did not stop within {self.timeout} s")
+        _LIVE_ENGINES.discard(self)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -667,8 +678,12 @@ class Engine:
                 self._settled.wait(min(remaining, 0.01))
 
     def _close_stream(self, stream: Stream, why: str, futures: list[_Chunk]) -> None:
-        """Under the lock: mark ``stream`` closed, free its slot unless a tick
-        holds it, and cancel its queued chunks (submitted ones join ``futures``)."""
+        """Under the lock: mark ``stream`` closed, free its slot, and cancel its
+        queued chunks (submitted ones join ``futures``). The slot is free at
+        once even while the running tick holds one of the stream's chunks: the
+        tick writes the closed stream's states back into it first, and a new
+        stream's slot is zeroed at the start of the next tick, in that order on
+        the worker."""
         if stream._closed:
             return
         stream._closed = True
@@ -677,8 +692,7 @@ class Engine:
             _finish(chunk, None, error, futures)
         stream._queued.clear()
         self._ready.pop(stream, None)
-        if not stream._in_tick:
-            self._release_slot(stream)
+        self._release_slot(stream)
         stream._changed.notify_all()
 
     def _release_slot(self, stream: Stream) -> None:

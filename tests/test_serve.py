@@ -587,12 +587,53 @@ def test_closing_a_stream_frees_its_slot_and_cancels_its_queue_only():
         b_chunk = torch.randn(1, 7)
         b.push(b_chunk)
         a.close()
+        # The slot is free at once, though a's chunk is still in the running tick; the tick writes a's states
+        # back into it, and the new stream's first tick starts it from zeros all the same.
+        c = engine.open()
+        assert c.slot == a.slot
+        c_chunk = torch.randn(2, 7)
+        c.push(c_chunk)
         model.gate.set()
         a.pull(timeout=WAIT)  # ran before the close
         with pytest.raises(concurrent.futures.CancelledError, match="stream 0: the stream was closed"):
             a.pull(timeout=WAIT)
         torch.testing.assert_close(b.pull(timeout=WAIT), alone(model, [b_chunk]), **TOLERANCES["cpu"])
-        assert engine.open().slot == a.slot
+        torch.testing.assert_close(c.pull(timeout=WAIT), alone(model, [c_chunk]), **TOLERANCES["cpu"])
+
+
+def test_closing_from_a_done_callback_stops_the_worker_and_a_later_close_waits_for_it():
+    engine = serve.Engine(torch.nn.GRU(7, 5), max_streams=1)
+    stream = engine.open()
+    seen = []
+
+    def on_done(_future):
+        try:
+            engine.close(cancel=False)  # the worker would wait for itself
+        except ArgumentError as exc:
+            seen.append(str(exc))
+        engine.close()  # returns at once: the worker stops after this tick
+
+    stream.submit(torch.randn(1, 7)).add_done_callback(on_done)
+    deadline = time.monotonic() + WAIT
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen and "called on the engine's worker" in seen[0]
+    engine.close()  # again, from this thread: waits for the worker, which has stopped
+    assert not engine._worker.is_alive() and engine not in serve._LIVE_ENGINES
+
+
+def test_timeouts_past_what_a_thread_can_wait_are_refused():
+    import math
+
+    for bad in (math.inf, 1e12):
+        with pytest.raises(ArgumentError, match="at most threading.TIMEOUT_MAX"):
+            serve.Engine(torch.nn.GRU(7, 5), max_streams=1, timeout=bad)
+    with pytest.raises(ArgumentTypeError, match="expected a timeout in seconds \\(a number > 0"):
+        serve.Engine(torch.nn.GRU(7, 5), max_streams=1, timeout="5")
+    with serve.Engine(torch.nn.GRU(7, 5), max_streams=1) as engine:
+        stream = engine.open()
+        with pytest.raises(ArgumentError, match="pull: expected a timeout in seconds"):
+            stream.pull(timeout=math.inf)
 
 
 def test_an_engine_left_open_is_closed_at_exit():
@@ -686,7 +727,7 @@ def test_bad_arguments_and_chunks_say_what_was_expected():
         # A wait's bound is checked when given, not first used when a stream is full.
         for bad, error in ((None, ArgumentTypeError), ("1", ArgumentTypeError), (True, ArgumentTypeError),
                            (-1.0, ArgumentError)):
-            with pytest.raises(error, match="push: expected a timeout in seconds \\(a number >= 0\\), got "):
+            with pytest.raises(error, match="push: expected a timeout in seconds \\(a number >= 0 and at most "):
                 stream.push(torch.randn(7), timeout=bad)
             with pytest.raises(error, match="push_many: expected a timeout in seconds"):
                 engine.push_many([stream], torch.randn(1, 7), timeout=bad)
