@@ -602,7 +602,8 @@ def test_closing_a_stream_frees_its_slot_and_cancels_its_queue_only():
 
 
 def test_closing_from_a_done_callback_stops_the_worker_and_a_later_close_waits_for_it():
-    engine = serve.Engine(torch.nn.GRU(7, 5), max_streams=1)
+    model = gated_model()  # the chunk runs only once the callback is in place: the worker then calls it
+    engine = serve.Engine(model, max_streams=1)
     stream = engine.open()
     seen = []
 
@@ -614,6 +615,7 @@ def test_closing_from_a_done_callback_stops_the_worker_and_a_later_close_waits_f
         engine.close()  # returns at once: the worker stops after this tick
 
     stream.submit(torch.randn(1, 7)).add_done_callback(on_done)
+    model.gate.set()
     deadline = time.monotonic() + WAIT
     while not seen and time.monotonic() < deadline:
         time.sleep(0.01)
