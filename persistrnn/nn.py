@@ -278,6 +278,8 @@ class _Persistent:
         H100's host), and the sorted order needs nothing from the device, so
         nothing here synchronises."""
         data, batch_sizes = packed.data, packed.batch_sizes
+        if data.dim() != 2:  # torch's check and message
+            raise InputShapeError(f"input must have 2 dimensions, got {data.dim()}")
         steps, batch = len(batch_sizes), int(batch_sizes[0])
         # The checks and the choice of path see the padded input's shape only: where torch's implementation
         # runs, nothing is padded (an unallocated stand-in of that shape, not a copy of the data).
@@ -362,9 +364,12 @@ class _Persistent:
             x = input
         pairs = self.spec.has_cell_state
         if hx is not None:
-            if pairs and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+            if pairs and not isinstance(hx, (tuple, list)):  # one tensor: a shape error; anything else: a type error
+                error = InputShapeError if isinstance(hx, torch.Tensor) else InputTypeError
+                raise error(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), got {type(hx).__name__}")
+            if pairs and len(hx) != 2:
                 raise InputShapeError(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), "
-                                      f"got {type(hx).__name__}")
+                                      f"got a {type(hx).__name__} of {len(hx)}")
             states = tuple(hx) if pairs else (hx,)
             for s in states:
                 if not isinstance(s, torch.Tensor):
@@ -373,7 +378,7 @@ class _Persistent:
             states = ()
         weight = self._flat_weights[0]
         signature = (input.shape, input.dtype, input.device, weight.dtype, weight.device,
-                     tuple((s.shape, s.dtype, s.device) for s in states), torch.is_autocast_enabled("cuda"))
+                     tuple((s.shape, s.dtype, s.device) for s in states), torch._C._is_any_autocast_enabled())
         if signature not in self._checked:  # the checks cost more than a replay: once per signature
             self._check(input, x, states, unbatched)
             self._checked.add(signature)
@@ -387,8 +392,9 @@ class _Persistent:
         """torch's checks in torch's wording (ValueError as torch raises it, its
         RuntimeErrors as :class:`InputShapeError`, both), then ours."""
         name = type(self).__name__
-        if input.dim() not in (2, 3):
-            raise InputShapeError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+        if input.dim() not in (2, 3):  # torch's RNN says "tensor" where its LSTM and GRU do not
+            raise InputShapeError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D "
+                                  f"{'tensor ' if isinstance(self, torch.nn.RNN) else ''}instead")
         pairs = self.spec.has_cell_state
         want = 2 if unbatched else 3
         for s in states:
@@ -410,14 +416,15 @@ class _Persistent:
             except (RuntimeError, ValueError) as exc:
                 raise InputShapeError(str(exc)) from None
         weight = self._flat_weights[0]
-        if x.dtype != weight.dtype and not (x.is_cuda and torch.is_autocast_enabled("cuda")):  # as torch's check
+        autocast = torch._C._is_any_autocast_enabled()  # torch's module leaves dtypes to autocast then
+        if x.dtype != weight.dtype and not autocast:  # as torch's check
             raise InputShapeError(f"RNN input dtype ({x.dtype}) does not match weight dtype ({weight.dtype}). "
                                   f"Convert input: input.to({weight.dtype}), or convert model: model.to({x.dtype})")
         if x.device != weight.device:
             raise InputShapeError(f"Input and parameter tensors are not at the same device, found input tensor at "
                                   f"{x.device} and parameter tensor at {weight.device}")
         for s in states:
-            if s.device != x.device or s.dtype != x.dtype:
+            if s.device != x.device or (s.dtype != x.dtype and not autocast):
                 raise InputShapeError(f"{name}: expected hx of dtype {x.dtype} on {x.device}, got {s.dtype} on "
                                       f"{s.device}")
         if x.shape[0] < 1:
@@ -526,8 +533,9 @@ class StreamSession:
         self.module = module
         self.batch_size = batch_size
         weight = module.weight_hh_l0
-        zeros = weight.new_zeros(module.num_layers, batch_size, module.hidden_size)
-        self._buffers = (zeros, zeros.clone()) if module.spec.has_cell_state else (zeros,)
+        h = weight.new_zeros(module.num_layers, batch_size, getattr(module, "proj_size", 0) or module.hidden_size)
+        c = weight.new_zeros(module.num_layers, batch_size, module.hidden_size)
+        self._buffers = (h, c) if module.spec.has_cell_state else (h,)
         self._graphs = runtime.GraphCache(self.GRAPHS)
 
     @property
@@ -590,7 +598,8 @@ _CLASSES = {torch.nn.LSTM: LSTM, torch.nn.GRU: GRU, torch.nn.RNN: RNN}
 
 def from_torch(module: torch.nn.RNNBase) -> torch.nn.Module:
     """The persistrnn module equal to a ``torch.nn.LSTM``/``GRU``/``RNN``: same
-    arguments, same parameters (shared, not copied), same device and dtype."""
+    arguments, same parameters (shared, not copied), same device and dtype,
+    and the module's hooks and attributes of its own."""
     cls = _CLASSES.get(type(module))
     if cls is None:
         raise ArgumentTypeError(f"from_torch: expected a torch.nn.LSTM, GRU or RNN, got {type(module).__name__}")
@@ -607,26 +616,39 @@ def from_torch(module: torch.nn.RNNBase) -> torch.nn.Module:
         setattr(new, name, param)  # the same Parameter objects: training the one trains the other
     new._flat_weights = [getattr(new, n) for n in new._flat_weights_names]
     new.train(module.training)
+    for key, value in vars(module).items():  # hooks (the same dicts: a handle removes from both) and user attributes
+        if key not in vars(new) or "hook" in key:
+            vars(new)[key] = value
     return new
 
 
 def convert(model: torch.nn.Module, *, training_kernels: bool | None = None) -> torch.nn.Module:
     """Replace every ``torch.nn.LSTM``/``GRU``/``RNN`` inside ``model`` (or
     ``model`` itself) with its persistrnn module, in place; returns the model.
-    ``training_kernels`` (when given) is set on every persistrnn module in
-    the result, converted or already one: ``convert(model,
-    training_kernels=True)`` before the optimiser loop trains on the training
-    operators."""
+    An instance that appears in several places becomes one persistrnn module
+    in all of them. ``training_kernels`` (when given) is set on every
+    persistrnn module in the result, converted or already one:
+    ``convert(model, training_kernels=True)`` before the optimiser loop trains
+    on the training operators."""
     if training_kernels is not None and not isinstance(training_kernels, bool):
         raise ArgumentTypeError(f"convert: expected training_kernels to be a bool or None, got "
                                 f"{type(training_kernels).__name__}")
-    if type(model) in _CLASSES:
-        model = from_torch(model)
-    else:
-        for name, child in model.named_children():
-            setattr(model, name, convert(child))
+    model = _converted(model, {})
     if training_kernels is not None:
         for module in model.modules():
             if isinstance(module, _Persistent):
                 module.training_kernels = training_kernels
     return model
+
+
+def _converted(module: torch.nn.Module, done: dict[int, torch.nn.Module]) -> torch.nn.Module:
+    """``module`` converted, and its children in place; ``done`` maps each
+    module already visited to its result, so a shared instance stays shared."""
+    if id(module) in done:
+        return done[id(module)]
+    result = done[id(module)] = from_torch(module) if type(module) in _CLASSES else module
+    if result is module:
+        for name, child in list(module._modules.items()):  # every name: named_children() skips repeats
+            if child is not None:
+                module._modules[name] = _converted(child, done)
+    return result

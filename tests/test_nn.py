@@ -592,3 +592,66 @@ def test_gpu_autocast_runs_and_returns_torchs_dtype_at_no_worse_an_error(untuned
     err, peer_err = rel(out.double().cpu().numpy(), ref), rel(peer.double().cpu().numpy(), ref)
     # the same rounding of inputs and weights; our error at most 2x torch's (the tolerance rule)
     assert err <= max(2 * peer_err, 1e-5), (err, peer_err)
+
+
+# ---- parity with torch.nn found by review --------------------------------------------
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_cpu_autocast_runs_as_torchs_module_does(kind):
+    # Under CPU autocast torch's module takes a bf16 input and bf16 states
+    # (its dtype check steps aside for autocast); so must ours.
+    torch.manual_seed(4)
+    theirs = getattr(torch.nn, kind)(4, 5)
+    ours = pnn.from_torch(theirs)
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(6, 2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_state = theirs(lin(x))
+        got, got_state = ours(lin(x))
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        again_want, _ = theirs(lin(x), want_state)  # the returned bf16 state fed back
+        again_got, _ = ours(lin(x), got_state)
+    assert torch.equal(again_got, again_want)
+
+
+def test_convert_keeps_a_shared_instance_shared():
+    shared = torch.nn.LSTM(4, 5)
+    model = torch.nn.Module()
+    model.a, model.b = shared, shared
+    model.seq = torch.nn.Sequential(shared, torch.nn.Identity())
+    persistrnn.convert(model)
+    assert isinstance(model.a, persistrnn.LSTM) and model.a is model.b is model.seq[0]
+
+
+def test_from_torch_keeps_the_modules_hooks_and_attributes():
+    theirs = torch.nn.GRU(4, 5)
+    calls = []
+    theirs.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    theirs.tag = "encoder"
+    ours = pnn.from_torch(theirs)
+    ours(torch.randn(3, 2, 4))
+    assert calls == ["GRU"] and ours.tag == "encoder" and type(ours) is persistrnn.GRU
+
+
+def test_a_stream_session_runs_an_lstm_with_projections():
+    torch.manual_seed(5)
+    model = persistrnn.LSTM(4, 6, proj_size=3, num_layers=2)
+    x = torch.randn(7, 2, 4)
+    session = model.stream(2)
+    with torch.no_grad():
+        whole, _ = model(x)
+        parts = torch.cat([session(x[t:t + 1]) for t in range(7)])
+    assert parts.shape == (7, 2, 3) and torch.allclose(parts, whole, atol=1e-6, rtol=0)
+
+
+def test_more_bad_inputs_raise_what_torch_raises():
+    from torch.nn.utils.rnn import pack_sequence
+
+    with pytest.raises(ValueError, match="Expected input to be 2D or 3D, got 4D tensor instead"):
+        persistrnn.RNN(4, 5)(torch.randn(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="Expected input to be 2D or 3D, got 4D instead"):
+        persistrnn.LSTM(4, 5)(torch.randn(1, 2, 3, 4))
+    with pytest.raises(TypeError, match="expected hx to be a tuple \\(h_0, c_0\\), got int"):
+        persistrnn.LSTM(4, 5)(torch.randn(3, 2, 4), 3)
+    with pytest.raises(ValueError, match="input must have 2 dimensions, got 1"):
+        persistrnn.GRU(1, 5)(pack_sequence([torch.randn(3), torch.randn(2)]))
