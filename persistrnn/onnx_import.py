@@ -334,8 +334,9 @@ def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | Non
     if layout not in (0, 1):
         raise ArgumentError(f"{where}: attribute layout: expected 0 or 1, got {layout}")
     linear_before_reset = attributes.get("linear_before_reset", 0)
-    if linear_before_reset not in (0, 1):
-        raise ArgumentError(f"{where}: attribute linear_before_reset: expected 0 or 1, got {linear_before_reset}")
+    if isinstance(linear_before_reset, bool) or not isinstance(linear_before_reset, int):
+        raise ArgumentError(f"{where}: attribute linear_before_reset: expected an int, got {linear_before_reset!r}")
+    linear_before_reset = int(linear_before_reset != 0)  # ONNX: any nonzero value applies the product first
     directions = 2 if direction == "bidirectional" else 1
     cell = _cell_of(node, attributes, directions, where)
 
@@ -457,23 +458,44 @@ def from_onnx(path_or_model: Any) -> torch.nn.Module:
     constant = _constant_lookup(graph)
     recurrent = [n for n in graph.node if _is_recurrent(n)]
     # Every recurrent node first: what the cells cannot run fails before onnx2torch is needed.
-    modules = {tuple(n.output): node_module(n, constant) for n in recurrent}
+    modules = [node_module(n, constant) for n in recurrent]
     if len(recurrent) == 1 and all(n.op_type == "Constant" for n in graph.node if not _is_recurrent(n)):
-        return next(iter(modules.values()))
+        # its outputs up to the last one the node names: ["Y", ""] is Y alone
+        modules[0].num_outputs = max((i + 1 for i, name in enumerate(recurrent[0].output) if name), default=1)
+        return modules[0]
     onnx2torch = _onnx2torch()
     # Shapes first, while the recurrent nodes are still ONNX's: onnx2torch's
     # converters of later nodes (pooling, normalisation) read them, and shape
     # inference knows nothing of our domain.
-    moved = onnx.shape_inference.infer_shapes(model)
+    moved = _named_outputs(onnx.shape_inference.infer_shapes(model))
     for node in moved.graph.node:
         if _is_recurrent(node):
             node.domain = DOMAIN
     moved.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    token = _CONVERTED.set(modules)
+    token = _CONVERTED.set({tuple(n.output): module for n, module in
+                            zip((n for n in moved.graph.node if n.domain == DOMAIN), modules)})
     try:
         return onnx2torch.convert(moved)
     finally:
         _CONVERTED.reset(token)
+
+
+def _named_outputs(model: Any) -> Any:
+    """``model`` with every empty output name of a node (an output the node
+    does not produce, ONNX's idiom: ``["", "Y_h"]``) given a unique name.
+    onnx2torch lists node outputs by name, "" included, and would then read a
+    missing optional input (also "") as that output."""
+    taken = {name for node in model.graph.node for name in [*node.input, *node.output]}
+    taken |= {v.name for v in [*model.graph.input, *model.graph.output, *model.graph.initializer]}
+    number = 0
+    for node in model.graph.node:
+        for k, name in enumerate(node.output):
+            if not name:
+                while f"persistrnn_unused_{number}" in taken:
+                    number += 1
+                node.output[k] = f"persistrnn_unused_{number}"
+                number += 1
+    return model
 
 
 _CONVERTED: contextvars.ContextVar[dict[tuple[str, ...], RecurrentNode] | None] = contextvars.ContextVar(

@@ -470,7 +470,7 @@ def _set_attribute(model, name, value):
                               r"got 'backward'"),
     ("layout", 2, "layout: expected 0 or 1, got 2"),
     ("hidden_size", HIDDEN + 1, f"hidden_size: expected {HIDDEN} .*, got {HIDDEN + 1}"),
-    ("linear_before_reset", 2, "linear_before_reset: expected 0 or 1, got 2"),
+    ("linear_before_reset", "yes", "linear_before_reset: expected an int, got b?'yes'"),
     ("activations", ["Sigmoid"], r"activations: expected 2 names .*, got 1"),
     ("no_such_attribute", 1, "got 'no_such_attribute'"),
 ])
@@ -675,3 +675,34 @@ def test_the_speed_target_models_import_as_their_cells(tmp_path):
         assert len(got) == len(want) == 2  # Y (T, 1, B, H) and Y_h (1, B, H)
         for g, w in zip(got, want):
             assert g.shape == w.shape and np.abs(g.numpy() - w).max() <= 1e-5 * np.abs(w).max() + 1e-6
+
+
+def test_a_nonzero_linear_before_reset_is_torchs_gru_and_trailing_unnamed_outputs_are_left_out():
+    # ONNX applies the product before the reset for any nonzero value (ONNX
+    # Runtime takes 2); a node whose outputs are ["Y", ""] gives Y alone.
+    model, feeds = node_model("GRU", {"linear_before_reset": 2})
+    want = ReferenceEvaluator(model).run(None, feeds)
+    module = from_onnx(model)
+    assert module.rnn.cell == "gru"
+    for got, expected in zip(run_module(module, feeds), want, strict=True):
+        assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() + 1e-6
+    del model.graph.node[0].output[1:]
+    model.graph.node[0].output.append("")
+    del model.graph.output[1:]
+    assert len(run_module(from_onnx(model), feeds)) == 1
+
+
+def test_unnamed_node_outputs_get_names_of_their_own_before_a_whole_model_is_converted():
+    # onnx2torch lists node outputs by name: an unnamed output ("") would be
+    # taken for a missing optional input of a later recurrent node.
+    from persistrnn.onnx_import import _named_outputs
+
+    model, _ = node_model("LSTM")
+    node = model.graph.node[0]
+    del node.output[:]
+    node.output.extend(["", "Y_h", ""])
+    node.input.extend(["", ""])  # missing optional inputs stay missing
+    named = _named_outputs(model)
+    outputs = list(named.graph.node[0].output)
+    assert outputs[1] == "Y_h" and all(outputs) and len(set(outputs)) == 3
+    assert list(named.graph.node[0].input)[-2:] == ["", ""]
