@@ -230,6 +230,9 @@ def test_cache_key_changes_with_each_component():
     paths = {tuner.cache_path(k) for k in [base] + variants}
     assert len(paths) == len(variants) + 1
     assert base["version"] == __import__("persistrnn").__version__
+    # NVRTC's version decides which configurations compile without spilling, and what they time
+    assert base["nvrtc"] == list(runtime.nvrtc_version())
+    assert tuner.cache_path({**base, "nvrtc": [base["nvrtc"][0] + 1, 0]}) != tuner.cache_path(base)
 
 
 def _a_plan():

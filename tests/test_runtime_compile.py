@@ -246,3 +246,25 @@ def test_a_call_that_took_an_evicted_graph_replays_the_current_one(monkeypatch):
     assert taken(1) is None
     assert cache.call("k", lambda: Instance("again"), 0, 1) == ["again", 1]
     assert len(cache) == 1
+
+
+def test_an_unwritable_cache_costs_the_entries_only(tmp_path, monkeypatch, caplog):
+    # A cache folder that cannot be made (below a plain file) or written: the
+    # compile still returns its binary, a warning says so once, and a write
+    # reports False instead of raising.
+    import logging
+
+    from persistrnn.runtime import cache
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(runtime.CACHE_ENV, str(blocker / "cache"))
+    monkeypatch.setattr(cache, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="persistrnn"):
+        binary = runtime.compile_source("tiny", TINY, arch="sm_90")
+        again = runtime.compile_source("tiny", TINY, arch="sm_90")  # compiled again: nothing was kept
+    assert binary.cubin and again.cubin == binary.cubin
+    assert caplog.text.count("cannot be written") == 1
+    assert runtime.atomic_write(blocker / "cache" / "entry.json", "{}") is False
+    assert runtime.atomic_write(tmp_path / "ok" / "entry.json", "{}") is True
+    assert (tmp_path / "ok" / "entry.json").read_text() == "{}"

@@ -177,8 +177,10 @@ class Plan:
 
 def cache_key(facts: runtime.DeviceFacts, shape: ModelShape, bucket: int) -> dict[str, Any]:
     """Every component a tuned choice depends on."""
+    # NVRTC's version: whether a configuration compiles without spilling, and its timings, depend on it
     return {"device": facts.name, "sm_count": facts.sm_count, **dataclasses.asdict(shape),
-            "batch_bucket": bucket, "version": __version__, "format": CACHE_FORMAT}
+            "batch_bucket": bucket, "version": __version__, "format": CACHE_FORMAT,
+            "nvrtc": list(runtime.nvrtc_version())}
 
 
 def cache_path(key: dict[str, Any]) -> Path:

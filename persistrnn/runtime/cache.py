@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -41,31 +42,60 @@ def entry_name(*parts: Any, key: str) -> str:
     return f"{readable[:NAME_LIMIT]}-{key}" if readable else key
 
 
-def atomic_write(path: Path, data: bytes | str) -> None:
+def atomic_write(path: Path, data: bytes | str) -> bool:
     """Write ``data`` to ``path`` so that no reader ever sees half of it, even
     with several threads or processes writing: a unique temp file in the same
-    directory, then a rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    directory, then a rename over the target. A cache that cannot be written
+    (a read-only or missing directory, a full disk) costs the entry only:
+    a warning, once per directory, and False; the caller goes on uncached."""
     blob = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    except OSError as exc:
+        _unwritable(path.parent, exc)
+        return False
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise
+        if not isinstance(exc, OSError):
+            raise
+        _unwritable(path.parent, exc)
+        return False
+    return True
 
 
 @contextlib.contextmanager
 def key_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path`` across processes (a ``.lock`` file beside it):
-    one process compiles an entry while the others wait and then read it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
+    one process compiles an entry while the others wait and then read it.
+    Where the lock file cannot be made (an unwritable cache) the work runs
+    unlocked: at worst two processes do it both."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError as exc:
+        _unwritable(path.parent, exc)
+        yield
+        return
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+_WARNED: set[Path] = set()
+
+
+def _unwritable(folder: Path, exc: OSError) -> None:
+    if folder not in _WARNED:
+        _WARNED.add(folder)
+        logging.getLogger("persistrnn").warning(
+            "the cache folder %s cannot be written (%s): results are not kept (set %s to a writable folder)",
+            folder, exc, CACHE_ENV)
