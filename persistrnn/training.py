@@ -388,9 +388,16 @@ def saved_shapes(spec: CellSpec, steps: int, batch: int, hidden: int, num_layers
 
 def saved_bytes(spec: CellSpec, x: torch.Tensor, hidden: int, num_layers: int, directions: int) -> int:
     """Bytes of the saved list (:func:`saved_shapes`) of a forward on ``x`` (T, B, I)."""
-    compute = _compute_dtype(x.dtype).itemsize
-    return sum(math.prod(shape) * (compute if in_compute else x.element_size())
-               for shape, in_compute in saved_shapes(spec, x.shape[0], x.shape[1], hidden, num_layers, directions))
+    return _saved_bytes(spec, x.shape[0], x.shape[1], hidden, num_layers, directions, x.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _saved_bytes(spec: CellSpec, steps: int, batch: int, hidden: int, num_layers: int, directions: int,
+                 dtype: torch.dtype) -> int:
+    """:func:`saved_bytes`, once per shape: every training forward asks."""
+    compute, layer = _compute_dtype(dtype).itemsize, dtype.itemsize
+    return sum(math.prod(shape) * (compute if in_compute else layer)
+               for shape, in_compute in saved_shapes(spec, steps, batch, hidden, num_layers, directions))
 
 
 @functools.lru_cache(maxsize=256)
@@ -471,8 +478,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
 
     key = ("train_forward", *options, *_operator_key(x, h0, c0, weights, dropout_masks))
     flat = (x, h0, c0, *weights, *dropout_masks)
-    copy_in = [True] * 3 + [not _reads_in_place(weights)] * len(weights) + [True] * len(dropout_masks)
-    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat, copy_in), x.device.index, *flat)
+    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
+        run, flat, [True] * 3 + [key[-1] is None] * len(weights) + [True] * len(dropout_masks)), x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -550,8 +557,9 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
 
     key = ("train_backward", *options, dc_n is None, len(saved), *_operator_key(x, h0, c0, weights, dropout_masks))
     flat = (d_out, dh_n, dc_n, x, h0, c0, out, *weights, *saved, *dropout_masks)
-    copy_in = [True] * 7 + [not _reads_in_place(weights)] * len(weights) + [True] * (len(saved) + len(dropout_masks))
-    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(run, flat, copy_in), x.device.index, *flat)
+    results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
+        run, flat, [True] * 7 + [key[-1] is None] * len(weights) + [True] * (len(saved) + len(dropout_masks))),
+        x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -644,7 +652,7 @@ def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, we
     dtypes, the masks' count, the launch and GEMM settings, and the weights'
     addresses where the graph reads them in place (:func:`_reads_in_place`;
     every other tensor's address and value is not in it: the graph reads
-    copies)."""
+    copies). The addresses come last, None where the weights are copied."""
     return (x.shape, x.dtype, h0.shape, c0 is None, tuple((w.shape, w.dtype) for w in weights), len(dropout_masks),
             ops.launch_settings(),
             tuple(w.data_ptr() for w in weights) if _reads_in_place(weights) else None)
