@@ -118,6 +118,8 @@ def _padding_engine_class() -> Any:
     class PaddingEngine(Engine):
         """The peer's batching: every tick runs one batch as large as the number of live streams."""
 
+        capture_batches = False  # a batch size per live count: a capture each would cost more than it saves
+
         def _padded_size(self, n: int) -> int:
             return max(n, self.live_streams)
 
