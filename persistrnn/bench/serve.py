@@ -39,7 +39,11 @@ inside the measured window. Throughput counts the chunks delivered in the window
 Before the load, each provider's outputs on one stream of 4 chunks are
 compared with the float64 reference (``--no-refcheck`` skips that). Every
 padded batch size is planned and captured before the load (ours), so no
-first call's tuning falls inside it. The clients are Python threads: their
+first call's tuning falls inside it. After the warm-up, ``gc.freeze()``
+moves every object made so far (torch, the model, the engine) out of the
+garbage collector's reach, as a latency-minded Python server does once it
+has started: a full collection otherwise walks them all while every thread
+waits (``--no-gc-freeze`` leaves them in). The clients are Python threads: their
 own time under the GIL is part of what is measured, as it is for a Python
 server. Not built: a resident mode (a kernel that keeps running between
 ticks and takes inputs from a queue in memory).
@@ -50,6 +54,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import heapq
 import math
 import random
@@ -78,6 +83,7 @@ class Settings:
     max_pending: int = 8
     seed: int = 0
     refcheck: bool = True
+    gc_freeze: bool = True
 
 
 def parse_model(text: str) -> tuple[str, int, int]:
@@ -340,6 +346,9 @@ def run_case(model: str, streams: int, provider: str, s: Settings,
         with _make_engine(provider, module, slots, s) as engine:
             row["rel_error"] = _refcheck(engine, module, s.steps) if s.refcheck else None
             engine.warm_up(steps=(s.steps,), batches=None if provider == "persistrnn" else (streams, slots))
+            if s.gc_freeze:  # what a latency-minded Python server does once it has started: see the module docstring
+                gc.collect()
+                gc.freeze()
             for handover in handovers:
                 load = _Load(engine, streams, s, handover)
                 ticks, chunks = engine.ticks, engine.chunks_run
@@ -356,6 +365,8 @@ def run_case(model: str, streams: int, provider: str, s: Settings,
     except Exception as exc:  # a provider that fails is a row that says so, for each hand-over not run
         return rows + [{**row, "handover": handover, "status": "failed", "note": f"{type(exc).__name__}: {exc}"}
                        for handover in handovers[len(rows):]]
+    finally:
+        gc.unfreeze()
     return rows
 
 
@@ -428,7 +439,9 @@ def markdown(result: dict[str, Any]) -> str:
     method = (f"- Method: {s['seconds']} s measured after {s['warmup_seconds']} s of load; a chunk of {s['steps']} "
               f"step(s) every {s['chunk_ms']} ms per stream; stream lengths exponential, mean {s['mean_chunks']} "
               f"chunks; Poisson arrivals keeping the live count on average; {s['threads']} client threads; "
-              f"latency from push to delivery. Resident mode: not built.\n"
+              f"latency from push to delivery; "
+              f"{'gc.freeze() after the warm-up' if s.get('gc_freeze') else 'no gc.freeze()'}. "
+              f"Resident mode: not built.\n"
               f"- Hand-over: `stream`, a call per chunk (each client thread submits each due chunk with "
               f"`Stream.submit`; delivered when its future completes); `gateway`, a call per group (each client "
               f"thread hands all its due chunks over in one `Engine.push_many` of an (n, steps, I) tensor and takes "
@@ -482,6 +495,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=Settings.threads, help="client threads")
     p.add_argument("--seed", type=int, default=Settings.seed)
     p.add_argument("--no-refcheck", dest="refcheck", action="store_false")
+    p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                   help="leave the objects made before the load to the garbage collector's full collections")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     add_result_arguments(p)
     p.add_argument("--plot", type=Path, help="p50/p99 latency against live streams (needs matplotlib)")
@@ -506,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     args, p = parse(argv)
     settings = Settings(seconds=args.seconds, warmup_seconds=args.warmup_seconds, chunk_ms=args.chunk_ms,
                         steps=args.steps, mean_chunks=args.mean_chunks, threads=args.threads, seed=args.seed,
-                        refcheck=args.refcheck)
+                        refcheck=args.refcheck, gc_freeze=args.gc_freeze)
     models = [f"{c}:{h}:{layers}" for c, h, layers in args.models]
     result = run_or_load(args, p, "serve", lambda save: run(models, args.streams, args.providers, settings,
                                                              progress=args.progress, after_case=save,
