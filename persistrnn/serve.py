@@ -869,38 +869,20 @@ class Engine:
     def _run_batch(self, chunks: list[_Chunk]) -> Sequence[torch.Tensor]:
         """The outputs of ``chunks`` (all of one length), in their order, ready where each came from."""
         n = len(chunks)
-        size = self._padded_size(n)
-        batch = self._batch(chunks[0].steps, size)
-        on_host = [c for c in chunks if not c.x.is_cuda]
-        on_device = [c for c in chunks if c.x.is_cuda] if len(on_host) < n else []
-        order = on_host + on_device if on_device else chunks  # batch rows: host chunks, device chunks, padding
+        batch = self._batch(chunks[0].steps, self._padded_size(n))
         gather, scatter = batch.index_rows
-        for row, chunk in enumerate(order):
+        for row, chunk in enumerate(chunks):
             stream = chunk.stream
             scatter[row] = stream.slot
             gather[row] = self._zero_slot if stream._fresh else stream.slot
             stream._fresh = False
         gather[n:] = self._zero_slot
         scatter[n:] = self._spare_slot
-        batch.fill(on_host, on_device)
-        rows = batch.run()  # (size, T, H): the batch's own buffer, rewritten by its next run
-        outputs: list[torch.Tensor] = []
-        if on_host:
-            if batch.cuda:
-                host = torch.empty((len(on_host),) + rows.shape[1:], dtype=rows.dtype, pin_memory=True)
-                host.copy_(rows[:len(on_host)], non_blocking=True)
-            else:
-                host = rows[:len(on_host)].clone(memory_format=torch.contiguous_format)
-            outputs += _split(on_host, host)
-        if on_device:
-            outputs += _split(on_device, rows[len(on_host):n].clone(memory_format=torch.contiguous_format))
-        self._wait_device()
-        if batch.cuda:  # a persistent kernel that failed inside the replay reported it in host memory
+        batch.fill(chunks)
+        batch.run(self.timeout)
+        if batch.cuda:  # a persistent kernel that failed inside the batch reported it in host memory
             runtime.raise_reported_failure(self.device.index)
-        if not (on_host and on_device):
-            return outputs  # in the chunks' order already
-        row_of = {id(c): row for row, c in enumerate(order)}
-        return [outputs[row_of[id(c)]] for c in chunks]
+        return batch.outputs(chunks)
 
     def _forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Run the model on ``x`` (B, T, I), each row from the states of slot
@@ -930,73 +912,130 @@ class Engine:
             time.sleep(0)  # lets client threads run while the batch finishes
 
 
+_SPIN_S = 200e-6
+"""How long the worker spins on a batch's echo before it polls with sleeps."""
+
 _BATCHES_KEPT = 32
 """Captured batches an engine keeps (one per chunk length and padded batch
 size it has run); an engine with one chunk length runs at most
 log2(max_streams) + 1 sizes."""
 
 
-class _Batch:
-    """One batch shape of an engine (``size`` rows of ``T`` steps) and what
-    it runs on: the input rows ``x`` (size, T, I) on the engine's device, and
-    ``index`` (2, size): per row the slot its states are read from and the
-    slot they are written back to (:meth:`Engine._forward`), set through the
-    host view ``index_rows``.
+def _host_rows(t: torch.Tensor) -> Any:
+    """A NumPy view of host tensor ``t`` (bfloat16, which NumPy lacks, as its
+    16-bit pattern: the rows are copied, never computed on)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
-    On CUDA the index lives in pinned memory with a device copy, host chunks
-    are staged in a pinned buffer, and the run (the index's copy to the
-    device, the gather, the model's forward and the scatter) is captured as
-    one CUDA graph when the engine's ``capture_batches`` is set: a batch is
-    then a stack, one copy and one replay, three torch calls where an eager
-    run makes ~30, and each torch call lets the GIL go, which the worker then
-    has to win back from the client threads (measured on a 2-core host at
-    1,000 streams: ticks of 28.7 ms of wall time for 8.3 ms of CPU). Inside
-    the capture the model's kernels are launched directly (a persistrnn
-    module launches into a caller's capture); its plan is made by a first,
-    uncaptured run, with every row on the spare and zero slots."""
+
+class _Batch:
+    """One batch shape of an engine (``size`` rows of ``T`` steps) and the
+    buffers it runs on: the input rows (size, T, I) and output rows
+    (size, T, H) in host memory (pinned on CUDA), and ``index`` (2, size),
+    per row the slot its states are read from and the slot they are written
+    back to (:meth:`Engine._forward`), set through the host view
+    ``index_rows``.
+
+    On CUDA a run is: the index and the input rows copied to the device, the
+    gather, the model's forward, the scatter, the output rows copied back,
+    and last an echo of the run's number into pinned memory, which the
+    worker polls. With the engine's ``capture_batches`` it is captured as one
+    CUDA graph, so a batch costs one torch call (the replay): the rows are
+    written and read through NumPy views, and the wait reads the echo. Each
+    torch call lets the GIL go, and the worker then waits to win it back
+    from the client threads: measured on the H100's host under the bench's
+    load at 256 streams (8 client threads, gateway hand-over), ~0.3-1 ms of
+    wall time per call, ~8 calls and ~4.9 ms per batch when the input, the
+    output and the wait were torch calls. Inside the capture the model's
+    kernels are launched directly (a persistrnn module launches into a
+    caller's capture); its plan is made by a first, uncaptured run, with
+    every row on the spare and zero slots. A device chunk's rows travel
+    through the pinned rows too (copied on the worker's stream), and its
+    output is cloned from the device output."""
 
     def __init__(self, engine: "Engine", T: int, size: int) -> None:
         self.engine = engine
         self.cuda = engine.device.type == "cuda"
         dtype, device = engine.dtype, engine.device
-        self.x = torch.zeros((size, T, engine.input_size), dtype=dtype, device=device)
+        self.x_host = torch.zeros((size, T, engine.input_size), dtype=dtype, pin_memory=self.cuda)
+        self.x_rows = _host_rows(self.x_host)
         self.index_host = torch.empty((2, size), dtype=torch.long, pin_memory=self.cuda)
         self.index_rows = self.index_host.numpy()
         self.index_rows[0], self.index_rows[1] = engine._zero_slot, engine._spare_slot
-        self.index = self.index_host.to(device) if self.cuda else self.index_host
-        self.staging = torch.empty((size, T, engine.input_size), dtype=dtype, pin_memory=True) \
-            if self.cuda else None
+        self.out_rows: Any = None
+        if self.cuda:
+            self.x = self.x_host.to(device)
+            self.index = self.index_host.to(device)
+            self.out_host = torch.empty((size, T, engine.output_size), dtype=dtype, pin_memory=True)
+            self.out_rows = _host_rows(self.out_host)
+            self.echo_host = torch.zeros(2, dtype=torch.long, pin_memory=True)  # [the run's number, its echo]
+            self.echo_rows = self.echo_host.numpy()
+            self.echo = self.echo_host[:1].to(device)
         self.graph = None
         if self.cuda and engine.capture_batches:
             self.graph, self.out = runtime.capture(self._run, stream=engine._cuda_stream)
 
     def _run(self) -> torch.Tensor:
-        if self.cuda:
-            self.index.copy_(self.index_host, non_blocking=True)
-        return self.engine._forward(self.x, self.index)
+        if not self.cuda:
+            out = self.engine._forward(self.x_host, self.index_host)
+            self.out_rows = _host_rows(out)
+            return out
+        self.echo.copy_(self.echo_host[:1], non_blocking=True)
+        self.index.copy_(self.index_host, non_blocking=True)
+        self.x.copy_(self.x_host, non_blocking=True)
+        out = self.engine._forward(self.x, self.index)
+        self.out_host.copy_(out, non_blocking=True)
+        self.echo_host[1:].copy_(self.echo, non_blocking=True)  # last: the rows above are home
+        return out
 
-    def fill(self, on_host: list[_Chunk], on_device: list[_Chunk]) -> None:
-        """Rows 0.. of ``x`` from the host chunks, then the device chunks."""
-        nh = len(on_host)
-        if on_host:
-            inputs = [c.x for c in on_host]
-            if self.cuda:
-                torch.stack(inputs, 0, out=self.staging[:nh])
-                self.x[:nh].copy_(self.staging[:nh], non_blocking=True)
+    def fill(self, chunks: list[_Chunk]) -> None:
+        """Row i of the input from ``chunks[i]``: a host chunk through NumPy
+        (no torch call), a device chunk by a copy on the worker's stream once
+        its input is ready."""
+        rows = self.x_rows
+        for row, chunk in enumerate(chunks):
+            if chunk.x.is_cuda:
+                torch.cuda.current_stream(self.engine.device).wait_event(chunk.ready)
+                self.x_host[row].copy_(chunk.x, non_blocking=True)
             else:
-                torch.stack(inputs, 0, out=self.x[:nh])
-        if on_device:
-            stream = torch.cuda.current_stream(self.engine.device)
-            for c in on_device:
-                stream.wait_event(c.ready)
-            torch.stack([c.x for c in on_device], 0, out=self.x[nh:nh + len(on_device)])
+                rows[row] = _host_rows(chunk.x)
 
-    def run(self) -> torch.Tensor:
-        """The batch's output (size, T, H) after one run on ``x`` and ``index``."""
+    def run(self, timeout: float) -> None:
+        """One run on the input rows and ``index``; returns when the output
+        rows are written (on CUDA: polls the echo, at most ``timeout`` seconds)."""
+        echo = self.echo_rows if self.cuda else None
+        if echo is not None:
+            echo[0] += 1  # read by the run's first copy
         if self.graph is None:
-            return self._run()
-        self.graph.replay()
-        return self.out
+            self.out = self._run()
+        else:
+            self.graph.replay()
+        if echo is None:
+            return
+        # Spin on the echo (NumPy reads: the GIL stays here) for as long as a small batch takes, then poll
+        # with sleep(0), which lets client threads run while a longer batch finishes but costs a wait to
+        # win the GIL back.
+        started = time.perf_counter()
+        while echo[1] != echo[0] and time.perf_counter() - started < _SPIN_S:
+            pass
+        deadline = started + timeout
+        while echo[1] != echo[0]:
+            if time.perf_counter() > deadline:
+                raise _DeviceStalled(f"the engine's batch did not finish on {self.engine.device} within {timeout} s")
+            time.sleep(0)
+
+    def outputs(self, chunks: list[_Chunk]) -> list[torch.Tensor]:
+        """Each chunk's output (T, H), or (H,) for a chunk pushed as (I,), in
+        memory of its own: host rows copied through NumPy, device rows
+        cloned from the device output."""
+        rows, dtype, results = self.out_rows, self.engine.dtype, []
+        for row, chunk in enumerate(chunks):
+            if chunk.x.is_cuda:
+                out = self.out[row, 0] if chunk.single_step else self.out[row]
+                results.append(out.clone())
+            else:
+                out = torch.from_numpy((rows[row, 0] if chunk.single_step else rows[row]).copy())
+                results.append(out if out.dtype == dtype else out.view(dtype))
+        return results
 
 
 class _DeviceStalled(TimeoutError):
