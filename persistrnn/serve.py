@@ -36,15 +36,15 @@ of the model: no step of a stream is padded.
 
 On CUDA, each batch is padded to the next power of two (at most
 ``max_streams``) with rows whose results are dropped, and each batch shape
-(chunk length, padded size) is captured once as one CUDA graph: the copy of
-the batch's slot index, the gather of its rows' states, the model's forward
-and the scatter of the new states. The planner keeps one plan per
-power-of-two batch already, so these few shapes are all an engine runs.
-``warm_up`` plans and captures them before traffic arrives. The worker runs
-on a CUDA stream of its own; chunks on the host are stacked into one pinned
-buffer and copied once per batch, and outputs come back the same way. A new
-stream's first chunk reads its states from a row of zeros, so opening a
-stream costs the worker nothing. A pulled output is ready (the worker waits
+(chunk length, padded size) is captured once as one CUDA graph (see
+:class:`_Batch`): the copy of the batch's input rows and slot index from
+pinned memory, the gather of its rows' states, the model's forward, the
+scatter of the new states, and the copy of the output rows back. The planner
+keeps one plan per power-of-two batch already, so these few shapes are all
+an engine runs. ``warm_up`` plans and captures them before traffic arrives.
+The worker runs on a CUDA stream of its own. A new stream's first chunk reads
+its states from a row of zeros, so opening a stream costs the worker
+nothing. A pulled output is ready (the worker waits
 for the batch's event, polling with a bound, before delivering it) and lives
 where its chunk came from: on the host for a host chunk, on the engine's
 device for a device chunk.
