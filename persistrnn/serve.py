@@ -44,10 +44,9 @@ keeps one plan per power-of-two batch already, so these few shapes are all
 an engine runs. ``warm_up`` plans and captures them before traffic arrives.
 The worker runs on a CUDA stream of its own. A new stream's first chunk reads
 its states from a row of zeros, so opening a stream costs the worker
-nothing. A pulled output is ready (the worker waits
-for the batch's event, polling with a bound, before delivering it) and lives
-where its chunk came from: on the host for a host chunk, on the engine's
-device for a device chunk.
+nothing. A pulled output is ready (the worker waits for the batch, polling
+with a bound, before delivering it) and lives where its chunk came from: on
+the host for a host chunk, on the engine's device for a device chunk.
 
 **Threads and locks.** Any number of client threads may open, push, pull and
 close. One lock per engine guards every queue and slot; clients hold it only
@@ -57,8 +56,9 @@ the chunk's ``concurrent.futures.Future``, outside the lock.
 
 **Limits.** Every wait is bounded: ``pull(timeout=None)``, ``close`` and
 ``warm_up`` wait at most the engine's ``timeout``; the worker waits at most
-that long for the device. A stream may hold at most ``max_pending`` chunks
-that were pushed and not yet pulled (or submitted and not yet run);
+that long for the device. (A capture, in ``warm_up`` or at a batch shape's
+first use, ends with torch's own device synchronise, which has no bound.)
+A stream may hold at most ``max_pending`` chunks that were pushed and not yet pulled (or submitted and not yet run);
 ``push(chunk, timeout=0.0)`` waits up to ``timeout`` for room, then raises
 :class:`~persistrnn.errors.EngineFullError`. A stream whose client stops
 pulling only fills its own queue; the others run on.
@@ -66,7 +66,9 @@ pulling only fills its own queue; the others run on.
 **Errors.** An exception of the model in a tick is set on every chunk of
 that tick (a pull raises it) and on every chunk those streams queued after
 it; those streams are failed (their state missed a chunk) and refuse further
-pushes until closed. A closed stream refuses pushes with
+pushes until closed. A persistent kernel's failure is read from the device's
+report word after each batch, so a failure of another persistrnn call on the
+same device in that window is charged to the batch. A closed stream refuses pushes with
 :class:`~persistrnn.errors.ArgumentError`. Closing a stream or the engine
 cancels the chunks that have not run: their pulls raise
 ``concurrent.futures.CancelledError`` saying so. A pull that times out raises
@@ -360,7 +362,12 @@ class Engine:
         self.ticks = 0  # ticks run, and chunks run in them: chunks_run / ticks is the mean batch
         self.chunks_run = 0
 
-        self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._cuda_stream = None
+        if self.device.type == "cuda":
+            # A stream of the engine's own (a pooled one may be another thread's capture stream too), after
+            # the states' zero fill on the constructing thread's stream.
+            self._cuda_stream = runtime.own_stream(self.device.index)
+            self._cuda_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._worker = threading.Thread(target=self._serve, name=f"persistrnn-engine-{id(self):x}", daemon=True)
         self._worker.start()
         _LIVE_ENGINES.add(self)
@@ -615,7 +622,10 @@ class Engine:
                 self._call_in_worker(lambda T=T, size=size: self._warm_shape(T, size))
 
     def _warm_shape(self, T: int, size: int) -> None:
-        self._batch(T, size)
+        batch = self._batch(T, size)  # planned and captured once made
+        if batch.graph is None:  # uncaptured: one run plans the shape, every row on the zero and spare slots
+            batch.index_rows[0], batch.index_rows[1] = self._zero_slot, self._spare_slot
+            batch.run(self.timeout)
         self._wait_device()
 
     def _call_in_worker(self, fn: Any) -> Any:
@@ -664,6 +674,8 @@ class Engine:
         if on_worker:  # the worker ends after this tick; the exit hook still joins it
             return
         self._worker.join(min(self.timeout + 1.0, threading.TIMEOUT_MAX))
+        if not self._worker.is_alive():
+            self._batches.clear()  # their graphs, pools and pinned buffers go now, not at a later collection
         if self._worker.is_alive():
             error = TimeoutError(f"the engine closed and its worker did not finish the running tick within "
                                  f"{self.timeout} s")
@@ -688,9 +700,9 @@ class Engine:
         """Under the lock: mark ``stream`` closed, free its slot, and cancel its
         queued chunks (submitted ones join ``futures``). The slot is free at
         once even while the running tick holds one of the stream's chunks: the
-        tick writes the closed stream's states back into it first, and a new
-        stream's slot is zeroed at the start of the next tick, in that order on
-        the worker."""
+        tick writes the closed stream's states back into it, and a new stream
+        in that slot reads its first states from the row of zeros, whatever
+        the slot holds."""
         if stream._closed:
             return
         stream._closed = True
@@ -851,12 +863,13 @@ class Engine:
     def _batch(self, T: int, size: int) -> "_Batch":
         """The :class:`_Batch` of ``size`` rows of ``T`` steps: on CUDA made
         (and captured) once per launch settings (cuDNN's and cuBLAS's flags,
-        the kernels' wait bound: what a capture fixes) and kept, the least
+        the kernels' wait bound) and weights' addresses (what a capture
+        fixes) and kept, the least
         recently used dropped beyond :data:`_BATCHES_KEPT`; on the host made
         for the call."""
         if self.device.type != "cuda":
             return _Batch(self, T, size)
-        key = (T, size, launch_settings())
+        key = (T, size, launch_settings(), tuple(w.data_ptr() for w in self.model._flat_weights))
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch(self, T, size)
@@ -882,7 +895,10 @@ class Engine:
         batch.run(self.timeout)
         if batch.cuda:  # a persistent kernel that failed inside the batch reported it in host memory
             runtime.raise_reported_failure(self.device.index)
-        return batch.outputs(chunks)
+        outputs = batch.outputs(chunks)
+        if batch.cuda and any(chunk.x.is_cuda for chunk in chunks):
+            self._wait_device()  # a device chunk's output is a clone queued after the batch: delivered once made
+        return outputs
 
     def _forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Run the model on ``x`` (B, T, I), each row from the states of slot

@@ -802,6 +802,24 @@ def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
         bench.main(["--streams", "0"])
 
 
+def test_warm_up_runs_each_given_batch_size_once_and_leaves_the_states_alone():
+    # Uncaptured batches (the host, or capture_batches=False) are planned by one run each, every row on the
+    # zero and spare slots: a stream's states are the same after a warm-up as before it.
+    model = make_model("lstm", input_size=7, hidden=13, layers=1)
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    chunks = [torch.randn(2, 7) for _ in range(2)]
+    with serve.Engine(model, max_streams=4, timeout=WAIT) as engine:
+        stream = engine.open()
+        stream.push(chunks[0])
+        first = stream.pull()
+        engine.warm_up(steps=(2,), batches=(1, 4))
+        assert len(calls) == 3 and sorted(shape[1] for shape in calls[1:]) == [1, 4]
+        stream.push(chunks[1])
+        second = stream.pull()
+    check_outputs(model, [chunks], [[first, second]], TOLERANCES["cpu"])
+
+
 # ---- on the GPU ------------------------------------------------------------------------------
 
 @pytest.mark.gpu

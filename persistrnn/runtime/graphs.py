@@ -27,9 +27,40 @@ import collections
 import threading
 from typing import Any, Callable, Sequence
 
-__all__ = ["CapturedCall", "GraphCache", "capture_graph"]
+__all__ = ["CapturedCall", "GraphCache", "capture", "capture_graph", "own_stream"]
 
 _CAPTURE_LOCK = threading.Lock()
+_CAPTURE_STREAMS = threading.local()
+
+
+def own_stream(device: int) -> Any:
+    """A CUDA stream of the caller's own (a torch ``ExternalStream`` over a
+    stream created here, destroyed when the object is collected), not one of
+    torch's pooled streams: ``torch.cuda.Stream()`` hands out 32 streams
+    round robin, so two holders that each believe a stream theirs can share
+    it, and a capture on it by one thread then takes in (or is invalidated
+    by) the other's launches."""
+    import weakref
+
+    import torch
+    from cuda.bindings import runtime as cudart
+
+    with torch.cuda.device(device):
+        err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaStreamCreateWithFlags on device {device}: {err}")
+    stream = torch.cuda.ExternalStream(int(handle), device=device)
+    weakref.finalize(stream, cudart.cudaStreamDestroy, handle)
+    return stream
+
+
+def _capture_stream(device: int) -> Any:
+    """This thread's own capture stream on ``device`` (kept for the thread's life)."""
+    streams = _CAPTURE_STREAMS.__dict__.setdefault("by_device", {})
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = own_stream(device)
+    return stream
 
 
 def capture_graph(fn: Callable[[], Any], stream: Any = None) -> Any:
@@ -41,7 +72,8 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
             stream: Any = None) -> tuple[Any, Any]:
     """(graph, result) for ``record()`` captured as a ``torch.cuda.CUDAGraph``.
 
-    ``warm()`` (default: ``record``) runs once first on the capture stream,
+    The capture runs on ``stream`` (default: the calling thread's own
+    capture stream, :func:`own_stream`). ``warm()`` (default: ``record``) runs once first on the capture stream,
     outside the capture, so compilation, module loads, cuBLAS workspaces and
     lazy allocations stay out of the graph; it may itself capture graphs (a
     module called inside ``fn`` does), so it runs before the capture lock is
@@ -52,7 +84,7 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     ``record`` allocates, live in the graph's own memory pool."""
     import torch
 
-    stream = stream or torch.cuda.Stream()
+    stream = stream or _capture_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         (warm or record)()
