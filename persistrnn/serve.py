@@ -601,7 +601,7 @@ class Engine:
                 stream._held -= 1
                 if stream._waiting:
                     stream._changed.notify_all()
-        if self._cuda_stream is not None:
+        if self.device.type == "cuda":  # also after close, which gives the engine's stream back
             for chunk in chunks:
                 if chunk.error is None and chunk.out.is_cuda:
                     chunk.out.record_stream(torch.cuda.current_stream(chunk.out.device))
@@ -676,6 +676,9 @@ class Engine:
         self._worker.join(min(self.timeout + 1.0, threading.TIMEOUT_MAX))
         if not self._worker.is_alive():
             self._batches.clear()  # their graphs, pools and pinned buffers go now, not at a later collection
+            if self._cuda_stream is not None:
+                runtime.release_stream(self._cuda_stream)
+                self._cuda_stream = None
         if self._worker.is_alive():
             error = TimeoutError(f"the engine closed and its worker did not finish the running tick within "
                                  f"{self.timeout} s")

@@ -27,40 +27,43 @@ import collections
 import threading
 from typing import Any, Callable, Sequence
 
-__all__ = ["CapturedCall", "GraphCache", "capture", "capture_graph", "own_stream"]
+__all__ = ["CapturedCall", "GraphCache", "capture", "capture_graph", "own_stream", "release_stream"]
 
 _CAPTURE_LOCK = threading.Lock()
-_CAPTURE_STREAMS = threading.local()
+_FREE_STREAMS: dict[int, list[Any]] = {}
+_STREAMS_LOCK = threading.Lock()
 
 
 def own_stream(device: int) -> Any:
-    """A CUDA stream of the caller's own (a torch ``ExternalStream`` over a
-    stream created here, destroyed when the object is collected), not one of
-    torch's pooled streams: ``torch.cuda.Stream()`` hands out 32 streams
+    """A CUDA stream (a torch ``ExternalStream``) that no one else holds
+    until :func:`release_stream` gives it back: a free one of ours, or a
+    new one. torch's ``torch.cuda.Stream()`` hands out 32 pooled streams
     round robin, so two holders that each believe a stream theirs can share
     it, and a capture on it by one thread then takes in (or is invalidated
-    by) the other's launches."""
-    import weakref
-
+    by) the other's launches. Our streams are never destroyed: tensors whose
+    memory torch's allocator ties to a stream may outlive any holder (a
+    destroyed stream aborted the process at exit, when the allocator
+    recorded an event on it)."""
     import torch
+
+    with _STREAMS_LOCK:
+        free = _FREE_STREAMS.setdefault(device, [])
+        if free:
+            return free.pop()
     from cuda.bindings import runtime as cudart
 
     with torch.cuda.device(device):
         err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
     if err != cudart.cudaError_t.cudaSuccess:
         raise RuntimeError(f"cudaStreamCreateWithFlags on device {device}: {err}")
-    stream = torch.cuda.ExternalStream(int(handle), device=device)
-    weakref.finalize(stream, cudart.cudaStreamDestroy, handle)
-    return stream
+    return torch.cuda.ExternalStream(int(handle), device=device)
 
 
-def _capture_stream(device: int) -> Any:
-    """This thread's own capture stream on ``device`` (kept for the thread's life)."""
-    streams = _CAPTURE_STREAMS.__dict__.setdefault("by_device", {})
-    stream = streams.get(device)
-    if stream is None:
-        stream = streams[device] = own_stream(device)
-    return stream
+def release_stream(stream: Any) -> None:
+    """Give back a stream from :func:`own_stream` for another holder (work
+    queued on it stays ordered before the next holder's)."""
+    with _STREAMS_LOCK:
+        _FREE_STREAMS.setdefault(stream.device.index, []).append(stream)
 
 
 def capture_graph(fn: Callable[[], Any], stream: Any = None) -> Any:
@@ -72,8 +75,8 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
             stream: Any = None) -> tuple[Any, Any]:
     """(graph, result) for ``record()`` captured as a ``torch.cuda.CUDAGraph``.
 
-    The capture runs on ``stream`` (default: the calling thread's own
-    capture stream, :func:`own_stream`). ``warm()`` (default: ``record``) runs once first on the capture stream,
+    The capture runs on ``stream`` (default: one of :func:`own_stream`'s,
+    held for the capture). ``warm()`` (default: ``record``) runs once first on the capture stream,
     outside the capture, so compilation, module loads, cuBLAS workspaces and
     lazy allocations stay out of the graph; it may itself capture graphs (a
     module called inside ``fn`` does), so it runs before the capture lock is
@@ -84,15 +87,21 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     ``record`` allocates, live in the graph's own memory pool."""
     import torch
 
-    stream = stream or _capture_stream(torch.cuda.current_device())
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        (warm or record)()
-    with _CAPTURE_LOCK:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            result = record()
-    torch.cuda.current_stream().wait_stream(stream)
+    held = stream is None
+    if held:
+        stream = own_stream(torch.cuda.current_device())
+    try:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            (warm or record)()
+        with _CAPTURE_LOCK:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                result = record()
+        torch.cuda.current_stream().wait_stream(stream)
+    finally:
+        if held:
+            release_stream(stream)
     return graph, result
 
 
