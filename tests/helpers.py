@@ -48,16 +48,20 @@ ELEMENT_FLOOR = {
     # Relative to max(1, max |ref|): outputs of tanh/sigmoid cells are below
     # 1, the LSTM cell state and relu RNNs may not be.
     "float32": 1e-5,
-    # 2u, one ulp of 1.0: an element carries its own rounding (<= u/2) plus
+    # 4u, two ulps of 1.0: an element carries its own rounding (<= u/2) plus
     # that of the 16-bit states and layer outputs it was computed from.
     # Simulated (fp32 cell math, 16-bit states, float64 reference) on inputs
     # like the kernel tests' (standard normal, h0 of 0.5), it never exceeded
     # 1.5u. On torch's module samples (inputs and states up to 9) rounding
-    # reaches 4-5u for any implementation, torch's CUDA module included: there
-    # the peer term is the bound. A real defect (a wrong gate, row or step)
-    # is off by far more than a rounding step.
-    "bfloat16": 2.0**-7,
-    "float16": 2.0**-10,
+    # reaches 4-5u for any implementation, torch's CUDA module included, and
+    # the peer term is the bound where the peer's own rounding was unlucky.
+    # Where it was lucky, ours measured 3.45u (bf16 2-unit RNN, relu, packed)
+    # and 2.3u (fp16 3-unit bidirectional GRU, unbatched) on the H100, once
+    # each in ~2,760 samples with fresh seeds: a 2u floor failed those. A
+    # real defect (a wrong gate, row or step) is off by far more than a
+    # rounding step.
+    "bfloat16": 2.0**-6,
+    "float16": 2.0**-9,
 }
 
 MIN_NORM_ELEMENTS = 32
