@@ -967,8 +967,10 @@ class _Batch:
     gather, the model's forward, the scatter, the output rows copied back,
     and last an echo of the run's number into pinned memory, which the
     worker polls. With the engine's ``capture_batches`` it is captured as one
-    CUDA graph, so a batch costs one torch call (the replay): the rows are
-    written and read through NumPy views, and the wait reads the echo. Each
+    CUDA graph, so a batch of up to :data:`_ROWS_BY_NUMPY` host chunks costs
+    one torch call (the replay): the rows are written and read through NumPy
+    views, and the wait reads the echo (past that, a stack in and a copy and
+    a split out as well). Each
     torch call lets the GIL go, and the worker then waits to win it back
     from the client threads: measured on the H100's host under the bench's
     load at 256 streams (8 client threads, gateway hand-over), ~0.3-1 ms of
