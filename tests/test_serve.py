@@ -802,6 +802,31 @@ def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
         bench.main(["--streams", "0"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_models_rows_by_numpy_and_by_one_call_equal_each_stream_alone(dtype):
+    # Batches of a few chunks move their rows through NumPy views (bfloat16, which NumPy lacks, as its
+    # 16-bit pattern); batches past serve._ROWS_BY_NUMPY by one torch call each way. Both give each stream
+    # its own outputs, in the model's dtype.
+    model = make_model("gru", input_size=5, hidden=6, layers=1).to(dtype)
+    rng = random.Random(31)
+    few, many = 3, serve._ROWS_BY_NUMPY + 5
+    with serve.Engine(model, max_streams=many, timeout=WAIT) as engine:
+        streams = [engine.open() for _ in range(many)]
+        inputs = {s: [] for s in streams}
+        outputs = {s: [] for s in streams}
+        for size in (few, many, few, many):
+            group = rng.sample(streams, size)
+            shape = rng.choice([(2, 5), (5,)])  # one length per group: the group is one batch
+            chunks = torch.randn(size, *shape).to(dtype)
+            engine.push_many(group, chunks)
+            for stream, chunk, out in zip(group, chunks, engine.pull_many(group)):
+                assert out.dtype == dtype and out.shape == (*chunk.shape[:-1], 6)
+                inputs[stream].append(chunk)
+                outputs[stream].append(out)
+    used = [s for s in streams if inputs[s]]
+    check_outputs(model, [inputs[s] for s in used], [outputs[s] for s in used], dict(rtol=2e-2, atol=2e-2))
+
+
 def test_warm_up_runs_each_given_batch_size_once_and_leaves_the_states_alone():
     # Uncaptured batches (the host, or capture_batches=False) are planned by one run each, every row on the
     # zero and spare slots: a stream's states are the same after a warm-up as before it.
