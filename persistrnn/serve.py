@@ -676,9 +676,10 @@ class Engine:
         self._worker.join(min(self.timeout + 1.0, threading.TIMEOUT_MAX))
         if not self._worker.is_alive():
             self._batches.clear()  # their graphs, pools and pinned buffers go now, not at a later collection
-            if self._cuda_stream is not None:
-                runtime.release_stream(self._cuda_stream)
-                self._cuda_stream = None
+            with self._lock:  # two closes at once give the stream back once
+                stream, self._cuda_stream = self._cuda_stream, None
+            if stream is not None and self._failure is None:  # a failed worker's stream may hold a stalled batch
+                runtime.release_stream(stream)
         if self._worker.is_alive():
             error = TimeoutError(f"the engine closed and its worker did not finish the running tick within "
                                  f"{self.timeout} s")

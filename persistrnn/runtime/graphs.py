@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["CapturedCall", "GraphCache", "capture", "capture_graph", "own_stream", "release_stream"]
 
-_CAPTURE_LOCK = threading.Lock()
+_CAPTURE_LOCK = threading.RLock()  # held by a capture, and by a wait on a stream that a capture might use
 _FREE_STREAMS: dict[int, list[Any]] = {}
 _STREAMS_LOCK = threading.Lock()
 
@@ -80,9 +80,11 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     outside the capture, so compilation, module loads, cuBLAS workspaces and
     lazy allocations stay out of the graph; it may itself capture graphs (a
     module called inside ``fn`` does), so it runs before the capture lock is
-    taken. The captures themselves are serialised within the process (two
-    could otherwise draw the same pooled side stream) and run in thread-local
-    mode: other threads keep launching and allocating meanwhile. ``result``
+    taken. The captures themselves are serialised within the process (a
+    wait on a stream, :meth:`CapturedCall.retire`, must not meet a capture
+    on it) and run in thread-local mode: other threads keep launching and
+    allocating meanwhile. A capture that fails keeps its stream out of the
+    free list (it may still be capturing). ``result``
     is what the captured call returned; its tensors, and every tensor
     ``record`` allocates, live in the graph's own memory pool."""
     import torch
@@ -90,18 +92,24 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     held = stream is None
     if held:
         stream = own_stream(torch.cuda.current_device())
-    try:
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+    caller = torch.cuda.current_stream()
+    stream.wait_stream(caller)
+    # The outer stream context restores the caller's stream on every exit: torch's graph context does not
+    # when ending the capture raises.
+    with torch.cuda.stream(stream):
+        try:
             (warm or record)()
+        except BaseException:
+            if held:  # not capturing yet: the stream can serve another holder
+                release_stream(stream)
+            raise
         with _CAPTURE_LOCK:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 result = record()
-        torch.cuda.current_stream().wait_stream(stream)
-    finally:
-        if held:
-            release_stream(stream)
+    caller.wait_stream(stream)
+    if held:  # only after a capture that ended well: a failed one's stream is not handed to anyone
+        release_stream(stream)
     return graph, result
 
 
@@ -174,7 +182,8 @@ class CapturedCall:
 
         with self.lock:
             self.retired = True
-        torch.cuda.ExternalStream(stream, device=self.device).synchronize()
+        with _CAPTURE_LOCK:  # the stream may be one of ours, now another thread's capture stream
+            torch.cuda.ExternalStream(stream, device=self.device).synchronize()
 
 
 class GraphCache:

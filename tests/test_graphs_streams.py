@@ -1,0 +1,151 @@
+"""The capture's stream bookkeeping (``runtime.graphs``), with torch's CUDA
+calls replaced by stand-ins so that it runs without a GPU: a capture holds
+one of our own streams and gives it back only when it ended well or failed
+before capturing; the caller's stream is current again on every exit; a wait
+on a stream (``CapturedCall.retire``) never meets a capture in progress."""
+
+import threading
+
+import pytest
+import torch
+
+from persistrnn.runtime import graphs
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+        self.device = torch.device("cuda", 0)
+        self.waited_on = []
+
+    def wait_stream(self, other):
+        self.waited_on.append(other.name)
+
+    def __repr__(self):
+        return f"FakeStream({self.name})"
+
+
+class FakeCuda:
+    """torch.cuda's calls that ``capture`` makes, recording what happens."""
+
+    def __init__(self, fail_capture_end=False):
+        self.current = FakeStream("caller")
+        self.fail_capture_end = fail_capture_end
+        self.captures = []
+
+    def current_device(self):
+        return 0
+
+    def current_stream(self, device=None):
+        return self.current
+
+    def stream(self, stream):
+        cuda = self
+
+        class Context:
+            def __enter__(self):
+                self.saved, cuda.current = cuda.current, stream
+
+            def __exit__(self, *exc):
+                cuda.current = self.saved
+
+        return Context()
+
+    def CUDAGraph(self):  # noqa: N802 - torch's name
+        return object()
+
+    def graph(self, graph, stream, capture_error_mode):
+        cuda = self
+
+        class Capture:
+            def __enter__(self):
+                self.saved, cuda.current = cuda.current, stream
+                cuda.captures.append((stream.name, capture_error_mode))
+
+            def __exit__(self, *exc):
+                if cuda.fail_capture_end:  # torch ends the capture before it restores the stream
+                    raise RuntimeError("capture invalidated")
+                cuda.current = self.saved
+
+        return Capture()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    cuda = FakeCuda()
+    for name in ("current_device", "current_stream", "stream", "CUDAGraph", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    made = iter(range(1000))
+    monkeypatch.setattr(graphs, "_FREE_STREAMS", {})
+
+    def own(device):
+        with graphs._STREAMS_LOCK:
+            free = graphs._FREE_STREAMS.setdefault(device, [])
+            if free:
+                return free.pop()
+        return FakeStream(f"own{next(made)}")
+
+    monkeypatch.setattr(graphs, "own_stream", own)
+    return cuda
+
+
+def free_streams():
+    return [s.name for s in graphs._FREE_STREAMS.get(0, [])]
+
+
+def test_a_capture_that_ends_well_gives_its_stream_back_and_restores_the_callers(fake_cuda):
+    ran = []
+    graph, result = graphs.capture(lambda: ran.append("record") or "out", lambda: ran.append("warm"))
+    assert result == "out" and ran == ["warm", "record"]
+    assert fake_cuda.captures == [("own0", "thread_local")]
+    assert fake_cuda.current.name == "caller" and free_streams() == ["own0"]
+    graphs.capture(lambda: None)  # the next capture takes the same stream back out
+    assert fake_cuda.captures[-1][0] == "own0" and free_streams() == ["own0"]
+
+
+def test_a_warm_up_that_fails_gives_the_stream_back(fake_cuda):
+    def warm():
+        raise ValueError("the model's own error")
+
+    with pytest.raises(ValueError, match="the model's own error"):
+        graphs.capture(lambda: None, warm)
+    assert fake_cuda.captures == [] and fake_cuda.current.name == "caller" and free_streams() == ["own0"]
+
+
+def test_a_capture_that_fails_keeps_its_stream_and_restores_the_callers(fake_cuda):
+    fake_cuda.fail_capture_end = True
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        graphs.capture(lambda: None)
+    assert fake_cuda.current.name == "caller"  # torch's context left the capture stream current; ours restores it
+    assert free_streams() == []  # it may still be capturing: no one else gets it
+
+
+def test_a_given_stream_is_not_taken_or_given_back(fake_cuda):
+    mine = FakeStream("mine")
+    graphs.capture(lambda: None, stream=mine)
+    assert fake_cuda.captures == [("mine", "thread_local")] and free_streams() == []
+
+
+def test_a_wait_on_a_stream_waits_for_a_capture_in_progress(monkeypatch):
+    # retire's synchronise runs under the capture lock, so it cannot meet another thread's capture.
+    order = []
+    synchronised = threading.Event()
+
+    class Ext:
+        def __init__(self, stream, device):
+            pass
+
+        def synchronize(self):
+            order.append("synchronize")
+            synchronised.set()
+
+    monkeypatch.setattr(torch.cuda, "ExternalStream", Ext)
+    call = graphs.CapturedCall.__new__(graphs.CapturedCall)
+    call.lock, call.retired, call.device = threading.Lock(), False, torch.device("cuda", 0)
+    with graphs._CAPTURE_LOCK:  # a capture in progress on another thread
+        waiter = threading.Thread(target=call.retire, args=(1234,))
+        waiter.start()
+        assert not synchronised.wait(0.2)
+        order.append("capture ended")
+    waiter.join(5)
+    assert order == ["capture ended", "synchronize"] and call.retired
