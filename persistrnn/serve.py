@@ -57,9 +57,10 @@ the chunk's ``concurrent.futures.Future``, outside the lock.
 **Limits.** Every wait is bounded: ``pull(timeout=None)``, ``close`` and
 ``warm_up`` wait at most the engine's ``timeout``; the worker waits at most
 that long for the device. (A capture, in ``warm_up`` or at a batch shape's
-first use, ends with torch's own device synchronise, which has no bound.)
-A stream may hold at most ``max_pending`` chunks that were pushed and not yet pulled (or submitted and not yet run);
-``push(chunk, timeout=0.0)`` waits up to ``timeout`` for room, then raises
+first use, ends with torch's own device synchronise, which has no bound.) A
+stream may hold at most ``max_pending`` chunks that were pushed and not yet
+pulled (or submitted and not yet run); ``push(chunk, timeout=0.0)`` waits
+up to ``timeout`` for room, then raises
 :class:`~persistrnn.errors.EngineFullError`. A stream whose client stops
 pulling only fills its own queue; the others run on.
 
@@ -68,8 +69,8 @@ that tick (a pull raises it) and on every chunk those streams queued after
 it; those streams are failed (their state missed a chunk) and refuse further
 pushes until closed. A persistent kernel's failure is read from the device's
 report word after each batch, so a failure of another persistrnn call on the
-same device in that window is charged to the batch. A closed stream refuses pushes with
-:class:`~persistrnn.errors.ArgumentError`. Closing a stream or the engine
+same device in that window is charged to the batch. A closed stream refuses
+pushes with :class:`~persistrnn.errors.ArgumentError`. Closing a stream or the engine
 cancels the chunks that have not run: their pulls raise
 ``concurrent.futures.CancelledError`` saying so. A pull that times out raises
 ``TimeoutError`` and leaves the chunk to a later pull. ``Engine.close`` (also
@@ -868,9 +869,8 @@ class Engine:
         """The :class:`_Batch` of ``size`` rows of ``T`` steps: on CUDA made
         (and captured) once per launch settings (cuDNN's and cuBLAS's flags,
         the kernels' wait bound) and weights' addresses (what a capture
-        fixes) and kept, the least
-        recently used dropped beyond :data:`_BATCHES_KEPT`; on the host made
-        for the call."""
+        fixes) and kept, the least recently used dropped beyond
+        :data:`_BATCHES_KEPT`; on the host made for the call."""
         if self.device.type != "cuda":
             return _Batch(self, T, size)
         key = (T, size, launch_settings(), tuple(w.data_ptr() for w in self.model._flat_weights))
@@ -895,12 +895,14 @@ class Engine:
             stream._fresh = False
         gather[n:] = self._zero_slot
         scatter[n:] = self._spare_slot
-        batch.fill(chunks)
+        on_device = any(chunk.x.is_cuda for chunk in chunks)
+        by_rows = n <= _ROWS_BY_NUMPY or on_device
+        batch.fill(chunks, by_rows)
         batch.run(self.timeout)
         if batch.cuda:  # a persistent kernel that failed inside the batch reported it in host memory
             runtime.raise_reported_failure(self.device.index)
-        outputs = batch.outputs(chunks)
-        if batch.cuda and any(chunk.x.is_cuda for chunk in chunks):
+        outputs = batch.outputs(chunks, by_rows)
+        if on_device:
             self._wait_device()  # a device chunk's output is a clone queued after the batch: delivered once made
         return outputs
 
@@ -971,8 +973,7 @@ class _Batch:
     CUDA graph, so a batch of up to :data:`_ROWS_BY_NUMPY` host chunks costs
     one torch call (the replay): the rows are written and read through NumPy
     views, and the wait reads the echo (past that, a stack in and a copy and
-    a split out as well). Each
-    torch call lets the GIL go, and the worker then waits to win it back
+    a split out as well). Each torch call lets the GIL go, and the worker then waits to win it back
     from the client threads: measured on the H100's host under the bench's
     load at 256 streams (8 client threads, gateway hand-over), ~0.3-1 ms of
     wall time per call, ~8 calls and ~4.9 ms per batch when the input, the
@@ -1018,11 +1019,11 @@ class _Batch:
         self.echo_host[1:].copy_(self.echo, non_blocking=True)  # last: the rows above are home
         return out
 
-    def fill(self, chunks: list[_Chunk]) -> None:
-        """Row i of the input from ``chunks[i]``: a few host chunks through
-        NumPy (no torch call), many by one stack; a device chunk by a copy on
-        the worker's stream once its input is ready."""
-        if len(chunks) > _ROWS_BY_NUMPY and not any(chunk.x.is_cuda for chunk in chunks):
+    def fill(self, chunks: list[_Chunk], by_rows: bool) -> None:
+        """Row i of the input from ``chunks[i]``: ``by_rows``, a host chunk
+        through NumPy (no torch call) and a device chunk by a copy on the
+        worker's stream once its input is ready; else all by one stack."""
+        if not by_rows:
             torch.stack([chunk.x for chunk in chunks], 0, out=self.x_host[:len(chunks)])
             return
         rows = self.x_rows
@@ -1057,11 +1058,11 @@ class _Batch:
                 raise _DeviceStalled(f"the engine's batch did not finish on {self.engine.device} within {timeout} s")
             time.sleep(0)
 
-    def outputs(self, chunks: list[_Chunk]) -> list[torch.Tensor]:
+    def outputs(self, chunks: list[_Chunk], by_rows: bool) -> list[torch.Tensor]:
         """Each chunk's output (T, H), or (H,) for a chunk pushed as (I,), in
-        memory of its own: host rows copied through NumPy, device rows
-        cloned from the device output."""
-        if len(chunks) > _ROWS_BY_NUMPY and not any(chunk.x.is_cuda for chunk in chunks):
+        memory of its own: ``by_rows``, host rows copied through NumPy and
+        device rows cloned from the device output; else one copy and a split."""
+        if not by_rows:
             out = self.out_host if self.cuda else self.out
             return _split(chunks, out[:len(chunks)].clone(memory_format=torch.contiguous_format))
         rows, dtype, results = self.out_rows, self.engine.dtype, []
