@@ -366,7 +366,7 @@ def run_case(model: str, streams: int, provider: str, s: Settings,
         return rows + [{**row, "handover": handover, "status": "failed", "note": f"{type(exc).__name__}: {exc}"}
                        for handover in handovers[len(rows):]]
     finally:
-        if s.gc_freeze:  # only what this case froze: a caller's own freeze stays
+        if s.gc_freeze:  # only when this case froze it (gc.freeze does not nest)
             gc.unfreeze()
     return rows
 
