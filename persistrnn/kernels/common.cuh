@@ -232,6 +232,28 @@ __device__ __forceinline__ void prnn_st_cluster_v4(prnn_u32 addr, float4 v) {
                  : "memory");
 }
 
+__device__ __forceinline__ void prnn_st_cluster_s64(prnn_u32 addr, long long v) {
+    asm volatile("st.shared::cluster.s64 [%0], %1;" ::"r"(addr), "l"(v) : "memory");
+}
+
+// ---- host memory (pinned, mapped: the same address on host and device) -----
+
+__device__ __forceinline__ long long prnn_ld_acquire_sys(const long long* p) {
+    long long v;
+    asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void prnn_st_release_sys(long long* p, long long v) {
+    asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ prnn_u64 prnn_globaltimer() {
+    prnn_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // ---- mbarrier + st.async ---------------------------------------------------
 
 __device__ __forceinline__ void prnn_mbar_init(prnn_u64* bar, prnn_u32 arrivals) {

@@ -72,6 +72,16 @@
 // for its consumer (pipe holds every step), so the fused launch cannot
 // deadlock even if its instances are not all resident at once.
 //
+// PRNN_RESIDENT: the launch stays and serves ticks of a serving engine
+// (persistrnn.serve, resident mode): the weights load once, then per tick
+// block 0 waits for the tick's doorbell in pinned host memory, the blocks
+// compute the tick's input projections from input rows read straight from
+// host memory (W_ih from global memory, through L1), gather each row's
+// states from a slot of the engine's state pool, run the tick's steps,
+// write the output rows to host memory and the new states to their slots,
+// and block 0 echoes the tick's number (see prnn_next_tick). One instance,
+// sync 'single' or 'cluster', one batch slice.
+//
 // Configuration macros come from persistrnn/persistent.py (KernelConfig),
 // together with the cell's generated pointwise functions and the instance
 // parameter lists.
@@ -91,6 +101,7 @@ struct prnn_smem_layout {
     float* rh;      // one-sync: [KPAD][BP] r * h for every unit
     float* bias_next;  // pipeline: [G][U] b_ih of the next layer's rows
     float* w_next;     // pipeline: the next layer's input weights that do not fit in registers
+    int* slots;        // resident: [2][BP] per row the slot its states are read from, then written to
 };
 
 __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
@@ -105,6 +116,7 @@ __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     L.rh = L.part + (PRNN_ONE_SYNC ? 2 * PRNN_NB * PRNN_PROWS * BP : 0);
     L.bias_next = L.rh + (PRNN_ONE_SYNC ? PRNN_KPAD * BP : 0);
     L.w_next = L.bias_next + (PRNN_PIPELINE ? PRNN_BIAS_FLOATS : 0);
+    L.slots = reinterpret_cast<int*>(L.w_next);  // a resident kernel runs no pipeline: w_next's region is empty
     return L;
 }
 
@@ -357,6 +369,83 @@ __device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* 
 }
 #endif
 
+#if PRNN_RESIDENT
+// Thread 0 of block 0: tick `tick`'s descriptor (PRNN_CTL_* words of the
+// control block `ctl`, int64 in pinned host memory: steps, rows, and the
+// addresses of the input rows, output rows, gather and scatter slots and
+// the projections' scratch), once the host has rung its doorbell; or steps
+// 0 to leave, when the stop word is set, when no doorbell came for idle_ns,
+// or when the launch has run lifetime_ns (a device-wide synchronise
+// elsewhere in the process waits for this launch, so it must not run on
+// forever; the host launches again for the next tick).
+__device__ __forceinline__ void prnn_next_tick(const long long* ctl, long long tick, prnn_u64 launched,
+                                               prnn_u64 idle_ns, prnn_u64 lifetime_ns,
+                                               long long (&desc)[PRNN_TICK_WORDS]) {
+    const volatile long long* words = ctl;
+    const prnn_u64 idle_from = prnn_globaltimer();
+    for (;;) {
+        const prnn_u64 now = prnn_globaltimer();
+        if (now - launched > lifetime_ns || words[PRNN_CTL_STOP]) break;
+        if (prnn_ld_acquire_sys(ctl + PRNN_CTL_DOORBELL) >= tick) {
+#pragma unroll
+            for (int w = 0; w < PRNN_TICK_WORDS; ++w) desc[w] = words[PRNN_CTL_TICK + w];
+            return;
+        }
+        if (now - idle_from > idle_ns) break;
+        __nanosleep(64);
+    }
+    desc[0] = 0;
+}
+
+// This block's rows of a tick's input projections from the input rows x
+// [B][T][I] (host memory, read once per block): xw[t][b][g*H + unit] =
+// b_ih + W_ih x. A warp per (row, step) pair, its lanes over the block's
+// G*U projection rows, PRNN_XW_ROWS at a time; x's values go from lane to
+// lane by shuffles. Stored to L2 (__stcg), where the prefetch's cp.async.cg
+// reads them.
+__device__ __forceinline__ void prnn_tick_projections(const io_t* __restrict__ x, const io_t* __restrict__ w_ih,
+                                                      const io_t* __restrict__ b_ih, float* __restrict__ xw, int T,
+                                                      int B, int blk) {
+    constexpr int chunks = (PRNN_I + 31) / 32;
+    const int lane = threadIdx.x % 32;
+    for (int p = threadIdx.x / 32; p < T * B; p += PRNN_THREADS / 32) {
+        const int b = p / T, t = p % T;
+        float xv[chunks];
+#pragma unroll
+        for (int j = 0; j < chunks; ++j)
+            xv[j] = lane + 32 * j < PRNN_I ? prnn_to_float(x[(long long)p * PRNN_I + lane + 32 * j]) : 0.0f;
+        float* dst = xw + ((long long)t * B + b) * PRNN_G * PRNN_H;
+        for (int r0 = 0; r0 < PRNN_G * PRNN_U; r0 += 32 * PRNN_XW_ROWS) {
+            float acc[PRNN_XW_ROWS];
+            const io_t* w[PRNN_XW_ROWS];
+            int row[PRNN_XW_ROWS];
+#pragma unroll
+            for (int q = 0; q < PRNN_XW_ROWS; ++q) {
+                const int gu = r0 + 32 * q + lane, unit = blk * PRNN_U + gu % PRNN_U;
+                const bool valid = gu < PRNN_G * PRNN_U && unit < PRNN_H;
+                row[q] = valid ? (gu / PRNN_U) * PRNN_H + unit : -1;
+                w[q] = w_ih + (valid ? (long long)row[q] * PRNN_I : 0);
+                acc[q] = valid ? prnn_to_float(b_ih[row[q]]) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < chunks; ++j)
+#pragma unroll
+                for (int l = 0; l < 32; ++l) {
+                    const float xi = __shfl_sync(PRNN_FULL_MASK, xv[j], l);
+                    if (32 * j + l < PRNN_I) {
+#pragma unroll
+                        for (int q = 0; q < PRNN_XW_ROWS; ++q)
+                            if (row[q] >= 0) acc[q] += prnn_to_float(w[q][32 * j + l]) * xi;
+                    }
+                }
+#pragma unroll
+            for (int q = 0; q < PRNN_XW_ROWS; ++q)
+                if (row[q] >= 0) __stcg(dst + row[q], acc[q]);
+        }
+    }
+}
+#endif
+
 // Per instance i, as PRNN_INSTANCE_PARAMS lists them (suffix _i):
 //   xw      [T][ld][G*H] input projection incl. b_ih, fp32 (unused by a pipeline consumer)
 //   w_hh    [G*H][H], b_hh [G*H]
@@ -378,8 +467,17 @@ __device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* 
 //   ld, out_row  sequences between steps of xw/out (the whole batch's); out's row length
 //   abandon_block  test hook, -1 for none: block blockIdx.x == abandon_block
 //               stops taking part after step 0, so its peers time out on it
+// and, resident (PRNN_RESIDENT_PARAMS; h0 and h_n, c0 and c_n are then the
+// engine's state pools, xw and out unused: each tick's descriptor has them):
+//   w_ih [G*H][I], b_ih [G*H]
+//   ctl          the control block (prnn_next_tick)
+//   first_tick   the tick number this launch serves first
+//   generation   written to ctl[PRNN_CTL_EXITED] when the launch leaves
+//   idle_ns, lifetime_ns  when it leaves unasked (prnn_next_tick)
+//   T, B, batch, ld, out_row: B and batch are the most rows a tick has (the
+//               shared layout's size); the others come with each tick
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
-prnn_recurrence(PRNN_INSTANCE_PARAMS,
+prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
@@ -404,7 +502,16 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
 #if PRNN_PIPELINE
     counters += blockIdx.y * (2 + PRNN_INSTANCES);  // each slice's own barrier counts and progress
 #endif
-    const int Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
+#if PRNN_RESIDENT
+#define PRNN_PER_TICK  // each tick sets these anew
+#define PRNN_STATE_IN(b) ((long long)L.slots[b])
+#define PRNN_STATE_OUT(b) ((long long)L.slots[BP + (b)])
+#else
+#define PRNN_PER_TICK const
+#define PRNN_STATE_IN(b) ((long long)(slice0 + (b)))
+#define PRNN_STATE_OUT(b) ((long long)(slice0 + (b)))
+#endif
+    PRNN_PER_TICK int Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
     const prnn_smem_layout L = prnn_layout(smem, BP);
     const int tid = threadIdx.x, wg = tid / PRNN_WGS, lane = tid % PRNN_WGS;  // a warp under PRNN_MMA
 #if PRNN_SYNC == 1
@@ -419,9 +526,9 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     const int inst = blockIdx.x;
 #endif
     PRNN_SELECT_INSTANCE  // this instance's pointers: xw, w_hh, ..., reverse (and w_next, b_next)
-    const long long step_stride = (long long)ld * PRNN_G * PRNN_H;
-    const long long out_step = (long long)ld * out_row;
-    const prnn_walk walk = prnn_make_walk(B);
+    PRNN_PER_TICK long long step_stride = (long long)ld * PRNN_G * PRNN_H;
+    PRNN_PER_TICK long long out_step = (long long)ld * out_row;
+    PRNN_PER_TICK prnn_walk walk = prnn_make_walk(B);
 #if PRNN_PIPELINE
     const bool produces = inst + 1 < PRNN_INSTANCES;  // computes the next layer's projections
     const bool consumes = inst > 0;                   // reads its projections from the previous layer
@@ -449,13 +556,17 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     // Step t's copy for step t + DEPTH is issued while the block waits for its
     // exchange: its address arithmetic (~100 instructions per warp at batch 8)
     // then costs no time on the step's critical path.
-#pragma unroll
-    for (int t = 0; t < PRNN_XW_DEPTH; ++t)
-        if (t < T) {
-            PRNN_PREFETCH(t);
-        } else {
-            prnn_cp_async_commit();
-        }
+#define PRNN_PREFETCH_FIRST()                   \
+    _Pragma("unroll") for (int t = 0; t < PRNN_XW_DEPTH; ++t) { \
+        if (t < T) {                            \
+            PRNN_PREFETCH(t);                   \
+        } else {                                \
+            prnn_cp_async_commit();             \
+        }                                       \
+    }
+#if !PRNN_RESIDENT
+    PRNN_PREFETCH_FIRST();  // a resident kernel's come with each tick
+#endif
 
 #if PRNN_MMA
     prnn_u32 w0[PRNN_S0_MTW][PRNN_KTW][4];
@@ -543,15 +654,24 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
     for (int i = tid; i < 2 * PRNN_NB * part_floats + PRNN_KPAD * BP; i += PRNN_THREADS) L.part[i] = 0.0f;
 #endif
     __syncthreads();
-    for (int i = tid; i < PRNN_H * B; i += PRNN_THREADS) {
-        const int b = i / PRNN_H, k = i % PRNN_H;
-        L.hbuf[PRNN_KPAD * BP + k * BP + b] = prnn_to_float(h0[(long long)(slice0 + b) * PRNN_H + k]);
-    }
+    // h0 into buffer 1 (exchange -1) and c0 into the cell state. A resident
+    // tick also zeroes columns B..Bc of h0, which hold an earlier tick's
+    // values: the product reads them (its results there are dropped).
+    auto load_states = [&]() {
+        for (int i = tid; i < PRNN_H * (PRNN_RESIDENT ? Bc : B); i += PRNN_THREADS) {
+            const int b = i / PRNN_H, k = i % PRNN_H;
+            const bool row = !PRNN_RESIDENT || b < B;  // (a constant unless resident: no select then)
+            L.hbuf[PRNN_KPAD * BP + k * BP + b] = row ? prnn_to_float(h0[PRNN_STATE_IN(b) * PRNN_H + k]) : 0.0f;
+        }
 #if PRNN_HAS_C
-    for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
-        const int b = i % B, u = i / B, unit = blk * PRNN_U + u;
-        L.c[u * BP + b] = unit < PRNN_H ? prnn_to_float(c0[(long long)(slice0 + b) * PRNN_H + unit]) : 0.0f;
-    }
+        for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
+            const int b = i % B, u = i / B, unit = blk * PRNN_U + u;
+            L.c[u * BP + b] = unit < PRNN_H ? prnn_to_float(c0[PRNN_STATE_IN(b) * PRNN_H + unit]) : 0.0f;
+        }
+#endif
+    };
+#if !PRNN_RESIDENT
+    load_states();
 #endif
 #if PRNN_SYNC == 1
     if (tid == 0) {
@@ -590,10 +710,67 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
 #else
 #define PRNN_SYNC_OR_LEAVE() __syncthreads()
 #endif
-#if PRNN_ONE_SYNC
-#if PRNN_SYNC == 1
+#if PRNN_ONE_SYNC && PRNN_SYNC == 1
     const prnn_walk part_walk = prnn_make_walk(part_floats / 4);
 #endif
+#if PRNN_RESIDENT
+#if PRNN_SYNC == 1
+#define PRNN_TICK_SYNC() prnn_cluster_sync()
+#else
+#define PRNN_TICK_SYNC() __syncthreads()
+#endif
+    // A tick: block 0 waits for its doorbell and hands its descriptor to
+    // every block's tick_desc; after a barrier all blocks run it (or all
+    // leave). A tick's rows read their states from one slot and write them
+    // to another (the engine alternates each stream's two slots), so a block
+    // that writes its new states before a peer has read the old ones (a
+    // one-step tick has no exchange between) does not change them.
+    __shared__ long long tick_desc[PRNN_TICK_WORDS];
+    const prnn_u64 launched = prnn_globaltimer();
+    for (long long tick = first_tick;; ++tick) {
+        if (blk == 0 && tid == 0) {
+            long long desc[PRNN_TICK_WORDS];
+            prnn_next_tick(ctl, tick, launched, idle_ns, lifetime_ns, desc);
+#pragma unroll
+            for (int w = 0; w < PRNN_TICK_WORDS; ++w) {
+#if PRNN_SYNC == 1
+                for (int r = 0; r < PRNN_NB; ++r)
+                    prnn_st_cluster_s64(prnn_peer_addr(prnn_smem_addr(tick_desc + w), r), desc[w]);
+#else
+                tick_desc[w] = desc[w];
+#endif
+            }
+        }
+        PRNN_TICK_SYNC();
+        T = (int)tick_desc[0];
+        if (T == 0) break;  // every block alike
+        B = (int)tick_desc[1];
+        ld = B;
+        out_row = T * PRNN_H;  // out is [B][T][H]
+        Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
+        walk = prnn_make_walk(B);
+        step_stride = (long long)ld * PRNN_G * PRNN_H;
+        out_step = PRNN_H;
+        out = reinterpret_cast<io_t*>(tick_desc[3]);
+        xw = reinterpret_cast<const float*>(tick_desc[6]);
+        {
+            const long long* gather = reinterpret_cast<const long long*>(tick_desc[4]);
+            const long long* scatter = reinterpret_cast<const long long*>(tick_desc[5]);
+            for (int i = tid; i < B; i += PRNN_THREADS) {
+                L.slots[i] = (int)gather[i];
+                L.slots[BP + i] = (int)scatter[i];
+            }
+        }
+        prnn_tick_projections(reinterpret_cast<const io_t*>(tick_desc[2]), w_ih, b_ih, const_cast<float*>(xw), T, B,
+                              blk);
+        __threadfence_block();
+        __syncthreads();  // the slots and this block's projections are in place
+        PRNN_PREFETCH_FIRST();
+        load_states();
+        __syncthreads();
+        e = 0;
+#endif
+#if PRNN_ONE_SYNC
     // Exchange -1 (buffer 1): the partial sums of U_r h0 for r at step 0
     // (h0 itself every block read whole).
     {
@@ -686,14 +863,14 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
                     prnn_pointwise(xg, hg, h, L.c[u * BP + b], value, c_new);
                     if (t >= len) c_new = L.c[u * BP + b];
                     L.c[u * BP + b] = c_new;
-                    if (t == T - 1) c_n[(long long)seq * PRNN_H + unit] = prnn_from_float<io_t>(c_new);
+                    if (t == T - 1) c_n[PRNN_STATE_OUT(b) * PRNN_H + unit] = prnn_from_float<io_t>(c_new);
 #else
                     prnn_pointwise(xg, hg, h, value);
 #endif
                     if (t >= len) value = h;
                     if (out) out[prnn_position(t, seq, reverse, lengths, T) * out_step + (long long)seq * out_row + unit] =
                                  prnn_from_float<io_t>(t < len ? value : 0.0f);
-                    if (t == T - 1) h_n[(long long)seq * PRNN_H + unit] = prnn_from_float<io_t>(value);
+                    if (t == T - 1) h_n[PRNN_STATE_OUT(b) * PRNN_H + unit] = prnn_from_float<io_t>(value);
 #if PRNN_SAVE_GATES
                     // Training: what the backward needs at this position,
                     // fp32, laid out as xw ([T][ld][G*H]; c: [T][ld][H]):
@@ -863,6 +1040,18 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS,
 #endif
         }
     }
+#if PRNN_RESIDENT
+        // The tick's output rows are in host memory and its new states in
+        // their slots before block 0 says so: each thread's own writes
+        // (fence), then every block's (barrier). A block that left on a
+        // failure met this barrier at its leave: the others then leave too,
+        // without another barrier (no peer pushes any more).
+        __threadfence_system();
+        PRNN_TICK_SYNC();
+        if (prnn_failed(status)) goto left;
+        if (blk == 0 && tid == 0) prnn_st_release_sys(ctl + PRNN_CTL_DONE, tick);
+    }
+#endif
 leave:
 #if PRNN_PIPELINE
     // The next layer's input at the last position, from h_{T-1}, unless the
@@ -888,6 +1077,13 @@ leave:
         counters[1] = 0;
         for (int i = 0; i < PRNN_INSTANCES; ++i) counters[2 + i] = 0;
         __threadfence();
+    }
+#endif
+#if PRNN_RESIDENT
+left:
+    if (blk == 0 && tid == 0) {
+        __threadfence_system();
+        prnn_st_release_sys(ctl + PRNN_CTL_EXITED, generation);
     }
 #endif
 }

@@ -37,6 +37,14 @@ PIPELINE_RELEASE_EVERY = 4
 """A pipeline's producer counts its forwarded steps in groups of this many: a
 count is a GPU-scope release, which every step cost ~0.25 µs per step; a
 consumer then runs up to this many steps further behind."""
+RESIDENT_CONTROL = ("doorbell", "stop", "done", "exited", "steps", "rows", "x", "out", "gather", "scatter", "xw")
+"""The int64 words of a resident launch's control block, in order (pinned
+host memory; see recurrence.cu's prnn_next_tick): the host writes a tick's
+descriptor (steps .. xw, the last seven) and then its number into
+``doorbell``; the kernel echoes the number into ``done`` once the tick's
+outputs are in host memory, and writes its generation into ``exited`` when
+it leaves (``stop`` set, idle, or its lifetime over)."""
+RESIDENT_TICK = RESIDENT_CONTROL[RESIDENT_CONTROL.index("steps"):]
 MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
 # Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
 MAX_REGISTERS_PER_THREAD = 255
@@ -97,6 +105,12 @@ class KernelConfig(KernelLayout):
             picks it while the hook is set. Without it the kernel carries none
             of the hook's code: at their register limit, kernels compiled by
             NVRTC 13.0 spilled with it.
+        resident_input_size: (serving) 0, or the input size I of a resident
+            kernel: the launch stays and runs the ticks a serving engine
+            posts to a control block in host memory (see recurrence.cu),
+            computing each tick's input projections itself. One instance
+            of sync ``single`` or ``cluster``; no pipeline, lengths, test
+            hook or saved gates.
         save_gates: (training) the kernel also writes, per step, every gate's
             recurrent product with b_hh and the new cell state, fp32, for the
             backward (:mod:`persistrnn.training`). Inference binaries carry
@@ -124,6 +138,7 @@ class KernelConfig(KernelLayout):
     fused_step: bool = False
     test_hook: bool = False
     save_gates: bool = False
+    resident_input_size: int = 0
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
@@ -152,6 +167,8 @@ class KernelConfig(KernelLayout):
         if self.save_gates and (self.one_sync or self.pipeline):
             raise ConfigError(f"KernelConfig.save_gates: expected one_sync and pipeline off, got one_sync "
                               f"{self.one_sync}, pipeline {self.pipeline}")
+        if self.resident_input_size:
+            self._check_resident()
         if self.sync == "single" and self.blocks != 1:
             raise ConfigError(f"KernelConfig.blocks: sync 'single' runs 1 block, got {self.blocks}")
         if self.sync == "cluster" and not 2 <= self.blocks <= MAX_CLUSTER:
@@ -227,6 +244,19 @@ class KernelConfig(KernelLayout):
             why.append(f"batch_tile <= group_size (a lane per column; got {self.batch_tile} > {self.group_size})")
         if why:
             raise ConfigError("KernelConfig.fused_step needs " + "; ".join(why))
+
+    def _check_resident(self) -> None:
+        size = self.resident_input_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ConfigError(f"KernelConfig.resident_input_size: expected an int >= 0, got {size!r}")
+        why = [f"{name} {getattr(self, name)}" for name, ok in (
+            ("instances", self.instances == 1), ("sync", self.sync != "grid"), ("pipeline", not self.pipeline),
+            ("lengths", not self.lengths), ("test_hook", not self.test_hook), ("save_gates", not self.save_gates),
+        ) if not ok]
+        if why:
+            raise ConfigError("KernelConfig.resident_input_size: a resident kernel runs one instance of sync "
+                              "'single' or 'cluster' without pipeline, lengths, test hook or saved gates; got "
+                              + ", ".join(why))
 
     def _check_instances(self) -> None:
         if self.instances > MAX_INSTANCES:

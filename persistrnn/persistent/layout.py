@@ -39,6 +39,7 @@ class KernelLayout:
     instances: int
     pipeline: bool
     lengths: bool
+    resident_input_size: int
 
     @property
     def spec(self) -> CellSpec:
@@ -187,6 +188,8 @@ class KernelLayout:
             floats += 2 * self.blocks * self.partial_rows * bp + self.padded_hidden * bp
         if self.pipeline:  # the next layer's b_ih and shared weights
             floats += self.bias_floats + self.next_shared_weight_floats
+        if self.resident_input_size:  # each row's two state slots (int32)
+            floats += 2 * bp
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
 
     @property

@@ -10,7 +10,7 @@ import functools
 from .. import runtime
 from ..cells import render_pointwise_functions
 from ..errors import ConfigError
-from .config import KERNEL_NAME, PIPELINE_RELEASE_EVERY, SYNC_MODES, KernelConfig
+from .config import KERNEL_NAME, PIPELINE_RELEASE_EVERY, RESIDENT_CONTROL, RESIDENT_TICK, SYNC_MODES, KernelConfig
 
 __all__ = ["DEVICE_TYPES", "compile_config", "instance_fields", "render_source"]
 
@@ -33,15 +33,26 @@ def _instance_params(config: KernelConfig) -> str:
     return ", ".join(f"{ctype} {name}_{i}" for i in range(config.instances) for ctype, name in instance_fields(config))
 
 
+def _resident_params(config: KernelConfig) -> str:
+    """The resident kernel's own parameters (see recurrence.cu), after the instances'."""
+    if not config.resident_input_size:
+        return ""
+    io = DEVICE_TYPES[config.dtype]
+    return (f", const {io}* __restrict__ w_ih, const {io}* __restrict__ b_ih, long long* __restrict__ ctl, "
+            "long long first_tick, long long generation, unsigned long long idle_ns, unsigned long long lifetime_ns")
+
+
 def _select_instance(config: KernelConfig) -> str:
     """This block's instance's parameters as plain names (a select chain:
-    an indexed array of parameters would live in local memory)."""
+    an indexed array of parameters would live in local memory). A resident
+    kernel's are variables: each tick sets its xw and out."""
+    constant = "" if config.resident_input_size else " const"
     statements = []
     for ctype, name in instance_fields(config):
         chain = f"{name}_{config.instances - 1}"
         for i in range(config.instances - 2, -1, -1):
             chain = f"inst == {i} ? {name}_{i} : {chain}"
-        statements.append(f"{ctype} const {name} = {chain};")
+        statements.append(f"{ctype}{constant} {name} = {chain};")
     return " ".join(statements)
 
 
@@ -84,6 +95,15 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_SAVE_GATES": int(config.save_gates),
         "PRNN_N_RPW": max(config.next_rows_per_group, 1),
         "PRNN_N_KREG": config.register_k,
+        "PRNN_RESIDENT": int(config.resident_input_size > 0),
+        "PRNN_I": config.resident_input_size,
+        # Projection rows per lane per pass of a tick's projections: at most 4 accumulators, so that a
+        # kernel whose weights fill its registers keeps room for them.
+        "PRNN_XW_ROWS": min(4, -(-spec.num_gates * config.units_per_block // 32)),
+        "PRNN_TICK_WORDS": len(RESIDENT_TICK),
+        "PRNN_CTL_TICK": RESIDENT_CONTROL.index(RESIDENT_TICK[0]),
+        **{f"PRNN_CTL_{word.upper()}": i for i, word in enumerate(RESIDENT_CONTROL)},
+        "PRNN_RESIDENT_PARAMS": _resident_params(config),
         "PRNN_INSTANCE_PARAMS": _instance_params(config),
         "PRNN_SELECT_INSTANCE": _select_instance(config),
     }
