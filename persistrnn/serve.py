@@ -76,8 +76,24 @@ cancels the chunks that have not run: their pulls raise
 ``TimeoutError`` and leaves the chunk to a later pull. ``Engine.close`` (also
 on leaving a ``with`` block and at interpreter exit) stops the worker.
 
-Not built: a resident mode, where the persistent kernel keeps running
-between ticks and reads new inputs from a queue in memory.
+**Resident mode.** ``Engine(model, max_streams, resident=True)`` (a
+one-layer persistrnn model on CUDA) runs every tick on one persistent kernel
+that stays launched between ticks (:mod:`persistrnn.persistent.resident`):
+the worker writes the tick's input rows, its slots and a descriptor into
+pinned host memory and rings a doorbell word there; the kernel, polling it,
+computes the input projections itself, runs the steps, writes the output
+rows straight to pinned memory and echoes the tick's number, which the
+worker polls. A tick costs no launch, no copy and no CUDA call. Each stream
+has two state slots that its ticks alternate between (a tick reads one and
+writes the other), so no block of the kernel overwrites states another has
+not read yet. A tick of more chunks than the kernel's rows (at most
+:data:`_RESIDENT_ROWS`) runs as several. The kernel leaves by itself after
+:data:`~persistrnn.persistent.resident.DEFAULT_IDLE_S` without a tick and
+after :data:`~persistrnn.persistent.resident.DEFAULT_LIFETIME_S` in any
+case (a device-wide synchronise elsewhere in the process waits for it), and
+the next tick launches it again; closing the engine (also at interpreter
+exit) stops it, and a failure inside it is reported like any persistent
+kernel's.
 """
 
 from __future__ import annotations
@@ -307,13 +323,15 @@ class Engine:
 
     ``max_pending``: chunks one stream may hold unpulled. ``timeout``: the
     bound, in seconds, of every wait that is not given one (pulls, closing,
-    warm-up, and the worker's wait for the device)."""
+    warm-up, and the worker's wait for the device). ``resident``: run the
+    ticks on one resident kernel (see the module docstring; a one-layer
+    persistrnn model on CUDA, else :class:`~persistrnn.errors.ArgumentError`)."""
 
     capture_batches = True
     """On CUDA, run each batch shape as one captured graph (see :class:`_Batch`)."""
 
     def __init__(self, model: torch.nn.Module, max_streams: int, *, max_pending: int = 8,
-                 timeout: float = 30.0, convert: bool = True) -> None:
+                 timeout: float = 30.0, convert: bool = True, resident: bool = False) -> None:
         from .nn import _Persistent, from_torch
 
         if not isinstance(model, torch.nn.RNNBase):
@@ -347,6 +365,10 @@ class Engine:
         self._c = weight.new_zeros(model.num_layers, max_streams + 2, model.hidden_size) \
             if self._has_cell_state else None
         self._batches: collections.OrderedDict[tuple, _Batch] = collections.OrderedDict()
+        if not isinstance(resident, bool):
+            raise ArgumentTypeError(f"Engine: expected a bool resident, got {type(resident).__name__}")
+        self.resident = resident
+        self._resident = self._resident_layer() if resident else None
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the worker's alone: input queued, a call, or closing
@@ -372,6 +394,40 @@ class Engine:
         self._worker = threading.Thread(target=self._serve, name=f"persistrnn-engine-{id(self):x}", daemon=True)
         self._worker.start()
         _LIVE_ENGINES.add(self)
+
+    def _resident_layer(self) -> Any:
+        """The resident kernel's host side, with its two state slots per
+        stream (rows 2s and 2s + 1 of stream slot s; then the zero row and
+        the spare row) and which of the two each slot's next tick reads."""
+        from .nn import _Persistent
+        from .persistent.resident import ResidentLayer, resident_config
+
+        model = self.model
+        if not isinstance(model, _Persistent):
+            why = f"a persistrnn module (convert=True), got torch's {type(model).__name__}"
+        elif model.num_layers != 1:
+            why = f"a 1-layer model, got {model.num_layers} layers"
+        elif getattr(model, "proj_size", 0):
+            why = f"a model without projections, got proj_size={model.proj_size}"
+        elif self.device.type != "cuda":
+            why = f"a model on a CUDA device, got one on {self.device}"
+        else:
+            why = None
+        if why is not None:
+            raise ArgumentError(f"Engine(resident=True): expected {why}")
+        rows = min(self.max_streams, _RESIDENT_ROWS)
+        config = resident_config(model._shape(self.dtype), rows)
+        weight = model.weight_hh_l0
+        weights = tuple(w.detach().contiguous() if w is not None else weight.new_zeros(weight.shape[0])
+                        for w in (model.weight_ih_l0, weight, getattr(model, "bias_ih_l0", None),
+                                  getattr(model, "bias_hh_l0", None)))
+        slots = 2 * self.max_streams + 2
+        self._zero_row, self._spare_row = slots - 2, slots - 1
+        self._parity = bytearray(self.max_streams)
+        h_pool = weight.new_zeros(slots, self.output_size)
+        c_pool = weight.new_zeros(slots, model.hidden_size) if self._has_cell_state else None
+        torch.cuda.current_stream(self.device).synchronize()  # the zeros are in place before any launch reads them
+        return ResidentLayer(config, weights, h_pool, c_pool, rows)
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.model).__name__}, {len(self._streams)}/{self.max_streams} streams, "
@@ -625,8 +681,9 @@ class Engine:
     def _warm_shape(self, T: int, size: int) -> None:
         batch = self._batch(T, size)  # planned and captured once made
         if batch.graph is None:  # uncaptured: one run plans the shape, every row on the zero and spare slots
-            batch.index_rows[0], batch.index_rows[1] = self._zero_slot, self._spare_slot
-            batch.run(self.timeout)
+            zero, spare = (self._zero_row, self._spare_row) if self._resident else (self._zero_slot, self._spare_slot)
+            batch.index_rows[0], batch.index_rows[1] = zero, spare
+            batch.run(self.timeout, size)
         self._wait_device()
 
     def _call_in_worker(self, fn: Any) -> Any:
@@ -742,6 +799,9 @@ class Engine:
                     pass
         except Exception as exc:  # whatever stops the worker is delivered to the waiting pulls
             self._stop(exc)
+        finally:
+            if self._resident is not None and self._resident.stop(self.timeout):
+                self._resident.release()
 
     def _tick(self) -> bool:
         """One tick; False when the engine is closing and nothing is left."""
@@ -888,17 +948,29 @@ class Engine:
         n = len(chunks)
         batch = self._batch(chunks[0].steps, self._padded_size(n))
         gather, scatter = batch.index_rows
-        for row, chunk in enumerate(chunks):
-            stream = chunk.stream
-            scatter[row] = stream.slot
-            gather[row] = self._zero_slot if stream._fresh else stream.slot
-            stream._fresh = False
-        gather[n:] = self._zero_slot
-        scatter[n:] = self._spare_slot
+        if self._resident is None:
+            for row, chunk in enumerate(chunks):
+                stream = chunk.stream
+                scatter[row] = stream.slot
+                gather[row] = self._zero_slot if stream._fresh else stream.slot
+                stream._fresh = False
+            gather[n:] = self._zero_slot
+            scatter[n:] = self._spare_slot
+        else:  # a stream's ticks alternate between its two slots (see _resident_layer)
+            parity = self._parity
+            for row, chunk in enumerate(chunks):
+                stream = chunk.stream
+                slot = 2 * stream.slot + parity[stream.slot]
+                gather[row] = self._zero_row if stream._fresh else slot
+                scatter[row] = slot ^ 1
+                parity[stream.slot] ^= 1
+                stream._fresh = False
         on_device = any(chunk.x.is_cuda for chunk in chunks)
         by_rows = n <= _ROWS_BY_NUMPY or on_device
         batch.fill(chunks, by_rows)
-        batch.run(self.timeout)
+        if on_device and self._resident is not None:
+            self._wait_device()  # the device chunks' rows are in host memory before the kernel reads them
+        batch.run(self.timeout, n)
         if batch.cuda:  # a persistent kernel that failed inside the batch reported it in host memory
             runtime.raise_reported_failure(self.device.index)
         outputs = batch.outputs(chunks, by_rows)
@@ -945,6 +1017,11 @@ torch call each way. Measured on the H100's host under the bench's load
 the median latency at 64 streams (0.40 against 0.81 ms, batches of ~1.2)
 and cut the throughput at 1,000 streams from 29k to 7.6k chunks/s (batches
 of hundreds: a few µs of Python per row, contended)."""
+
+_RESIDENT_ROWS = 64
+"""The most rows one resident tick runs (a batch of more runs as several
+ticks): the kernel's shared memory holds its rows' states, and the planner's
+cluster choices for one-layer serving models hold 64 rows."""
 
 _BATCHES_KEPT = 32
 """Captured batches an engine keeps (one per chunk length and padded batch
@@ -994,7 +1071,17 @@ class _Batch:
         self.index_rows = self.index_host.numpy()
         self.index_rows[0], self.index_rows[1] = engine._zero_slot, engine._spare_slot
         self.out_rows: Any = None
-        if self.cuda:
+        self.resident = engine._resident
+        if self.resident is not None:  # the kernel reads and writes the pinned rows itself
+            self.out_host = torch.empty((size, T, engine.output_size), dtype=dtype, pin_memory=True)
+            self.out_rows = _host_rows(self.out_host)
+            rows = min(size, self.resident.rows)
+            self.xw = torch.empty(T * rows * self.resident.config.spec.num_gates * self.resident.config.hidden_size,
+                                  dtype=torch.float32, device=device)
+            self.addresses = (self.x_host.data_ptr(), self.out_host.data_ptr(), self.index_host.data_ptr(),
+                              self.index_host[1].data_ptr(), self.xw.data_ptr())
+            self.row_bytes = (self.x_host[0].nbytes, self.out_host[0].nbytes)
+        elif self.cuda:
             self.x = self.x_host.to(device)
             self.index = self.index_host.to(device)
             self.out_host = torch.empty((size, T, engine.output_size), dtype=dtype, pin_memory=True)
@@ -1003,7 +1090,7 @@ class _Batch:
             self.echo_rows = self.echo_host.numpy()
             self.echo = self.echo_host[:1].to(device)
         self.graph = None
-        if self.cuda and engine.capture_batches:
+        if self.cuda and self.resident is None and engine.capture_batches:
             self.graph, self.out = runtime.capture(self._run, stream=engine._cuda_stream)
 
     def _run(self) -> torch.Tensor:
@@ -1034,9 +1121,20 @@ class _Batch:
             else:
                 rows[row] = _host_rows(chunk.x)
 
-    def run(self, timeout: float) -> None:
+    def run(self, timeout: float, rows: int) -> None:
         """One run on the input rows and ``index``; returns when the output
-        rows are written (on CUDA: polls the echo, at most ``timeout`` seconds)."""
+        rows are written (on CUDA: polls the echo, at most ``timeout``
+        seconds). Resident: the first ``rows`` rows, as ticks of the resident
+        kernel's rows at most."""
+        if self.resident is not None:
+            T = self.x_host.shape[1]
+            x, out, gather, scatter, xw = self.addresses
+            x_row, out_row = self.row_bytes
+            step = self.resident.rows
+            for r0 in range(0, rows, step):
+                self.resident.run(T, min(step, rows - r0), x + r0 * x_row, out + r0 * out_row, gather + 8 * r0,
+                                  scatter + 8 * r0, xw, timeout)
+            return
         echo = self.echo_rows if self.cuda else None
         if echo is not None:
             echo[0] += 1  # read by the run's first copy
@@ -1068,8 +1166,9 @@ class _Batch:
         rows, dtype, results = self.out_rows, self.engine.dtype, []
         for row, chunk in enumerate(chunks):
             if chunk.x.is_cuda:
-                out = self.out[row, 0] if chunk.single_step else self.out[row]
-                results.append(out.clone())
+                out = self.out_host if self.resident is not None else self.out
+                out = out[row, 0] if chunk.single_step else out[row]
+                results.append(out.to(self.engine.device) if self.resident is not None else out.clone())
             else:
                 out = torch.from_numpy((rows[row, 0] if chunk.single_step else rows[row]).copy())
                 results.append(out if out.dtype == dtype else out.view(dtype))

@@ -23,6 +23,7 @@ import torch
 import persistrnn
 from persistrnn import serve
 from persistrnn.errors import ArgumentError, ArgumentTypeError, EngineFullError, InputShapeError, InputTypeError
+from persistrnn.persistent.config import RESIDENT_CONTROL
 
 TOLERANCES = {"cpu": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=1e-5, atol=2e-6)}
 """fp32 rounding: a stream's rows in a batch and the same stream alone go
@@ -742,6 +743,17 @@ def test_bad_arguments_and_chunks_say_what_was_expected():
                 engine.push_many(streams, torch.randn(1, 7))
 
 
+def test_resident_mode_says_what_it_needs():
+    with pytest.raises(ArgumentError, match="resident=True\\): expected a 1-layer model, got 2 layers"):
+        serve.Engine(make_model("lstm"), 4, resident=True)
+    with pytest.raises(ArgumentError, match="expected a persistrnn module \\(convert=True\\), got torch's LSTM"):
+        serve.Engine(torch.nn.LSTM(3, 4), 4, convert=False, resident=True)
+    with pytest.raises(ArgumentError, match="expected a model on a CUDA device, got one on cpu"):
+        serve.Engine(make_model("gru", layers=1), 4, resident=True)
+    with pytest.raises(ArgumentTypeError, match="expected a bool resident, got str"):
+        serve.Engine(make_model("gru", layers=1), 4, resident="yes")
+
+
 # ---- the load generator (python -m persistrnn bench serve) -----------------------------------
 
 def test_the_padding_peer_pads_to_every_live_stream_and_still_equals_each_stream_alone():
@@ -949,3 +961,60 @@ def test_gpu_a_kernel_failure_inside_a_captured_batch_fails_its_chunk_and_the_ne
         runtime.set_wait_timeout(saved / 1e9)
         tuner.clear_cached_plans()
     check_outputs(model, [chunks], [got], TOLERANCES["cuda"])
+
+
+# ---- resident mode (GPU) ---------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru", "gru_reset_before", "rnn_tanh"])
+def test_gpu_resident_every_stream_equals_running_it_alone(cell, untuned):
+    model = make_model(cell, input_size=32, hidden=64, layers=1).cuda()
+    streams = random_streams(random.Random(40), count=96, input_size=32)
+    with serve.Engine(model, max_streams=24, max_pending=3, timeout=WAIT, resident=True) as engine:
+        engine.warm_up(steps=(1, 3))
+        outputs = serve_clients(engine, streams, threads=8, seed=41)
+        layer = engine._resident
+        assert engine.chunks_run > engine.ticks  # streams shared ticks
+    assert layer.words[RESIDENT_CONTROL.index("exited")] == layer.generation  # closing stopped the launch
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_resident_odd_sizes_and_groups_of_host_and_device_chunks(untuned):
+    model = make_model("lstm", input_size=7, hidden=13, layers=1).cuda()
+    streams = random_streams(random.Random(42), count=30, input_size=7)
+    streams = [[c.cuda() for c in chunks] if i % 2 else chunks for i, chunks in enumerate(streams)]
+    with serve.Engine(model, max_streams=5, max_pending=3, timeout=WAIT, resident=True) as engine:
+        outputs = serve_groups(engine, streams, threads=3, seed=43)
+    for chunks, got in zip(streams, outputs):  # an output lives where its chunk came from
+        assert all(o.is_cuda == c.is_cuda for c, o in zip(chunks, got))
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_resident_a_thousand_streams_run_as_ticks_of_the_kernels_rows(untuned):
+    model = make_model("lstm", input_size=40, hidden=128, layers=1).cuda()
+    streams = random_streams(random.Random(44), count=1000, input_size=40, lengths=(1,), max_chunks=16)
+    with serve.Engine(model, max_streams=1000, max_pending=4, timeout=WAIT, resident=True) as engine:
+        assert engine._resident.rows == serve._RESIDENT_ROWS
+        outputs = serve_interleaved(engine, streams, threads=8, seed=45)
+        assert engine.chunks_run / engine.ticks > serve._RESIDENT_ROWS  # batches larger than one kernel tick
+    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_resident_bfloat16_and_a_pause_past_the_idle_bound(untuned):
+    from persistrnn.persistent import resident
+
+    model = make_model("gru", input_size=16, hidden=32, layers=1).cuda().to(torch.bfloat16)
+    chunks = [torch.randn(2, 16).to(torch.bfloat16) for _ in range(4)]
+    with serve.Engine(model, max_streams=4, timeout=WAIT, resident=True) as engine:
+        stream = engine.open()
+        got = []
+        for chunk in chunks:
+            stream.push(chunk)
+            got.append(stream.pull())
+            time.sleep(2 * resident.DEFAULT_IDLE_S)  # the kernel leaves; the next chunk launches it again
+        assert engine._resident.launches == len(chunks)
+    assert all(o.dtype == torch.bfloat16 for o in got)
+    check_outputs(model, [chunks], [got], dict(rtol=2e-2, atol=2e-2))

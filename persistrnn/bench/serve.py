@@ -7,6 +7,10 @@ for each way of handing chunks over:
 * ``persistrnn``: :class:`persistrnn.serve.Engine` over the persistrnn module
   (cellular batching: a tick runs the streams that have input, padded to a
   power of two, on the planner's path);
+* ``persistrnn-resident``: the same engine in resident mode
+  (``Engine(..., resident=True)``): every tick runs on one persistent kernel
+  that stays launched and takes its input rows from pinned host memory
+  (one-layer models only; other models' rows say why they did not run);
 * ``cudnn-padded``: the peer, a padding batcher over the ``torch.nn`` module
   (cuDNN) with the same tick policy and the same engine machinery: every
   tick pads its batch to all live streams (the padding rows' states are not
@@ -45,8 +49,7 @@ garbage collector's reach, as a latency-minded Python server does once it
 has started: a full collection otherwise walks them all while every thread
 waits (``--no-gc-freeze`` leaves them in). The clients are Python threads: their
 own time under the GIL is part of what is measured, as it is for a Python
-server. Not built: a resident mode (a kernel that keeps running between
-ticks and takes inputs from a queue in memory).
+server.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from typing import Any
 
 from .environment import add_result_arguments, run_or_load
 
-PROVIDERS = ("persistrnn", "cudnn-padded")
+PROVIDERS = ("persistrnn", "persistrnn-resident", "cudnn-padded")
 HANDOVERS = ("stream", "gateway")
 REAL_TIME_P99_MS = 10.0
 """A stream is served in real time while the p99 latency stays at or under this."""
@@ -115,7 +118,8 @@ def _engines(cell: str, hidden: int, layers: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     theirs = getattr(torch.nn, cell.upper())(hidden, hidden, num_layers=layers).cuda().eval()
-    return {"cudnn-padded": theirs, "persistrnn": persistrnn.from_torch(theirs)}
+    ours = persistrnn.from_torch(theirs)
+    return {"cudnn-padded": theirs, "persistrnn": ours, "persistrnn-resident": ours}
 
 
 def _padding_engine_class() -> Any:
@@ -135,8 +139,8 @@ def _padding_engine_class() -> Any:
 def _make_engine(provider: str, module: Any, slots: int, s: Settings) -> Any:
     from ..serve import Engine
 
-    if provider == "persistrnn":
-        return Engine(module, slots, max_pending=s.max_pending)
+    if provider.startswith("persistrnn"):
+        return Engine(module, slots, max_pending=s.max_pending, resident=provider == "persistrnn-resident")
     return _padding_engine_class()(module, slots, max_pending=s.max_pending, convert=False)
 
 
@@ -345,7 +349,7 @@ def run_case(model: str, streams: int, provider: str, s: Settings,
     try:
         with _make_engine(provider, module, slots, s) as engine:
             row["rel_error"] = _refcheck(engine, module, s.steps) if s.refcheck else None
-            engine.warm_up(steps=(s.steps,), batches=None if provider == "persistrnn" else (streams, slots))
+            engine.warm_up(steps=(s.steps,), batches=None if provider.startswith("persistrnn") else (streams, slots))
             if s.gc_freeze:  # what a latency-minded Python server does once it has started: see the module docstring
                 gc.collect()
                 gc.freeze()
@@ -417,7 +421,7 @@ def format_table(result: dict[str, Any]) -> str:
             continue
         mine = ours.get((c["model"], c["streams"], _handover(c)), {})
         ratio = "—"
-        if c["provider"] != "persistrnn" and mine.get("status") == "ok" and mine.get("p99_ms") and c["p99_ms"]:
+        if c["provider"] == "cudnn-padded" and mine.get("status") == "ok" and mine.get("p99_ms") and c["p99_ms"]:
             ratio = f"{c['p99_ms'] / mine['p99_ms']:.2f}×"
         error = "—" if c.get("rel_error") is None else f"{c['rel_error']:.1e}"
         refused = ", ".join(f"{k}: {v}" for k, v in sorted(c["counts"].items())) or "none"
@@ -442,7 +446,7 @@ def markdown(result: dict[str, Any]) -> str:
               f"chunks; Poisson arrivals keeping the live count on average; {s['threads']} client threads; "
               f"latency from push to delivery; "
               f"{'gc.freeze() after the warm-up' if s.get('gc_freeze') else 'no gc.freeze()'}. "
-              f"Resident mode: not built.\n"
+              f"`persistrnn-resident` is the same engine with `resident=True` (one-layer models).\n"
               f"- Hand-over: `stream`, a call per chunk (each client thread submits each due chunk with "
               f"`Stream.submit`; delivered when its future completes); `gateway`, a call per group (each client "
               f"thread hands all its due chunks over in one `Engine.push_many` of an (n, steps, I) tensor and takes "

@@ -1,0 +1,210 @@
+"""A resident launch: one layer's persistent kernel that stays on the GPU
+between a serving engine's ticks (``recurrence.cu``, ``PRNN_RESIDENT``).
+
+The host posts a tick by writing its descriptor (steps, rows, and the
+addresses of the input rows, output rows, gather and scatter slots and a
+projection scratch) into a control block of int64 words in pinned host
+memory (:data:`~.config.RESIDENT_CONTROL`), then the tick's number into the
+doorbell word; the kernel runs the tick and echoes the number into ``done``
+once every output row is in host memory. Posting and waiting are NumPy
+reads and writes of pinned memory: no CUDA call, no launch, and (in the
+engine's worker) no release of the GIL.
+
+Every wait is bounded. The kernel leaves by itself when it sees no doorbell
+for ``idle`` seconds or has run ``lifetime`` seconds (a device-wide
+synchronise anywhere in the process waits for it), and the next tick
+launches it again. A failure inside it is reported like any persistent
+kernel's (the device's report word); :meth:`ResidentLayer.stop` asks it to
+leave and waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from .. import runtime
+from ..errors import ArgumentError, ConfigError, KernelLaunchError
+from .config import KERNEL_NAME, RESIDENT_CONTROL, SYNC_MODES, KernelConfig
+from .heuristic import default_config
+from .launch import _address, _prepared_launch, batch_per_launch
+from .source import compile_config
+
+__all__ = ["DEFAULT_IDLE_S", "DEFAULT_LIFETIME_S", "ResidentLayer", "resident_config"]
+
+DEFAULT_IDLE_S = 0.02
+"""A resident launch leaves after this long without a tick (the next tick
+launches it again, ~10-20 µs of host time)."""
+DEFAULT_LIFETIME_S = 0.2
+"""A resident launch leaves after this long even while busy: a device-wide
+synchronise elsewhere in the process waits at most this long for it."""
+_SPIN_S = 200e-6
+"""How long a tick's wait spins on the echo (NumPy reads keep the GIL) before it polls with sleeps."""
+
+_WORD = {name: i for i, name in enumerate(RESIDENT_CONTROL)}
+
+
+def resident_config(shape: Any, rows: int) -> KernelConfig:
+    """The resident configuration of a one-layer, one-direction model
+    ``shape`` (:class:`persistrnn.plan.ModelShape`) for up to ``rows`` rows a
+    tick: the planner's choice at that batch where it is a cluster or
+    single-block kernel, else the configuration from sizes alone; each made
+    resident and kept only if it compiles without spills and holds ``rows``
+    rows in one launch. Raises :class:`ConfigError` naming why none does."""
+    import torch
+
+    from ..plan import cached_plan
+
+    if shape.num_layers != 1 or shape.bidirectional:
+        raise ConfigError(f"a resident kernel runs one layer of one direction, got {shape.num_layers} layers, "
+                          f"bidirectional={shape.bidirectional}")
+    facts = runtime.device_facts()
+    candidates = []
+    chosen = cached_plan(shape, rows)
+    if chosen.path == "persistent" and chosen.config.sync != "grid" and chosen.config.instances == 1:
+        candidates.append(chosen.config)
+    try:
+        candidates.append(default_config(shape.cell, shape.hidden_size, rows, sm_count=facts.sm_count,
+                                         dtype=shape.dtype))
+    except ConfigError:
+        pass
+    why = []
+    for config in candidates:
+        if config.sync not in SYNC_MODES[:2]:
+            why.append(f"{config}: sync {config.sync!r}")
+            continue
+        config = dataclasses.replace(config, resident_input_size=shape.input_size, lengths=False, test_hook=False,
+                                     save_gates=False)
+        try:
+            compile_config(config)
+            holds = batch_per_launch(config, torch.cuda.current_device())
+        except ConfigError as exc:
+            why.append(str(exc))
+            continue
+        if holds >= rows:
+            return config
+        why.append(f"{config} holds {holds} rows in one launch, fewer than {rows}")
+    raise ConfigError(f"no resident kernel of {shape.cell} H={shape.hidden_size} ({shape.dtype}) runs {rows} rows "
+                      f"a tick on one cluster: " + ("; ".join(why) or "no single-block or cluster configuration"))
+
+
+class ResidentLayer:
+    """The host side of one layer's resident launches on one device.
+
+    ``weights``: (w_ih, w_hh, b_ih, b_hh) of the layer, contiguous, on the
+    device, in the config's dtype (zeros for a layer without biases).
+    ``h_pool``, ``c_pool``: (slots, H) state pools that ticks gather from and
+    scatter to by slot (``c_pool`` None for cells without a cell state).
+    ``rows``: the most rows a tick has. Ticks are posted and waited for by
+    one thread at a time (the engine's worker)."""
+
+    def __init__(self, config: KernelConfig, weights: tuple[Any, Any, Any, Any], h_pool: Any, c_pool: Any,
+                 rows: int, *, idle: float = DEFAULT_IDLE_S, lifetime: float = DEFAULT_LIFETIME_S) -> None:
+        import torch
+
+        if not config.resident_input_size:
+            raise ArgumentError(f"ResidentLayer: expected a resident configuration, got {config}")
+        for name, value in (("idle", idle), ("lifetime", lifetime)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ArgumentError(f"ResidentLayer: expected a positive number of seconds for {name}, got {value!r}")
+        self.config = config
+        self.device = h_pool.device
+        self.weights = weights
+        self.h_pool, self.c_pool = h_pool, c_pool
+        self.rows = rows
+        self.idle_ns, self.lifetime_ns = int(idle * 1e9), int(lifetime * 1e9)
+        self.kernel, self.launch_config = _prepared_launch(config, self.device.index, rows, 1)
+        self.control = torch.zeros(len(RESIDENT_CONTROL), dtype=torch.int64, pin_memory=True)
+        self.words = self.control.numpy()
+        self.stream = runtime.own_stream(self.device.index)
+        self.tick = 0  # the last tick posted
+        self.generation = 0  # launches so far; the running one's number
+        self.launches = 0
+        self._scratch: Any = None  # the running launch's status word, kept alive while it runs
+        self._stopped = False
+
+    def _launch(self) -> None:
+        """Launch generation ``generation + 1``, serving from the next tick on."""
+        import numpy as np
+        import torch
+
+        w_ih, w_hh, b_ih, b_hh = self.weights
+        H = self.config.hidden_size
+        c_pool = self.c_pool if self.c_pool is not None else self.h_pool
+        self.generation += 1
+        with torch.cuda.stream(self.stream):
+            own = runtime.scratch(self.device, 0, counters=self.config.counter_words)
+            args = [np.uint64(0), _address(w_hh), _address(b_hh), _address(self.h_pool), _address(c_pool),
+                    np.uint64(0), _address(self.h_pool), _address(c_pool), 0,
+                    _address(w_ih), _address(b_ih), np.uint64(self.control.data_ptr()), np.int64(self.tick),
+                    np.int64(self.generation), np.uint64(self.idle_ns), np.uint64(self.lifetime_ns),
+                    np.uint64(0), np.uint64(own.counters), np.uint64(0), np.uint64(0), 1, self.rows, self.rows,
+                    self.rows, H, np.uint64(own.status), np.uint64(runtime.report_word(self.device.index)),
+                    np.uint64(runtime.wait_timeout_ns()), np.int32(-1)]
+            runtime.launch(self.kernel, self.launch_config, *runtime.kernel_args(*args))
+        self._scratch = own
+        self.launches += 1
+
+    def run(self, steps: int, rows: int, x: int, out: int, gather: int, scatter: int, xw: int,
+            timeout: float) -> None:
+        """Post one tick and wait until its outputs are in host memory (at
+        most ``timeout`` seconds). Addresses: ``x`` (rows, steps, I) and
+        ``out`` (rows, steps, H) in pinned host memory, ``gather`` and
+        ``scatter`` (rows,) pinned int64 slot numbers, ``xw`` device float32
+        scratch of at least steps * rows * G*H. Raises the kernel's reported
+        failure, or :class:`TimeoutError` when the tick did not finish in time
+        (the launch is then asked to stop)."""
+        if self._stopped:
+            raise KernelLaunchError("ResidentLayer.run: the resident kernel was stopped")
+        if not 1 <= rows <= self.rows:
+            raise ArgumentError(f"ResidentLayer.run: expected 1..{self.rows} rows, got {rows}")
+        words = self.words
+        self.tick += 1
+        tick = self.tick
+        words[_WORD["steps"]] = steps
+        words[_WORD["rows"]] = rows
+        words[_WORD["x"]] = x
+        words[_WORD["out"]] = out
+        words[_WORD["gather"]] = gather
+        words[_WORD["scatter"]] = scatter
+        words[_WORD["xw"]] = xw
+        words[_WORD["doorbell"]] = tick  # last: the kernel reads the descriptor once it sees this
+        if self.generation == 0:
+            self._launch()
+        done, exited = _WORD["done"], _WORD["exited"]
+        started = time.perf_counter()
+        deadline = started + timeout
+        spin_until = started + _SPIN_S
+        while words[done] != tick:
+            if words[exited] == self.generation:  # it left without this tick: its failure, or idle or old
+                if words[done] == tick:
+                    break
+                runtime.raise_reported_failure(self.device.index, KERNEL_NAME)
+                self._launch()
+                continue
+            now = time.perf_counter()
+            if now > deadline:
+                self.stop(timeout=0.0)
+                raise TimeoutError(f"a resident kernel's tick did not finish on {self.device} within {timeout} s")
+            if now > spin_until:
+                time.sleep(0)  # lets client threads run while a longer tick finishes
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the running launch to leave and wait up to ``timeout``
+        seconds for it; True if none is running now."""
+        self._stopped = True
+        words = self.words
+        words[_WORD["stop"]] = 1
+        if self.generation == 0:
+            return True
+        deadline = time.perf_counter() + timeout
+        while words[_WORD["exited"]] != self.generation:
+            if time.perf_counter() > deadline:
+                return False
+            time.sleep(0)
+        return True
+
+    def release(self) -> None:
+        """Give the launch stream back (after :meth:`stop` returned True)."""
+        runtime.release_stream(self.stream)
