@@ -804,7 +804,7 @@ def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
     assert "| lstm:16:1 | 16 | cudnn-padded | gateway |" in table
     assert "| lstm:16:1 | 64 | persistrnn | stream |" in table  # no "handover": the stream hand-over
     assert "- lstm:16:1: persistrnn (stream) 64, persistrnn (gateway) " in table
-    assert "Resident mode: not built" in bench.markdown(result) and "`Engine.push_many`" in bench.markdown(result)
+    assert "`resident=True`" in bench.markdown(result) and "`Engine.push_many`" in bench.markdown(result)
     (tmp_path / "r.json").write_text(json.dumps(result))
     assert bench.main(["--from-json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")]) == 0
     assert "| lstm:16:1 | 16 | persistrnn | gateway |" in capsys.readouterr().out
