@@ -415,8 +415,7 @@ class Engine:
             why = None
         if why is not None:
             raise ArgumentError(f"Engine(resident=True): expected {why}")
-        rows = min(self.max_streams, _RESIDENT_ROWS)
-        config = resident_config(model._shape(self.dtype), rows)
+        config, rows = resident_config(model._shape(self.dtype), min(self.max_streams, _RESIDENT_ROWS))
         weight = model.weight_hh_l0
         weights = tuple(w.detach().contiguous() if w is not None else weight.new_zeros(weight.shape[0])
                         for w in (model.weight_ih_l0, weight, getattr(model, "bias_ih_l0", None),
@@ -1020,8 +1019,8 @@ of hundreds: a few µs of Python per row, contended)."""
 
 _RESIDENT_ROWS = 64
 """The most rows one resident tick runs (a batch of more runs as several
-ticks): the kernel's shared memory holds its rows' states, and the planner's
-cluster choices for one-layer serving models hold 64 rows."""
+ticks), or fewer where the kernel's shared memory holds fewer rows' states
+(:func:`~persistrnn.persistent.resident.resident_config`)."""
 
 _BATCHES_KEPT = 32
 """Captured batches an engine keeps (one per chunk length and padded batch

@@ -46,7 +46,7 @@ def test_a_resident_layout_adds_two_slot_numbers_per_row():
 RESIDENT_SAMPLE = [
     KernelConfig("lstm", 128, "cluster", 8, 256, 8, 8, resident_input_size=40),  # the serving shape
     KernelConfig("lstm", 13, "single", 1, 128, 4, 2, resident_input_size=7),  # odd sizes
-    KernelConfig("gru", 100, "cluster", 4, 128, 8, 4, resident_input_size=33),
+    KernelConfig("gru", 100, "cluster", 4, 256, 8, 4, resident_input_size=33),
     KernelConfig("gru_reset_before", 64, "single", 1, 256, 8, 4, one_sync=True, prefetch_steps=2,
                  resident_input_size=24),
     KernelConfig("gru_reset_before", 96, "cluster", 4, 128, 8, 2, resident_input_size=5),
@@ -111,7 +111,7 @@ def _tick(layer, params, rng, rows, steps, timeout=20.0):
     layer.h_pool[scatter_rows] = float("nan")
     if layer.c_pool is not None:
         layer.c_pool[scatter_rows] = float("nan")
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()  # (a device-wide synchronise would wait for the resident launch)
     layer.run(steps, rows, x.data_ptr(), out.data_ptr(), index.data_ptr(), index[1].data_ptr(), xw.data_ptr(),
               timeout)
     ref_out, ref_h, ref_c = reference_forward(config.cell, params, x.cuda().transpose(0, 1), h0, c0)
@@ -128,7 +128,7 @@ def test_gpu_ticks_match_float64_reference(config):
     seed = hash(str(config)) % 2**32  # fresh per run (str hashes are salted); printed on failure
     rng = np.random.default_rng(seed)
     rows = 24
-    layer, params = _layer(config, rows, rng, slots=2 * rows + 3)
+    layer, params = _layer(config, rows, rng, slots=2 * rows + 3, idle=30.0, lifetime=60.0)
     try:
         for n, steps in [(1, 1), (rows, 1), (5, 3), (17, 2), (rows, 4), (3, 1)]:
             _tick(layer, params, rng, n, steps)

@@ -20,6 +20,7 @@ leave and waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -45,31 +46,39 @@ _SPIN_S = 200e-6
 _WORD = {name: i for i, name in enumerate(RESIDENT_CONTROL)}
 
 
-def resident_config(shape: Any, rows: int) -> KernelConfig:
+def resident_config(shape: Any, rows: int) -> tuple[KernelConfig, int]:
     """The resident configuration of a one-layer, one-direction model
     ``shape`` (:class:`persistrnn.plan.ModelShape`) for up to ``rows`` rows a
-    tick: the planner's choice at that batch where it is a cluster or
-    single-block kernel, else the configuration from sizes alone; each made
-    resident and kept only if it compiles without spills and holds ``rows``
-    rows in one launch. Raises :class:`ConfigError` naming why none does."""
+    tick, and the rows it runs a tick. The candidates: the planner's choice
+    at that batch where it is a cluster or single-block kernel, the
+    configuration from sizes alone, and clusters of 8 and 16 blocks (more
+    blocks, fewer units each: more rows fit a block's shared memory); each
+    made resident and kept if it compiles without spills. The first that
+    holds ``rows`` rows in one launch wins, else the one that holds the most
+    (a batch of more rows then runs as several ticks). Raises
+    :class:`ConfigError` naming why none runs."""
     import torch
 
     from ..plan import cached_plan
+    from .heuristic import blocks_for
 
     if shape.num_layers != 1 or shape.bidirectional:
         raise ConfigError(f"a resident kernel runs one layer of one direction, got {shape.num_layers} layers, "
                           f"bidirectional={shape.bidirectional}")
     facts = runtime.device_facts()
+    H = shape.hidden_size
     candidates = []
     chosen = cached_plan(shape, rows)
     if chosen.path == "persistent" and chosen.config.sync != "grid" and chosen.config.instances == 1:
         candidates.append(chosen.config)
-    try:
-        candidates.append(default_config(shape.cell, shape.hidden_size, rows, sm_count=facts.sm_count,
-                                         dtype=shape.dtype))
-    except ConfigError:
-        pass
-    why = []
+    with contextlib.suppress(ConfigError):
+        candidates.append(default_config(shape.cell, H, rows, sm_count=facts.sm_count, dtype=shape.dtype))
+    for wanted in (8, 16):
+        with contextlib.suppress(ConfigError):
+            blocks = blocks_for(H, wanted)
+            candidates.append(KernelConfig(shape.cell, H, "cluster" if blocks > 1 else "single", blocks, 256,
+                                           group_size=8, batch_tile=8, dtype=shape.dtype))
+    why, best = [], None
     for config in candidates:
         if config.sync not in SYNC_MODES[:2]:
             why.append(f"{config}: sync {config.sync!r}")
@@ -83,10 +92,13 @@ def resident_config(shape: Any, rows: int) -> KernelConfig:
             why.append(str(exc))
             continue
         if holds >= rows:
-            return config
-        why.append(f"{config} holds {holds} rows in one launch, fewer than {rows}")
-    raise ConfigError(f"no resident kernel of {shape.cell} H={shape.hidden_size} ({shape.dtype}) runs {rows} rows "
-                      f"a tick on one cluster: " + ("; ".join(why) or "no single-block or cluster configuration"))
+            return config, rows
+        if best is None or holds > best[1]:
+            best = (config, holds)
+    if best is not None:
+        return best
+    raise ConfigError(f"no resident kernel of {shape.cell} H={H} ({shape.dtype}) fits one cluster: "
+                      + ("; ".join(why) or "no single-block or cluster configuration"))
 
 
 class ResidentLayer:
