@@ -370,77 +370,73 @@ __device__ __forceinline__ void prnn_push_to_peers(const float* mine, prnn_u64* 
 #endif
 
 #if PRNN_RESIDENT
-// Thread 0 of block 0: tick `tick`'s descriptor (PRNN_CTL_* words of the
-// control block `ctl`, int64 in pinned host memory: steps, rows, and the
-// addresses of the input rows, output rows, gather and scatter slots and
-// the projections' scratch), once the host has rung its doorbell; or steps
-// 0 to leave, when the stop word is set, when no doorbell came for idle_ns,
-// or when the launch has run lifetime_ns (a device-wide synchronise
-// elsewhere in the process waits for this launch, so it must not run on
-// forever; the host launches again for the next tick).
-__device__ __forceinline__ void prnn_next_tick(const long long* ctl, long long tick, prnn_u64 launched,
-                                               prnn_u64 idle_ns, prnn_u64 lifetime_ns,
-                                               long long (&desc)[PRNN_TICK_WORDS]) {
+// Warp 0 of block 0: lane w's word of tick `tick`'s descriptor (PRNN_CTL_*
+// words of the control block `ctl`, int64 in pinned host memory: steps,
+// rows, and the addresses of the input rows, output rows, gather and
+// scatter slots and the projections' scratch), once the host has rung the
+// tick's doorbell; steps 0 (lane 0's word) to leave, when the stop word is
+// set, when no doorbell came for idle_ns, or when the launch has run
+// lifetime_ns (a device-wide synchronise elsewhere in the process waits for
+// this launch, so it must not run on forever; the host launches again for
+// the next tick). Lane 0 polls; the lanes then read the words at once, one
+// host round trip (read one after another by one thread, ~7 µs a tick).
+__device__ __forceinline__ long long prnn_next_tick(const long long* ctl, long long tick, prnn_u64 launched,
+                                                    prnn_u64 idle_ns, prnn_u64 lifetime_ns) {
     const volatile long long* words = ctl;
-    const prnn_u64 idle_from = prnn_globaltimer();
-    for (;;) {
-        const prnn_u64 now = prnn_globaltimer();
-        if (now - launched > lifetime_ns || words[PRNN_CTL_STOP]) break;
-        if (prnn_ld_acquire_sys(ctl + PRNN_CTL_DOORBELL) >= tick) {
-#pragma unroll
-            for (int w = 0; w < PRNN_TICK_WORDS; ++w) desc[w] = words[PRNN_CTL_TICK + w];
-            return;
+    const int lane = threadIdx.x % 32;
+    int go = 0;
+    if (lane == 0) {
+        const prnn_u64 idle_from = prnn_globaltimer();
+        for (;;) {
+            const prnn_u64 now = prnn_globaltimer();
+            if (now - launched > lifetime_ns || words[PRNN_CTL_STOP]) break;
+            if (prnn_ld_acquire_sys(ctl + PRNN_CTL_DOORBELL) >= tick) {
+                go = 1;
+                break;
+            }
+            if (now - idle_from > idle_ns) break;
+            __nanosleep(64);
         }
-        if (now - idle_from > idle_ns) break;
-        __nanosleep(64);
     }
-    desc[0] = 0;
+    go = __shfl_sync(PRNN_FULL_MASK, go, 0);
+    __syncwarp();
+    return go && lane < PRNN_TICK_WORDS ? words[PRNN_CTL_TICK + lane] : 0;
 }
 
-// This block's rows of a tick's input projections from the input rows x
-// [B][T][I] (host memory, read once per block): xw[t][b][g*H + unit] =
-// b_ih + W_ih x. A warp per (row, step) pair, its lanes over the block's
-// G*U projection rows, PRNN_XW_ROWS at a time; x's values go from lane to
-// lane by shuffles. Stored to L2 (__stcg), where the prefetch's cp.async.cg
+// This block's rows of a tick's input projections, xw[t][b][g*H + unit] =
+// b_ih + W_ih x[b][t], from the input rows x [B][T][I] in host memory. The
+// rows come to shared memory `xs` (the projections' prefetch buffer, unused
+// until the prefetch; xs_floats of it) in passes, one coalesced read each,
+// at a row stride of I | 1 (odd: a warp's 32 rows on 32 banks). A warp
+// takes one projection row and 32 input rows at a time, a lane an input
+// row: W_ih's row is read by the whole warp at once (a broadcast) and each
+// lane sums over I. Stored to L2 (__stcg), where the prefetch's cp.async.cg
 // reads them.
 __device__ __forceinline__ void prnn_tick_projections(const io_t* __restrict__ x, const io_t* __restrict__ w_ih,
-                                                      const io_t* __restrict__ b_ih, float* __restrict__ xw, int T,
-                                                      int B, int blk) {
-    constexpr int chunks = (PRNN_I + 31) / 32;
-    const int lane = threadIdx.x % 32;
-    for (int p = threadIdx.x / 32; p < T * B; p += PRNN_THREADS / 32) {
-        const int b = p / T, t = p % T;
-        float xv[chunks];
-#pragma unroll
-        for (int j = 0; j < chunks; ++j)
-            xv[j] = lane + 32 * j < PRNN_I ? prnn_to_float(x[(long long)p * PRNN_I + lane + 32 * j]) : 0.0f;
-        float* dst = xw + ((long long)t * B + b) * PRNN_G * PRNN_H;
-        for (int r0 = 0; r0 < PRNN_G * PRNN_U; r0 += 32 * PRNN_XW_ROWS) {
-            float acc[PRNN_XW_ROWS];
-            const io_t* w[PRNN_XW_ROWS];
-            int row[PRNN_XW_ROWS];
-#pragma unroll
-            for (int q = 0; q < PRNN_XW_ROWS; ++q) {
-                const int gu = r0 + 32 * q + lane, unit = blk * PRNN_U + gu % PRNN_U;
-                const bool valid = gu < PRNN_G * PRNN_U && unit < PRNN_H;
-                row[q] = valid ? (gu / PRNN_U) * PRNN_H + unit : -1;
-                w[q] = w_ih + (valid ? (long long)row[q] * PRNN_I : 0);
-                acc[q] = valid ? prnn_to_float(b_ih[row[q]]) : 0.0f;
-            }
-#pragma unroll
-            for (int j = 0; j < chunks; ++j)
-#pragma unroll
-                for (int l = 0; l < 32; ++l) {
-                    const float xi = __shfl_sync(PRNN_FULL_MASK, xv[j], l);
-                    if (32 * j + l < PRNN_I) {
-#pragma unroll
-                        for (int q = 0; q < PRNN_XW_ROWS; ++q)
-                            if (row[q] >= 0) acc[q] += prnn_to_float(w[q][32 * j + l]) * xi;
-                    }
-                }
-#pragma unroll
-            for (int q = 0; q < PRNN_XW_ROWS; ++q)
-                if (row[q] >= 0) __stcg(dst + row[q], acc[q]);
+                                                      const io_t* __restrict__ b_ih, float* __restrict__ xw,
+                                                      float* xs, int xs_floats, int T, int B, int blk) {
+    constexpr int stride = PRNN_I | 1;
+    const int pairs = T * B, per_pass = xs_floats / stride;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int p0 = 0; p0 < pairs; p0 += per_pass) {
+        const int n = min(per_pass, pairs - p0);
+        __syncthreads();  // the previous pass's reads are done
+        for (int i = threadIdx.x; i < n * PRNN_I; i += PRNN_THREADS)
+            xs[(i / PRNN_I) * stride + i % PRNN_I] = prnn_to_float(x[(long long)p0 * PRNN_I + i]);
+        __syncthreads();
+        const int groups = (n + 31) / 32;
+        for (int task = warp; task < PRNN_G * PRNN_U * groups; task += PRNN_THREADS / 32) {
+            const int gu = task % (PRNN_G * PRNN_U), q = task / (PRNN_G * PRNN_U) * 32 + lane;
+            const int unit = blk * PRNN_U + gu % PRNN_U;
+            if (unit >= PRNN_H || q >= n) continue;
+            const int row = gu / PRNN_U * PRNN_H + unit;
+            const io_t* w = w_ih + (long long)row * PRNN_I;
+            const float* xq = xs + q * stride;
+            float acc = prnn_to_float(b_ih[row]);
+#pragma unroll 8
+            for (int i = 0; i < PRNN_I; ++i) acc += prnn_to_float(w[i]) * xq[i];
+            const int p = p0 + q;
+            __stcg(xw + ((long long)(p % T) * B + p / T) * PRNN_G * PRNN_H + row, acc);
         }
     }
 }
@@ -728,16 +724,14 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     __shared__ long long tick_desc[PRNN_TICK_WORDS];
     const prnn_u64 launched = prnn_globaltimer();
     for (long long tick = first_tick;; ++tick) {
-        if (blk == 0 && tid == 0) {
-            long long desc[PRNN_TICK_WORDS];
-            prnn_next_tick(ctl, tick, launched, idle_ns, lifetime_ns, desc);
-#pragma unroll
-            for (int w = 0; w < PRNN_TICK_WORDS; ++w) {
+        if (blk == 0 && tid < 32) {
+            const long long word = prnn_next_tick(ctl, tick, launched, idle_ns, lifetime_ns);
+            if (tid < PRNN_TICK_WORDS) {
 #if PRNN_SYNC == 1
                 for (int r = 0; r < PRNN_NB; ++r)
-                    prnn_st_cluster_s64(prnn_peer_addr(prnn_smem_addr(tick_desc + w), r), desc[w]);
+                    prnn_st_cluster_s64(prnn_peer_addr(prnn_smem_addr(tick_desc + tid), r), word);
 #else
-                tick_desc[w] = desc[w];
+                tick_desc[tid] = word;
 #endif
             }
         }
@@ -761,8 +755,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 L.slots[BP + i] = (int)scatter[i];
             }
         }
-        prnn_tick_projections(reinterpret_cast<const io_t*>(tick_desc[2]), w_ih, b_ih, const_cast<float*>(xw), T, B,
-                              blk);
+        prnn_tick_projections(reinterpret_cast<const io_t*>(tick_desc[2]), w_ih, b_ih, const_cast<float*>(xw), L.xw,
+                              (PRNN_XW_DEPTH + 1) * PRNN_G * PRNN_U * BP, T, B, blk);
         __threadfence_block();
         __syncthreads();  // the slots and this block's projections are in place
         PRNN_PREFETCH_FIRST();

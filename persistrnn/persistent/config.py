@@ -253,6 +253,10 @@ class KernelConfig(KernelLayout):
             ("instances", self.instances == 1), ("sync", self.sync != "grid"), ("pipeline", not self.pipeline),
             ("lengths", not self.lengths), ("test_hook", not self.test_hook), ("save_gates", not self.save_gates),
         ) if not ok]
+        # A tick's input rows pass through the projections' prefetch buffer (recurrence.cu), at least one
+        # row (of I | 1 floats) at a time.
+        if (self.prefetch_steps + 1) * self.spec.num_gates * self.units_per_block * self.batch_stride(1) < size | 1:
+            why.append(f"input size {size} (one input row must fit the projections' shared buffer)")
         if why:
             raise ConfigError("KernelConfig.resident_input_size: a resident kernel runs one instance of sync "
                               "'single' or 'cluster' without pipeline, lengths, test hook or saved gates; got "

@@ -97,9 +97,6 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_N_KREG": config.register_k,
         "PRNN_RESIDENT": int(config.resident_input_size > 0),
         "PRNN_I": config.resident_input_size,
-        # Projection rows per lane per pass of a tick's projections: at most 4 accumulators, so that a
-        # kernel whose weights fill its registers keeps room for them.
-        "PRNN_XW_ROWS": min(4, -(-spec.num_gates * config.units_per_block // 32)),
         "PRNN_TICK_WORDS": len(RESIDENT_TICK),
         "PRNN_CTL_TICK": RESIDENT_CONTROL.index(RESIDENT_TICK[0]),
         **{f"PRNN_CTL_{word.upper()}": i for i, word in enumerate(RESIDENT_CONTROL)},
