@@ -38,11 +38,13 @@ def test_a_resident_config_refuses_what_it_cannot_run_and_names_it(changes, name
         KernelConfig("rnn_tanh", 4, "single", 1, 32, 4, 1, prefetch_steps=1, resident_input_size=4000)
 
 
-def test_a_resident_layout_adds_two_slot_numbers_per_row():
+def test_a_resident_layout_adds_two_slot_numbers_per_row_and_the_blocks_input_weights():
     plain = KernelConfig("gru", 100, "cluster", 4, 128, 8, 4)
     resident = dataclasses.replace(plain, resident_input_size=33)
+    rows = 76  # 3 gates x 25 units, padded to a multiple of 4 projection rows
     for batch in (1, 17, 64):
-        assert resident.shared_bytes(batch) - plain.shared_bytes(batch) == 4 * 2 * plain.batch_stride(batch)
+        extra = resident.shared_bytes(batch) - plain.shared_bytes(batch)
+        assert extra == 4 * (2 * plain.batch_stride(batch) + rows * (33 + 1))
 
 
 RESIDENT_SAMPLE = [

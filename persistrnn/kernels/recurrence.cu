@@ -102,6 +102,7 @@ struct prnn_smem_layout {
     float* bias_next;  // pipeline: [G][U] b_ih of the next layer's rows
     float* w_next;     // pipeline: the next layer's input weights that do not fit in registers
     int* slots;        // resident: [2][BP] per row the slot its states are read from, then written to
+    float* w_ih;       // resident: [XROWS][I] W_ih's rows of this block's units (g*U + u), then b_ih's [XROWS]
 };
 
 __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
@@ -117,6 +118,7 @@ __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     L.bias_next = L.rh + (PRNN_ONE_SYNC ? PRNN_KPAD * BP : 0);
     L.w_next = L.bias_next + (PRNN_PIPELINE ? PRNN_BIAS_FLOATS : 0);
     L.slots = reinterpret_cast<int*>(L.w_next);  // a resident kernel runs no pipeline: w_next's region is empty
+    L.w_ih = reinterpret_cast<float*>(L.slots + (PRNN_RESIDENT ? 2 * BP : 0));
     return L;
 }
 
@@ -403,19 +405,39 @@ __device__ __forceinline__ long long prnn_next_tick(const long long* ctl, long l
     return go && lane < PRNN_TICK_WORDS ? words[PRNN_CTL_TICK + lane] : 0;
 }
 
+// The block's projection rows (g*U + u for its units), padded to a multiple
+// of PRNN_XW_ROWS: a resident launch keeps them in shared memory, W_ih's row
+// g*H + unit each, then b_ih's values (zeros past H and past G*U).
+#define PRNN_XROWS ((PRNN_G * PRNN_U + PRNN_XW_ROWS - 1) / PRNN_XW_ROWS * PRNN_XW_ROWS)
+__device__ __forceinline__ void prnn_load_input_weights(const io_t* __restrict__ w_ih, const io_t* __restrict__ b_ih,
+                                                        float* w, int blk) {
+    for (int i = threadIdx.x; i < PRNN_XROWS * (PRNN_I + 1); i += PRNN_THREADS) {
+        const bool bias = i >= PRNN_XROWS * PRNN_I;
+        const int gu = bias ? i - PRNN_XROWS * PRNN_I : i / PRNN_I, k = i % PRNN_I;
+        const int unit = blk * PRNN_U + gu % PRNN_U;
+        const bool valid = gu < PRNN_G * PRNN_U && unit < PRNN_H;
+        const long long row = (long long)(gu / PRNN_U) * PRNN_H + unit;
+        w[i] = valid ? prnn_to_float(bias ? b_ih[row] : w_ih[row * PRNN_I + k]) : 0.0f;
+    }
+}
+
 // This block's rows of a tick's input projections, xw[t][b][g*H + unit] =
-// b_ih + W_ih x[b][t], from the input rows x [B][T][I] in host memory. The
-// rows come to shared memory `xs` (the projections' prefetch buffer, unused
-// until the prefetch; xs_floats of it) in passes, one coalesced read each,
-// at a row stride of I | 1 (odd: a warp's 32 rows on 32 banks). A warp
-// takes one projection row and 32 input rows at a time, a lane an input
-// row: W_ih's row is read by the whole warp at once (a broadcast) and each
-// lane sums over I. Stored to L2 (__stcg), where the prefetch's cp.async.cg
-// reads them.
-__device__ __forceinline__ void prnn_tick_projections(const io_t* __restrict__ x, const io_t* __restrict__ w_ih,
-                                                      const io_t* __restrict__ b_ih, float* __restrict__ xw,
-                                                      float* xs, int xs_floats, int T, int B, int blk) {
-    constexpr int stride = PRNN_I | 1;
+// b_ih + W_ih x[b][t], from the input rows x [B][T][I] in host memory and
+// W_ih in shared memory (`w`, prnn_load_input_weights). The input rows come
+// to shared memory `xs` (the projections' prefetch buffer, unused until the
+// prefetch; xs_floats of it) in passes, one coalesced read each, at a row
+// stride of I | 1 (odd: a warp's 32 rows on 32 banks). A warp takes
+// PRNN_XW_ROWS projection rows and 32 input rows at a time, a lane an input
+// row: W_ih's values are the same for the whole warp (a broadcast), and the
+// lane's sums over I are PRNN_XW_ROWS independent chains. (W_ih read from
+// global memory, a lane per projection row, cost ~25 µs a tick at H=128,
+// I=128 on an H100: uncoalesced, and its rows did not stay in L1.) Stored to
+// L2 (__stcg), where the prefetch's cp.async.cg reads them.
+__device__ __forceinline__ void prnn_tick_projections(const io_t* __restrict__ x, const float* w,
+                                                      float* __restrict__ xw, float* xs, int xs_floats, int T, int B,
+                                                      int blk) {
+    constexpr int stride = PRNN_I | 1, tasks_per_group = PRNN_XROWS / PRNN_XW_ROWS;
+    const float* bias = w + PRNN_XROWS * PRNN_I;
     const int pairs = T * B, per_pass = xs_floats / stride;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int p0 = 0; p0 < pairs; p0 += per_pass) {
@@ -424,20 +446,44 @@ __device__ __forceinline__ void prnn_tick_projections(const io_t* __restrict__ x
         for (int i = threadIdx.x; i < n * PRNN_I; i += PRNN_THREADS)
             xs[(i / PRNN_I) * stride + i % PRNN_I] = prnn_to_float(x[(long long)p0 * PRNN_I + i]);
         __syncthreads();
-        const int groups = (n + 31) / 32;
-        for (int task = warp; task < PRNN_G * PRNN_U * groups; task += PRNN_THREADS / 32) {
-            const int gu = task % (PRNN_G * PRNN_U), q = task / (PRNN_G * PRNN_U) * 32 + lane;
-            const int unit = blk * PRNN_U + gu % PRNN_U;
-            if (unit >= PRNN_H || q >= n) continue;
-            const int row = gu / PRNN_U * PRNN_H + unit;
-            const io_t* w = w_ih + (long long)row * PRNN_I;
+        for (int task = warp; task < tasks_per_group * ((n + 31) / 32); task += PRNN_THREADS / 32) {
+            const int gu0 = task % tasks_per_group * PRNN_XW_ROWS, q = task / tasks_per_group * 32 + lane;
+            if (q >= n) continue;
+            const float* wr = w + gu0 * PRNN_I;
             const float* xq = xs + q * stride;
-            float acc = prnn_to_float(b_ih[row]);
-#pragma unroll 8
-            for (int i = 0; i < PRNN_I; ++i) acc += prnn_to_float(w[i]) * xq[i];
+            float acc[PRNN_XW_ROWS];
+#pragma unroll
+            for (int r = 0; r < PRNN_XW_ROWS; ++r) acc[r] = bias[gu0 + r];
+#pragma unroll 4
+            for (int i = 0; i < PRNN_I; ++i) {
+                const float xi = xq[i];
+#pragma unroll
+                for (int r = 0; r < PRNN_XW_ROWS; ++r) acc[r] += wr[r * PRNN_I + i] * xi;
+            }
             const int p = p0 + q;
-            __stcg(xw + ((long long)(p % T) * B + p / T) * PRNN_G * PRNN_H + row, acc);
+            float* dst = xw + ((long long)(p % T) * B + p / T) * PRNN_G * PRNN_H;
+#pragma unroll
+            for (int r = 0; r < PRNN_XW_ROWS; ++r) {
+                const int gu = gu0 + r, unit = blk * PRNN_U + gu % PRNN_U;
+                if (gu < PRNN_G * PRNN_U && unit < PRNN_H) __stcg(dst + gu / PRNN_U * PRNN_H + unit, acc[r]);
+            }
         }
+    }
+}
+
+// This block's units of a tick's outputs, staged by the steps (emit) in the
+// projections' scratch, to the output rows `out` [B][T][H] in host memory:
+// consecutive threads take consecutive units of one (row, step), so a
+// warp's stores form runs of U values (stored one by one from emit, each
+// 4-byte store crossed PCIe on its own: ~40 µs for 64 rows at H=128).
+__device__ __forceinline__ void prnn_copy_tick_outputs(const float* stage, io_t* __restrict__ out, int T, int B,
+                                                       int blk) {
+    __syncthreads();  // the block's staged values are written
+    const int units = min(PRNN_U, PRNN_H - blk * PRNN_U);
+    for (int i = threadIdx.x; i < B * T * units; i += PRNN_THREADS) {
+        const int u = i % units, bt = i / units, b = bt / T, t = bt % T, unit = blk * PRNN_U + u;
+        out[(long long)bt * PRNN_H + unit] =
+            prnn_from_float<io_t>(__ldcg(stage + ((long long)t * B + b) * PRNN_G * PRNN_H + unit));
     }
 }
 #endif
@@ -723,6 +769,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // one-step tick has no exchange between) does not change them.
     __shared__ long long tick_desc[PRNN_TICK_WORDS];
     const prnn_u64 launched = prnn_globaltimer();
+    prnn_load_input_weights(w_ih, b_ih, L.w_ih, blk);  // read after the first tick's barriers
     for (long long tick = first_tick;; ++tick) {
         if (blk == 0 && tid < 32) {
             const long long word = prnn_next_tick(ctl, tick, launched, idle_ns, lifetime_ns);
@@ -755,7 +802,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 L.slots[BP + i] = (int)scatter[i];
             }
         }
-        prnn_tick_projections(reinterpret_cast<const io_t*>(tick_desc[2]), w_ih, b_ih, const_cast<float*>(xw), L.xw,
+        prnn_tick_projections(reinterpret_cast<const io_t*>(tick_desc[2]), L.w_ih, const_cast<float*>(xw), L.xw,
                               (PRNN_XW_DEPTH + 1) * PRNN_G * PRNN_U * BP, T, B, blk);
         __threadfence_block();
         __syncthreads();  // the slots and this block's projections are in place
@@ -862,8 +909,14 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                     prnn_pointwise(xg, hg, h, value);
 #endif
                     if (t >= len) value = h;
+#if PRNN_RESIDENT
+                    // Staged where this block's gate-0 projection of (t, b) was, already read
+                    // (prnn_copy_tick_outputs sends the rows to host memory).
+                    __stcg(const_cast<float*>(xw) + ((long long)t * B + b) * PRNN_G * PRNN_H + unit, value);
+#else
                     if (out) out[prnn_position(t, seq, reverse, lengths, T) * out_step + (long long)seq * out_row + unit] =
                                  prnn_from_float<io_t>(t < len ? value : 0.0f);
+#endif
                     if (t == T - 1) h_n[PRNN_STATE_OUT(b) * PRNN_H + unit] = prnn_from_float<io_t>(value);
 #if PRNN_SAVE_GATES
                     // Training: what the backward needs at this position,
@@ -1035,6 +1088,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
         }
     }
 #if PRNN_RESIDENT
+        prnn_copy_tick_outputs(xw, out, T, B, blk);
         // The tick's output rows are in host memory and its new states in
         // their slots before block 0 says so: each thread's own writes
         // (fence), then every block's (barrier). A block that left on a

@@ -45,6 +45,7 @@ descriptor (steps .. xw, the last seven) and then its number into
 outputs are in host memory, and writes its generation into ``exited`` when
 it leaves (``stop`` set, idle, or its lifetime over)."""
 RESIDENT_TICK = RESIDENT_CONTROL[RESIDENT_CONTROL.index("steps"):]
+
 MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
 # Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
 MAX_REGISTERS_PER_THREAD = 255

@@ -10,6 +10,11 @@ import math
 
 from ..cells import CellSpec, get_cell
 
+RESIDENT_PROJECTION_ROWS = 4
+"""Projection rows a warp of a resident kernel sums at once (independent
+chains; recurrence.cu's prnn_tick_projections); a block keeps its W_ih rows
+padded to a multiple of this."""
+
 __all__ = ["MMA_BATCH", "MMA_TILE", "REGISTER_OVERHEAD", "WARP", "KernelLayout"]
 
 MMA_TILE = 16  # rows and columns of one m16n8k16 A fragment
@@ -188,8 +193,9 @@ class KernelLayout:
             floats += 2 * self.blocks * self.partial_rows * bp + self.padded_hidden * bp
         if self.pipeline:  # the next layer's b_ih and shared weights
             floats += self.bias_floats + self.next_shared_weight_floats
-        if self.resident_input_size:  # each row's two state slots (int32)
-            floats += 2 * bp
+        if self.resident_input_size:  # each row's two state slots (int32), W_ih's rows and b_ih (recurrence.cu)
+            rows = -(-g * u // RESIDENT_PROJECTION_ROWS) * RESIDENT_PROJECTION_ROWS
+            floats += 2 * bp + rows * (self.resident_input_size + 1)
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
 
     @property

@@ -11,6 +11,7 @@ from .. import runtime
 from ..cells import render_pointwise_functions
 from ..errors import ConfigError
 from .config import KERNEL_NAME, PIPELINE_RELEASE_EVERY, RESIDENT_CONTROL, RESIDENT_TICK, SYNC_MODES, KernelConfig
+from .layout import RESIDENT_PROJECTION_ROWS
 
 __all__ = ["DEVICE_TYPES", "compile_config", "instance_fields", "render_source"]
 
@@ -97,6 +98,7 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_N_KREG": config.register_k,
         "PRNN_RESIDENT": int(config.resident_input_size > 0),
         "PRNN_I": config.resident_input_size,
+        "PRNN_XW_ROWS": RESIDENT_PROJECTION_ROWS,
         "PRNN_TICK_WORDS": len(RESIDENT_TICK),
         "PRNN_CTL_TICK": RESIDENT_CONTROL.index(RESIDENT_TICK[0]),
         **{f"PRNN_CTL_{word.upper()}": i for i, word in enumerate(RESIDENT_CONTROL)},
