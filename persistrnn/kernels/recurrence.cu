@@ -409,6 +409,7 @@ __device__ __forceinline__ long long prnn_next_tick(const long long* ctl, long l
 // of PRNN_XW_ROWS: a resident launch keeps them in shared memory, W_ih's row
 // g*H + unit each, then b_ih's values (zeros past H and past G*U).
 #define PRNN_XROWS ((PRNN_G * PRNN_U + PRNN_XW_ROWS - 1) / PRNN_XW_ROWS * PRNN_XW_ROWS)
+#define PRNN_HOST_BATCH 16  // host-memory loads a thread has in flight at once
 __device__ __forceinline__ void prnn_load_input_weights(const io_t* __restrict__ w_ih, const io_t* __restrict__ b_ih,
                                                         float* w, int blk) {
     for (int i = threadIdx.x; i < PRNN_XROWS * (PRNN_I + 1); i += PRNN_THREADS) {
@@ -443,8 +444,24 @@ __device__ __forceinline__ void prnn_tick_projections(const io_t* __restrict__ x
     for (int p0 = 0; p0 < pairs; p0 += per_pass) {
         const int n = min(per_pass, pairs - p0);
         __syncthreads();  // the previous pass's reads are done
-        for (int i = threadIdx.x; i < n * PRNN_I; i += PRNN_THREADS)
-            xs[(i / PRNN_I) * stride + i % PRNN_I] = prnn_to_float(x[(long long)p0 * PRNN_I + i]);
+        // PRNN_HOST_BATCH loads in flight per thread before any store: a load
+        // from host memory is a PCIe round trip (~2.5 µs on an H100 host), and
+        // one load per loop trip (a store to xs between, which may alias x)
+        // cost one each: ~60 µs for 64 rows at I = 128.
+        const io_t* src = x + (long long)p0 * PRNN_I;
+        for (int i0 = threadIdx.x; i0 < n * PRNN_I; i0 += PRNN_THREADS * PRNN_HOST_BATCH) {
+            float v[PRNN_HOST_BATCH];
+#pragma unroll
+            for (int c = 0; c < PRNN_HOST_BATCH; ++c) {
+                const int i = i0 + c * PRNN_THREADS;
+                v[c] = i < n * PRNN_I ? prnn_to_float(src[i]) : 0.0f;
+            }
+#pragma unroll
+            for (int c = 0; c < PRNN_HOST_BATCH; ++c) {
+                const int i = i0 + c * PRNN_THREADS;
+                if (i < n * PRNN_I) xs[(i / PRNN_I) * stride + i % PRNN_I] = v[c];
+            }
+        }
         __syncthreads();
         for (int task = warp; task < tasks_per_group * ((n + 31) / 32); task += PRNN_THREADS / 32) {
             const int gu0 = task % tasks_per_group * PRNN_XW_ROWS, q = task / tasks_per_group * 32 + lane;
