@@ -769,9 +769,11 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     int push_columns = BP;
     prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
 #define PRNN_PUSH_SLICE(mine, bar) prnn_push_columns_to_peers(mine, bar, blk, push_columns / 4, BP, push_walk)
+#define PRNN_PUSH_FLOATS (PRNN_U * push_columns)
 #else
     const prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
 #define PRNN_PUSH_SLICE(mine, bar) prnn_push_to_peers(mine, bar, blk, slice_floats / 4, push_walk)
+#define PRNN_PUSH_FLOATS slice_floats
 #endif
     prnn_u32 phases = 0;  // bit i: the parity the next wait on bars[i] completes
     auto wait_exchange = [&](int i) {
@@ -1096,8 +1098,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             PRNN_PREFETCH_AHEAD();
 #elif PRNN_SYNC == 1
             if (tid == 0) {
-                const int floats = PRNN_U * (PRNN_RESIDENT ? push_columns : BP) +
-                                   (PRNN_ONE_SYNC && t + 1 < T ? PRNN_PROWS * BP : 0);
+                const int floats = PRNN_PUSH_FLOATS + (PRNN_ONE_SYNC && t + 1 < T ? PRNN_PROWS * BP : 0);
                 prnn_mbar_arrive_expect_tx(&bars[e & 1], (prnn_u32)((PRNN_NB - 1) * floats * sizeof(float)));
             }
 #if PRNN_FUSED
