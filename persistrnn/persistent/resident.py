@@ -49,16 +49,14 @@ _WORD = {name: i for i, name in enumerate(RESIDENT_CONTROL)}
 def resident_config(shape: Any, rows: int) -> tuple[KernelConfig, int]:
     """The resident configuration of a one-layer, one-direction model
     ``shape`` (:class:`persistrnn.plan.ModelShape`) for up to ``rows`` rows a
-    tick, and the rows it runs a tick (a batch of more runs as several
-    ticks). The planner's choice at that batch wins where it is a cluster or
-    single-block kernel that compiles resident without spills, holding as
-    many of the rows as its shared memory allows: a tick's steps cost what
-    its configuration's steps cost (measured on an H100: ~42 µs a step at 64
-    rows for LSTM 128 over 8 blocks of 256 threads, the configuration from
-    sizes alone, against the planner's choice). Else the configuration from
-    sizes alone, then clusters of 8 and 16 blocks (more blocks, fewer units
-    each: more rows fit), the first that holds ``rows`` rows or else the one
-    that holds the most. Raises :class:`ConfigError` naming why none runs."""
+    tick, and the rows it runs a tick. The candidates: the planner's choice
+    at that batch where it is a cluster or single-block kernel, the
+    configuration from sizes alone, and clusters of 8 and 16 blocks (more
+    blocks, fewer units each: more rows fit a block's shared memory); each
+    made resident and kept if it compiles without spills. The first that
+    holds ``rows`` rows in one launch wins, else the one that holds the most
+    (a batch of more rows then runs as several ticks). Raises
+    :class:`ConfigError` naming why none runs."""
     import torch
 
     from ..plan import cached_plan
@@ -71,8 +69,7 @@ def resident_config(shape: Any, rows: int) -> tuple[KernelConfig, int]:
     H = shape.hidden_size
     candidates = []
     chosen = cached_plan(shape, rows)
-    planned = chosen.path == "persistent" and chosen.config.sync != "grid" and chosen.config.instances == 1
-    if planned:
+    if chosen.path == "persistent" and chosen.config.sync != "grid" and chosen.config.instances == 1:
         candidates.append(chosen.config)
     with contextlib.suppress(ConfigError):
         candidates.append(default_config(shape.cell, H, rows, sm_count=facts.sm_count, dtype=shape.dtype))
@@ -82,7 +79,7 @@ def resident_config(shape: Any, rows: int) -> tuple[KernelConfig, int]:
             candidates.append(KernelConfig(shape.cell, H, "cluster" if blocks > 1 else "single", blocks, 256,
                                            group_size=8, batch_tile=8, dtype=shape.dtype))
     why, best = [], None
-    for i, config in enumerate(candidates):
+    for config in candidates:
         if config.sync not in SYNC_MODES[:2]:
             why.append(f"{config}: sync {config.sync!r}")
             continue
@@ -94,8 +91,8 @@ def resident_config(shape: Any, rows: int) -> tuple[KernelConfig, int]:
         except ConfigError as exc:
             why.append(str(exc))
             continue
-        if holds >= rows or (i == 0 and planned):
-            return config, min(holds, rows)
+        if holds >= rows:
+            return config, rows
         if best is None or holds > best[1]:
             best = (config, holds)
     if best is not None:
