@@ -36,7 +36,7 @@ __all__ = ["DEFAULT_IDLE_S", "DEFAULT_LIFETIME_S", "ResidentLayer", "resident_co
 
 DEFAULT_IDLE_S = 0.02
 """A resident launch leaves after this long without a tick (the next tick
-launches it again, ~10-20 µs of host time)."""
+launches it again)."""
 DEFAULT_LIFETIME_S = 0.2
 """A resident launch leaves after this long even while busy: a device-wide
 synchronise elsewhere in the process waits at most this long for it."""
