@@ -762,13 +762,16 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     int e = 0;                             // exchange index
 #if PRNN_SYNC == 1
 #if PRNN_RESIDENT
-    // A resident tick pushes only its columns of each unit row (whole float4s,
-    // where BP keeps rows 16-byte aligned): the layout holds BP columns for
-    // the kernel's most rows, and a tick of one row pushing all 68 of them
-    // (LSTM 128 over 8 blocks) cost ~6 µs a step against ~1 for its own.
+    // A resident tick pushes only its columns of each unit row (whole float4s)
+    // where BP keeps rows 16-byte aligned, else the whole slice: the layout
+    // holds BP columns for the kernel's most rows.
     int push_columns = BP;
     prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
-#define PRNN_PUSH_SLICE(mine, bar) prnn_push_columns_to_peers(mine, bar, blk, push_columns / 4, BP, push_walk)
+#define PRNN_PUSH_SLICE(mine, bar)                                                       \
+    if (BP % 4)                                                                          \
+        prnn_push_to_peers(mine, bar, blk, slice_floats / 4, push_walk);                 \
+    else                                                                                 \
+        prnn_push_columns_to_peers(mine, bar, blk, push_columns / 4, BP, push_walk)
 #define PRNN_PUSH_FLOATS (PRNN_U * push_columns)
 #else
     const prnn_walk push_walk = prnn_make_walk(slice_floats / 4);
@@ -836,8 +839,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
         Bc = (B + PRNN_BT - 1) / PRNN_BT * PRNN_BT;
         walk = prnn_make_walk(B);
 #if PRNN_SYNC == 1
-        push_columns = BP % 4 ? BP : min((Bc + 3) / 4 * 4, BP);
-        push_walk = prnn_make_walk(PRNN_U * push_columns / 4);
+        push_columns = BP % 4 ? BP : min((Bc + 3) / 4 * 4, BP);  // the whole slice where rows are not aligned
+        push_walk = prnn_make_walk(BP % 4 ? slice_floats / 4 : PRNN_U * push_columns / 4);
 #endif
         step_stride = (long long)ld * PRNN_G * PRNN_H;
         out_step = PRNN_H;
