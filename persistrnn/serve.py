@@ -325,7 +325,9 @@ class Engine:
     bound, in seconds, of every wait that is not given one (pulls, closing,
     warm-up, and the worker's wait for the device). ``resident``: run the
     ticks on one resident kernel (see the module docstring; a one-layer
-    persistrnn model on CUDA, else :class:`~persistrnn.errors.ArgumentError`)."""
+    persistrnn model on CUDA, else :class:`~persistrnn.errors.ArgumentError`).
+    A resident kernel reads the weights when it launches, so change a served
+    model's weights only between engines."""
 
     capture_batches = True
     """On CUDA, run each batch shape as one captured graph (see :class:`_Batch`)."""
@@ -415,18 +417,19 @@ class Engine:
             why = None
         if why is not None:
             raise ArgumentError(f"Engine(resident=True): expected {why}")
-        config, rows = resident_config(model._shape(self.dtype), min(self.max_streams, _RESIDENT_ROWS))
-        weight = model.weight_hh_l0
-        weights = tuple(w.detach().contiguous() if w is not None else weight.new_zeros(weight.shape[0])
-                        for w in (model.weight_ih_l0, weight, getattr(model, "bias_ih_l0", None),
-                                  getattr(model, "bias_hh_l0", None)))
-        slots = 2 * self.max_streams + 2
-        self._zero_row, self._spare_row = slots - 2, slots - 1
-        self._parity = bytearray(self.max_streams)
-        h_pool = weight.new_zeros(slots, self.output_size)
-        c_pool = weight.new_zeros(slots, model.hidden_size) if self._has_cell_state else None
-        torch.cuda.current_stream(self.device).synchronize()  # the zeros are in place before any launch reads them
-        return ResidentLayer(config, weights, h_pool, c_pool, rows)
+        with torch.cuda.device(self.device):  # configured, compiled and loaded for the model's device
+            config, rows = resident_config(model._shape(self.dtype), min(self.max_streams, _RESIDENT_ROWS))
+            weight = model.weight_hh_l0
+            weights = tuple(w.detach().contiguous() if w is not None else weight.new_zeros(weight.shape[0])
+                            for w in (model.weight_ih_l0, weight, getattr(model, "bias_ih_l0", None),
+                                      getattr(model, "bias_hh_l0", None)))
+            slots = 2 * self.max_streams + 2
+            self._zero_row, self._spare_row = slots - 2, slots - 1
+            self._parity = bytearray(self.max_streams)
+            h_pool = weight.new_zeros(slots, self.output_size)
+            c_pool = weight.new_zeros(slots, model.hidden_size) if self._has_cell_state else None
+            torch.cuda.current_stream(self.device).synchronize()  # the zeros are in place before a launch reads them
+            return ResidentLayer(config, weights, h_pool, c_pool, rows)
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.model).__name__}, {len(self._streams)}/{self.max_streams} streams, "
@@ -731,8 +734,10 @@ class Engine:
         if on_worker:  # the worker ends after this tick; the exit hook still joins it
             return
         self._worker.join(min(self.timeout + 1.0, threading.TIMEOUT_MAX))
-        if not self._worker.is_alive():
-            self._batches.clear()  # their graphs, pools and pinned buffers go now, not at a later collection
+        if not self._worker.is_alive() and (self._resident is None or self._resident.stopped):
+            # Their graphs, pools and pinned buffers go now, not at a later collection; a resident kernel that
+            # did not stop may still write into them, so they are kept then.
+            self._batches.clear()
             with self._lock:  # two closes at once give the stream back once
                 stream, self._cuda_stream = self._cuda_stream, None
             if stream is not None and self._failure is None:  # a failed worker's stream may hold a stalled batch
@@ -799,7 +804,8 @@ class Engine:
         except Exception as exc:  # whatever stops the worker is delivered to the waiting pulls
             self._stop(exc)
         finally:
-            if self._resident is not None and self._resident.stop(self.timeout):
+            # Bounded by a second at most: after a tick that timed out, the kernel may never see the stop word.
+            if self._resident is not None and self._resident.stop(min(self.timeout, _RESIDENT_STOP_S)):
                 self._resident.release()
 
     def _tick(self) -> bool:
@@ -970,7 +976,8 @@ class Engine:
         if on_device and self._resident is not None:
             self._wait_device()  # the device chunks' rows are in host memory before the kernel reads them
         batch.run(self.timeout, n)
-        if batch.cuda:  # a persistent kernel that failed inside the batch reported it in host memory
+        if batch.cuda and self._resident is None:  # a persistent kernel that failed inside the batch reported it
+            # in host memory (a resident kernel reports in its layer's own word, read as each tick ends)
             runtime.raise_reported_failure(self.device.index)
         outputs = batch.outputs(chunks, by_rows)
         if on_device:
@@ -1021,6 +1028,9 @@ _RESIDENT_ROWS = 64
 """The most rows one resident tick runs (a batch of more runs as several
 ticks), or fewer where the kernel's shared memory holds fewer rows' states
 (:func:`~persistrnn.persistent.resident.resident_config`)."""
+
+_RESIDENT_STOP_S = 1.0
+"""How long the worker, as it ends, waits for the resident kernel to leave."""
 
 _BATCHES_KEPT = 32
 """Captured batches an engine keeps (one per chunk length and padded batch
@@ -1131,8 +1141,11 @@ class _Batch:
             x_row, out_row = self.row_bytes
             step = self.resident.rows
             for r0 in range(0, rows, step):
-                self.resident.run(T, min(step, rows - r0), x + r0 * x_row, out + r0 * out_row, gather + 8 * r0,
-                                  scatter + 8 * r0, xw, timeout)
+                try:
+                    self.resident.run(T, min(step, rows - r0), x + r0 * x_row, out + r0 * out_row, gather + 8 * r0,
+                                      scatter + 8 * r0, xw, timeout)
+                except TimeoutError as exc:  # the engine stops: every later tick would wait as long
+                    raise _DeviceStalled(str(exc)) from exc
             return
         echo = self.echo_rows if self.cuda else None
         if echo is not None:

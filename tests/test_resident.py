@@ -195,3 +195,28 @@ def test_gpu_a_stopped_layer_refuses_ticks_and_a_stalled_tick_times_out():
         _tick(blocked, params, rng, 2, 1, timeout=0.05)
     assert blocked.stop(timeout=10.0)
     blocked.release()
+
+
+@pytest.mark.gpu
+def test_gpu_a_launch_that_raises_is_not_waited_for_and_the_next_tick_launches(monkeypatch):
+    from persistrnn import runtime
+    from persistrnn.errors import KernelLaunchError
+    from persistrnn.persistent import resident
+
+    config = RESIDENT_SAMPLE[1]
+    rng = np.random.default_rng(int(time.time()))
+    layer, params = _layer(config, 4, rng, slots=12)
+
+    def refused(*args, **kwargs):
+        raise KernelLaunchError("refused by the test")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(resident.runtime, "launch", refused)
+        with pytest.raises(KernelLaunchError, match="refused by the test"):
+            _tick(layer, params, rng, 2, 1, timeout=5.0)
+    assert layer.generation == 0 and layer.launches == 0  # nothing to wait for
+    _tick(layer, params, rng, 3, 2, timeout=5.0)  # launched now, and right
+    assert layer.launches == 1
+    assert layer.stop(timeout=5.0) and layer.stopped
+    layer.release()
+    assert runtime.wait_timeout_ns() > 0

@@ -1019,3 +1019,22 @@ def test_gpu_resident_bfloat16_and_a_pause_past_the_idle_bound(untuned):
         assert engine._resident.launches == len(chunks)
     assert all(o.dtype == torch.bfloat16 for o in got)
     check_outputs(model, [chunks], [got], dict(rtol=2e-2, atol=2e-2))
+
+
+@pytest.mark.gpu
+def test_gpu_resident_a_tick_that_times_out_stops_the_engine_and_close_is_bounded(untuned):
+    model = make_model("lstm", input_size=8, hidden=16, layers=1).cuda()
+    engine = serve.Engine(model, max_streams=4, timeout=0.5, resident=True)
+    with torch.cuda.stream(engine._resident.stream):
+        torch.cuda._sleep(int(3e9))  # ~1.5 s of GPU cycles ahead of the first launch on its stream
+    stream = engine.open()
+    stream.push(torch.randn(1, 8))
+    with pytest.raises(TimeoutError, match="did not finish"):
+        stream.pull(timeout=WAIT)
+    with pytest.raises(ArgumentError, match="failed|stopped"):  # the engine stopped: it takes no more work
+        engine.open().push(torch.randn(1, 8))
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5.0
+    torch.cuda.synchronize()  # the launch started late, saw its stop word and left
+    assert engine._resident.words[RESIDENT_CONTROL.index("exited")] == engine._resident.generation

@@ -13,9 +13,9 @@ engine's worker) no release of the GIL.
 Every wait is bounded. The kernel leaves by itself when it sees no doorbell
 for ``idle`` seconds or has run ``lifetime`` seconds (a device-wide
 synchronise anywhere in the process waits for it), and the next tick
-launches it again. A failure inside it is reported like any persistent
-kernel's (the device's report word); :meth:`ResidentLayer.stop` asks it to
-leave and waits for it.
+launches it again. A failure inside it is reported in a report word of the
+layer's own (not the device's, which other launches share);
+:meth:`ResidentLayer.stop` asks it to leave and waits for it.
 """
 
 from __future__ import annotations
@@ -87,8 +87,10 @@ def resident_config(shape: Any, rows: int) -> tuple[KernelConfig, int]:
                                      save_gates=False)
         try:
             compile_config(config)
-            holds = batch_per_launch(config, torch.cuda.current_device())
-        except ConfigError as exc:
+            device = torch.cuda.current_device()
+            holds = batch_per_launch(config, device)
+            _prepared_launch(config, device, min(holds, rows), 1)  # its cluster can be resident
+        except (ConfigError, KernelLaunchError) as exc:
             why.append(str(exc))
             continue
         if holds >= rows:
@@ -129,32 +131,38 @@ class ResidentLayer:
         self.kernel, self.launch_config = _prepared_launch(config, self.device.index, rows, 1)
         self.control = torch.zeros(len(RESIDENT_CONTROL), dtype=torch.int64, pin_memory=True)
         self.words = self.control.numpy()
+        self.report = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # this layer's failures only
+        self.reported = self.report.numpy()
         self.stream = runtime.own_stream(self.device.index)
         self.tick = 0  # the last tick posted
-        self.generation = 0  # launches so far; the running one's number
+        self.generation = 0  # launches made so far; the last one's number
         self.launches = 0
         self._scratch: Any = None  # the running launch's status word, kept alive while it runs
         self._stopped = False
+        self.stopped = False  # stop() saw the last launch leave: nothing of this layer runs
 
     def _launch(self) -> None:
-        """Launch generation ``generation + 1``, serving from the next tick on."""
+        """Launch generation ``generation + 1``, serving from the pending tick
+        on; ``generation`` counts it once the launch call has returned (a
+        launch that raised never runs, and nothing waits for its exit)."""
         import numpy as np
         import torch
 
         w_ih, w_hh, b_ih, b_hh = self.weights
         H = self.config.hidden_size
         c_pool = self.c_pool if self.c_pool is not None else self.h_pool
-        self.generation += 1
+        generation = self.generation + 1
         with torch.cuda.stream(self.stream):
             own = runtime.scratch(self.device, 0, counters=self.config.counter_words)
             args = [np.uint64(0), _address(w_hh), _address(b_hh), _address(self.h_pool), _address(c_pool),
                     np.uint64(0), _address(self.h_pool), _address(c_pool), 0,
                     _address(w_ih), _address(b_ih), np.uint64(self.control.data_ptr()), np.int64(self.tick),
-                    np.int64(self.generation), np.uint64(self.idle_ns), np.uint64(self.lifetime_ns),
+                    np.int64(generation), np.uint64(self.idle_ns), np.uint64(self.lifetime_ns),
                     np.uint64(0), np.uint64(own.counters), np.uint64(0), np.uint64(0), 1, self.rows, self.rows,
-                    self.rows, H, np.uint64(own.status), np.uint64(runtime.report_word(self.device.index)),
+                    self.rows, H, np.uint64(own.status), np.uint64(self.report.data_ptr()),
                     np.uint64(runtime.wait_timeout_ns()), np.int32(-1)]
             runtime.launch(self.kernel, self.launch_config, *runtime.kernel_args(*args))
+        self.generation = generation
         self._scratch = own
         self.launches += 1
 
@@ -182,8 +190,8 @@ class ResidentLayer:
         words[_WORD["scatter"]] = scatter
         words[_WORD["xw"]] = xw
         words[_WORD["doorbell"]] = tick  # last: the kernel reads the descriptor once it sees this
-        if self.generation == 0:
-            self._launch()
+        if self.generation == 0 or words[_WORD["exited"]] == self.generation:
+            self._launch()  # the first, or after a launch left (idle, lifetime, a failure, or a launch that raised)
         done, exited = _WORD["done"], _WORD["exited"]
         started = time.perf_counter()
         deadline = started + timeout
@@ -192,7 +200,8 @@ class ResidentLayer:
             if words[exited] == self.generation:  # it left without this tick: its failure, or idle or old
                 if words[done] == tick:
                     break
-                runtime.raise_reported_failure(self.device.index, KERNEL_NAME)
+                code, self.reported[0] = int(self.reported[0]), 0
+                runtime.raise_failure_code(code, f"{KERNEL_NAME} (resident)")
                 self._launch()
                 continue
             now = time.perf_counter()
@@ -208,13 +217,12 @@ class ResidentLayer:
         self._stopped = True
         words = self.words
         words[_WORD["stop"]] = 1
-        if self.generation == 0:
-            return True
         deadline = time.perf_counter() + timeout
-        while words[_WORD["exited"]] != self.generation:
+        while self.generation and words[_WORD["exited"]] != self.generation:
             if time.perf_counter() > deadline:
                 return False
             time.sleep(0)
+        self.stopped = True
         return True
 
     def release(self) -> None:

@@ -13,8 +13,8 @@ from .compile import (CompiledBinary, KernelResources, cache_key, compile_source
 from .device import DeviceFacts, device_facts, facts_of, require_gpu
 from .graphs import CapturedCall, GraphCache, capture, capture_graph, own_stream, release_stream
 from .launch import (WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
-                     inject_failure, kernel_args, launch, raise_reported_failure, report_word, scratch,
-                     set_wait_timeout, to_device_async, wait_timeout_ns)
+                     inject_failure, kernel_args, launch, raise_failure_code, raise_reported_failure, report_word,
+                     scratch, set_wait_timeout, to_device_async, wait_timeout_ns)
 from .timing import per_iteration_us, time_cuda_ms, warm_up
 
 __all__ = [
@@ -24,7 +24,8 @@ __all__ = [
     "compile_source", "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
     "inject_failure", "kernel_args", "key_lock", "launch", "map_in_threads", "nvrtc_compiles", "nvrtc_version",
     "own_stream", "release_stream",
-    "parse_ptxas_report", "per_iteration_us", "program_options", "raise_reported_failure", "read_source",
+    "parse_ptxas_report", "per_iteration_us", "program_options", "raise_failure_code", "raise_reported_failure",
+    "read_source",
     "render_template",
     "report_word", "require_gpu", "scratch", "set_wait_timeout", "sources_dir", "time_cuda_ms", "to_device_async",
     "wait_timeout_ns",

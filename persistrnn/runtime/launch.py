@@ -30,7 +30,8 @@ from .compile import CompiledBinary, KernelResources
 from .device import facts_of, require_gpu
 
 __all__ = ["LoadedKernel", "Scratch", "WAIT_TIMEOUT_ENV", "check_status", "get_kernel", "inject_failure",
-           "kernel_args", "launch", "raise_reported_failure", "report_word", "scratch", "set_wait_timeout",
+           "kernel_args", "launch", "raise_failure_code", "raise_reported_failure", "report_word", "scratch",
+           "set_wait_timeout",
            "to_device_async", "wait_timeout_ns", "failure_hook"]
 
 
@@ -456,6 +457,13 @@ def raise_reported_failure(device: int, kernel: str = "a persistent kernel", *, 
     code = int(view[0])
     if code:
         view[0] = 0
+        raise _error(code, kernel)
+
+
+def raise_failure_code(code: int, kernel: str) -> None:
+    """Raise the error of a kernel's status code (PRNN_STATUS_*), if not 0:
+    for a caller that reads a report word of its own."""
+    if code:
         raise _error(code, kernel)
 
 
