@@ -215,6 +215,8 @@ def test_gpu_a_launch_that_raises_is_not_waited_for_and_the_next_tick_launches(m
         with pytest.raises(KernelLaunchError, match="refused by the test"):
             _tick(layer, params, rng, 2, 1, timeout=5.0)
     assert layer.generation == 0 and layer.launches == 0  # nothing to wait for
+    for pool in (layer.h_pool, layer.c_pool):  # the refused tick left its destination slots poisoned
+        pool.normal_(0.0, 0.5)
     _tick(layer, params, rng, 3, 2, timeout=5.0)  # launched now, and right
     assert layer.launches == 1
     assert layer.stop(timeout=5.0) and layer.stopped
