@@ -1025,8 +1025,12 @@ def test_gpu_resident_bfloat16_and_a_pause_past_the_idle_bound(untuned):
 def test_gpu_resident_a_tick_that_times_out_stops_the_engine_and_close_is_bounded(untuned):
     model = make_model("lstm", input_size=8, hidden=16, layers=1).cuda()
     engine = serve.Engine(model, max_streams=4, timeout=0.5, resident=True)
+    # Every batch's buffers made first (a pinned allocation waits for the device, the sleep below included),
+    # and the launch of the warm-up's ticks left by its idle bound.
+    engine.warm_up()
+    time.sleep(0.2)
     with torch.cuda.stream(engine._resident.stream):
-        torch.cuda._sleep(int(3e9))  # ~1.5 s of GPU cycles ahead of the first launch on its stream
+        torch.cuda._sleep(int(3e9))  # ~1.5 s of GPU cycles ahead of the next launch on its stream
     stream = engine.open()
     stream.push(torch.randn(1, 8))
     with pytest.raises(TimeoutError, match="did not finish"):
