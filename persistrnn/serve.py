@@ -90,10 +90,12 @@ not read yet. A tick of more chunks than the kernel's rows (at most
 :data:`_RESIDENT_ROWS`) runs as several. The kernel leaves by itself after
 :data:`~persistrnn.persistent.resident.DEFAULT_IDLE_S` without a tick and
 after :data:`~persistrnn.persistent.resident.DEFAULT_LIFETIME_S` in any
-case (a device-wide synchronise elsewhere in the process waits for it), and
-the next tick launches it again; closing the engine (also at interpreter
-exit) stops it, and a failure inside it is reported like any persistent
-kernel's.
+case (a device-wide synchronise or a pinned allocation elsewhere in the
+process waits for it; ``warm_up`` makes every batch's pinned buffers before
+traffic), and the next tick launches it again; closing the engine (also at
+interpreter exit) stops it. A failure inside it is reported in a word of its
+own and delivered to the tick's chunks; a tick that does not finish within
+the engine's timeout stops the engine.
 """
 
 from __future__ import annotations
