@@ -222,3 +222,71 @@ def test_gpu_a_launch_that_raises_is_not_waited_for_and_the_next_tick_launches(m
     assert layer.stop(timeout=5.0) and layer.stopped
     layer.release()
     assert runtime.wait_timeout_ns() > 0
+
+
+# ---- the resident configuration's choice (CPU, the device's answers stood in) ---------------------
+
+
+def _stand_in_device(monkeypatch, plan_config, holds, unlaunchable=()):
+    """resident_config's device questions answered on the CPU: the planner chooses ``plan_config``, a
+    configuration holds ``holds(config)`` rows, and the clusters of ``unlaunchable`` configurations cannot be
+    resident."""
+    import types
+
+    import torch
+
+    from persistrnn import plan, runtime
+    from persistrnn.errors import KernelLaunchError
+    from persistrnn.persistent import resident
+
+    monkeypatch.setattr(runtime, "device_facts", lambda: types.SimpleNamespace(sm_count=132))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(plan, "cached_plan", lambda shape, rows: types.SimpleNamespace(
+        path="persistent" if plan_config else "fallback", config=plan_config))
+    monkeypatch.setattr(resident, "compile_config", lambda config: None)
+    monkeypatch.setattr(resident, "batch_per_launch", lambda config, device: holds(config))
+
+    def prepared(config, device, rows, slices):
+        if dataclasses.replace(config, resident_input_size=0) in unlaunchable:
+            raise KernelLaunchError(f"{config}: its cluster cannot be resident")
+
+    monkeypatch.setattr(resident, "_prepared_launch", prepared)
+    return resident
+
+
+def test_the_resident_choice_is_the_first_candidate_that_holds_every_row(monkeypatch):
+    from persistrnn.plan import ModelShape
+
+    planned = KernelConfig("lstm", 128, "cluster", 4, 128, 4, 2, fused_step=True)
+    resident = _stand_in_device(monkeypatch, planned, lambda c: {4: 38, 2: 28, 8: 80, 16: 120}[c.blocks])
+    config, rows = resident.resident_config(ModelShape("lstm", 40, 128), 64)
+    # the planner's choice holds 38 rows and the sizes-alone one (2 blocks) 28: the cluster of 8 holds all 64
+    assert (config.sync, config.blocks, config.resident_input_size, rows) == ("cluster", 8, 40, 64)
+    assert not config.lengths and not config.test_hook and not config.save_gates
+    config, rows = resident.resident_config(ModelShape("lstm", 40, 128), 24)  # the planner's choice holds 24
+    assert (config.blocks, config.fused_step, rows) == (4, True, 24)
+
+
+def test_the_resident_choice_takes_the_most_rows_when_none_holds_all_and_skips_what_cannot_run(monkeypatch):
+    from persistrnn.plan import ModelShape
+
+    grid = KernelConfig("lstm", 128, "grid", 32, 256, 8, 8)  # never resident: a grid barrier spans the launch
+    unlaunchable = {KernelConfig("lstm", 128, "cluster", 16, 256, 8, 8)}
+    resident = _stand_in_device(monkeypatch, grid, lambda c: {2: 28, 8: 40, 16: 60}[c.blocks], unlaunchable)
+    config, rows = resident.resident_config(ModelShape("lstm", 40, 128), 64)
+    assert (config.blocks, rows) == (8, 40)  # 16 blocks would hold 60, but their cluster cannot be resident
+
+
+def test_the_resident_choice_names_why_nothing_runs(monkeypatch):
+    from persistrnn.plan import ModelShape
+
+    resident = _stand_in_device(monkeypatch, None, lambda c: 0)
+    with pytest.raises(ConfigError, match="one layer of one direction, got 2 layers"):
+        resident.resident_config(ModelShape("lstm", 40, 128, num_layers=2), 64)
+
+    def spills(config):
+        raise ConfigError(f"{config} spills to local memory")
+
+    monkeypatch.setattr(resident, "compile_config", spills)
+    with pytest.raises(ConfigError, match="no resident kernel of lstm H=128 .* spills to local memory"):
+        resident.resident_config(ModelShape("lstm", 40, 128), 64)
