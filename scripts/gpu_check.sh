@@ -7,10 +7,11 @@
 #
 #   STAGES       which stages run, in this order (default: all of them):
 #                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
-#                dynamic serve training figure3 runs onnx targets sync recurrence (models is the real-models suite;
+#                dynamic serve resident training figure3 runs onnx targets sync recurrence (models is the real-models suite;
 #                host, compile and regret come after grnn and models, whose tuning leaves every case's plan in the
 #                cache; figure3 is the ReLU RNN 1152 training sweep with its memory, runs the char-LM and SST training
-#                runs, onnx the imported GRU and LSTM of the import issue's targets against ONNX Runtime)
+#                runs, onnx the imported GRU and LSTM of the import issue's targets against ONNX Runtime, resident
+#                one stream's latency with captured batches and in resident mode, and the bare resident tick)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
 #   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
@@ -27,7 +28,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve training figure3 runs onnx targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve resident training figure3 runs onnx targets sync recurrence}
 declare -A RC
 SUMMARY=()
 
@@ -174,6 +175,11 @@ stage_dynamic() {
     done
 }
 stage_serve() { own_suite serve serve ${SERVE_ARGS:-}; }
+stage_resident() {
+    $PY scripts/resident_latency.py >"$OUT/resident_latency.log" 2>&1
+    RC[resident]=$?
+    SUMMARY+=("resident latency: exit ${RC[resident]}" "$(grep -E '^(engine|resident)' "$OUT/resident_latency.log")")
+}
 stage_training() { own_suite training training ${TRAINING_ARGS:---inputs padded packed}; }
 
 # The Persistent RNNs paper's Figure 3 (ReLU RNN 1152, useful TFLOP/s against the batch) with the memory a step keeps.
