@@ -138,7 +138,7 @@ class ResidentLayer:
         self.generation = 0  # launches made so far; the last one's number
         self.launches = 0
         self._scratch: Any = None  # the running launch's status word, kept alive while it runs
-        self._stopped = False
+        self._stop_asked = False
         self.stopped = False  # stop() saw the last launch leave: nothing of this layer runs
 
     def _launch(self) -> None:
@@ -175,7 +175,7 @@ class ResidentLayer:
         scratch of at least steps * rows * G*H. Raises the kernel's reported
         failure, or :class:`TimeoutError` when the tick did not finish in time
         (the launch is then asked to stop)."""
-        if self._stopped:
+        if self._stop_asked:
             raise KernelLaunchError("ResidentLayer.run: the resident kernel was stopped")
         if not 1 <= rows <= self.rows:
             raise ArgumentError(f"ResidentLayer.run: expected 1..{self.rows} rows, got {rows}")
@@ -214,7 +214,7 @@ class ResidentLayer:
     def stop(self, timeout: float) -> bool:
         """Ask the running launch to leave and wait up to ``timeout``
         seconds for it; True if none is running now."""
-        self._stopped = True
+        self._stop_asked = True
         words = self.words
         words[_WORD["stop"]] = 1
         deadline = time.perf_counter() + timeout
