@@ -371,7 +371,6 @@ class Engine:
         self._batches: collections.OrderedDict[tuple, _Batch] = collections.OrderedDict()
         if not isinstance(resident, bool):
             raise ArgumentTypeError(f"Engine: expected a bool resident, got {type(resident).__name__}")
-        self.resident = resident
         self._resident = self._resident_layer() if resident else None
 
         self._lock = threading.Lock()
@@ -436,6 +435,11 @@ class Engine:
     def __repr__(self) -> str:
         return (f"Engine({type(self.model).__name__}, {len(self._streams)}/{self.max_streams} streams, "
                 f"{'closed' if self._closing else 'running'})")
+
+    @property
+    def resident(self) -> bool:
+        """Whether the ticks run on a resident kernel (``Engine(..., resident=True)``)."""
+        return self._resident is not None
 
     @property
     def live_streams(self) -> int:
