@@ -21,6 +21,7 @@ SUITES = {
     "tagger": "persistrnn.bench.tagger",
     "sst": "persistrnn.bench.sst",
     "serve": "persistrnn.bench.serve",
+    "step-profile": "persistrnn.bench.step_profile",
 }
 
 

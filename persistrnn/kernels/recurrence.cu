@@ -551,8 +551,12 @@ __device__ __forceinline__ void prnn_push_columns_to_peers(const float* mine, pr
 //   idle_ns, lifetime_ns  when it leaves unasked (prnn_next_tick)
 //   T, B, batch, ld, out_row: B and batch are the most rows a tick has (the
 //               shared layout's size); the others come with each tick
+// and, instrumented (PRNN_STEP_PROFILE, PRNN_PROFILE_PARAMS):
+//   profile      [gridDim.y][gridDim.x][PHASES + 2]: per block, thread 0's
+//               SM cycles in each phase of the step loop (PRNN_MARK), then
+//               the loop's cycles and its nanoseconds (globaltimer)
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
-prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
+prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS PRNN_PROFILE_PARAMS,
                 float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
@@ -882,6 +886,26 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #endif
     }
 #endif
+#if PRNN_STEP_PROFILE
+    // Thread 0's SM cycles per phase (32-bit %clock: differences are exact
+    // modulo 2^32, ~2 s at 2 GHz). Every index is a compile-time constant,
+    // so the counters stay in registers; the clock reads are volatile, so
+    // they keep their places among the step's barriers and waits.
+    prnn_u32 phase_cycles[PRNN_PROFILE_PHASES] = {};
+    const prnn_u32 loop_cycles = (prnn_u32)clock();
+    const prnn_u64 loop_ns = prnn_globaltimer();
+    prnn_u32 mark = loop_cycles;
+#define PRNN_MARK(phase)                                 \
+    do {                                                 \
+        const prnn_u32 now = (prnn_u32)clock();          \
+        phase_cycles[PRNN_PHASE_##phase] += now - mark;  \
+        mark = now;                                      \
+    } while (0)
+#else
+#define PRNN_MARK(phase) \
+    do {                 \
+    } while (0)
+#endif
     for (int t = 0; t < T; ++t) {
         // Test hook (abandon_block >= 0 only): from step 1 on, the abandoned
         // block pushes and arrives no more, so that its peers time out on it,
@@ -916,7 +940,9 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 for (int q = 0; q < PRNN_NB; ++q) pre += parts[q * part_floats + k * BP + b];
                 L.rh[k * BP + b] = prnn_sigmoid(pre) * h_prev[k * BP + b];
             }
+            PRNN_MARK(POINTWISE);
             PRNN_SYNC_OR_LEAVE();  // the first since the last exchange's wait
+            PRNN_MARK(PRODUCT_BARRIER);
             // U_z h_{t-1} and U_n (r * h_{t-1}) for this block's rows, then
             // only the last stage's pointwise and exchange.
             {
@@ -927,6 +953,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 const float* operand = L.rh;
                 PRNN_STAGE_PRODUCT(1);
             }
+            PRNN_MARK(PRODUCT);
         }
 #endif
 
@@ -1002,6 +1029,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             // copied itself (prnn_prefetch_xw_owned), so its own cp.async
             // wait makes them visible.
             prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
+            PRNN_MARK(PROJECTION_WAIT);
             prnn_group_sums<PRNN_S0_RPW, PRNN_KPT, PRNN_S0_KREG>(
                 w0, w0_shared, operand, lane, BP, Bc, [&](int b0, const float (&sums)[PRNN_S0_RPW][PRNN_BT]) {
                     if (blk * PRNN_U + wg >= PRNN_H) return;
@@ -1018,6 +1046,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                         emit(wg, b, xg, hg);
                     }
                 });
+            PRNN_MARK(PRODUCT);
 #else
 #if !PRNN_ONE_SYNC
             if (stage == 0)
@@ -1032,14 +1061,17 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             const bool forwards = produces && stage == 0 && t > 0;
             if (forwards) next_layer_product(operand, t - 1);
 #endif
+            PRNN_MARK(PRODUCT);
             // Groups for steps 0 .. t + DEPTH - 1 are committed: this step's
             // has landed once at most DEPTH - 1 remain in flight.
             if (stage == PRNN_FIRST_STAGE) prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();
+            PRNN_MARK(PROJECTION_WAIT);
 #if PRNN_ONE_SYNC
             __syncthreads();
 #else
             PRNN_SYNC_OR_LEAVE();  // the first since the last exchange's wait
 #endif
+            PRNN_MARK(PRODUCT_BARRIER);
 #endif  // PRNN_FUSED
 
 #if !PRNN_FUSED
@@ -1056,6 +1088,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 }
                 emit(u, b, xg, hg);
             }
+            PRNN_MARK(POINTWISE);
 #endif
 
             // While the exchange is in flight: the projections of step
@@ -1093,13 +1126,16 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             // Exchange this block's slice of `next`.
 #if PRNN_SYNC == 0
             __syncthreads();
+            PRNN_MARK(SLICE_BARRIER);
 #if PRNN_ONE_SYNC
             if (partials) {
                 column_product(next, xs_next, part);
                 __syncthreads();
             }
+            PRNN_MARK(PRODUCT);
 #endif
             PRNN_PREFETCH_AHEAD();
+            PRNN_MARK(PREFETCH);
 #elif PRNN_SYNC == 1
             if (tid == 0) {
                 const int floats = PRNN_PUSH_FLOATS + (PRNN_ONE_SYNC && t + 1 < T ? PRNN_PROWS * BP : 0);
@@ -1110,22 +1146,30 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #else
             __syncthreads();  // the slice is complete
 #endif
+            PRNN_MARK(SLICE_BARRIER);
             PRNN_PUSH_SLICE(next + blk * slice_floats, &bars[e & 1]);
+            PRNN_MARK(PUSH);
 #if PRNN_ONE_SYNC
             if (partials) {
                 column_product(next, xs_next, part);
                 __syncthreads();
                 prnn_push_to_peers(part, &bars[e & 1], blk, part_floats / 4, part_walk);
             }
+            PRNN_MARK(PRODUCT);
 #endif
             PRNN_PREFETCH_AHEAD();
+            PRNN_MARK(PREFETCH);
             wait_exchange(e & 1);
+            PRNN_MARK(EXCHANGE_WAIT);
 #else
             __syncthreads();  // the block's writes precede its arrival
+            PRNN_MARK(SLICE_BARRIER);
             // The hook's block adds 0 (a branch on quit instead made ptxas spill
             // in kernels at their register limit).
             if (tid == 0) prnn_red_release_gpu_add(&counters[0], (prnn_u32)!quit);
+            PRNN_MARK(PUSH);
             PRNN_PREFETCH_AHEAD();
+            PRNN_MARK(PREFETCH);
             if (!prnn_grid_wait(&counters[0], (prnn_u32)(PRNN_NB * (e + 1)), watch)) {
                 ok = false;  // the whole block's: one thread waited for it
                 goto leave;
@@ -1137,9 +1181,19 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 prnn_copy_from_l2(dst, src, (PRNN_H * BP + 3) / 4);
                 __syncthreads();
             }
+            PRNN_MARK(EXCHANGE_WAIT);
 #endif
         }
     }
+#if PRNN_STEP_PROFILE
+    if (tid == 0) {
+        unsigned long long* mine = profile + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * (PRNN_PROFILE_PHASES + 2);
+#pragma unroll
+        for (int i = 0; i < PRNN_PROFILE_PHASES; ++i) mine[i] = phase_cycles[i];
+        mine[PRNN_PROFILE_PHASES] = (prnn_u32)clock() - loop_cycles;
+        mine[PRNN_PROFILE_PHASES + 1] = prnn_globaltimer() - loop_ns;
+    }
+#endif
 #if PRNN_RESIDENT
         prnn_copy_tick_outputs(xw, out, T, B, blk);
         // The tick's output rows are in host memory and its new states in

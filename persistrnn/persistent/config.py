@@ -16,7 +16,7 @@ from ..errors import ArgumentTypeError, ConfigError
 from .layout import MMA_BATCH, WARP, KernelLayout
 
 __all__ = ["DTYPES", "KERNEL_NAME", "MATH_PATHS", "MAX_CLUSTER", "MAX_INSTANCES", "MAX_REGISTERS_PER_THREAD",
-           "PIPELINE_RELEASE_EVERY", "SYNC_MODES", "KernelConfig"]
+           "PIPELINE_RELEASE_EVERY", "STEP_PROFILE_PHASES", "SYNC_MODES", "KernelConfig"]
 
 SYNC_MODES = ("single", "cluster", "grid")
 """single: one block, ``__syncthreads``; cluster: 2-16 blocks of one cluster,
@@ -45,6 +45,15 @@ descriptor (steps .. xw, the last seven) and then its number into
 outputs are in host memory, and writes its generation into ``exited`` when
 it leaves (``stop`` set, idle, or its lifetime over)."""
 RESIDENT_TICK = RESIDENT_CONTROL[RESIDENT_CONTROL.index("steps"):]
+STEP_PROFILE_PHASES = ("product", "projection_wait", "product_barrier", "pointwise", "slice_barrier", "push",
+                       "prefetch", "exchange_wait")
+"""The phases of a step that an instrumented build (``step_profile``) times,
+in the order of its counters (see recurrence.cu's PRNN_MARK): the recurrent
+product (with the pointwise update in a fused step), the wait for the step's
+prefetched projections, the block barrier after the product (the slowest
+warp's lag), the pointwise update, the barrier that completes the block's
+slice, the slice's push to peers (a grid's arrival), the next projections'
+prefetch, and the exchange's wait (a grid's barrier and its copy of h)."""
 
 MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
 # Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
@@ -118,6 +127,13 @@ class KernelConfig(KernelLayout):
             none of its code or registers. Not with ``one_sync`` (r's product
             is split over blocks) or ``pipeline`` (fused layers keep no
             per-layer outputs).
+        step_profile: an instrumented build: thread 0 of every block adds
+            up the SM cycles of each phase of a step
+            (:data:`STEP_PROFILE_PHASES`) and writes them, with the step
+            loop's cycles and nanoseconds, to one more kernel argument
+            (:func:`~.launch.run_instances`'s ``profile``). Its clock reads
+            cost a few cycles per phase; production binaries carry none.
+            Not resident.
     """
 
     cell: str
@@ -140,6 +156,7 @@ class KernelConfig(KernelLayout):
     test_hook: bool = False
     save_gates: bool = False
     resident_input_size: int = 0
+    step_profile: bool = False
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
@@ -253,6 +270,7 @@ class KernelConfig(KernelLayout):
         why = [f"{name} {getattr(self, name)}" for name, ok in (
             ("instances", self.instances == 1), ("sync", self.sync != "grid"), ("pipeline", not self.pipeline),
             ("lengths", not self.lengths), ("test_hook", not self.test_hook), ("save_gates", not self.save_gates),
+            ("step_profile", not self.step_profile),
         ) if not ok]
         # A tick's input rows pass through the projections' prefetch buffer (recurrence.cu), at least one
         # row (of I | 1 floats) at a time.
@@ -260,7 +278,8 @@ class KernelConfig(KernelLayout):
             why.append(f"input size {size} (one input row must fit the projections' shared buffer)")
         if why:
             raise ConfigError("KernelConfig.resident_input_size: a resident kernel runs one instance of sync "
-                              "'single' or 'cluster' without pipeline, lengths, test hook or saved gates; got "
+                              "'single' or 'cluster' without pipeline, lengths, test hook, saved gates or step "
+                              "profile; got "
                               + ", ".join(why))
 
     def _check_instances(self) -> None:

@@ -16,11 +16,11 @@ from typing import Any
 from .. import runtime
 from ..checks import check_lengths, check_tensor
 from ..errors import ArgumentError, ConfigError
-from .config import KERNEL_NAME, KernelConfig
+from .config import KERNEL_NAME, STEP_PROFILE_PHASES, KernelConfig
 from .source import compile_config
 
-__all__ = ["Instance", "batch_per_launch", "forward_layer", "forward_model", "input_projection", "run_instances",
-           "run_recurrence"]
+__all__ = ["Instance", "batch_per_launch", "forward_layer", "forward_model", "input_projection", "profile_words",
+           "run_instances", "run_recurrence"]
 
 
 @dataclasses.dataclass
@@ -61,7 +61,8 @@ def _address(t: Any, offset: int = 0) -> Any:
 
 
 def run_instances(config: KernelConfig, instances: list[Instance], steps: int, batch: int, *,
-                  lengths: Any = None, batch_slice: int | None = None, check: bool = True) -> None:
+                  lengths: Any = None, batch_slice: int | None = None, check: bool = True,
+                  profile: Any = None) -> None:
     """Launch ``config`` over ``instances`` (``config.instances`` of them).
 
     ``lengths``: an int32 CUDA tensor (batch,) of each sequence's steps, 1 to
@@ -74,6 +75,11 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     as large as a block's shared memory holds. Grid sync runs one slice per
     launch (its barrier spans the launch), so a batch larger than that runs
     as consecutive launches.
+
+    ``profile``: for an instrumented build (``config.step_profile``) only,
+    an int64 CUDA tensor of at least :func:`profile_words` elements, which
+    the launch fills per block with its phases' cycles (see
+    :data:`~.config.STEP_PROFILE_PHASES`); the batch must run in one launch.
 
     The tensors are taken as they are (the callers made them);
     :func:`run_recurrence` is the checked single-recurrence entry.
@@ -88,6 +94,9 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     abandon = runtime.failure_hook()
     if config.test_hook != (abandon >= 0):  # likewise the test hook's
         config = dataclasses.replace(config, test_hook=abandon >= 0)
+    if config.step_profile != (profile is not None):
+        raise ArgumentError(f"profile: expected a tensor exactly for an instrumented build (step_profile "
+                            f"{config.step_profile}), got {'a tensor' if profile is not None else None}")
     device = instances[0].w_hh.device
     H, GH = config.hidden_size, config.spec.num_gates * config.hidden_size
     out_row = next((i.out.shape[2] for i in instances if i.out is not None), H)
@@ -96,6 +105,12 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     most = batch_per_launch(config, device.index)
     per_slice = min(batch_slice or most, most, batch)
     per_launch = per_slice if config.sync == "grid" else batch
+    if profile is not None:
+        need = profile_words(config, -(-batch // per_slice))
+        if per_launch < batch or profile.dtype != torch.int64 or profile.device != device or profile.numel() < need:
+            raise ArgumentError(f"profile: expected one launch and an int64 tensor of at least {need} elements on "
+                                f"{device}; got {-(-batch // per_launch)} launch(es), {profile.dtype} "
+                                f"{tuple(profile.shape)} on {profile.device}")
     report = np.uint64(runtime.report_word(device.index))
     timeout, abandon = np.uint64(runtime.wait_timeout_ns()), np.int32(abandon)
     for b0 in range(0, batch, per_launch):
@@ -124,9 +139,18 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
                 args += [_address(i.saved_gates, b0 * GH), _address(i.saved_c, b0 * H)]
         args += [np.uint64(own.exchange), np.uint64(own.counters), _address(pipe), _address(lengths, b0), steps,
                  per_slice, nb, batch, out_row, np.uint64(own.status), report, timeout, abandon]
+        if profile is not None:
+            args.append(_address(profile))
         runtime.launch(kernel, launch_config, *runtime.kernel_args(*args))
     if check:
         runtime.raise_reported_failure(device.index, KERNEL_NAME, synchronize=True)
+
+
+def profile_words(config: KernelConfig, slices: int) -> int:
+    """The int64 words an instrumented launch of ``slices`` batch slices
+    writes: per block, one per phase, then the step loop's cycles and
+    nanoseconds."""
+    return slices * config.blocks * config.instances * (len(STEP_PROFILE_PHASES) + 2)
 
 
 def run_recurrence(

@@ -10,7 +10,8 @@ import functools
 from .. import runtime
 from ..cells import render_pointwise_functions
 from ..errors import ConfigError
-from .config import KERNEL_NAME, PIPELINE_RELEASE_EVERY, RESIDENT_CONTROL, RESIDENT_TICK, SYNC_MODES, KernelConfig
+from .config import (KERNEL_NAME, PIPELINE_RELEASE_EVERY, RESIDENT_CONTROL, RESIDENT_TICK, STEP_PROFILE_PHASES,
+                     SYNC_MODES, KernelConfig)
 from .layout import RESIDENT_PROJECTION_ROWS
 
 __all__ = ["DEVICE_TYPES", "compile_config", "instance_fields", "render_source"]
@@ -41,6 +42,11 @@ def _resident_params(config: KernelConfig) -> str:
     io = DEVICE_TYPES[config.dtype]
     return (f", const {io}* __restrict__ w_ih, const {io}* __restrict__ b_ih, long long* __restrict__ ctl, "
             "long long first_tick, long long generation, unsigned long long idle_ns, unsigned long long lifetime_ns")
+
+
+def _profile_params(config: KernelConfig) -> str:
+    """An instrumented build's one more parameter (see recurrence.cu's PRNN_MARK)."""
+    return ", unsigned long long* __restrict__ profile" if config.step_profile else ""
 
 
 def _select_instance(config: KernelConfig) -> str:
@@ -103,6 +109,10 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_CTL_TICK": RESIDENT_CONTROL.index(RESIDENT_TICK[0]),
         **{f"PRNN_CTL_{word.upper()}": i for i, word in enumerate(RESIDENT_CONTROL)},
         "PRNN_RESIDENT_PARAMS": _resident_params(config),
+        "PRNN_STEP_PROFILE": int(config.step_profile),
+        "PRNN_PROFILE_PHASES": len(STEP_PROFILE_PHASES),
+        **{f"PRNN_PHASE_{phase.upper()}": i for i, phase in enumerate(STEP_PROFILE_PHASES)},
+        "PRNN_PROFILE_PARAMS": _profile_params(config),
         "PRNN_INSTANCE_PARAMS": _instance_params(config),
         "PRNN_SELECT_INSTANCE": _select_instance(config),
     }

@@ -1,0 +1,131 @@
+"""The instrumented build (KernelConfig.step_profile) and `bench step-profile`."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from persistrnn import persistent
+from persistrnn.bench.step_profile import PHASES, phase_table
+from persistrnn.errors import ArgumentError
+from persistrnn.persistent import ConfigError, KernelConfig
+
+# Every sync mode, the fused step, tensor cores, a two-stage cell in one
+# block and the one-sync GRU: each path's phases have their own marks.
+PROFILED = [
+    KernelConfig("gru", 64, "single", 1),
+    KernelConfig("gru_reset_before", 96, "single", 1, 256, 8, 2),
+    KernelConfig("lstm", 250, "cluster", 8),
+    KernelConfig("lstm", 192, "cluster", 12, 128, 8, 1, fused_step=True),
+    KernelConfig("lstm", 256, "cluster", 8, 256, 32, 8, dtype="bfloat16", math="mma", k_split=2),
+    KernelConfig("gru_reset_before", 256, "cluster", 8, one_sync=True),
+    KernelConfig("rnn_tanh", 500, "grid", 16, 256, 8, 4),
+]
+
+
+@pytest.mark.parametrize("config", PROFILED, ids=str)
+def test_instrumented_build_compiles_for_sm90_without_local_memory(config):
+    instrumented = dataclasses.replace(config, step_profile=True)
+    source = persistent.render_source(instrumented)
+    assert "unsigned long long* __restrict__ profile" in source
+    assert "unsigned long long* __restrict__ profile" not in persistent.render_source(config)
+    res = persistent.compile_config(instrumented, arch="sm_90").kernel_resources(persistent.KERNEL_NAME)
+    assert not res.uses_local_memory, res
+
+
+def test_resident_build_is_not_instrumented():
+    with pytest.raises(ConfigError, match="without pipeline, lengths, test hook, saved gates or step profile; "
+                                          "got step_profile True"):
+        KernelConfig("lstm", 128, "cluster", 8, resident_input_size=40, step_profile=True)
+
+
+def test_profile_tensor_goes_with_the_instrumented_build_only():
+    import torch
+
+    h = torch.zeros(2, 64)
+    instance = persistent.Instance(torch.zeros(3, 2, 192), torch.zeros(192, 64), torch.zeros(192), h, None, None,
+                                   h, None)
+    with pytest.raises(ArgumentError, match="profile: expected a tensor exactly for an instrumented build "
+                                            r"\(step_profile True\), got None"):
+        persistent.run_instances(KernelConfig("gru", 64, "single", 1, step_profile=True), [instance], 3, 2)
+    with pytest.raises(ArgumentError, match=r"\(step_profile False\), got a tensor"):
+        persistent.run_instances(KernelConfig("gru", 64, "single", 1), [instance], 3, 2,
+                                 profile=torch.zeros(10, dtype=torch.int64))
+
+
+def test_phase_table_converts_each_block_at_its_own_clock():
+    config = KernelConfig("lstm", 256, "cluster", 2)
+    # block 0: 2000 cycles in 1000 ns (2 GHz); block 1: 1000 cycles in 1000 ns (1 GHz)
+    cycles = np.zeros((2, len(PHASES)))
+    cycles[0, PHASES.index("product")], cycles[0, PHASES.index("exchange_wait")] = 800, 1000
+    cycles[1, PHASES.index("product")], cycles[1, PHASES.index("exchange_wait")] = 600, 300
+    words = np.concatenate([cycles, [[2000, 1000], [1000, 1000]]], axis=1).astype(np.int64)
+    table = phase_table(words, config)
+    assert table["phases_ns"]["product"] == pytest.approx((400 + 600) / 2)
+    assert table["phases_max_ns"]["product"] == pytest.approx(600)
+    assert table["phases_ns"]["exchange_wait"] == pytest.approx((500 + 300) / 2)
+    assert table["phases_ns"]["push"] == 0
+    assert table["uncovered_ns"] == pytest.approx(((1000 - 900) + (1000 - 900)) / 2)
+    assert table["clock_ghz"] == pytest.approx(1.5)
+    assert table["blocks"] == 2
+
+
+def test_phase_table_refuses_words_no_launch_wrote():
+    config = KernelConfig("lstm", 256, "cluster", 2)
+    unwritten = np.full((2, len(PHASES) + 2), -1, dtype=np.int64)
+    with pytest.raises(ValueError, match="a block recorded no step loop"):
+        phase_table(unwritten, config)
+    over = np.zeros((1, len(PHASES) + 2), dtype=np.int64)
+    over[0, 0], over[0, -2], over[0, -1] = 500, 400, 200
+    with pytest.raises(ValueError, match="add up to more cycles than the step loop took"):
+        phase_table(over, config)
+
+
+GPU_CASES = [(c, b, s) for c, b, s in [
+    (PROFILED[0], 3, None), (PROFILED[1], 5, None), (PROFILED[2], 7, 3), (PROFILED[3], 5, 2), (PROFILED[4], 9, 8),
+    (PROFILED[5], 4, None), (PROFILED[6], 3, None),
+]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, batch_slice", GPU_CASES, ids=[f"{c}-B{b}-s{s}" for c, b, s in GPU_CASES])
+def test_instrumented_build_gives_the_shipped_outputs_and_covers_the_step_loop(config, batch, batch_slice):
+    import torch
+
+    from persistrnn import runtime
+
+    spec = config.spec
+    G, H, T = spec.num_gates, config.hidden_size, 23
+    dev, dtype = torch.device("cuda"), getattr(torch, config.dtype)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    w_hh = (torch.randn(G * H, H, device=dev, generator=gen) / H**0.5).to(dtype)
+    b_hh = torch.randn(G * H, device=dev, generator=gen).to(dtype)
+    h0 = torch.randn(batch, H, device=dev, generator=gen).to(dtype)
+    c0 = torch.randn(batch, H, device=dev, generator=gen).to(dtype) if spec.has_cell_state else None
+    xw = torch.randn(T, batch, G * H, device=dev, generator=gen)
+    instrumented = dataclasses.replace(config, step_profile=True)
+    slices = -(-batch // (batch_slice or batch))
+    profile = torch.full((persistent.profile_words(config, slices),), -1, dtype=torch.int64, device=dev)
+    results = []
+    for kernel_config in (config, instrumented):
+        out = torch.full((T, batch, H), float("nan"), dtype=dtype, device=dev)
+        h_n = torch.full_like(h0, float("nan"))
+        c_n = torch.full_like(h0, float("nan")) if c0 is not None else None
+        persistent.run_instances(kernel_config, [persistent.Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n)], T,
+                                 batch, batch_slice=batch_slice,
+                                 profile=profile if kernel_config.step_profile else None)
+        results.append((out, h_n, c_n))
+    runtime.raise_reported_failure(dev.index, persistent.KERNEL_NAME, synchronize=True)
+    for shipped, profiled in zip(*results):
+        if shipped is not None:
+            assert not shipped.isnan().any()
+            assert torch.equal(shipped, profiled)
+    words = profile.cpu().numpy().reshape(-1, len(PHASES) + 2)
+    assert len(words) == slices * config.blocks
+    table = phase_table(words, instrumented)  # every block wrote, and no phase sum exceeds its loop
+    covered = words[:, :len(PHASES)].sum(axis=1) / words[:, -2]
+    assert covered.min() > 0.8, covered  # the marks cover the step loop but for its own few instructions
+    assert table["phases_ns"]["product"] > 0
+    if config.sync != "single":
+        assert table["phases_ns"]["exchange_wait"] > 0
+    assert 0.5 < table["clock_ghz"] < 3.0
