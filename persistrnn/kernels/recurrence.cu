@@ -551,18 +551,18 @@ __device__ __forceinline__ void prnn_push_columns_to_peers(const float* mine, pr
 //   idle_ns, lifetime_ns  when it leaves unasked (prnn_next_tick)
 //   T, B, batch, ld, out_row: B and batch are the most rows a tick has (the
 //               shared layout's size); the others come with each tick
-// and, instrumented (PRNN_STEP_PROFILE, PRNN_PROFILE_PARAMS):
+// and last, instrumented (PRNN_STEP_PROFILE, PRNN_PROFILE_PARAMS):
 //   profile      [gridDim.y][gridDim.x][PHASES + 2]: per block, thread 0's
 //               SM cycles in each phase of the step loop (PRNN_MARK), then
 //               the loop's cycles and its nanoseconds (globaltimer)
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
-prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS PRNN_PROFILE_PARAMS,
+prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
                 const int* __restrict__ lengths, // [batch] steps of each sequence, 1..T (null: all T)
                 int T, int B, int batch, int ld, int out_row, int* __restrict__ status, int* __restrict__ report,
-                unsigned long long timeout_ns, int abandon_block) {
+                unsigned long long timeout_ns, int abandon_block PRNN_PROFILE_PARAMS) {
     extern __shared__ __align__(16) float smem[];
     const prnn_watch watch{status, report, timeout_ns};
     // This thread's waits all succeeded. A cluster wait (every thread waits)
