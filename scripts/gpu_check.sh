@@ -7,13 +7,15 @@
 #
 #   STAGES       which stages run, in this order (default: all of them):
 #                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
-#                dynamic serve resident training figure3 runs onnx targets sync recurrence (models is the real-models suite;
+#                dynamic serve resident training figure3 runs onnx targets sync recurrence profile (models is the real-models suite;
 #                host, compile and regret come after grnn and models, whose tuning leaves every case's plan in the
 #                cache; figure3 is the ReLU RNN 1152 training sweep with its memory, runs the char-LM and SST training
 #                runs, onnx the imported GRU and LSTM of the import issue's targets against ONNX Runtime, resident
-#                one stream's latency with captured batches and in resident mode, and the bare resident tick)
+#                one stream's latency with captured batches and in resident mode, and the bare resident tick, profile
+#                where a step's time goes in each case's planned configuration)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
-#   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS  narrow model-accuracy, the recurrence bench and dtypes
+#   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS, PROFILE_ARGS  narrow model-accuracy, the recurrence bench, dtypes
+#                and the step profile (e.g. PROFILE_ARGS="--case lstm:256:1")
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
 #   DYNAMIC_ARGS, SERVE_ARGS  narrow the treelstm/tagger and serve suites (e.g. DYNAMIC_ARGS="--batch 1 16")
 #   TRAINING_ARGS  the training suite's arguments (default: --inputs padded packed)
@@ -28,7 +30,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve resident training figure3 runs onnx targets sync recurrence}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve resident training figure3 runs onnx targets sync recurrence profile}
 declare -A RC
 SUMMARY=()
 
@@ -235,6 +237,13 @@ stage_recurrence() {
         >"$OUT/bench_recurrence.log" 2>&1
     RC[recurrence]=$?
     SUMMARY+=("bench recurrence: exit ${RC[recurrence]}" "$(cat "$OUT/recurrence.md" 2>/dev/null || tail -n 30 "$OUT/bench_recurrence.log")")
+}
+
+stage_profile() {
+    $PY -m persistrnn bench step-profile ${PROFILE_ARGS:-} --json "$OUT/step-profile.json" \
+        --markdown "$OUT/step-profile.md" >"$OUT/bench_step-profile.log" 2>&1
+    RC[profile]=$?
+    SUMMARY+=("bench step-profile: exit ${RC[profile]}" "$(sed -n '/^| case/,/^$/p' "$OUT/step-profile.md" 2>/dev/null | cut -c1-260 || tail -n 30 "$OUT/bench_step-profile.log")")
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader >"$OUT/nvidia-smi.txt" 2>&1

@@ -370,7 +370,7 @@ def test_tune_picks_a_measured_candidate_and_explain_prints_it(isolated_cache, c
     assert p.source == "tuned" and p.path in tuner.PATHS
     finite = {k: v for k, v in p.measured_ms.items() if v == v}
     # the plan is the fastest timed candidate, by its label
-    assert min(finite, key=finite.get) == (tuner._config_label(p.config) if p.path == "persistent" else p.path)
+    assert min(finite, key=finite.get) == (tuner.config_label(p.config) if p.path == "persistent" else p.path)
     shown = explain(lstm, 2)
     assert shown.source == "cache" and shown.path == p.path
     text = capsys.readouterr().out

@@ -129,3 +129,18 @@ def test_instrumented_build_gives_the_shipped_outputs_and_covers_the_step_loop(c
     if config.sync != "single":
         assert table["phases_ns"]["exchange_wait"] > 0
     assert 0.5 < table["clock_ghz"] < 3.0
+
+
+def test_published_profile_renders_from_its_json(tmp_path):
+    """`--from-json` writes the table of a saved run without a GPU."""
+    from pathlib import Path
+
+    from persistrnn.bench.step_profile import main
+
+    saved = Path(__file__).parent.parent / "docs" / "results" / "step-profile-h200.json"
+    markdown = tmp_path / "profile.md"
+    assert main(["--from-json", str(saved), "--markdown", str(markdown)]) == 0
+    rows = [line for line in markdown.read_text().splitlines() if line.startswith("| lstm") or line.startswith("| gru")]
+    assert len(rows) == 7
+    assert all(len(row.split("|")) == 6 + len(PHASES) + 2 for row in rows)
+    assert "plan: persistent clusterx16 t256 g8 bt1 sk0 ffma | 0.917" in rows[0]

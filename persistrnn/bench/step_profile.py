@@ -146,12 +146,12 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: StepProfileCon
         per_step[kernel_config.step_profile] = (long - short) / (long_steps - cfg.steps) * 1000
     profile.fill_(-1)
     launch(instrumented, long_steps, scratch)
-    torch.cuda.synchronize()
+    runtime.raise_reported_failure(dev.index, persistent.KERNEL_NAME, synchronize=True)
     table = phase_table(profile.cpu().numpy(), instrumented)
     scale = 1 / 1000 / long_steps  # ns over the loop -> µs per step
     return {
         "cell": cell, "hidden": hidden, "batch": batch, "dtype": dtype, "steps": long_steps,
-        "config": str(config), "batch_slice": batch_slice, "source": source,
+        "config": dataclasses.asdict(config), "batch_slice": batch_slice, "source": source,
         "shipped_us_per_step": per_step[False], "instrumented_us_per_step": per_step[True],
         "loop_us_per_step": table["loop_ns"] * scale,
         "phases_us": {k: v * scale for k, v in table["phases_ns"].items()},
@@ -176,11 +176,13 @@ def format_table(result: dict[str, Any]) -> str:
     names = " | ".join(p.replace("_", " ") for p in PHASES)
     lines = [f"| case | configuration | µs/step shipped | µs/step instrumented | {names} | not in a phase | "
              "SM GHz |", "|---" * (6 + len(PHASES)) + "|"]
+    from ..plan import config_label
+
     for c in result["cases"]:
         phases = " | ".join(f"{c['phases_us'][p]:.3f} ({c['phases_max_us'][p]:.3f})" for p in PHASES)
-        sliced = f", slices of {c['batch_slice']}" if c["batch_slice"] else ""
-        lines.append(f"| {c['cell']} {c['hidden']} b{c['batch']} {c['dtype']} | {c['source']}: {c['config']}"
-                     f"{sliced} | {c['shipped_us_per_step']:.3f} | {c['instrumented_us_per_step']:.3f} | {phases} | "
+        label = config_label(persistent.KernelConfig(**c["config"]), c["batch_slice"])
+        lines.append(f"| {c['cell']} {c['hidden']} b{c['batch']} {c['dtype']} | {c['source']}: {label} | "
+                     f"{c['shipped_us_per_step']:.3f} | {c['instrumented_us_per_step']:.3f} | {phases} | "
                      f"{c['uncovered_us']:.3f} | {c['clock_ghz']:.2f} |")
     return "\n".join(lines) + ("\n\nPhases: µs per step, the mean over blocks of thread 0's time in the phase "
                                "(the largest block's in brackets).")

@@ -122,7 +122,7 @@ class Plan:
     @property
     def label(self) -> str:
         """The label the tuner times this plan's choice under (``measured_ms``'s keys)."""
-        return _config_label(self.config, self.batch_slice) if self.path == "persistent" else self.path
+        return config_label(self.config, self.batch_slice) if self.path == "persistent" else self.path
 
     @property
     def launch(self) -> tuple:
@@ -376,7 +376,7 @@ def timing_candidates(shape: ModelShape, batch: int, top: list[Ranked], steps: i
 
 
 def candidate_label(ranked: Ranked) -> str:
-    return _config_label(ranked.config, ranked.batch_slice)
+    return config_label(ranked.config, ranked.batch_slice)
 
 
 TIMING_ROUNDS = 7
@@ -443,7 +443,9 @@ def _layout(c: KernelConfig) -> str:
     return f", {c.instances} directions at once" if c.instances > 1 else ""
 
 
-def _config_label(c: KernelConfig, batch_slice: int | None = None) -> str:
+def config_label(c: KernelConfig, batch_slice: int | None = None) -> str:
+    """A persistent configuration (and batch slice) in a few words: the
+    tuner's key for its timings, and the benchmarks' column."""
     return (f"persistent {c.sync}x{c.blocks} t{c.threads} g{c.group_size} bt{c.batch_tile} sk{c.shared_k_chunks}"
             f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else "")
             + (" fused" if c.fused_step else "")
