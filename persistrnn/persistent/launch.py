@@ -117,11 +117,11 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
         nb = min(per_launch, batch - b0)
         slices = -(-nb // per_slice)
         kernel, launch_config = _prepared_launch(config, device.index, per_slice, slices)
-        # The launch's own status word, counters and (grid) exchange buffer of
-        # two [KPAD][BP] sets of tagged 64-bit words; zeros, which no tag
-        # matches. (The kernel lays every slice out at the full slice's
-        # stride, a shorter last launch included.)
-        own = runtime.scratch(device, 2 * 2 * config.padded_hidden * config.batch_stride(per_slice)
+        # The launch's own status word, counters and (grid) exchange buffer;
+        # zeros, since the kernel reads exchange rows it never writes.
+        # (The kernel lays every slice out at the full slice's stride, a
+        # shorter last launch included.)
+        own = runtime.scratch(device, 2 * config.padded_hidden * config.batch_stride(per_slice)
                               if config.sync == "grid" else 0, counters=config.counter_words * slices)
         pipe = None
         if config.pipeline:
