@@ -92,13 +92,14 @@ SAME_CALL_NOISE = 0.02
 cuDNN call: they measured up to 1% apart (grnn-table, LSTM/GRU 1024 at batch 20)."""
 V2_CELLS = ("lstm", "gru", "gru_reset_before")
 """The kernels-v2 targets hold for LSTM and both GRU forms alike."""
-STEP_CHAIN = ("A step still runs as a chain of block-wide phases (product, barrier, pointwise, barrier, exchange): "
-              "~1.1 µs per step at batch 1 against a 0.3 µs sync floor; the fused step is not built "
-              "(perf-notes §9, §22).")
+STEP_CHAIN = ("A step is a chain of the product (~0.34 µs), the pointwise update (~0.3 µs, one thread per unit and "
+              "column) and the exchange (~0.2 µs), with ~0.1 µs of barriers between: ~0.9 µs at batch 1 against a "
+              "0.3 µs sync floor; the fused step removes one barrier (perf-notes §24, §50).")
 SLICE_STEP = ("Batch slices fill the SMs, but each slice's step costs 1.3-1.6 µs, the batch-1 phase chain plus "
               "its columns (perf-notes §22).")
-LARGE_FP32 = ("H=1024 needs the grid (64+ SMs, an exchange through L2 each step); TF32 mma.sync and the "
-              "one-round-trip exchange are not built.")
+LARGE_FP32 = ("H=1024 needs the grid (64+ SMs): its exchange costs ~1.1 µs of a 1.8 µs step (a GPU-scope release, a "
+              "counter barrier, h read back from L2; perf-notes §50). A one-round-trip exchange gained 16% at batch 1 "
+              "and lost 45-58% at batch 10-20 (§51); TF32 mma.sync is not built.")
 SMALL_H = "At H=64 cuDNN's persistent kernel (0.056 ms) beats our single-block step chain (perf-notes §22)."
 HALF = ("16-bit: B fragments are read from an fp32 h with scalar loads and conversions; the ldmatrix path is "
         "not built.")
