@@ -785,7 +785,11 @@ def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
                 load = bench._Load(engine, 16, settings, handover)
                 load.run()
                 assert all(stream.closed for stream in load.opened)  # their slots free for the next load
-                assert error < 1e-6 and load.counts == {} and load.latencies and load.delivered > 0, handover
+                # A machine that stalls the load for a few chunk periods leaves the engine behind: some pushes
+                # are refused and the chunks still queued when their stream ends are cancelled. Those are the
+                # table's to count, not faults; a chunk that failed, or another refusal, is one.
+                assert error < 1e-6 and load.latencies and load.delivered > 0, handover
+                assert set(load.counts) <= {"pushes refused (EngineFullError)", bench.CANCELLED}, load.counts
                 assert 8 <= statistics.fmean(load.live_samples) <= 24  # Poisson arrivals keep ~16 live
                 ms = [v * 1e3 for v in load.latencies]
                 cases.append({"model": "lstm:16:1", "streams": 16, "provider": provider, "handover": handover,

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import dataclasses
 import gc
 import heapq
@@ -164,6 +165,20 @@ def _refcheck(engine: Any, module: Any, steps: int) -> float:
     return float((got - want).norm() / want.norm())
 
 
+CANCELLED = "chunks cancelled (their stream closed first)"
+"""A chunk still queued when its stream's last chunk was due and the client
+closed it: the engine ran behind the load (see the refusals), not a fault."""
+
+
+def _outcome_label(error: BaseException | None) -> str:
+    """The table's label of a chunk that gave no output: ``error`` None (a
+    future cancelled) or a CancelledError is :data:`CANCELLED`; any other is
+    a failure, named by its type."""
+    if error is None or isinstance(error, concurrent.futures.CancelledError):
+        return CANCELLED
+    return f"chunks failed ({type(error).__name__})"
+
+
 class _Load:
     """The load generator of one run (see the module docstring)."""
 
@@ -205,6 +220,7 @@ class _Load:
         self.arrived[client].set()
 
     def count(self, what: str, n: int = 1) -> None:
+        """Counts one more of ``what`` (a refusal, a cancelled or a failed chunk) for the table."""
         with self.lock:
             self.counts[what] += n
 
@@ -214,7 +230,7 @@ class _Load:
         now = time.perf_counter()
         if future.cancelled() or future.exception() is not None:
             if not self.stop.is_set():  # cancelled by the close after the load: not a failure of the run
-                self.count("chunks failed or cancelled")
+                self.count(_outcome_label(future.exception() if not future.cancelled() else None))
             return
         self.finished.append((pushed, now))  # list.append is atomic under the GIL
 
@@ -290,14 +306,15 @@ class _Load:
             except TimeoutError:  # a chunk is due: push it, then wait again
                 continue
             except Exception as exc:  # the group's pull was refused: its outputs are lost
-                self.count(f"chunks failed or cancelled ({type(exc).__name__})", len(groups.popleft()[1]))
+                self.count(f"chunks failed ({type(exc).__name__})", len(groups.popleft()[1]))
                 continue
             delivered = time.perf_counter()
             pushed, _ = groups.popleft()
-            failed = sum(isinstance(outcome, BaseException) for outcome in outcomes)
-            if failed and not self.stop.is_set():
-                self.count("chunks failed or cancelled", failed)
-            self.finished.extend([(pushed, delivered)] * (len(outcomes) - failed))
+            errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if not self.stop.is_set():
+                for error in errors:
+                    self.count(_outcome_label(error))
+            self.finished.extend([(pushed, delivered)] * (len(outcomes) - len(errors)))
 
     def arrivals(self, end: float) -> None:
         rate = self.streams / (self.s.mean_chunks * self.chunk_s)  # streams per second
