@@ -790,7 +790,9 @@ def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
                 # table's to count, not faults; a chunk that failed, or another refusal, is one.
                 assert error < 1e-6 and load.latencies and load.delivered > 0, handover
                 assert set(load.counts) <= {"pushes refused (EngineFullError)", bench.CANCELLED}, load.counts
-                assert 8 <= statistics.fmean(load.live_samples) <= 24  # Poisson arrivals keep ~16 live
+                # Poisson arrivals keep ~16 live on average; over 0.5 s (~30 arrivals) on a machine that may delay
+                # the clients' closes, within a factor of 3.
+                assert 16 / 3 <= statistics.fmean(load.live_samples) <= 16 * 3, load.live_samples
                 ms = [v * 1e3 for v in load.latencies]
                 cases.append({"model": "lstm:16:1", "streams": 16, "provider": provider, "handover": handover,
                               "slots": 40, "status": "ok", "note": "", "rel_error": error, "mean_live": 16.0,
