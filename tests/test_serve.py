@@ -785,11 +785,12 @@ def test_the_load_runs_on_the_host_and_its_results_are_tabled(tmp_path, capsys):
                 load = bench._Load(engine, 16, settings, handover)
                 load.run()
                 assert all(stream.closed for stream in load.opened)  # their slots free for the next load
-                # A machine that stalls the load for a few chunk periods leaves the engine behind: some pushes
-                # are refused and the chunks still queued when their stream ends are cancelled. Those are the
-                # table's to count, not faults; a chunk that failed, or another refusal, is one.
+                # A machine that stalls the load for a few chunk periods leaves the engine behind: pushes and
+                # streams are refused (EngineFullError) and the chunks still queued when their stream ends are
+                # cancelled. Those are the table's to count, not faults; a chunk that failed is one.
                 assert error < 1e-6 and load.latencies and load.delivered > 0, handover
-                assert set(load.counts) <= {"pushes refused (EngineFullError)", bench.CANCELLED}, load.counts
+                assert all(what == bench.CANCELLED or what.endswith("refused (EngineFullError)")
+                           for what in load.counts), load.counts
                 # Poisson arrivals keep ~16 live on average; over 0.5 s (~30 arrivals) on a machine that may delay
                 # the clients' closes, within a factor of 3.
                 assert 16 / 3 <= statistics.fmean(load.live_samples) <= 16 * 3, load.live_samples
