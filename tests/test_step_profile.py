@@ -144,3 +144,19 @@ def test_published_profile_renders_from_its_json(tmp_path):
     assert len(rows) == 7
     assert all(len(row.split("|")) == 6 + len(PHASES) + 2 for row in rows)
     assert "plan: persistent clusterx16 t256 g8 bt1 sk0 ffma | 0.917" in rows[0]
+
+
+def test_layer_cases_parse_and_a_malformed_one_is_a_usage_error(capsys):
+    import argparse
+
+    from persistrnn.bench.environment import parse_layer_case
+    from persistrnn.bench.step_profile import main
+
+    assert parse_layer_case("lstm:256:8") == ("lstm", 256, 8, "float32")
+    assert parse_layer_case("gru_reset_before:33:5:bfloat16") == ("gru_reset_before", 33, 5, "bfloat16")
+    for bad in ("lstm:256", "lsmt:256:8", "lstm:256:0", "lstm:x:8", "lstm:256:8:float64", "lstm:256:8:fp16:1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected a case as cell:hidden:batch.*got '{bad}'"):
+            parse_layer_case(bad)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--case", "lstm:256"])
+    assert exit_info.value.code == 2 and "expected a case as cell:hidden:batch" in capsys.readouterr().err

@@ -65,6 +65,24 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def parse_layer_case(text: str) -> tuple[str, int, int, str]:
+    """A one-layer case as the layer suites' ``--case`` takes it:
+    ``lstm:256:8[:bfloat16]`` -> (cell, hidden size, batch, dtype; float32
+    unless given). An argparse type: a malformed one is a usage error that
+    names the expected form."""
+    from ..cells import CELLS
+    from ..persistent import DTYPES
+
+    parts = text.split(":")
+    ok = (len(parts) in (3, 4) and parts[0] in CELLS and all(p.isdigit() and int(p) > 0 for p in parts[1:3])
+          and (len(parts) == 3 or parts[3] in DTYPES))
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected a case as cell:hidden:batch[:dtype] with cell one of "
+                                         f"{sorted(CELLS)} and dtype one of {DTYPES}, e.g. lstm:256:8:bfloat16, "
+                                         f"got {text!r}")
+    return parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else "float32"
+
+
 def add_result_arguments(p: argparse.ArgumentParser) -> None:
     """A suite CLI's ``--json`` and ``--markdown`` outputs and ``--from-json``
     (:func:`run_or_load`)."""

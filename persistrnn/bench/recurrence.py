@@ -31,6 +31,7 @@ from typing import Any
 from .. import runtime, persistent, reference
 from ..cells import get_cell
 from ..runtime import capture_graph
+from .environment import parse_layer_case
 from .timing import time_cuda_ms
 
 ROTATE = 4
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m persistrnn.bench recurrence", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", action="append", default=None, metavar="CELL:H:B[:DTYPE]",
+    parser.add_argument("--case", action="append", default=None, metavar="CELL:H:B[:DTYPE]", type=parse_layer_case,
                         help="run only these cases, e.g. lstm:256:1 or lstm:1024:16:bfloat16 (repeatable)")
     parser.add_argument("--steps", type=int, default=RecurrenceBenchConfig.steps)
     parser.add_argument("--json", type=Path, default=None)
@@ -261,11 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = RecurrenceBenchConfig(steps=args.steps)
     if args.case:
-        cases = []
-        for item in args.case:
-            cell, H, B, *dtype = item.split(":")
-            cases.append((cell, int(H), int(B), dtype[0] if dtype else "float32"))
-        cfg.cases = tuple(cases)
+        cfg.cases = tuple(args.case)
     result = run(cfg)
     table = format_table(result)
     from .environment import describe

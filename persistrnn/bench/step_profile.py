@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import persistent, runtime
 from ..cells import get_cell
-from .environment import add_result_arguments, describe, run_or_load, write_result
+from .environment import add_result_arguments, describe, parse_layer_case, run_or_load, write_result
 from .timing import time_cuda_ms
 
 PHASES = persistent.STEP_PROFILE_PHASES
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m persistrnn bench step-profile",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", action="append", default=None, metavar="CELL:H:B[:DTYPE]",
+    parser.add_argument("--case", action="append", default=None, metavar="CELL:H:B[:DTYPE]", type=parse_layer_case,
                         help="run only these cases, e.g. lstm:256:1 or lstm:256:8:bfloat16 (repeatable)")
     parser.add_argument("--steps", type=int, default=StepProfileConfig.steps,
                         help="the short launch's steps (the long one runs ten times as many)")
@@ -203,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = StepProfileConfig(steps=args.steps, config=args.config)
     if args.case:
-        cases = []
-        for item in args.case:
-            cell, H, B, *dtype = item.split(":")
-            cases.append((cell, int(H), int(B), dtype[0] if dtype else "float32"))
-        cfg.cases = tuple(cases)
+        cfg.cases = tuple(args.case)
     result = run_or_load(args, parser, "step-profile", lambda save: run(cfg, after_case=save))
     write_result(args, result, describe(result["environment"]) + "\n\n" + format_table(result) + "\n")
     return 0
