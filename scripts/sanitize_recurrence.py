@@ -24,6 +24,7 @@ FAMILIES = [
     KernelConfig("gru_reset_before", 100, "cluster", 4, 128, 4, 2, 2),
     KernelConfig("rnn_tanh", 64, "grid", 8, 64, 8, 1),
     KernelConfig("lstm", 100, "grid", 10, 128, 8, 2),
+    KernelConfig("gru", 100, "grid", 10, 128, 8, 2, tagged_exchange=True),
     _mma("lstm", 100, "cluster", 4, 256, 2, "bfloat16"),
     _mma("gru_reset_before", 64, "grid", 4, 128, 2, "float16"),
     KernelConfig("gru_reset_before", 100, "cluster", 4, 128, 4, 2, one_sync=True),

@@ -22,6 +22,8 @@ SLACK_S = 0.010
 CASES = {
     "cluster": (persistent.KernelConfig("lstm", 256, "cluster", 8), 1, "cluster exchange"),
     "grid": (persistent.KernelConfig("lstm", 512, "grid", 32, batch_tile=2, group_size=16), 1, "grid barrier"),
+    "tagged grid": (persistent.KernelConfig("lstm", 512, "grid", 32, batch_tile=2, group_size=16,
+                                            tagged_exchange=True), 1, "grid barrier"),
     # the second layer's blocks wait for the first layer's outputs: abandon a block of layer 0
     "pipeline": (persistent.KernelConfig("lstm", 128, "cluster", 4, instances=2, pipeline=True), 1,
                  "cluster exchange|previous layer"),

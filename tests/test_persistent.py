@@ -42,6 +42,7 @@ CELL_NAMES = tuple(cells.CELLS)
         (dict(cell="gru_reset_before", one_sync=True, prefetch_steps=1), "expected prefetch_steps >= 2, got 1"),
         (dict(cell="gru_reset_before", one_sync=True, math="mma", dtype="float16", group_size=32, batch_tile=8),
          "expected math 'ffma', got 'mma'"),
+        (dict(tagged_exchange=True), "only sync 'grid' exchanges through L2, got sync 'cluster'"),
     ],
 )
 def test_invalid_configs_name_what_was_expected(kwargs, message):
@@ -262,6 +263,35 @@ def test_fused_step_matches_float64_reference(config, batch, steps):
     check_against_reference(config, batch, steps, seed=seed, batch_slice=max(1, batch // 2))
 
 
+TAGGED_CASES = [
+    # (config, batch, steps): the grid exchange in tagged words; every cell; the case it is offered for
+    # (LSTM 1024 at batch 1), several rounds of reads per thread (H * B over threads x 8), the fused step,
+    # a two-stage cell, 16-bit on both math paths
+    (KernelConfig("lstm", 1024, "grid", 128, 256, 16, 1, tagged_exchange=True), 1, 100),
+    (KernelConfig("gru_reset_before", 100, "grid", 10, 64, 2, 1, tagged_exchange=True), 17, 7),
+    (KernelConfig("gru", 64, "grid", 64, 32, 1, 2, tagged_exchange=True), 8, 100),
+    (KernelConfig("lstm", 1024, "grid", 128, 256, 32, 2, fused_step=True, tagged_exchange=True), 4, 7),
+    (KernelConfig("rnn_tanh", 1000, "grid", 125, 256, 8, 1, dtype="bfloat16", tagged_exchange=True), 3, 7),
+    (dataclasses.replace(_mma("rnn_relu", 1000, "grid", 125, 256, 8, "float16"), tagged_exchange=True), 1, 7),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, steps", TAGGED_CASES, ids=[f"{c}-B{b}-T{t}" for c, b, t in TAGGED_CASES])
+def test_tagged_exchange_matches_float64_reference(config, batch, steps):
+    seed = hash((str(config), batch, steps)) % 2**32
+    check_against_reference(config, batch, steps, seed=seed)
+
+
+def test_tagged_exchange_doubles_the_grid_buffer_only():
+    barrier = KernelConfig("lstm", 1024, "grid", 128, 256, 16, 1)
+    tagged = dataclasses.replace(barrier, tagged_exchange=True)
+    assert tagged.exchange_floats(3) == 2 * barrier.exchange_floats(3) == 4 * 1024 * barrier.batch_stride(3)
+    assert KernelConfig("lstm", 256, "cluster", 8).exchange_floats(3) == 0
+    assert "#define PRNN_TAGGED 1" in persistent.render_source(tagged)
+    assert "#define PRNN_TAGGED 0" in persistent.render_source(barrier)
+
+
 def test_fused_step_needs_a_work_group_per_unit():
     with pytest.raises(ConfigError, match=r"one work group per unit of the block \(32 work groups, 16 units"):
         KernelConfig("lstm", 256, "cluster", 16, 256, 8, 1, fused_step=True)
@@ -334,7 +364,8 @@ def test_bad_inputs_raise_before_launch():
 
 def _compiled_configs():
     """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
-    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES}, key=str)
+    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES + TAGGED_CASES},
+                  key=str)
 
 
 @pytest.mark.parametrize("config", _compiled_configs(), ids=str)

@@ -377,6 +377,21 @@ def test_tune_picks_a_measured_candidate_and_explain_prints_it(isolated_cache, c
     assert "lstm input 32, hidden 64" in text and "cost model, top" in text
 
 
+def test_the_space_offers_the_tagged_exchange_for_small_grid_exchanges_only():
+    one = space.pruned_space("lstm", 1024, 1, "float32", H100)
+    tagged = [c for c in one if c.tagged_exchange]
+    assert tagged and all(c.sync == "grid" and 1024 <= c.threads * persistent.TAGGED_READS_PER_THREAD
+                          for c in tagged)
+    assert {dataclasses.replace(c, tagged_exchange=False) for c in tagged} <= set(one)  # beside the barrier's
+    assert not any(c.tagged_exchange for c in space.pruned_space("lstm", 1024, 10, "float32", H100))
+    model = cost.CostModel(synthetic_calibration(), H100)
+    c = tagged[0]
+    barrier, poll = model.step_cost(dataclasses.replace(c, tagged_exchange=False), 1), model.step_cost(c, 1)
+    assert poll.barriers < barrier.barriers and poll.product == barrier.product
+    assert "tagged" in tuner.config_label(c) and "tagged" not in tuner.config_label(dataclasses.replace(
+        c, tagged_exchange=False))
+
+
 def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():
     configs = space.pruned_space("lstm", 256, 1, "float32", H100)
     fused = [c for c in configs if c.fused_step]

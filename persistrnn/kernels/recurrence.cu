@@ -38,7 +38,10 @@
 //   1 cluster: each block st.async-pushes its slice into every peer's shared
 //     memory, completing on the receiver's mbarrier (one per buffer);
 //   2 grid: slices go to a global double buffer, then a counter barrier that
-//     only grows; every block then reads the whole vector back.
+//     only grows; every block then reads the whole vector back. With
+//     PRNN_TAGGED each h value goes to the buffer with its exchange's tag in
+//     one 64-bit word instead, and every block polls the whole vector back
+//     (prnn_read_tagged): one L2 round trip, no barrier.
 // h travels in shared memory as [KPAD][BP]: row k holds unit k for every batch
 // column, so a block's slice is one contiguous run and BT batch columns are
 // one vector load. Exchange e (stage s of step t is e = t * STAGES + s) lands
@@ -310,6 +313,7 @@ __device__ __forceinline__ void prnn_prefetch_xw_owned(const float* __restrict__
 }
 #endif
 
+#if PRNN_SYNC == 2 && !PRNN_TAGGED
 // Grid mode: the whole exchanged vector, L2 -> shared, every step. Loads go
 // out PRNN_COPY_BATCH at a time before any store: one load per loop trip
 // paid a full L2 round trip each (~5 µs per step at H=256, batch 20).
@@ -325,6 +329,80 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
             if (q0 + c * PRNN_THREADS < n) dst[q0 + c * PRNN_THREADS] = v[c];
     }
 }
+#endif
+
+#if PRNN_TAGGED
+// Grid exchange in one L2 round trip (NCCL's LL protocol): each h value goes
+// to L2 with its exchange's tag (e + 1; the buffer starts zeroed each launch)
+// in one 64-bit word, single-copy atomic, so a reader that sees the tag has
+// the value: no release, no counter barrier, no second read. At LSTM 1024
+// batch 1 the barrier's exchange cost ~1.1 us of a 1.8 us step (a GPU-scope
+// release 0.36, the barrier and the copy 0.62-0.77), this one 0.66 us
+// (perf-notes §50, §51); with more words per thread than one round of loads
+// it is slower than the copy's float4s, so the planner offers it only for
+// exchanges of up to PRNN_READ_BATCH words per thread. Two buffers by
+// parity: a block writes exchange e + 2 over e only after reading every
+// block's e + 1, which each wrote after reading e.
+__device__ __forceinline__ void prnn_st_tagged(prnn_u64* p, float v, prnn_u32 tag) {
+    const prnn_u64 word = ((prnn_u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ prnn_u64 prnn_ld_tagged(const prnn_u64* p) {
+    prnn_u64 v;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Poll *p until its tag is `tag` (the word into *word). The bound restarts
+// with each word, so it measures a lack of progress. False when it runs out
+// (the status word set) or another block failed; the thread reports.
+__device__ __forceinline__ bool prnn_wait_tagged(const prnn_u64* p, prnn_u32 tag, const prnn_watch& w, prnn_u64* word) {
+    prnn_stall_clock clock;
+    clock.restart();
+    while ((prnn_u32)((*word = prnn_ld_tagged(p)) >> 32) != tag) {
+        if (clock.tick()) {
+            if (clock.expired(w.timeout_ns)) prnn_fail(w.status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
+            if (prnn_failed(w.status)) {
+                prnn_report(w);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+// Exchange `tag`'s h, every unit and the slice's B columns, from the tagged
+// words at src into dst (both [KPAD][BP]), this thread's pairs of `walk`.
+// PRNN_READ_BATCH loads go out before any is checked, as the copy's do.
+// False if a wait failed.
+__device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src, prnn_u32 tag, int B, int BP,
+                                                 prnn_walk walk, const prnn_watch& w) {
+    int k = walk.row0, b = walk.b0;
+    while (k < PRNN_H) {
+        int at[PRNN_READ_BATCH];
+        prnn_u64 word[PRNN_READ_BATCH];
+#pragma unroll
+        for (int c = 0; c < PRNN_READ_BATCH; ++c) {
+            at[c] = k < PRNN_H ? k * BP + b : -1;
+            if (at[c] >= 0) word[c] = prnn_ld_tagged(src + at[c]);
+            k += walk.drow;
+            b += walk.db;
+            if (b >= B) {
+                b -= B;
+                ++k;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < PRNN_READ_BATCH; ++c) {
+            if (at[c] < 0) break;
+            if ((prnn_u32)(word[c] >> 32) != tag && !prnn_wait_tagged(src + at[c], tag, w, &word[c])) return false;
+            dst[at[c]] = __uint_as_float((prnn_u32)word[c]);
+        }
+    }
+    return true;
+}
+#endif
 
 #if PRNN_PIPELINE
 // Step t's projections from the previous layer's producer blocks:
@@ -557,7 +635,7 @@ __device__ __forceinline__ void prnn_push_columns_to_peers(const float* mine, pr
 //               the loop's cycles and its nanoseconds (globaltimer)
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
 prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
-                float* __restrict__ exchange,    // grid mode: [2][KPAD][BP]
+                float* __restrict__ exchange,    // grid mode: [2][KPAD][BP] (tagged: 64-bit words)
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
                 const int* __restrict__ lengths, // [batch] steps of each sequence, 1..T (null: all T)
@@ -789,7 +867,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
         phases ^= 1u << i;
     };
 #endif
-#if PRNN_SYNC == 1 || PRNN_PIPELINE
+#if PRNN_SYNC == 1 || PRNN_PIPELINE || PRNN_TAGGED
 // Past it every ok is true; saying so ends ok's live range here (kept from
 // one step's wait to the next, it cost a register, and spilled at 255).
 // Thread 0 reported where its own wait failed. (Only if the phase completed
@@ -1014,7 +1092,12 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                     }
 #endif
                 }
-#if PRNN_SYNC == 2
+#if PRNN_TAGGED
+                // The hook's block tags its values 0, which no reader waits
+                // for (as the barrier's hook block arrives with 0).
+                prnn_st_tagged(reinterpret_cast<prnn_u64*>(exchange) + (e & 1) * PRNN_KPAD * BP + unit * BP + b, value,
+                               quit ? 0u : (prnn_u32)e + 1u);
+#elif PRNN_SYNC == 2
                 __stcg(exchange + (e & 1) * PRNN_KPAD * BP + unit * BP + b, value);
 #else
                 next[unit * BP + b] = value;
@@ -1161,6 +1244,17 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             PRNN_MARK(PREFETCH);
             wait_exchange(e & 1);
             PRNN_MARK(EXCHANGE_WAIT);
+#elif PRNN_TAGGED
+            // The values went to L2 with their tag in emit: no barrier and no
+            // push. The prefetch goes first, in the exchange's shadow.
+            PRNN_PREFETCH_AHEAD();
+            PRNN_MARK(PREFETCH);
+            // Rows past H and columns past B stay as initialised (zero).
+            if (!prnn_read_tagged(next, reinterpret_cast<const prnn_u64*>(exchange) + (e & 1) * PRNN_KPAD * BP,
+                                  (prnn_u32)e + 1u, B, BP, walk, watch))
+                ok = false;
+            PRNN_SYNC_OR_LEAVE();  // every thread's part of h is in `next`
+            PRNN_MARK(EXCHANGE_WAIT);
 #else
             __syncthreads();  // the block's writes precede its arrival
             PRNN_MARK(SLICE_BARRIER);
@@ -1222,7 +1316,7 @@ leave:
 #if PRNN_SYNC == 1
     prnn_cluster_sync();  // no block leaves while a peer may still write its shared memory
 #endif
-#if PRNN_SYNC == 2 || PRNN_PIPELINE
+#if (PRNN_SYNC == 2 && !PRNN_TAGGED) || PRNN_PIPELINE
     // The last block out resets the counters: every block has passed every
     // barrier and read every count by then, so the next launch (or graph
     // replay) starts from zero.

@@ -16,7 +16,7 @@ from ..errors import ArgumentTypeError, ConfigError
 from .layout import MMA_BATCH, WARP, KernelLayout
 
 __all__ = ["DTYPES", "KERNEL_NAME", "MATH_PATHS", "MAX_CLUSTER", "MAX_INSTANCES", "MAX_REGISTERS_PER_THREAD",
-           "PIPELINE_RELEASE_EVERY", "STEP_PROFILE_PHASES", "SYNC_MODES", "KernelConfig"]
+           "PIPELINE_RELEASE_EVERY", "STEP_PROFILE_PHASES", "SYNC_MODES", "TAGGED_READS_PER_THREAD", "KernelConfig"]
 
 SYNC_MODES = ("single", "cluster", "grid")
 """single: one block, ``__syncthreads``; cluster: 2-16 blocks of one cluster,
@@ -54,6 +54,12 @@ prefetched projections, the block barrier after the product (the slowest
 warp's lag), the pointwise update, the barrier that completes the block's
 slice, the slice's push to peers (a grid's arrival), the next projections'
 prefetch, and the exchange's wait (a grid's barrier and its copy of h)."""
+
+TAGGED_READS_PER_THREAD = 8
+"""A tagged grid exchange's loads in flight per thread (recurrence.cu's
+PRNN_READ_BATCH), as many as the barrier's copy keeps. Its words are 8 bytes
+where the copy reads 16, so past one round of them the copy measured faster
+(perf-notes §51); the planner offers the tagged exchange only up to it."""
 
 MAX_CLUSTER = 16  # Hopper's largest (non-portable) cluster; the driver confirms at launch
 # Per-thread registers ptxas may use under __launch_bounds__(threads, 1).
@@ -134,6 +140,12 @@ class KernelConfig(KernelLayout):
             (:func:`~.launch.run_instances`'s ``profile``). Its clock reads
             cost a few cycles per phase; production binaries carry none.
             Not resident.
+        tagged_exchange: (grid) each new h value goes to L2 with its
+            exchange's tag in one 64-bit word, and every block polls the
+            whole vector back: one L2 round trip per exchange instead of a
+            barrier (a GPU-scope release, a counter wait and a second read
+            of h). Faster where a thread reads at most
+            :data:`TAGGED_READS_PER_THREAD` words (perf-notes §51).
     """
 
     cell: str
@@ -157,6 +169,7 @@ class KernelConfig(KernelLayout):
     save_gates: bool = False
     resident_input_size: int = 0
     step_profile: bool = False
+    tagged_exchange: bool = False
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
@@ -187,6 +200,9 @@ class KernelConfig(KernelLayout):
                               f"{self.one_sync}, pipeline {self.pipeline}")
         if self.resident_input_size:
             self._check_resident()
+        if self.tagged_exchange and self.sync != "grid":
+            raise ConfigError(f"KernelConfig.tagged_exchange: only sync 'grid' exchanges through L2, got sync "
+                              f"{self.sync!r}")
         if self.sync == "single" and self.blocks != 1:
             raise ConfigError(f"KernelConfig.blocks: sync 'single' runs 1 block, got {self.blocks}")
         if self.sync == "cluster" and not 2 <= self.blocks <= MAX_CLUSTER:

@@ -118,11 +118,11 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
         slices = -(-nb // per_slice)
         kernel, launch_config = _prepared_launch(config, device.index, per_slice, slices)
         # The launch's own status word, counters and (grid) exchange buffer;
-        # zeros, since the kernel reads exchange rows it never writes.
-        # (The kernel lays every slice out at the full slice's stride, a
-        # shorter last launch included.)
-        own = runtime.scratch(device, 2 * config.padded_hidden * config.batch_stride(per_slice)
-                              if config.sync == "grid" else 0, counters=config.counter_words * slices)
+        # zeros, since the kernel reads exchange rows it never writes (and a
+        # tagged exchange's zero tag is no exchange's). (The kernel lays
+        # every slice out at the full slice's stride, a shorter last launch
+        # included.)
+        own = runtime.scratch(device, config.exchange_floats(per_slice), counters=config.counter_words * slices)
         pipe = None
         if config.pipeline:
             pipe = torch.empty(slices * config.pipe_floats(steps, per_slice), dtype=torch.float32, device=device)

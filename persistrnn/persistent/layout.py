@@ -198,6 +198,13 @@ class KernelLayout:
             floats += 2 * bp + rows * (self.resident_input_size + 1)
         return 4 * (floats + self.bias_floats + self.shared_weight_floats)
 
+    def exchange_floats(self, batch: int) -> int:
+        """(grid) Floats of one launch's exchange buffer: two [KPAD][BP]
+        copies of h (tagged: 64-bit words, two floats each); 0 otherwise."""
+        if self.sync != "grid":
+            return 0
+        return 2 * self.padded_hidden * self.batch_stride(batch) * (2 if self.tagged_exchange else 1)
+
     @property
     def counter_words(self) -> int:
         """Counter words one batch slice of a launch uses: grid-barrier

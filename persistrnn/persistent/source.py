@@ -11,7 +11,7 @@ from .. import runtime
 from ..cells import render_pointwise_functions
 from ..errors import ConfigError
 from .config import (KERNEL_NAME, PIPELINE_RELEASE_EVERY, RESIDENT_CONTROL, RESIDENT_TICK, STEP_PROFILE_PHASES,
-                     SYNC_MODES, KernelConfig)
+                     SYNC_MODES, TAGGED_READS_PER_THREAD, KernelConfig)
 from .layout import RESIDENT_PROJECTION_ROWS
 
 __all__ = ["DEVICE_TYPES", "compile_config", "instance_fields", "render_source"]
@@ -109,6 +109,8 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_CTL_TICK": RESIDENT_CONTROL.index(RESIDENT_TICK[0]),
         **{f"PRNN_CTL_{word.upper()}": i for i, word in enumerate(RESIDENT_CONTROL)},
         "PRNN_RESIDENT_PARAMS": _resident_params(config),
+        "PRNN_TAGGED": int(config.tagged_exchange),
+        "PRNN_READ_BATCH": TAGGED_READS_PER_THREAD,
         "PRNN_STEP_PROFILE": int(config.step_profile),
         "PRNN_PROFILE_PHASES": len(STEP_PROFILE_PHASES),
         **{f"PRNN_PHASE_{phase.upper()}": i for i, phase in enumerate(STEP_PROFILE_PHASES)},

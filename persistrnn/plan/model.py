@@ -303,8 +303,11 @@ class CostModel:
         pointwise_ns = self.cal.pointwise[str(busy)] * spec.num_gates / 4  # the bench runs one 4-gate element
         exchanges = 1 if config.one_sync else spec.num_stages
         pointwise = exchanges * passes * pointwise_ns
-        # The fused step has no barrier between product and pointwise.
-        barriers = exchanges * ((3 if config.sync == "grid" else 2) - config.fused_step) * self.cal.barrier[str(w)]
+        # The fused step has no barrier between product and pointwise; a
+        # tagged grid exchange none before its poll (its read ends in one).
+        grid_barriers = 3 - config.tagged_exchange
+        barriers = (exchanges * ((grid_barriers if config.sync == "grid" else 2) - config.fused_step)
+                    * self.cal.barrier[str(w)])
         floats = config.hidden_size * bp
         exchange = exchanges * self.exchange_us(config, floats)
         if config.one_sync:

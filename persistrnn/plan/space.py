@@ -16,7 +16,11 @@ its dimensions, in GRNN's terms (§6-7), are
   K split);
 * for the reset-before GRU, one exchange per step or two (``one_sync``);
 * for one-stage cells with a work group per unit, the fused step
-  (``fused_step``: the pointwise update in the product's lanes).
+  (``fused_step``: the pointwise update in the product's lanes);
+* for grid sync, the exchange: a counter barrier and a copy of h, or tagged
+  words polled in one L2 round trip (``tagged_exchange``), the latter only
+  where a thread reads at most
+  :data:`persistrnn.persistent.TAGGED_READS_PER_THREAD` of them.
 
 :func:`prune` keeps a configuration only if it fits the device (registers,
 shared memory, co-residency) and leaves at most :data:`IDLE_BOUND` of its
@@ -113,18 +117,23 @@ def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: 
         for threads in THREADS:
             if threads > facts.max_threads_per_block:
                 continue
+            # Past one round of loads per thread the copy's 16-byte reads beat the tagged 8-byte words
+            # (perf-notes §51: +45% at LSTM 1024 batch 10).
+            tagged_options = ((False, True) if sync == "grid"
+                              and hidden_size * batch <= threads * persistent.TAGGED_READS_PER_THREAD else (False,))
             for mapping in _mappings(dtype, threads, batch, lambda g: math.ceil(hidden_size / g)):
                 # The fused step needs a work group per unit of the block.
                 fused_options = (False, True) if threads // mapping["group_size"] == units else (False,)
                 for one_sync in one_sync_options:
                     for fused_step in fused_options:
-                        try:
-                            yield KernelConfig(cell, hidden_size, sync, blocks, threads,
-                                               prefetch_steps=PREFETCH_STEPS, dtype=dtype, one_sync=one_sync,
-                                               instances=instances, pipeline=pipeline, fused_step=fused_step,
-                                               **mapping)
-                        except ConfigError:
-                            continue
+                        for tagged in tagged_options:
+                            try:
+                                yield KernelConfig(cell, hidden_size, sync, blocks, threads,
+                                                   prefetch_steps=PREFETCH_STEPS, dtype=dtype, one_sync=one_sync,
+                                                   instances=instances, pipeline=pipeline, fused_step=fused_step,
+                                                   tagged_exchange=tagged, **mapping)
+                            except ConfigError:
+                                continue
 
 
 def register_limit(threads: int, facts: DeviceFacts) -> int:

@@ -42,7 +42,7 @@ the configuration says); fallback: the non-persistent path
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 5
+CACHE_FORMAT = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,7 +448,7 @@ def config_label(c: KernelConfig, batch_slice: int | None = None) -> str:
     tuner's key for its timings, and the benchmarks' column."""
     return (f"persistent {c.sync}x{c.blocks} t{c.threads} g{c.group_size} bt{c.batch_tile} sk{c.shared_k_chunks}"
             f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else "")
-            + (" fused" if c.fused_step else "")
+            + (" fused" if c.fused_step else "") + (" tagged" if c.tagged_exchange else "")
             + (f" pipeline{c.instances}" if c.pipeline else f" x{c.instances}" if c.instances > 1 else "")
             + (f" slices of {batch_slice}" if batch_slice else ""))
 
