@@ -1316,7 +1316,7 @@ leave:
 #if PRNN_SYNC == 1
     prnn_cluster_sync();  // no block leaves while a peer may still write its shared memory
 #endif
-#if (PRNN_SYNC == 2 && !PRNN_TAGGED) || PRNN_PIPELINE
+#if PRNN_SYNC == 2 || PRNN_PIPELINE
     // The last block out resets the counters: every block has passed every
     // barrier and read every count by then, so the next launch (or graph
     // replay) starts from zero.
