@@ -6,6 +6,10 @@ is mapped and faulted in page by page unless glibc's malloc reuses freed
 heap), then the top functions by own time under cProfile for each.
 ``--keep-heap`` sets malloc's mmap and trim thresholds (``mallopt``) so
 that freed memory stays in the heap: the time without the page faults.
+``--workers W ...`` also times the scripts made ahead by ``script_loader``
+with each number of worker processes (0: in this process): ms per script
+from the first script to the last, steady state, and the first one's wait
+(the workers' start).
 
 The inputs, model sizes and batches are those of ``bench treelstm`` and
 ``bench tagger`` (consecutive SST train trees, WikiNER dev sentences, with
@@ -21,6 +25,7 @@ import cProfile
 import ctypes
 import ctypes.util
 import io
+import os
 import pstats
 import resource
 import statistics
@@ -96,6 +101,18 @@ def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, 
     return len(graphs[0]), build_ms, schedule_ms, build_faults, schedule_faults
 
 
+def loader_ms(work: Workload, batch: int, workers: int, args: argparse.Namespace) -> tuple[float, float]:
+    """(ms per script after the first, ms to the first) through ``script_loader``."""
+    groups = consecutive_batches(work.inputs, batch, args.iterations) * args.repeats
+    loader = dynamic.script_loader(work.model, work.add_batch, groups, args.blocks, workers=workers)
+    started = time.perf_counter()
+    scripts = iter(loader)
+    next(scripts)
+    first = time.perf_counter()
+    count = sum(1 for _ in scripts)
+    return (time.perf_counter() - first) * 1e3 / count, (first - started) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", nargs="+", choices=sorted(WORKLOADS), default=["treelstm", "tagger"])
@@ -107,22 +124,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=20, help="cProfile rows per phase (0: none)")
     parser.add_argument("--keep-heap", action="store_true", help="freed memory stays in malloc's heap (mallopt)")
+    parser.add_argument("--workers", type=int, nargs="*", default=[],
+                        help="also time script_loader with these numbers of worker processes")
     args = parser.parse_args()
     if args.keep_heap:
         keep_heap()
     settings = Settings(hidden=args.hidden, embedding=args.embedding)
     print(f"hidden {args.hidden}, embedding {args.embedding}, {args.blocks} blocks, {args.iterations} batches "
           f"per size, median of {args.repeats}{', heap kept' if args.keep_heap else ''}")
-    rows = []
+    rows, loader_rows = [], []
     for suite in args.suite:
         work = WORKLOADS[suite](settings, torch.device("cpu"))
         rows += [(suite, batch, *profile(work, batch, args)) for batch in args.batch]
+        loader_rows += [(suite, batch, w, *loader_ms(work, batch, w, args)) for batch in args.batch
+                        for w in args.workers]
     print("\n| suite | batch | nodes (first batch) | build ms/batch | schedule ms/batch | host ms/batch "
           "| page faults/batch: build, schedule |")
     print("|---|---|---|---|---|---|---|")
     for suite, batch, nodes, build_ms, schedule_ms, build_faults, schedule_faults in rows:
         print(f"| {suite} | {batch} | {nodes:,} | {build_ms:.2f} | {schedule_ms:.2f} | {build_ms + schedule_ms:.2f} "
               f"| {build_faults:,.0f}, {schedule_faults:,.0f} |")
+    if loader_rows:
+        print(f"\nscript_loader, {args.iterations * args.repeats} batches per row ({os.cpu_count()} CPUs)\n\n"
+              "| suite | batch | workers | ms per script | ms to the first |\n|---|---|---|---|---|")
+        for suite, batch, workers, per_script, to_first in loader_rows:
+            print(f"| {suite} | {batch} | {workers} | {per_script:.2f} | {to_first:.1f} |")
 
 
 if __name__ == "__main__":

@@ -819,6 +819,8 @@ def test_benchmark_outputs_name_an_absent_peer_and_use_the_best_one(tmp_path):
     result = {"suite": "tagger", "rows": [row]}
     table = format_table(result)
     assert "absent" in table and "| 3.0× | 4.0× |" in table
+    ahead = format_table({"suite": "tagger", "rows": [{**row, "ours_workers_train_sent_s": 500.0}]})
+    assert "| 500 |" in ahead and "| 5.0× | 4.0× |" in ahead  # the faster of ours' two training timings
     written = write_outputs(result, table, tmp_path)
     for ext in ("md", "csv", "json", "png"):
         assert (tmp_path / f"tagger.{ext}").stat().st_size > 0, ext
@@ -973,3 +975,65 @@ def test_the_tree_reader_takes_any_depth_and_names_a_bad_label():
     for text in ("(--1 a)", "(\u00b2 a)"):
         with pytest.raises(ArgumentError, match="expected an integer label at token 1"):
             dynamic.parse_tree(text)
+
+
+# ---- scripts made ahead in worker processes (script_loader) --------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_script_loader_gives_each_batch_its_schedule_in_order(workers):
+    # Real SST trees in batches of different sizes and a BiLSTM tagger's
+    # sentences: every script from the workers is bit for bit the one
+    # schedule() makes in this process, in the batches' order.
+    model, builder, trees, vocab, _ = sst_batch(12, hidden=13)
+    batches = [trees[0:1], trees[1:6], trees[6:12], trees[3:4]]
+
+    def build(g, batch):
+        builder.build_batch(g, batch, vocab)
+
+    got = list(dynamic.script_loader(model, build, batches, 7, workers=workers, prefetch=1))
+    assert len(got) == len(batches)
+    for script, batch in zip(got, batches):
+        g = dynamic.Graph(model)
+        build(g, batch)
+        want = dynamic.schedule(g, 7)
+        for field in ("program", "starts", "offsets", "losses"):
+            np.testing.assert_array_equal(getattr(script, field), getattr(want, field), err_msg=field)
+        assert (script.workspace_floats, script.signals, script.stages, script.train, script.layout) == \
+            (want.workspace_floats, want.signals, want.stages, True, want.layout)
+
+    model, tagger, sentences, _ = wikiner_batch(6)
+    forward_only = list(dynamic.script_loader(model, tagger.build_batch, [sentences[:2], sentences[2:]], 5,
+                                              train=False, placement="spread", workers=workers))
+    g = dynamic.Graph(model)
+    tagger.build_batch(g, sentences[2:])
+    want = dynamic.schedule(g, 5, train=False, placement="spread")
+    np.testing.assert_array_equal(forward_only[1].program, want.program)
+    assert not forward_only[1].train
+
+
+def test_script_loader_raises_a_workers_failure_with_its_type_and_message():
+    model, builder, trees, vocab, _ = sst_batch(3, hidden=13)
+    bad = dynamic.parse_tree("(2 (1 a) (3 b) (2 c))")  # three children: not a binary tree
+
+    def build(g, batch):
+        builder.build_batch(g, batch, vocab)
+
+    scripts = iter(dynamic.script_loader(model, build, [trees[:1], [bad]], 4, workers=1))
+    assert next(scripts).stages > 0
+    with pytest.raises(ArgumentError, match="the binary Tree-LSTM takes nodes of 0 or 2 children"):
+        next(scripts)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(workers=-1), "workers must be an int >= 0, got -1"),
+    (dict(workers=True), "workers must be an int >= 0, got True"),
+    (dict(prefetch=0), "prefetch must be an int >= 1, got 0"),
+    (dict(placement="scatter"), "placement must be one of"),
+    (dict(build=None), "build must be a callable"),
+])
+def test_script_loader_checks_its_arguments(kwargs, message):
+    model, builder, trees, vocab, _ = sst_batch(1, hidden=13)
+    args = dict(model=model, build=lambda g, b: builder.build_batch(g, b, vocab), batches=[trees], blocks=4)
+    with pytest.raises(ArgumentError, match=message):
+        dynamic.script_loader(**{**args, **kwargs})

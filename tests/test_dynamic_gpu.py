@@ -9,6 +9,7 @@ import pytest
 from test_dynamic import rel, sst_batch, tagger_loss, torch_params, tree_lstm_loss, wikiner_batch
 
 from persistrnn import dynamic
+from persistrnn.errors import ArgumentError
 
 pytestmark = pytest.mark.gpu
 
@@ -108,6 +109,28 @@ def test_step_returns_the_previous_loss_and_sync_the_latest():
         else:
             assert abs(got - losses[-2]) <= TOLERANCE * losses[-2]
     assert abs(interp.sync() - losses[-1]) <= TOLERANCE * losses[-1]
+
+
+def test_step_takes_scripts_made_ahead_by_worker_processes():
+    model, builder, trees, vocab, _ = sst_batch(9, hidden=32, embedding=24)
+    interp = dynamic.Interpreter(model, optimizer=dynamic.SGD(0.0))  # lr 0: every launch sees the same weights
+    batches = [trees[0:1], trees[1:5], trees[5:9]]
+
+    def build(g, batch):
+        builder.build_batch(g, batch, vocab)
+
+    params = interp.params.double().cpu().numpy()
+    want = []
+    for batch in batches:
+        g = dynamic.Graph(model)
+        build(g, batch)
+        want.append(dynamic.run_script(dynamic.schedule(g, interp.blocks), params).loss)
+    got = [interp.step(script) for script in interp.scripts(batches, build, workers=2)][1:] + [interp.sync()]
+    assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in zip(got, want)), (got, want)
+    forward_only = next(iter(interp.scripts(batches[:1], build, train=False)))
+    assert abs(interp.run(forward_only, train=False) - want[0]) <= TOLERANCE * abs(want[0])
+    with pytest.raises(ArgumentError, match="scheduled with train=False, got train=True"):
+        interp.step(forward_only)
 
 
 def test_a_warm_start_compiles_nothing():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from .. import runtime
 from ..runtime.launch import SCRATCH_WORDS
 from ..errors import ArgumentError, ConfigError
 from .graph import Graph
+from .loader import script_loader
 from .model import Model
 from .optimizers import SGD, Optimizer
 from .script import BACKWARD, OPCODES, WORDS, MatrixLayout, Script, matrix_layout, schedule
@@ -194,10 +195,26 @@ class Interpreter:
                                                 cooperative=True))
         return out
 
-    def schedule(self, graph: Graph, *, train: bool = True) -> Script:
+    def schedule(self, graph: Graph | Script, *, train: bool = True) -> Script:
+        """``graph``'s script on this interpreter's blocks; a script made
+        ahead (:meth:`scripts`) passes through, if it was made for ``train``."""
+        if isinstance(graph, Script):
+            if graph.train != train:
+                raise ArgumentError(f"the script was scheduled with train={graph.train}, got train={train}")
+            return graph
         if graph.model is not self.model:
             raise ArgumentError("the graph was built over another model than this interpreter's")
         return schedule(graph, self.blocks, train=train, placement=self.placement)
+
+    def scripts(self, batches: Sequence[Any], build: Callable[[Graph, Any], Any], *, train: bool = True,
+                workers: int = 0, prefetch: int = 2) -> Any:
+        """The scripts of ``batches`` for this interpreter, in order, made
+        ahead by ``workers`` processes (:func:`~.loader.script_loader`);
+        ``build(graph, batch)`` adds one batch to a graph. For
+        ``for script in interp.scripts(...): interp.step(script)``, where one
+        process's host work per batch would outlast the kernel."""
+        return script_loader(self.model, build, batches, self.blocks, train=train, placement=self.placement,
+                             workers=workers, prefetch=prefetch)
 
     def launch(self, script: Script, *, poison: bool = False) -> Launched:
         """Launch ``script`` on the current stream; returns without waiting.
@@ -233,16 +250,17 @@ class Interpreter:
         done.record()
         return Launched(script, loss, values, grads, loss_host, done)
 
-    def run(self, graph: Graph, *, train: bool = True) -> float:
-        """Schedule, launch, wait: the batch loss (sum over loss nodes)."""
+    def run(self, graph: Graph | Script, *, train: bool = True) -> float:
+        """Schedule (a graph), launch, wait: the batch loss (sum over loss nodes)."""
         launched = self.launch(self.schedule(graph, train=train))
         runtime.raise_reported_failure(self.device.index, KERNEL_NAME, synchronize=True)
         return launched.result()
 
-    def step(self, graph: Graph, *, train: bool = True) -> float | None:
-        """Schedule and launch ``graph``, then return the previous batch's loss
-        (None for the first). The wait is for the previous launch only, so
-        batch k+1 runs while the caller builds and schedules batch k+2."""
+    def step(self, graph: Graph | Script, *, train: bool = True) -> float | None:
+        """Schedule (a graph) and launch ``graph``, then return the previous
+        batch's loss (None for the first). The wait is for the previous launch
+        only, so batch k+1 runs while the caller builds and schedules batch
+        k+2 (or takes its script from :meth:`scripts`)."""
         script = self.schedule(graph, train=train)
         previous, self._pending = self._pending, self.launch(script)
         if previous is None:
