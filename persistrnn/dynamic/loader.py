@@ -77,4 +77,7 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
     return torch.utils.data.DataLoader(_Scripts(model, build, batches, blocks, train, placement), batch_size=None,
                                        shuffle=False, num_workers=workers, collate_fn=_as_is,
                                        prefetch_factor=prefetch if workers else None,
-                                       persistent_workers=workers > 0)
+                                       persistent_workers=workers > 0,
+                                       # the inputs and `build` (a lambda, say) reach the workers by fork,
+                                       # unpickled, whatever this Python's default start method
+                                       multiprocessing_context="fork" if workers else None)
