@@ -362,16 +362,19 @@ class Engine:
         self.input_size = model.input_size
         self.output_size = getattr(model, "proj_size", 0) or model.hidden_size
         self._has_cell_state = isinstance(model, torch.nn.LSTM)
-        # One row per slot, then two more: a spare row that the padding rows of a batch write their states
-        # to, and a row of zeros, never written, that a new stream's first chunk and the padding rows read.
-        self._spare_slot, self._zero_slot = max_streams, max_streams + 1
-        self._h = weight.new_zeros(model.num_layers, max_streams + 2, self.output_size)
-        self._c = weight.new_zeros(model.num_layers, max_streams + 2, model.hidden_size) \
-            if self._has_cell_state else None
         self._batches: collections.OrderedDict[tuple, _Batch] = collections.OrderedDict()
         if not isinstance(resident, bool):
             raise ArgumentTypeError(f"Engine: expected a bool resident, got {type(resident).__name__}")
         self._resident = self._resident_layer() if resident else None
+        # The streams' states, where the resident kernel does not keep them in its own slots: one row per
+        # slot, then two more: a spare row that the padding rows of a batch write their states to, and a row
+        # of zeros, never written, that a new stream's first chunk and the padding rows read.
+        self._spare_slot, self._zero_slot = max_streams, max_streams + 1
+        self._h = self._c = None
+        if self._resident is None:
+            self._h = weight.new_zeros(model.num_layers, max_streams + 2, self.output_size)
+            if self._has_cell_state:
+                self._c = weight.new_zeros(model.num_layers, max_streams + 2, model.hidden_size)
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the worker's alone: input queued, a call, or closing
@@ -1018,9 +1021,6 @@ class Engine:
             time.sleep(0)  # lets client threads run while the batch finishes
 
 
-_SPIN_S = 200e-6
-"""How long the worker spins on a batch's echo before it polls with sleeps."""
-
 _ROWS_BY_NUMPY = 16
 """Up to this many chunks, a batch's rows are written and read one by one
 through NumPy (no torch call, so the worker keeps the GIL); past it, by one
@@ -1162,11 +1162,9 @@ class _Batch:
             self.graph.replay()
         if echo is None:
             return
-        # Spin on the echo (NumPy reads: the GIL stays here) for as long as a small batch takes, then poll
-        # with sleep(0), which lets client threads run while a longer batch finishes but costs a wait to
-        # win the GIL back.
+        # Spin on the echo for as long as a small batch takes, then poll with sleep(0) (runtime.HOST_SPIN_S).
         started = time.perf_counter()
-        while echo[1] != echo[0] and time.perf_counter() - started < _SPIN_S:
+        while echo[1] != echo[0] and time.perf_counter() - started < runtime.HOST_SPIN_S:
             pass
         deadline = started + timeout
         while echo[1] != echo[0]:

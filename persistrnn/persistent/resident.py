@@ -40,8 +40,6 @@ launches it again)."""
 DEFAULT_LIFETIME_S = 0.2
 """A resident launch leaves after this long even while busy: a device-wide
 synchronise elsewhere in the process waits at most this long for it."""
-_SPIN_S = 200e-6
-"""How long a tick's wait spins on the echo (NumPy reads keep the GIL) before it polls with sleeps."""
 
 _WORD = {name: i for i, name in enumerate(RESIDENT_CONTROL)}
 
@@ -195,7 +193,7 @@ class ResidentLayer:
         done, exited = _WORD["done"], _WORD["exited"]
         started = time.perf_counter()
         deadline = started + timeout
-        spin_until = started + _SPIN_S
+        spin_until = started + runtime.HOST_SPIN_S
         while words[done] != tick:
             if words[exited] == self.generation:  # it left without this tick: its failure, or idle or old
                 if words[done] == tick:

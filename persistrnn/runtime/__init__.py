@@ -12,13 +12,13 @@ from .compile import (CompiledBinary, KernelResources, cache_key, compile_source
                       nvrtc_version, parse_ptxas_report, program_options, read_source, render_template, sources_dir)
 from .device import DeviceFacts, device_facts, facts_of, require_gpu
 from .graphs import CapturedCall, GraphCache, capture, capture_graph, own_stream, release_stream
-from .launch import (WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
+from .launch import (HOST_SPIN_S, WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
                      inject_failure, kernel_args, launch, raise_failure_code, raise_reported_failure, report_word,
                      scratch, set_wait_timeout, to_device_async, wait_timeout_ns)
 from .timing import per_iteration_us, time_cuda_ms, warm_up
 
 __all__ = [
-    "CACHE_ENV", "WAIT_TIMEOUT_ENV", "CapturedCall", "CompileError", "CompiledBinary", "DeviceFacts",
+    "CACHE_ENV", "HOST_SPIN_S", "WAIT_TIMEOUT_ENV", "CapturedCall", "CompileError", "CompiledBinary", "DeviceFacts",
     "GPUUnavailableError", "GraphCache", "KernelLaunchError", "KernelResources", "KernelTimeoutError",
     "LoadedKernel", "Scratch", "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
     "compile_source", "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",

@@ -29,7 +29,7 @@ from ..errors import ArgumentError, ArgumentTypeError, KernelLaunchError, Kernel
 from .compile import CompiledBinary, KernelResources
 from .device import facts_of, require_gpu
 
-__all__ = ["LoadedKernel", "Scratch", "WAIT_TIMEOUT_ENV", "check_status", "get_kernel", "inject_failure",
+__all__ = ["HOST_SPIN_S", "LoadedKernel", "Scratch", "WAIT_TIMEOUT_ENV", "check_status", "get_kernel", "inject_failure",
            "kernel_args", "launch", "raise_failure_code", "raise_reported_failure", "report_word", "scratch",
            "set_wait_timeout",
            "to_device_async", "wait_timeout_ns", "failure_hook"]
@@ -335,6 +335,13 @@ def scratch(device: Any, exchange_floats: int = 0, counters: int = SCRATCH_WORDS
 # ----------------------------------------------------------------------------
 # Failures: the wait bound, the report word, the test hook
 # ----------------------------------------------------------------------------
+
+HOST_SPIN_S = 200e-6
+"""How long a host thread that waits for a word the GPU writes to mapped host
+memory (a resident tick's echo, a serving batch's) spins on it before it
+polls with ``time.sleep(0)``: NumPy reads keep the GIL, so the spin answers a
+short wait at once, and the sleeps then let client threads run while a longer
+one finishes, at the cost of a wait to win the GIL back."""
 
 WAIT_TIMEOUT_ENV = "PERSISTRNN_WAIT_TIMEOUT_MS"
 DEFAULT_WAIT_TIMEOUT_MS = 2000.0
