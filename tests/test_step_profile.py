@@ -73,7 +73,10 @@ def test_phase_table_converts_each_block_at_its_own_clock():
 def test_phase_table_refuses_words_no_launch_wrote():
     config = KernelConfig("lstm", 256, "cluster", 2)
     unwritten = np.full((2, len(PHASES) + 2), -1, dtype=np.int64)
-    with pytest.raises(ValueError, match="a block recorded no step loop"):
+    with pytest.raises(ValueError, match=r"2 of 2 blocks recorded no step loop \(blocks \[0, 1\];"):
+        phase_table(unwritten, config)
+    unwritten[0, -2:] = 1000
+    with pytest.raises(ValueError, match=r"1 of 2 blocks recorded no step loop \(blocks \[1\];"):
         phase_table(unwritten, config)
     over = np.zeros((1, len(PHASES) + 2), dtype=np.int64)
     over[0, 0], over[0, -2], over[0, -1] = 500, 400, 200

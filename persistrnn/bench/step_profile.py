@@ -57,9 +57,13 @@ def phase_table(words: Any, config: persistent.KernelConfig) -> dict[str, Any]:
 
     rows = np.asarray(words, dtype=np.float64).reshape(-1, len(PHASES) + 2)
     cycles, loop_cycles, loop_ns = rows[:, :len(PHASES)], rows[:, -2], rows[:, -1]
-    if (loop_cycles <= 0).any() or (loop_ns <= 0).any():
-        raise ValueError(f"profile of {config}: a block recorded no step loop (cycles {loop_cycles.min():.0f}, "
-                         f"ns {loop_ns.min():.0f}); did the launch run?")
+    silent = np.flatnonzero((loop_cycles <= 0) | (loop_ns <= 0))
+    if silent.size:
+        # Which blocks tells a launch that never ran (all of them) from blocks that left the loop early.
+        raise ValueError(f"profile of {config}: {silent.size} of {len(rows)} blocks recorded no step loop "
+                         f"(blocks {silent[:8].tolist()}{' ...' if silent.size > 8 else ''}; rows are slice-major, "
+                         f"cycles {loop_cycles.min():.0f}, ns {loop_ns.min():.0f}); did the launch run, or did "
+                         "those blocks leave it on a failure?")
     if (cycles.sum(axis=1) > loop_cycles).any():
         raise ValueError(f"profile of {config}: the phases add up to more cycles than the step loop took")
     ns_per_cycle = loop_ns / loop_cycles
