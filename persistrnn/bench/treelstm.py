@@ -10,8 +10,9 @@ of consecutive SST train trees. Providers, in one process on one GPU:
   scheduling a batch (VPPS Fig. 10) and the kernel's device time (CUDA
   events, script already built) are reported beside it. A second training
   timing takes each batch's script from ``host_workers`` worker processes
-  that make them ahead (``Interpreter.scripts``); the train speed-up is the
-  faster of the two against the best peer.
+  that make them ahead (``Interpreter.scripts``), over the batches repeated
+  to at least two per worker; the train speed-up is the faster of the two
+  against the best peer.
 * **torch eager**: the same model in PyTorch, one node at a time (fp32).
 * **torch level-batched**: every node of one height across the batch in one
   op per gate group, as DGL does (fp32); the host plans each batch (child
@@ -326,15 +327,17 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
     row["ours_train_sent_s"] = batch * len(batches) / (_wall_ms(ours_train, settings.repeats) / 1e3)
     row["host_workers"] = settings.host_workers
     if settings.host_workers:
-        # The same loop with each batch's script made ahead by worker processes (they start in the warm-up run).
-        scripts_ahead = interp.scripts(batches, build, workers=settings.host_workers)
+        # The same loop with each batch's script made ahead by worker processes (they start in the warm-up
+        # run), over the batches repeated to at least two per worker: a steady rate, not one script's wait.
+        ahead = batches * -(-2 * settings.host_workers // len(batches))
+        scripts_ahead = interp.scripts(ahead, build, workers=settings.host_workers)
 
         def ours_train_ahead() -> None:
             for script in scripts_ahead:
                 interp.step(script)
             interp.sync()
 
-        row["ours_workers_train_sent_s"] = batch * len(batches) / (_wall_ms(ours_train_ahead, settings.repeats) / 1e3)
+        row["ours_workers_train_sent_s"] = batch * len(ahead) / (_wall_ms(ours_train_ahead, settings.repeats) / 1e3)
     infer = interp.schedule(first, train=False)
     row["ours_infer_kernel_ms"] = time_cuda_ms(lambda: interp.launch(infer), warmup=2, repeats=settings.repeats)
     row["ours_infer_ms"] = _wall_ms(lambda: interp.run(graph_of(batches[0]), train=False), settings.repeats)
