@@ -19,6 +19,7 @@ touches the GPU.
 
 from __future__ import annotations
 
+import multiprocessing
 from typing import Any, Callable, Sequence
 
 from ..errors import ArgumentError
@@ -73,6 +74,9 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
         raise ArgumentError(f"script_loader: placement must be one of {PLACEMENTS}, got {placement!r}")
     if not callable(build):
         raise ArgumentError(f"script_loader: build must be a callable (graph, batch), got {type(build).__name__}")
+    if workers and "fork" not in multiprocessing.get_all_start_methods():
+        raise ArgumentError(f"script_loader: workers start by fork, which this platform lacks (it has "
+                            f"{multiprocessing.get_all_start_methods()}); use workers=0")
     model.layout()  # fixes the declarations here, before any worker copies the model
     return torch.utils.data.DataLoader(_Scripts(model, build, batches, blocks, train, placement), batch_size=None,
                                        shuffle=False, num_workers=workers, collate_fn=_as_is,
