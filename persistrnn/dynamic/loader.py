@@ -27,7 +27,12 @@ from .graph import Graph
 from .model import Model
 from .script import PLACEMENTS, Script, schedule
 
-__all__ = ["script_loader"]
+__all__ = ["WORKER_TIMEOUT_S", "script_loader"]
+
+WORKER_TIMEOUT_S = 300.0
+"""Longest wait for the next script from the workers before the loop fails:
+a worker that is stuck (not dead: a dead one fails the loop at once) never
+hangs it. Scripts of the largest measured batches take well under a second."""
 
 
 class _Scripts:
@@ -81,7 +86,7 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
     return torch.utils.data.DataLoader(_Scripts(model, build, batches, blocks, train, placement), batch_size=None,
                                        shuffle=False, num_workers=workers, collate_fn=_as_is,
                                        prefetch_factor=prefetch if workers else None,
-                                       persistent_workers=workers > 0,
+                                       persistent_workers=workers > 0, timeout=WORKER_TIMEOUT_S if workers else 0,
                                        # the inputs and `build` (a lambda, say) reach the workers by fork,
                                        # unpickled, whatever this Python's default start method
                                        multiprocessing_context="fork" if workers else None)
