@@ -1037,3 +1037,21 @@ def test_script_loader_checks_its_arguments(kwargs, message):
     args = dict(model=model, build=lambda g, b: builder.build_batch(g, b, vocab), batches=[trees], blocks=4)
     with pytest.raises(ArgumentError, match=message):
         dynamic.script_loader(**{**args, **kwargs})
+
+
+def test_script_loader_fails_a_stuck_worker_instead_of_hanging(monkeypatch):
+    import time
+
+    from persistrnn.dynamic import loader
+
+    model, builder, trees, vocab, _ = sst_batch(1, hidden=13)
+
+    def stuck(g, batch):
+        time.sleep(60)
+
+    monkeypatch.setattr(loader, "WORKER_TIMEOUT_S", 0.3)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="timed out after 0.3 seconds"):
+        next(iter(dynamic.script_loader(model, stuck, [trees], 4, workers=1)))
+    # the stuck worker is ended (torch's DataLoader joins it for up to 5 s, then terminates it), not waited for
+    assert time.perf_counter() - started < 20
