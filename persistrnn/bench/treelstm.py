@@ -494,6 +494,9 @@ def plot(result: dict[str, Any], path: Path) -> str | None:
                               ":v")):
         train.plot(batch, [r.get(f"{key}_train_sent_s") for r in rows], style, label=label)
         infer.plot(batch, [r.get(f"{key}_infer_ms") for r in rows], style, label=label)
+    ahead = [r.get("ours_workers_train_sent_s") for r in rows]
+    if any(v is not None for v in ahead):
+        train.plot(batch, ahead, "-D", label="persistrnn.dynamic, scripts made ahead by host workers")
     for ax, title, unit in ((train, "training", "sentences/s"), (infer, "inference", "ms per batch")):
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel=unit, title=f"{result['suite']} {title}")
         ax.grid(True, which="both", alpha=0.3)
