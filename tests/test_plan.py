@@ -377,19 +377,37 @@ def test_tune_picks_a_measured_candidate_and_explain_prints_it(isolated_cache, c
     assert "lstm input 32, hidden 64" in text and "cost model, top" in text
 
 
-def test_the_space_offers_the_tagged_exchange_for_small_grid_exchanges_only():
+def test_the_space_offers_the_tagged_exchange_for_batch_1_grid_exchanges_only():
     one = space.pruned_space("lstm", 1024, 1, "float32", H100)
     tagged = [c for c in one if c.tagged_exchange]
     assert tagged and all(c.sync == "grid" and 1024 <= c.threads * persistent.TAGGED_READS_PER_THREAD
                           for c in tagged)
     assert {dataclasses.replace(c, tagged_exchange=False) for c in tagged} <= set(one)  # beside the barrier's
-    assert not any(c.tagged_exchange for c in space.pruned_space("lstm", 1024, 10, "float32", H100))
+    for batch in (2, 10):
+        assert not any(c.tagged_exchange for c in space.pruned_space("lstm", 1024, batch, "float32", H100))
     model = cost.CostModel(synthetic_calibration(), H100)
     c = tagged[0]
     barrier, poll = model.step_cost(dataclasses.replace(c, tagged_exchange=False), 1), model.step_cost(c, 1)
     assert poll.barriers < barrier.barriers and poll.product == barrier.product
     assert "tagged" in tuner.config_label(c) and "tagged" not in tuner.config_label(dataclasses.replace(
         c, tagged_exchange=False))
+
+
+def test_the_tuner_times_each_of_its_top_k_with_its_tagged_twin_beside_it(monkeypatch):
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    ranked = tuner.ranked_configs(tuner.ModelShape("lstm", 1024, 1024), 1, model)
+    assert any(r.config.tagged_exchange for r in ranked[:5])  # twins rank among the top: they must not crowd it
+    spilled = next(r.config for r in ranked if not r.config.tagged_exchange)  # the top barrier one spills
+    monkeypatch.setattr(tuner, "compiles", lambda c: c != spilled)
+    top = tuner.compile_top(ranked, 3)
+    own = [r for r in top if not r.config.tagged_exchange]
+    assert own == [r for r in ranked if not r.config.tagged_exchange and r.config != spilled][:3]
+    twins = [r for r in top if r.config.tagged_exchange]
+    assert [r.config for r in twins] == [dataclasses.replace(r.config, tagged_exchange=True) for r in own]
+    assert all(r in ranked for r in twins)
+    # At batch 2 the space has no twins, and the top k is the model's top k.
+    ranked2 = tuner.ranked_configs(tuner.ModelShape("lstm", 1024, 1024), 2, model)
+    assert tuner.compile_top(ranked2, 3) == [r for r in ranked2 if r.config != spilled][:3]
 
 
 def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():

@@ -19,7 +19,7 @@ its dimensions, in GRNN's terms (§6-7), are
   (``fused_step``: the pointwise update in the product's lanes);
 * for grid sync, the exchange: a counter barrier and a copy of h, or tagged
   words polled in one L2 round trip (``tagged_exchange``), the latter only
-  where a thread reads at most
+  at batch 1 and where a thread reads at most
   :data:`persistrnn.persistent.TAGGED_READS_PER_THREAD` of them.
 
 :func:`prune` keeps a configuration only if it fits the device (registers,
@@ -117,10 +117,11 @@ def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: 
         for threads in THREADS:
             if threads > facts.max_threads_per_block:
                 continue
-            # Past one round of loads per thread the copy's 16-byte reads beat the tagged 8-byte words
-            # (perf-notes §51: +45% at LSTM 1024 batch 10).
-            tagged_options = ((False, True) if sync == "grid"
-                              and hidden_size * batch <= threads * persistent.TAGGED_READS_PER_THREAD else (False,))
+            # Measured on the H100 (perf-notes §51): the tagged words won at batch 1 in 3 of 5 configurations
+            # (GRU 1024 fused -26% per step; LSTM 1024 at 256 threads +34-40%) and lost in every one timed at
+            # batch 2 (+49-71%), as at the larger batches where the copy's 16-byte reads win (+45% at batch 10).
+            tagged_options = ((False, True) if sync == "grid" and batch == 1
+                              and hidden_size <= threads * persistent.TAGGED_READS_PER_THREAD else (False,))
             for mapping in _mappings(dtype, threads, batch, lambda g: math.ceil(hidden_size / g)):
                 # The fused step needs a work group per unit of the block.
                 fused_options = (False, True) if threads // mapping["group_size"] == units else (False,)

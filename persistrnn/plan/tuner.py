@@ -9,7 +9,8 @@ with a :class:`Plan`:
 2. Otherwise the configuration space is pruned (:mod:`.space`) and ranked by
    the cost model (:mod:`.model`). Without tuning, the top-ranked
    configuration that compiles without spilling is the plan.
-3. With tuning, the top ``k`` that compile (in threads) are timed on the real
+3. With tuning, the top ``k`` that compile (in threads), each with its
+   tagged-exchange twin where the space offers one, are timed on the real
    shapes, with the non-persistent fallback and cuDNN through torch beside
    them, and the fastest is kept and cached. No persistent configuration at
    all (weights too large for the chip) leaves the fallback and cuDNN.
@@ -42,7 +43,7 @@ the configuration says); fallback: the non-persistent path
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 6
+CACHE_FORMAT = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,16 +269,27 @@ def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
 
 
 def compile_top(ranked: list[Ranked], k: int) -> list[Ranked]:
-    """The first ``k`` of ``ranked`` that compile without spilling, compiled in threads."""
+    """The first ``k`` of ``ranked``'s barrier configurations that compile
+    without spilling, then the tagged-exchange twin of each that ``ranked``
+    holds and that compiles, compiled in threads. A twin takes none of the
+    ``k`` places: the model prices the two within 1% of each other, while on
+    the H100 the twin measured from 26% faster to 40% slower per step at
+    batch 1 (perf-notes §51), so only timing both tells."""
+    own = [r for r in ranked if not r.config.tagged_exchange]
+    twins = {(r.config, r.batch_slice): r for r in ranked if r.config.tagged_exchange}
     kept: list[Ranked] = []
     start = 0
-    while len(kept) < k and start < len(ranked):
+    while len(kept) < k and start < len(own):
         # Twice what is missing per round: a few spill under some NVRTC versions.
-        batch = ranked[start : start + 2 * (k - len(kept))]
+        batch = own[start : start + 2 * (k - len(kept))]
         start += len(batch)
         results = runtime.map_in_threads(compiles, [r.config for r in batch])
         kept += [item for item, ok in zip(batch, results) if ok]
-    return kept[:k]
+    kept = kept[:k]
+    paired = [twin for r in kept
+              if (twin := twins.get((dataclasses.replace(r.config, tagged_exchange=True), r.batch_slice)))]
+    results = runtime.map_in_threads(compiles, [r.config for r in paired])
+    return kept + [twin for twin, ok in zip(paired, results) if ok]
 
 
 def compiles(config: KernelConfig) -> bool:
@@ -486,16 +498,19 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
                 "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
     top = compile_top(ranked, k)
+    ranks = sorted(top, key=ranked.index)  # the model's order, twins beside their own
+    timed_configs = f"model's top {sum(not r.config.tagged_exchange for r in top)}" + (
+        f" and {n} tagged twin(s)" if (n := sum(r.config.tagged_exchange for r in top)) else "")
     candidates = timing_candidates(shape, bucket, top, steps)
     measured = time_candidates(candidates, progress)
     timed = [c for c in candidates if c.label in measured]
     best = min(timed, key=lambda c: measured[c.label])
     chosen = best.ranked or Ranked(None, None, None)
     if best.path == "persistent":
-        rank = top.index(best.ranked) + 1
-        reason = f"fastest of the model's top {len(top)} (model rank {rank}), the fallback and cuDNN, timed"
+        rank = ranks.index(best.ranked) + 1
+        reason = f"fastest of the {timed_configs} (model rank {rank}), the fallback and cuDNN, timed"
     elif top:
-        reason = f"{best.path} was faster than the model's top {len(top)} persistent configurations, timed"
+        reason = f"{best.path} was faster than the {timed_configs} persistent configurations, timed"
     else:
         reason = _no_fit_reason(shape, facts) + f"; {best.path} was the faster of the rest, timed"
     path, config, us = best.path, chosen.config, chosen.us
