@@ -795,6 +795,25 @@ def test_benchmark_peers_compute_the_same_loss():
     assert abs(eager - want) <= 1e-5 * want and abs(batched - want) <= 1e-5 * want
 
 
+def test_the_eager_tree_lstm_peer_leaves_no_graph_in_a_reference_cycle():
+    # A graph held in a cycle keeps its AccumulateGrad nodes, bound to the stream the eager step ran on, alive
+    # into the level-batched peer's capture on another stream, which then fails (`bench treelstm`).
+    import gc
+
+    from persistrnn.bench.treelstm import TorchTreeLSTM
+
+    model, builder, trees, vocab, _ = sst_batch(4, seed=2)
+    peer = TorchTreeLSTM(model, builder, vocab, torch.device("cpu"))
+    peer.eager_loss(trees).backward()  # first-call objects (caches) out of the count
+    gc.collect()
+    gc.disable()
+    try:
+        peer.eager_loss(trees).backward()
+        assert gc.collect() == 0, "the eager step left objects that only a garbage collection frees"
+    finally:
+        gc.enable()
+
+
 def test_tagger_benchmark_peers_compute_the_same_loss():
     # `bench tagger`: the packed level-batched peer gathers each token's two
     # directions from rows that differ per sentence; a wrong row would still

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -169,6 +170,10 @@ class TorchTreeLSTM:
 
         for t in trees:
             visit(t)
+        # `visit` refers to itself: dropped as it is, the cycle would keep this graph (and its AccumulateGrad
+        # nodes, bound to this stream) alive until a garbage collection, and a later capture on another stream
+        # then fails (cudaErrorStreamCaptureImplicit in backward).
+        del visit
         target = torch.tensor(labels, device=self.device)
         return torch.nn.functional.cross_entropy(torch.stack(logits), target, reduction="sum")
 
@@ -266,6 +271,9 @@ def capture_step(peer: Any, plan: dict[str, Any], opt: Any | None, stream: Any |
 
     if plan["labels"].device.type != "cuda":
         return CapturedStep(None, body(), plan, body)
+    # Graphs of earlier eager steps still held (in reference cycles, say) keep AccumulateGrad nodes bound to
+    # the stream they ran on; a backward captured on `side` cannot wait on that stream.
+    gc.collect()
     side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on the capture stream, off the default one, as torch.cuda.graph asks
@@ -281,8 +289,6 @@ def capture_step(peer: Any, plan: dict[str, Any], opt: Any | None, stream: Any |
 def release_device_memory() -> None:
     """Return the memory of dropped graphs, pools and cached blocks to the
     device, so that one batch size's captures do not crowd out the next."""
-    import gc
-
     import torch
 
     gc.collect()
@@ -414,6 +420,8 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
             row["torch_graph_infer_ms"] = _wall_ms(graph_infer, settings.repeats)
     except RuntimeError as exc:  # an op that cannot be captured: the provider is absent, with the reason
         row["torch_graph_train_sent_s"] = row["torch_graph_infer_ms"] = None
+        while exc.__context__ is not None:  # the first error, not capture_end's "previous error during capture"
+            exc = exc.__context__
         row["torch_graph_error"] = str(exc).splitlines()[0]
     finally:
         captured, infer_step = [], None
