@@ -405,9 +405,18 @@ def test_the_tuner_times_each_of_its_top_k_with_its_tagged_twin_beside_it(monkey
     twins = [r for r in top if r.config.tagged_exchange]
     assert [r.config for r in twins] == [dataclasses.replace(r.config, tagged_exchange=True) for r in own]
     assert all(r in ranked for r in twins)
-    # At batch 2 the space has no twins, and the top k is the model's top k.
-    ranked2 = tuner.ranked_configs(tuner.ModelShape("lstm", 1024, 1024), 2, model)
-    assert tuner.compile_top(ranked2, 3) == [r for r in ranked2 if r.config != spilled][:3]
+    # At batch 2 the space has no twins, nor for cluster and single blocks: the top k is the model's top k.
+    for shape, batch in ((tuner.ModelShape("lstm", 1024, 1024), 2), (tuner.ModelShape("lstm", 256, 256), 1),
+                         (tuner.ModelShape("gru", 64, 64), 1)):
+        ranked = tuner.ranked_configs(shape, batch, model)
+        assert tuner.compile_top(ranked, 3) == [r for r in ranked if r.config != spilled][:3]
+    # A mixed ranking (a grid layer whose top includes cluster configurations) pairs the grid ones only.
+    mixed = tuner.ranked_configs(tuner.ModelShape("lstm", 448, 448), 1, model)
+    top = tuner.compile_top(mixed, 8)
+    own = top[:8]
+    assert {r.config.sync for r in own} == {"grid", "cluster"} and not any(r.config.tagged_exchange for r in own)
+    assert [r.config for r in top[8:]] == [
+        dataclasses.replace(r.config, tagged_exchange=True) for r in own if r.config.sync == "grid"]
 
 
 def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():

@@ -98,10 +98,9 @@ STEP_CHAIN = ("A step is a chain of the product (~0.34 µs), the pointwise updat
 SLICE_STEP = ("Batch slices fill the SMs, but each slice's step costs 1.3-1.6 µs, the batch-1 phase chain plus "
               "its columns (perf-notes §22).")
 LARGE_FP32 = ("H=1024 needs the grid (64+ SMs): its exchange costs ~1.1 µs of a 1.8 µs step (a GPU-scope release, a "
-              "counter barrier, h read back from L2; perf-notes §50). The one-round-trip exchange the planner offers at batch 1 "
-              "takes GRU 1024 from 1.83 to 1.35 µs per step and ties LSTM 1024's best barrier configuration "
-              "(2.18 against 2.15 µs); it lost at every batch-2 configuration timed (§51). TF32 mma.sync is not "
-              "built.")
+              "counter barrier, h read back from L2; perf-notes §50). The one-round-trip exchange, timed beside "
+              "each batch-1 grid candidate, takes LSTM 1024 with the fused step from 0.243 to 0.201 ms (§51); "
+              "it lost at every batch-2 configuration timed. TF32 mma.sync is not built.")
 SMALL_H = "At H=64 cuDNN's persistent kernel (0.056 ms) beats our single-block step chain (perf-notes §22)."
 HALF = ("16-bit: B fragments are read from an fp32 h with scalar loads and conversions; the ldmatrix path is "
         "not built.")

@@ -148,32 +148,33 @@ class TorchTreeLSTM:
             c = c + c_in
         return torch.sigmoid(iou[..., H:2 * H]) * torch.tanh(c), c
 
+    def _visit(self, node: Any, logits: list, labels: list) -> tuple[Any, Any]:
+        """(h, c) of ``node``, its subtree's logits and labels appended. A method, not a closure that calls
+        itself: such a cycle would keep the step's graph (and its AccumulateGrad nodes, bound to this stream)
+        alive until a garbage collection, and a later capture on another stream then fails
+        (cudaErrorStreamCaptureImplicit in backward)."""
+        import torch
+
+        p, H = self.p, self.H
+        if node.word is not None:
+            x = p["embed"][self.vocab[node.word]]
+            h, c = self._cell(p["W_iou"] @ x + p["b_iou"], None)
+        else:
+            (hl, cl), (hr, cr) = (self._visit(child, logits, labels) for child in node.children)
+            gates = p["U"] @ torch.cat([hl, hr])
+            f = torch.sigmoid(gates[3 * H:] + p["b_f"])
+            h, c = self._cell(gates[:3 * H] + p["b_iou"], f[:H] * cl + f[H:] * cr)
+        logits.append(p["W_out"] @ h + p["b_out"])
+        labels.append(node.label)
+        return h, c
+
     def eager_loss(self, trees: list) -> Any:
         """One node at a time."""
         import torch
 
-        p, H = self.p, self.H
         logits, labels = [], []
-
-        def visit(node: Any) -> tuple[Any, Any]:
-            if node.word is not None:
-                x = p["embed"][self.vocab[node.word]]
-                h, c = self._cell(p["W_iou"] @ x + p["b_iou"], None)
-            else:
-                (hl, cl), (hr, cr) = visit(node.children[0]), visit(node.children[1])
-                gates = p["U"] @ torch.cat([hl, hr])
-                f = torch.sigmoid(gates[3 * H:] + p["b_f"])
-                h, c = self._cell(gates[:3 * H] + p["b_iou"], f[:H] * cl + f[H:] * cr)
-            logits.append(p["W_out"] @ h + p["b_out"])
-            labels.append(node.label)
-            return h, c
-
         for t in trees:
-            visit(t)
-        # `visit` refers to itself: dropped as it is, the cycle would keep this graph (and its AccumulateGrad
-        # nodes, bound to this stream) alive until a garbage collection, and a later capture on another stream
-        # then fails (cudaErrorStreamCaptureImplicit in backward).
-        del visit
+            self._visit(t, logits, labels)
         target = torch.tensor(labels, device=self.device)
         return torch.nn.functional.cross_entropy(torch.stack(logits), target, reduction="sum")
 

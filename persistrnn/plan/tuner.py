@@ -276,7 +276,9 @@ def compile_top(ranked: list[Ranked], k: int) -> list[Ranked]:
     the H100 the twin measured from 26% faster to 40% slower per step at
     batch 1 (perf-notes §51), so only timing both tells."""
     own = [r for r in ranked if not r.config.tagged_exchange]
-    twins = {(r.config, r.batch_slice): r for r in ranked if r.config.tagged_exchange}
+    # Keyed by the barrier configuration each is the twin of (cluster and single ones have none).
+    twins = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
+             for r in ranked if r.config.tagged_exchange}
     kept: list[Ranked] = []
     start = 0
     while len(kept) < k and start < len(own):
@@ -286,8 +288,7 @@ def compile_top(ranked: list[Ranked], k: int) -> list[Ranked]:
         results = runtime.map_in_threads(compiles, [r.config for r in batch])
         kept += [item for item, ok in zip(batch, results) if ok]
     kept = kept[:k]
-    paired = [twin for r in kept
-              if (twin := twins.get((dataclasses.replace(r.config, tagged_exchange=True), r.batch_slice)))]
+    paired = [twin for r in kept if (twin := twins.get((r.config, r.batch_slice)))]
     results = runtime.map_in_threads(compiles, [r.config for r in paired])
     return kept + [twin for twin, ok in zip(paired, results) if ok]
 
