@@ -888,17 +888,23 @@ def test_gpu_device_chunks_come_back_on_the_device(untuned):
     check_outputs(model, streams, outputs, TOLERANCES["cuda"])
 
 
-@pytest.mark.gpu
-def test_gpu_groups_of_host_and_device_chunks_equal_each_stream_alone(untuned):
-    model = make_model("lstm", input_size=32, hidden=64).cuda()
-    streams = random_streams(random.Random(22), count=48, input_size=32)
+def check_groups_of_host_and_device_chunks(model: torch.nn.Module, count: int, seed: int, **engine_options) -> None:
+    """``count`` streams, every other one's chunks on the GPU, pushed and pulled in groups from 3 threads:
+    each output where its chunk came from and equal to its stream run alone."""
+    streams = random_streams(random.Random(seed), count=count, input_size=model.input_size)
     streams = [[c.cuda() for c in chunks] if i % 2 else chunks for i, chunks in enumerate(streams)]
-    with serve.Engine(model, max_streams=48, max_pending=3, timeout=WAIT) as engine:
-        engine.warm_up(steps=(1, 3))
-        outputs = serve_groups(engine, streams, threads=3, seed=23)
-    for chunks, got in zip(streams, outputs):  # an output lives where its chunk came from
+    with serve.Engine(model, max_streams=count, max_pending=3, timeout=WAIT, **engine_options) as engine:
+        if not engine_options.get("resident"):
+            engine.warm_up(steps=(1, 3))
+        outputs = serve_groups(engine, streams, threads=3, seed=seed + 1)
+    for chunks, got in zip(streams, outputs):
         assert all(o.is_cuda == c.is_cuda for c, o in zip(chunks, got))
     check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+def test_gpu_groups_of_host_and_device_chunks_equal_each_stream_alone(untuned):
+    check_groups_of_host_and_device_chunks(make_model("lstm", input_size=32, hidden=64).cuda(), count=48, seed=22)
 
 
 @pytest.mark.gpu
@@ -988,14 +994,8 @@ def test_gpu_resident_every_stream_equals_running_it_alone(cell, untuned):
 
 @pytest.mark.gpu
 def test_gpu_resident_odd_sizes_and_groups_of_host_and_device_chunks(untuned):
-    model = make_model("lstm", input_size=7, hidden=13, layers=1).cuda()
-    streams = random_streams(random.Random(42), count=29, input_size=7)
-    streams = [[c.cuda() for c in chunks] if i % 2 else chunks for i, chunks in enumerate(streams)]
-    with serve.Engine(model, max_streams=29, max_pending=3, timeout=WAIT, resident=True) as engine:
-        outputs = serve_groups(engine, streams, threads=3, seed=43)
-    for chunks, got in zip(streams, outputs):  # an output lives where its chunk came from
-        assert all(o.is_cuda == c.is_cuda for c, o in zip(chunks, got))
-    check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+    check_groups_of_host_and_device_chunks(make_model("lstm", input_size=7, hidden=13, layers=1).cuda(), count=29,
+                                           seed=42, resident=True)
 
 
 @pytest.mark.gpu
