@@ -405,6 +405,7 @@ def test_the_tuner_times_each_of_its_top_k_with_its_tagged_twin_beside_it(monkey
     twins = [r for r in top if r.config.tagged_exchange]
     assert [r.config for r in twins] == [dataclasses.replace(r.config, tagged_exchange=True) for r in own]
     assert all(r in ranked for r in twins)
+    assert tuner.compile_top(ranked, 3, twins=False) == own  # the untimed path compiles no twin
     # At batch 2 the space has no twins, nor for cluster and single blocks: the top k is the model's top k.
     for shape, batch in ((tuner.ModelShape("lstm", 1024, 1024), 2), (tuner.ModelShape("lstm", 256, 256), 1),
                          (tuner.ModelShape("gru", 64, 64), 1)):

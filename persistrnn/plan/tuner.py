@@ -268,17 +268,17 @@ def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
     return ranked
 
 
-def compile_top(ranked: list[Ranked], k: int) -> list[Ranked]:
+def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True) -> list[Ranked]:
     """The first ``k`` of ``ranked``'s barrier configurations that compile
-    without spilling, then the tagged-exchange twin of each that ``ranked``
-    holds and that compiles, compiled in threads. A twin takes none of the
+    without spilling, then (``twins``) the tagged-exchange twin of each that
+    ``ranked`` holds and that compiles, compiled in threads. A twin takes none of the
     ``k`` places: the model prices the two within 1% of each other, while on
     the H100 the twin measured from 26% faster to 40% slower per step at
     batch 1 (perf-notes §51), so only timing both tells."""
     own = [r for r in ranked if not r.config.tagged_exchange]
     # Keyed by the barrier configuration each is the twin of (cluster and single ones have none).
-    twins = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
-             for r in ranked if r.config.tagged_exchange}
+    tagged = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
+              for r in ranked if twins and r.config.tagged_exchange}
     kept: list[Ranked] = []
     start = 0
     while len(kept) < k and start < len(own):
@@ -288,7 +288,7 @@ def compile_top(ranked: list[Ranked], k: int) -> list[Ranked]:
         results = runtime.map_in_threads(compiles, [r.config for r in batch])
         kept += [item for item, ok in zip(batch, results) if ok]
     kept = kept[:k]
-    paired = [twin for r in kept if (twin := twins.get((r.config, r.batch_slice)))]
+    paired = [twin for r in kept if (twin := tagged.get((r.config, r.batch_slice)))]
     results = runtime.map_in_threads(compiles, [r.config for r in paired])
     return kept + [twin for twin, ok in zip(paired, results) if ok]
 
@@ -489,7 +489,7 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     model = cost.cost_model(progress=progress)
     ranked = ranked_configs(shape, bucket, model, steps)
     if not tune:
-        top = compile_top(ranked, 1)
+        top = compile_top(ranked, 1, twins=False)  # untimed: the model's choice alone
         if not top:
             return Plan(shape, bucket, "fallback", None, "model", _no_fit_reason(shape, facts))
         return Plan(shape, bucket, "persistent", top[0].config, "model",
