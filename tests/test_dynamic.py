@@ -846,6 +846,34 @@ def test_benchmark_outputs_name_an_absent_peer_and_use_the_best_one(tmp_path):
     assert len(written) == 4
 
 
+def test_the_steady_timing_of_scripts_made_ahead_leaves_out_the_ramp_and_splits_the_wait(monkeypatch):
+    import time
+
+    from persistrnn.bench import treelstm
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    class Interp:
+        def step(self, script):
+            time.sleep(0.002)
+
+        def sync(self):
+            pass
+
+    def scripts():  # the first two (the ramp) arrive late, the rest 1 ms apart
+        for i in range(8):
+            time.sleep(0.3 if i < 2 else 0.001)
+            yield i
+
+    class Loader:
+        def __iter__(self):
+            return scripts()
+
+    wall, waiting, stepping = treelstm._steady_ms(Interp(), Loader(), ramp=2, repeats=1)
+    assert waiting >= 6 * 1.0 and stepping >= 6 * 2.0  # six batches past the ramp, each waited for and stepped
+    assert wall >= waiting + stepping - 1e-6 and wall < 300  # the ramp's 0.3 s waits are not in it
+
+
 @pytest.mark.parametrize("suite", ["treelstm", "tagger"])
 def test_benchmark_plans_index_within_their_tables_on_the_real_data(suite):
     # Every index tensor the PyTorch peers gather with (word ids, child

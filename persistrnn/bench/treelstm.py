@@ -40,6 +40,7 @@ import csv
 import dataclasses
 import gc
 import io
+import itertools
 import json
 import os
 import statistics
@@ -97,24 +98,36 @@ def _wall_ms(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _steady_ms(interp: Any, scripts: Any, ramp: int, repeats: int) -> float:
-    """Wall ms of a training loop over ``scripts`` (an iterable, one pass a
-    loop) from the return of the ``ramp``-th ``step`` to the loop's end, the
-    GPU synchronised; after a warm-up loop, median of ``repeats``."""
+def _steady_ms(interp: Any, scripts: Any, ramp: int, repeats: int) -> tuple[float, float, float]:
+    """A training loop over ``scripts`` (an iterable, one pass a loop)
+    from the return of the ``ramp``-th ``step`` to the loop's end, the GPU
+    synchronised: (wall ms, ms of it the loop waited for the next script, ms
+    it spent in ``step``: the launch and the wait for the previous batch);
+    after a warm-up loop, the repeat of median wall time."""
     import torch
 
-    def loop() -> float:
+    def loop() -> tuple[float, float, float]:
         torch.cuda.synchronize()
-        for i, script in enumerate(scripts, 1):
+        waiting = stepping = 0.0
+        scripts_in_order = iter(scripts)
+        for i in itertools.count(1):
+            asked = time.perf_counter()
+            script = next(scripts_in_order, None)
+            got = time.perf_counter()
+            if script is None:
+                break
             interp.step(script)
-            if i == ramp:
+            if i > ramp:
+                waiting, stepping = waiting + got - asked, stepping + time.perf_counter() - got
+            elif i == ramp:
                 started = time.perf_counter()
         interp.sync()
         torch.cuda.synchronize()
-        return (time.perf_counter() - started) * 1e3
+        return (time.perf_counter() - started) * 1e3, waiting * 1e3, stepping * 1e3
 
     loop()  # warm-up: the workers' start
-    return statistics.median(loop() for _ in range(repeats))
+    runs = sorted(loop() for _ in range(repeats))
+    return runs[len(runs) // 2]
 
 
 def _torch_params(model: Any, device: Any, flat: Any = None) -> dict[str, Any]:
@@ -363,8 +376,13 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
         ramp = 2 * settings.host_workers
         ahead = batches * -(-3 * ramp // len(batches))
         scripts_ahead = interp.scripts(ahead, build, workers=settings.host_workers)
-        row["ours_workers_train_sent_s"] = batch * (len(ahead) - ramp) / (
-            _steady_ms(interp, scripts_ahead, ramp, settings.repeats) / 1e3)
+        wall, waiting, stepping = _steady_ms(interp, scripts_ahead, ramp, settings.repeats)
+        timed = len(ahead) - ramp
+        row["ours_workers_train_sent_s"] = batch * timed / (wall / 1e3)
+        # Where the launching process's time goes past the ramp: waiting for the workers' next script, or in
+        # step (the launch, then the wait for the previous batch's kernel).
+        row["ours_workers_wait_ms_per_batch"] = waiting / timed
+        row["ours_workers_step_ms_per_batch"] = stepping / timed
     infer = interp.schedule(first, train=False)
     row["ours_infer_kernel_ms"] = time_cuda_ms(lambda: interp.launch(infer), warmup=2, repeats=settings.repeats)
     row["ours_infer_ms"] = _wall_ms(lambda: interp.run(graph_of(batches[0]), train=False), settings.repeats)
@@ -476,6 +494,8 @@ COLUMNS = [
     ("torch_graph_train_sent_s", "torch level-batched + graph sent/s", "{:.0f}"),
     ("torch_batched_train_sent_s", "torch level-batched sent/s", "{:.0f}"),
     ("torch_eager_train_sent_s", "torch eager sent/s", "{:.0f}"),
+    ("ours_workers_wait_ms_per_batch", "ours with workers: ms/batch waiting for a script", "{:.2f}"),
+    ("ours_workers_step_ms_per_batch", "ours with workers: ms/batch in step", "{:.2f}"),
     ("ours_train_kernel_ms", "ours train kernel ms", "{:.3f}"),
     ("ours_host_ms_per_batch", "ours host ms/batch (build + schedule)", "{:.2f}"),
     ("ours_instructions_per_input", "ours instructions/input", "{:.0f}"),
