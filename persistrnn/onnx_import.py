@@ -88,9 +88,9 @@ class RecurrentNode(torch.nn.Module):
     the node lists them: one tensor where the node has one output, else the
     tuple (Y, Y_h[, Y_c]) up to the last output it names. An input the model
     holds as a constant is the default of its argument. ``sequence_lens``
-    needs every length in 1..T (ONNX Runtime also takes 0); steps past a
-    sequence's length output zeros, Y_h/Y_c are its last step's state, and
-    the reverse direction starts at its last step.
+    takes every length in 0..T; steps past a sequence's length output zeros,
+    Y_h/Y_c are its last step's state (zeros for a length of 0, as in ONNX
+    Runtime), and the reverse direction starts at its last step.
 
     Runs where the module runs (:mod:`persistrnn.nn`): on CUDA without
     gradients the planner's path (persistent kernels, fallback or cuDNN),
@@ -143,6 +143,19 @@ class RecurrentNode(torch.nn.Module):
                                 steps, batch, where)
         hx = self._initial_states(self.default_initial_h if initial_h is None else initial_h,
                                   self.default_initial_c if initial_c is None else initial_c, x, where)
+        if lengths is not None and bool((lengths == 0).any()):
+            out, h_n, c_n = self._run_skipping_empty(x, hx, lengths)
+        else:
+            out, h_n, c_n = self._run(x, hx, lengths)
+        y = out.reshape(steps, batch, self.num_directions, self.rnn.hidden_size).permute(0, 2, 1, 3)
+        if self.layout:  # Y [B, T, D, H], Y_h and Y_c [B, D, H]
+            y, h_n = y.permute(2, 0, 1, 3), h_n.transpose(0, 1)
+            c_n = None if c_n is None else c_n.transpose(0, 1)
+        outputs = (y, h_n, c_n)[:self.num_outputs]
+        return outputs[0] if self.num_outputs == 1 else outputs
+
+    def _run(self, x: torch.Tensor, hx: Any, lengths: torch.Tensor | None) -> tuple[Any, Any, Any]:
+        """(out, h_n, c_n) time-major, c_n None but for LSTM; ``lengths`` in 1..T or None."""
         if self.direction == "reverse":
             x = _reverse_steps(x, lengths)
         if lengths is None:
@@ -152,12 +165,29 @@ class RecurrentNode(torch.nn.Module):
         if self.direction == "reverse":
             out = _reverse_steps(out, lengths)
         h_n, c_n = state if isinstance(state, tuple) else (state, None)
-        y = out.reshape(steps, batch, self.num_directions, self.rnn.hidden_size).permute(0, 2, 1, 3)
-        if self.layout:  # Y [B, T, D, H], Y_h and Y_c [B, D, H]
-            y, h_n = y.permute(2, 0, 1, 3), h_n.transpose(0, 1)
-            c_n = None if c_n is None else c_n.transpose(0, 1)
-        outputs = (y, h_n, c_n)[:self.num_outputs]
-        return outputs[0] if self.num_outputs == 1 else outputs
+        return out, h_n, c_n
+
+    def _run_skipping_empty(self, x: torch.Tensor, hx: Any, lengths: torch.Tensor) -> tuple[Any, Any, Any]:
+        """:meth:`_run` on the sequences of length 1 or more; a sequence of
+        length 0 gets zeros for Y, Y_h and Y_c, as in ONNX Runtime (not its
+        initial states)."""
+        steps, batch = x.shape[0], x.shape[1]
+        directions, hidden = self.num_directions, self.rnn.hidden_size
+        out = x.new_zeros(steps, batch, directions * hidden)
+        h_n = x.new_zeros(directions, batch, hidden)
+        c_n = x.new_zeros(directions, batch, hidden) if self.op_type == "LSTM" else None
+        rows = (lengths > 0).nonzero().squeeze(1)
+        if rows.numel():
+            on_device = rows.to(x.device)
+            part_hx = None if hx is None else (tuple(s.index_select(1, on_device) for s in hx)
+                                               if isinstance(hx, tuple) else hx.index_select(1, on_device))
+            part = lengths[rows]
+            part_out, part_h, part_c = self._run(x.index_select(1, on_device), part_hx,
+                                                 None if bool((part == steps).all()) else part)
+            out[:, on_device], h_n[:, on_device] = part_out, part_h
+            if c_n is not None:
+                c_n[:, on_device] = part_c
+        return out, h_n, c_n
 
     def _lengths(self, sequence_lens: Any, steps: int, batch: int, where: str) -> torch.Tensor | None:
         """The lengths as an int64 CPU tensor (what packing takes), None where
@@ -172,8 +202,8 @@ class RecurrentNode(torch.nn.Module):
             raise InputShapeError(f"{where}: sequence_lens: expected shape ({batch},) (batch_size), "
                                   f"got {tuple(sequence_lens.shape)}")
         lengths = sequence_lens.to("cpu", torch.int64)
-        if batch and (int(lengths.min()) < 1 or int(lengths.max()) > steps):
-            raise ArgumentError(f"{where}: sequence_lens: expected every length in 1..{steps} (seq_length), "
+        if batch and (int(lengths.min()) < 0 or int(lengths.max()) > steps):
+            raise ArgumentError(f"{where}: sequence_lens: expected every length in 0..{steps} (seq_length), "
                                 f"got {lengths.tolist()}")
         return None if bool((lengths == steps).all()) else lengths
 

@@ -241,6 +241,45 @@ def test_node_matches_onnx_reference_and_onnxruntime(request, op, attributes, di
     _check_combination(request, op, attributes, direction, layout, lengths, states, "cpu")
 
 
+# Sequences of length 0 (ONNX Runtime's zeros for Y, Y_h and Y_c), among others and all of them.
+EMPTY_CASES = [
+    pytest.param(op, attributes, direction, layout, lengths, id=f"{cell}-{direction}-layout{layout}-{name}")
+    for (op, attributes), cell in zip(CELLS, CELL_IDS)
+    for direction in DIRECTIONS
+    for layout in (0, 1)
+    for lengths, name in (((7, 0, 4), "one-empty"), ((0, 7, 0), "full-and-empty"), ((0, 0, 0), "all-empty"))
+]
+
+
+def _check_empty_sequences(request, op, attributes, direction, layout, lengths, device):
+    seed = zlib.crc32(request.node.callspec.id.encode())
+    model, feeds = node_model(op, attributes, direction=direction, layout=layout, lengths=lengths, states=True,
+                              seed=seed)
+    got = run_module(from_onnx(model), feeds, device)
+    expected = onnxruntime_reference(model, feeds, layout)
+    empty = np.asarray(lengths) == 0
+    for index, (g, e) in enumerate(zip(got, expected)):
+        batch_axis = 0 if layout else (2 if index == 0 else 1)
+        assert not np.take(g, np.flatnonzero(empty), axis=batch_axis).any(), f"output {index}: not zero where empty"
+        assert np.array_equal(g.shape, e.shape), (index, g.shape, e.shape)
+    if empty.all():
+        assert all(not np.asarray(e).any() for e in expected)  # ONNX Runtime's zeros, too
+    else:
+        assert_onnx_close(got, expected, "against ONNX Runtime", absolute=ORT_ABSOLUTE, scaled=True)
+
+
+@pytest.mark.parametrize("op, attributes, direction, layout, lengths", EMPTY_CASES)
+def test_sequences_of_length_zero_give_onnxruntimes_zeros(request, op, attributes, direction, layout, lengths):
+    _check_empty_sequences(request, op, attributes, direction, layout, lengths, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, attributes, direction, layout, lengths", EMPTY_CASES)
+def test_gpu_sequences_of_length_zero_give_onnxruntimes_zeros(request, untuned, op, attributes, direction, layout,
+                                                               lengths):
+    _check_empty_sequences(request, op, attributes, direction, layout, lengths, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op, attributes, direction, layout, lengths, states", COMBINATIONS)
 def test_gpu_node_matches_onnx_reference_and_onnxruntime(request, untuned, op, attributes, direction, layout,
@@ -495,8 +534,8 @@ def test_bad_run_time_inputs():
     model, feeds = node_model("LSTM", lengths=LENGTHS, states=True, seed=8)
     module = from_onnx(model)
     x = torch.from_numpy(feeds["X"])
-    with pytest.raises(ArgumentError, match=r"sequence_lens: expected every length in 1\.\.7 .*got \[7, 0, 4\]"):
-        module(x, torch.tensor([7, 0, 4], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match=r"sequence_lens: expected every length in 0\.\.7 .*got \[7, -1, 4\]"):
+        module(x, torch.tensor([7, -1, 4], dtype=torch.int32))
     with pytest.raises(ArgumentError, match=r"got \[8, 1, 4\]"):
         module(x, torch.tensor([8, 1, 4]))
     with pytest.raises(ArgumentTypeError, match="sequence_lens: expected an integer tensor, got torch.float32"):
