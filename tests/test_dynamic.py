@@ -795,6 +795,41 @@ def test_benchmark_peers_compute_the_same_loss():
     assert abs(eager - want) <= 1e-5 * want and abs(batched - want) <= 1e-5 * want
 
 
+def _dynet_or_skip():
+    from persistrnn.bench.dynet_peer import load_dynet
+
+    dy, why = load_dynet()
+    if dy is None:
+        pytest.skip(f"DyNet {why}")
+    return dy
+
+
+def test_dynet_peers_compute_the_same_loss_and_take_torchs_sgd_step():
+    # DyNet's autobatching, VPPS's baseline: the same models from the same initial parameters. One SGD step
+    # moves each to the loss torch's SGD reaches (no gradient clipping in either).
+    from persistrnn.bench.dynet_peer import DyNetTagger, DyNetTreeLSTM
+    from persistrnn.bench.tagger import TorchTagger
+    from persistrnn.bench.treelstm import TorchTreeLSTM
+
+    dy = _dynet_or_skip()
+    model, builder, trees, vocab, graph = sst_batch(5, seed=6)
+    tagger_model, tagger, sentences, tagger_graph = wikiner_batch(4, seed=7)
+    lr = 0.05
+    for peer, torch_peer, items, g, m in (
+            (DyNetTreeLSTM(dy, model, builder, vocab, lr), TorchTreeLSTM(model, builder, vocab, torch.device("cpu")),
+             trees, graph, model),
+            (DyNetTagger(dy, tagger_model, tagger, lr), TorchTagger(tagger_model, tagger, torch.device("cpu")),
+             sentences, tagger_graph, tagger_model)):
+        want = dynamic.run_script(dynamic.schedule(g, 3, train=False), m.initial_values()).loss
+        assert abs(peer.infer(items) - want) <= 1e-5 * want
+        assert abs(peer.train_step(items) - want) <= 1e-5 * want  # the loss before the update
+        opt = torch_peer.optimizer(lr)
+        torch_peer.eager_loss(items).backward()
+        opt.step()
+        after = torch_peer.eager_loss(items).item()
+        assert after < want and abs(peer.infer(items) - after) <= 1e-4 * after
+
+
 def test_the_eager_tree_lstm_peer_leaves_no_graph_in_a_reference_cycle():
     # A graph held in a cycle keeps its AccumulateGrad nodes, bound to the stream the eager step ran on, alive
     # into the level-batched peer's capture on another stream, which then fails (`bench treelstm`).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .dynet_peer import DyNetTagger
 from .treelstm import Settings, Workload, _torch_params, main as run_suite
 
 __all__ = ["TorchTagger", "main", "tagger_workload"]
@@ -121,7 +122,8 @@ def tagger_workload(settings: Settings, device: Any) -> Workload:
     model = dynamic.Model(0)
     builder = dynamic.BiLSTMTagger(model, len(words), len(tags), settings.embedding, settings.hidden)
     return Workload("tagger", encoded, model, lambda g, sentence: builder.build(g, *sentence),
-                    TorchTagger(model, builder, device), add_batch=lambda g, group: builder.build_batch(g, group))
+                    TorchTagger(model, builder, device), add_batch=lambda g, group: builder.build_batch(g, group),
+                    dynet=lambda dy, lr: DyNetTagger(dy, model, builder, lr))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,9 @@ of consecutive SST train trees. Providers, in one process on one GPU:
   (the workers' ramp); the train speed-up is the faster of the two against
   the best peer.
 * **torch eager**: the same model in PyTorch, one node at a time (fp32).
+* **DyNet autobatch (CPU)**: the same model in DyNet with automatic
+  batching (VPPS's baseline; :mod:`.dynet_peer`), where ``dynet38`` is
+  installed, else absent.
 * **torch level-batched**: every node of one height across the batch in one
   op per gate group, as DGL does (fp32); the host plans each batch (child
   indices per level) inside the timing.
@@ -48,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .dynet_peer import DyNetTreeLSTM, load_dynet
 from .environment import describe, environment
 from .timing import time_cuda_ms
 
@@ -82,6 +86,13 @@ class Workload:
     add_to_graph: Callable[[Any, Any], None]
     peer: Any
     add_batch: Callable[[Any, list], None] | None = None
+    dynet: Callable[[Any, float], Any] | None = None  # (dynet, lr) -> the DyNet peer (bench.dynet_peer)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def _wall_ms(run: Callable[[], None], repeats: int) -> float:
@@ -412,6 +423,19 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
 
         row[f"torch_{name}_infer_ms"] = _wall_ms(infer_once, settings.repeats)
 
+    # ---- DyNet with automatic batching, on the CPU, where it is installed
+    dy, _ = load_dynet()
+    row["dynet_train_sent_s"] = row["dynet_infer_ms"] = None
+    if dy is not None and work.dynet is not None:
+        dynet = work.dynet(dy, settings.lr)
+
+        def dynet_train() -> None:
+            for b in batches:
+                dynet.train_step(b)
+
+        row["dynet_train_sent_s"] = batch * len(batches) / (_wall_ms(dynet_train, settings.repeats) / 1e3)
+        row["dynet_infer_ms"] = _wall_ms(lambda: dynet.infer(batches[0]), settings.repeats)
+
     # One capture stream and one pool for this batch size's training graphs
     # (replayed in capture order); everything is dropped and the cache
     # emptied before the next batch size, on failure too.
@@ -457,7 +481,8 @@ def tree_lstm_workload(settings: Settings, device: Any) -> Workload:
     builder = dynamic.TreeLSTM(model, len(vocab), settings.embedding, settings.hidden)
     return Workload("treelstm", trees, model, lambda g, tree: builder.build(g, tree, vocab),
                     TorchTreeLSTM(model, builder, vocab, device),
-                    add_batch=lambda g, group: builder.build_batch(g, group, vocab))
+                    add_batch=lambda g, group: builder.build_batch(g, group, vocab),
+                    dynet=lambda dy, lr: DyNetTreeLSTM(dy, model, builder, vocab, lr))
 
 
 def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] = tree_lstm_workload,
@@ -471,9 +496,11 @@ def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] =
     interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
     interp.load()
     jit_s = time.perf_counter() - started
+    dy, why = load_dynet()
     result: dict[str, Any] = {"suite": work.name, "environment": environment(),
                               "settings": dataclasses.asdict(settings), "jit_s": jit_s, "blocks": interp.blocks,
-                              "placement": interp.placement, "rows": []}
+                              "placement": interp.placement, "rows": [],
+                              "dynet": f"dynet38 {_version('dynet38')}" if dy is not None else why}
     batches = settings.batches
     if progress:
         from rich.progress import track
@@ -494,6 +521,7 @@ COLUMNS = [
     ("torch_graph_train_sent_s", "torch level-batched + graph sent/s", "{:.0f}"),
     ("torch_batched_train_sent_s", "torch level-batched sent/s", "{:.0f}"),
     ("torch_eager_train_sent_s", "torch eager sent/s", "{:.0f}"),
+    ("dynet_train_sent_s", "DyNet autobatch (CPU) sent/s", "{:.0f}"),
     ("ours_workers_wait_ms_per_batch", "ours with workers: ms/batch waiting for a script", "{:.2f}"),
     ("ours_workers_step_ms_per_batch", "ours with workers: ms/batch in step", "{:.2f}"),
     ("ours_train_kernel_ms", "ours train kernel ms", "{:.3f}"),
@@ -504,6 +532,7 @@ COLUMNS = [
     ("torch_graph_infer_ms", "torch level-batched + graph infer ms", "{:.3f}"),
     ("torch_batched_infer_ms", "torch level-batched infer ms", "{:.3f}"),
     ("torch_eager_infer_ms", "torch eager infer ms", "{:.3f}"),
+    ("dynet_infer_ms", "DyNet autobatch (CPU) infer ms", "{:.3f}"),
     ("ours_loss_error", "ours loss error vs float64", "{:.1e}"),
 ]
 PEERS = ("graph", "batched", "eager")
@@ -588,7 +617,8 @@ def main(argv: list[str] | None = None, suite: str = "treelstm",
                         iterations=args.iterations, repeats=args.repeats, host_workers=args.host_workers)
     result = run(settings, make_workload)
     header = describe(result["environment"]) + (f"\n- JIT (compile and load both variants): {result['jit_s']:.2f} s; "
-                                                f"{result['blocks']} blocks, placement {result['placement']}")
+                                                f"{result['blocks']} blocks, placement {result['placement']}"
+                                                f"\n- DyNet (CPU, automatic batching): {result['dynet']}")
     text = header + "\n\n" + format_table(result)
     if args.out:
         text += "\n\n" + "\n".join(f"- wrote {p}" for p in write_outputs(result, text, args.out))
