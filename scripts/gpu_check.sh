@@ -18,6 +18,8 @@
 #                and the step profile (e.g. PROFILE_ARGS="--case lstm:256:1")
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
 #   DYNAMIC_ARGS, SERVE_ARGS  narrow the treelstm/tagger and serve suites (e.g. DYNAMIC_ARGS="--batch 1 16")
+#   DYNET_WHEEL  a dynet38 wheel for this Python, installed (no dependencies) before the dynamic suites, whose
+#                DyNet peer is otherwise absent
 #   TRAINING_ARGS  the training suite's arguments (default: --inputs padded packed)
 #   PACK=1       pack everything under $OUT into $OUT/results.tgz at the end
 #   HOST_ARGS, COMPILE_ARGS  narrow the host-time and torch.compile suites (e.g. HOST_ARGS="--batch 1",
@@ -171,6 +173,9 @@ stage_regret() { own_suite planner-regret regret ${REGRET_ARGS:-}; }
 # Dynamic networks and the serving engine: each suite writes its own files.
 stage_dynamic() {
     RC[dynamic]=0
+    if [ -n "${DYNET_WHEEL:-}" ]; then
+        $PY -m pip install -q --no-deps "$DYNET_WHEEL" >"$OUT/dynet_install.log" 2>&1 || RC[dynamic]=$?
+    fi
     for suite in treelstm tagger; do
         $PY -m persistrnn bench "$suite" ${DYNAMIC_ARGS:-} --out "$OUT" >"$OUT/bench_$suite.log" 2>&1 || RC[dynamic]=$?
         SUMMARY+=("bench $suite: $(sed -n '/^| batch/,/^$/p' "$OUT/$suite.md" 2>/dev/null | cut -c1-200 || tail -n 5 "$OUT/bench_$suite.log")")
