@@ -420,6 +420,37 @@ def test_the_tuner_times_each_of_its_top_k_with_its_tagged_twin_beside_it(monkey
         dataclasses.replace(r.config, tagged_exchange=True) for r in own if r.config.sync == "grid"]
 
 
+def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it_ranked(monkeypatch, tmp_path):
+    # The tuning path with the timing faked (it needs a GPU): the twin of the model's third choice is fastest.
+    monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "device_facts", lambda: H100)
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
+    monkeypatch.setattr(tuner, "compiles", lambda config: True)
+    shape = tuner.ModelShape("lstm", 1024, 1024)
+    ranked = tuner.ranked_configs(shape, 1, model)
+    own = [r for r in ranked if not r.config.tagged_exchange][:5]
+    winner = next(r for r in ranked if r.config == dataclasses.replace(own[2].config, tagged_exchange=True))
+    monkeypatch.setattr(tuner, "timing_candidates", lambda shape, batch, top, steps: [
+        tuner.Candidate(tuner.candidate_label(r), "persistent", r, None) for r in top]
+        + [tuner.Candidate("fallback", "fallback", None, None), tuner.Candidate("cudnn", "cudnn", None, None)])
+    monkeypatch.setattr(tuner, "time_candidates", lambda candidates, progress=False: {
+        c.label: 0.1 if c.ranked == winner else 0.2 for c in candidates})
+    chosen = tuner.plan(shape, 1)
+    assert chosen.path == "persistent" and chosen.config == winner.config
+    twins = sum(1 for r in own if dataclasses.replace(r.config, tagged_exchange=True) in {x.config for x in ranked})
+    rank = sorted(own + [r for r in ranked if r.config.tagged_exchange and dataclasses.replace(
+        r.config, tagged_exchange=False) in {o.config for o in own}], key=ranked.index).index(winner) + 1
+    assert f"fastest of the model's top 5 and {twins} tagged twin(s) (model rank {rank})" in chosen.reason
+    assert len(chosen.measured_ms) == 5 + twins + 2
+    # A layer whose candidates are clusters has no twins: the model's top 5 alone.
+    small = tuner.ModelShape("lstm", 256, 256)
+    winner = tuner.ranked_configs(small, 1, model)[1]
+    chosen = tuner.plan(small, 1)
+    assert chosen.config == winner.config and chosen.config.sync == "cluster"
+    assert "fastest of the model's top 5 (model rank 2)" in chosen.reason and len(chosen.measured_ms) == 7
+
+
 def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():
     configs = space.pruned_space("lstm", 256, 1, "float32", H100)
     fused = [c for c in configs if c.fused_step]
