@@ -42,6 +42,7 @@ import argparse
 import csv
 import dataclasses
 import gc
+import importlib.metadata
 import io
 import itertools
 import json
@@ -87,12 +88,6 @@ class Workload:
     peer: Any
     add_batch: Callable[[Any, list], None] | None = None
     dynet: Callable[[Any, float], Any] | None = None  # (dynet, lr) -> the DyNet peer (bench.dynet_peer)
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
 
 
 def _wall_ms(run: Callable[[], None], repeats: int) -> float:
@@ -500,7 +495,7 @@ def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] =
     result: dict[str, Any] = {"suite": work.name, "environment": environment(),
                               "settings": dataclasses.asdict(settings), "jit_s": jit_s, "blocks": interp.blocks,
                               "placement": interp.placement, "rows": [],
-                              "dynet": f"dynet38 {_version('dynet38')}" if dy is not None else why}
+                              "dynet": f"dynet38 {importlib.metadata.version('dynet38')}" if dy is not None else why}
     batches = settings.batches
     if progress:
         from rich.progress import track
