@@ -102,6 +102,7 @@ class Row:
     first_call_s: float | None = None
     tuned: bool | None = None  # whether the first call tuned (True) or found its plan in the cache
     plan: str = ""
+    plan_label: str = ""  # the configuration the plan runs (the tuner's label), so a run says what it timed
     note: str = ""
 
 
@@ -315,7 +316,7 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
             first = time.perf_counter() - t0
             chosen = ours.plan_for(case.batch)
             return timed("persistrnn", lambda x: ours(x)[0], first_call_s=first, tuned=chosen.source == "tuned",
-                         plan=chosen.path)
+                         plan=chosen.path, plan_label=chosen.label)
 
         rows.append(_guard("persistrnn", persistrnn_row))
         for tf32 in ((True, False) if fp32 else (None,)):
