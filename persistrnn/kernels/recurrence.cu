@@ -380,8 +380,10 @@ __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src
                 ++k;
             }
         }
+        // The clock starts at the first late word: a read whose words all came
+        // in the first round reads no timer.
         prnn_stall_clock clock;
-        clock.restart();
+        bool timing = false;
         for (;;) {
             bool late = false, arrived = false;
 #pragma unroll
@@ -396,7 +398,10 @@ __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src
                 }
             }
             if (!late) break;
-            if (arrived) clock.restart();
+            if (arrived || !timing) {
+                clock.restart();
+                timing = true;
+            }
 #pragma unroll
             for (int c = 0; c < PRNN_READ_BATCH; ++c)
                 if (at[c] >= 0) word[c] = prnn_ld_tagged(src + at[c]);
