@@ -354,15 +354,34 @@ __device__ __forceinline__ prnn_u64 prnn_ld_tagged(const prnn_u64* p) {
     return v;
 }
 
+// Poll *p until its tag is `tag` (the word into *word). The bound restarts
+// with each word, so it measures a lack of progress. False when it runs out
+// (the status word set) or another block failed; the thread reports.
+__device__ __forceinline__ bool prnn_wait_tagged(const prnn_u64* p, prnn_u32 tag, const prnn_watch& w, prnn_u64* word) {
+    prnn_stall_clock clock;
+    clock.restart();
+    while ((prnn_u32)((*word = prnn_ld_tagged(p)) >> 32) != tag) {
+        if (clock.tick()) {
+            if (clock.expired(w.timeout_ns)) prnn_fail(w.status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
+            if (prnn_failed(w.status)) {
+                prnn_report(w);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 // Exchange `tag`'s h, every unit and the slice's B columns, from the tagged
 // words at src into dst (both [KPAD][BP]), this thread's pairs of `walk`.
-// PRNN_READ_BATCH loads go out before any is checked, as the copy's do, and
-// each poll re-issues every word not yet tagged at once: polling the late
-// words one after another cost one dependent L2 round trip per late word
-// (perf-notes §51: +34-40% per step at 4 words per thread). The bound
-// restarts whenever a word arrives, so it measures a lack of progress.
-// False when it runs out (the status word set) or another block failed; the
-// thread reports.
+// PRNN_READ_BATCH loads go out before any is checked, as the copy's do. A
+// thread then polls its first late word alone and, once it has come, reads
+// every later word not yet seen again at once: peers finish their step
+// together, so one more round trip finds most of them. Polling each late
+// word in turn cost one dependent L2 round trip per late word (+34-40% per
+// step at 4 words per thread), and polling them all at once four times the
+// polling traffic (fused steps 15-25% slower; perf-notes §51). False if a
+// wait failed.
 __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src, prnn_u32 tag, int B, int BP,
                                                  prnn_walk walk, const prnn_watch& w) {
     int k = walk.row0, b = walk.b0;
@@ -380,37 +399,21 @@ __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src
                 ++k;
             }
         }
-        // The clock starts at the first late word: a read whose words all came
-        // in the first round reads no timer.
-        prnn_stall_clock clock;
-        bool timing = false;
-        for (;;) {
-            bool late = false, arrived = false;
+        for (bool waited = true; waited;) {
+            waited = false;
 #pragma unroll
             for (int c = 0; c < PRNN_READ_BATCH; ++c) {
                 if (at[c] < 0) continue;
-                if ((prnn_u32)(word[c] >> 32) == tag) {
-                    dst[at[c]] = __uint_as_float((prnn_u32)word[c]);
-                    at[c] = -1;
-                    arrived = true;
-                } else {
-                    late = true;
+                if (waited) {  // after the wait: read again, all at once, to check on the next pass
+                    word[c] = prnn_ld_tagged(src + at[c]);
+                    continue;
                 }
-            }
-            if (!late) break;
-            if (arrived || !timing) {
-                clock.restart();
-                timing = true;
-            }
-#pragma unroll
-            for (int c = 0; c < PRNN_READ_BATCH; ++c)
-                if (at[c] >= 0) word[c] = prnn_ld_tagged(src + at[c]);
-            if (clock.tick()) {
-                if (clock.expired(w.timeout_ns)) prnn_fail(w.status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
-                if (prnn_failed(w.status)) {
-                    prnn_report(w);
-                    return false;
+                if ((prnn_u32)(word[c] >> 32) != tag) {
+                    if (!prnn_wait_tagged(src + at[c], tag, w, &word[c])) return false;
+                    waited = true;
                 }
+                dst[at[c]] = __uint_as_float((prnn_u32)word[c]);
+                at[c] = -1;
             }
         }
     }
