@@ -374,14 +374,8 @@ __device__ __forceinline__ bool prnn_wait_tagged(const prnn_u64* p, prnn_u32 tag
 
 // Exchange `tag`'s h, every unit and the slice's B columns, from the tagged
 // words at src into dst (both [KPAD][BP]), this thread's pairs of `walk`.
-// PRNN_READ_BATCH loads go out before any is checked, as the copy's do. A
-// thread then polls its first late word alone and, once it has come, reads
-// every later word not yet seen again at once: peers finish their step
-// together, so one more round trip finds most of them. Polling each late
-// word in turn cost one dependent L2 round trip per late word (+34-40% per
-// step at 4 words per thread), and polling them all at once four times the
-// polling traffic (fused steps 15-25% slower; perf-notes §51). False if a
-// wait failed.
+// PRNN_READ_BATCH loads go out before any is checked, as the copy's do.
+// False if a wait failed.
 __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src, prnn_u32 tag, int B, int BP,
                                                  prnn_walk walk, const prnn_watch& w) {
     int k = walk.row0, b = walk.b0;
@@ -399,22 +393,11 @@ __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src
                 ++k;
             }
         }
-        for (bool waited = true; waited;) {
-            waited = false;
 #pragma unroll
-            for (int c = 0; c < PRNN_READ_BATCH; ++c) {
-                if (at[c] < 0) continue;
-                if (waited) {  // after the wait: read again, all at once, to check on the next pass
-                    word[c] = prnn_ld_tagged(src + at[c]);
-                    continue;
-                }
-                if ((prnn_u32)(word[c] >> 32) != tag) {
-                    if (!prnn_wait_tagged(src + at[c], tag, w, &word[c])) return false;
-                    waited = true;
-                }
-                dst[at[c]] = __uint_as_float((prnn_u32)word[c]);
-                at[c] = -1;
-            }
+        for (int c = 0; c < PRNN_READ_BATCH; ++c) {
+            if (at[c] < 0) break;
+            if ((prnn_u32)(word[c] >> 32) != tag && !prnn_wait_tagged(src + at[c], tag, w, &word[c])) return false;
+            dst[at[c]] = __uint_as_float((prnn_u32)word[c]);
         }
     }
     return true;
