@@ -24,7 +24,8 @@
 #   PACK=1       pack everything under $OUT into $OUT/results.tgz at the end
 #   HOST_ARGS, COMPILE_ARGS  narrow the host-time and torch.compile suites (e.g. HOST_ARGS="--batch 1",
 #                COMPILE_ARGS="--cases lstm-2x128-b1 --no-torch-compile")
-#   PERSISTRNN_COMMIT  names the commit where the copy has no .git
+#   PERSISTRNN_COMMIT  names the commit where the copy has no .git, or one older than its files (each run's
+#                files otherwise name git's HEAD, marked "with uncommitted changes" where tracked files differ)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}

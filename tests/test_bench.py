@@ -929,3 +929,27 @@ def test_sst_trains_with_the_interpreter_and_pytorch_along_one_curve(tmp_path):
     for r in result["epochs"]:
         assert r["persistrnn_sent_s"] > 0 and 0 <= r["persistrnn_dev"]["root_accuracy"] <= 1
         assert r["persistrnn_dev"]["loss_per_node"] == pytest.approx(r["pytorch_dev"]["loss_per_node"], rel=1e-3)
+
+
+def test_a_run_names_its_commit_and_marks_files_that_differ_from_it(tmp_path, monkeypatch):
+    import subprocess
+
+    from persistrnn.bench.environment import commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kernel.cu").write_text("// one\n")
+    git("add", "kernel.cu")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    monkeypatch.delenv("PERSISTRNN_COMMIT", raising=False)
+    assert commit(tmp_path) == head
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert commit(tmp_path) == head
+    (tmp_path / "kernel.cu").write_text("// two: the copy's files are newer than its .git\n")
+    assert commit(tmp_path) == f"{head} with uncommitted changes"
+    monkeypatch.setenv("PERSISTRNN_COMMIT", "abc123")
+    assert commit(tmp_path) == "abc123"

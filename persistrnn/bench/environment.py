@@ -21,6 +21,20 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
         return "unknown"
 
 
+def commit(repo: Path) -> str:
+    """The commit a run ran: PERSISTRNN_COMMIT where set (a copy of the tree
+    whose .git is absent or older than its files, as on a remote GPU
+    machine), else git's HEAD, marked when tracked files differ from it, so
+    that a run never names a commit whose code it did not run."""
+    named = os.environ.get("PERSISTRNN_COMMIT")
+    if named:
+        return named
+    head = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo)
+    if head != "unknown" and _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo):
+        head += " with uncommitted changes"
+    return head
+
+
 def describe(env: dict[str, Any]) -> str:
     """Markdown bullet lines naming the GPU, clocks, versions, commit and date of ``env``."""
     smi = env.get("nvidia_smi", {})
@@ -40,9 +54,7 @@ def environment() -> dict[str, Any]:
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "persistrnn": __version__,
-        # A copy of the tree without .git (a remote GPU machine) is told its
-        # commit through PERSISTRNN_COMMIT.
-        "commit": os.environ.get("PERSISTRNN_COMMIT") or _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo),
+        "commit": commit(repo),
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
