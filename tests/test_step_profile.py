@@ -163,3 +163,48 @@ def test_layer_cases_parse_and_a_malformed_one_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--case", "lstm:256"])
     assert exit_info.value.code == 2 and "expected a case as cell:hidden:batch" in capsys.readouterr().err
+
+
+def test_variants_alternate_within_each_round_and_the_table_names_the_round(monkeypatch):
+    """An A/B: every case once per variant, in turn, the whole set `rounds` times; each row keeps its
+    variant and round, and the fields reach the configuration (a wrong order or a lost variant would show)."""
+    from persistrnn.bench import step_profile
+
+    calls = []
+
+    def fake_case(cell, hidden, batch, dtype, cfg, variant=None):
+        fields = step_profile._parse_fields(cfg.config) | step_profile._parse_fields(variant)
+        config = dataclasses.replace(KernelConfig(cell, hidden, "grid", 128, 256, 32, 1), **fields)
+        calls.append((cell, hidden, variant))
+        zero = {p: 0.0 for p in PHASES}
+        return {"cell": cell, "hidden": hidden, "batch": batch, "dtype": dtype,
+                "config": dataclasses.asdict(config), "batch_slice": None, "source": f"default with {variant}",
+                "shipped_us_per_step": 1.0 + len(calls), "instrumented_us_per_step": 2.0, "phases_us": zero,
+                "phases_max_us": zero, "uncovered_us": 0.0, "clock_ghz": 1.98}
+
+    monkeypatch.setattr(step_profile, "run_case", fake_case)
+    monkeypatch.setattr("persistrnn.bench.environment.environment", lambda: {})
+    cfg = step_profile.StepProfileConfig(cases=(("lstm", 1024, 1, "float32"), ("gru", 1024, 1, "float32")),
+                                         config="fused_step=True", rounds=2, from_plan=False,
+                                         variants=("tagged_exchange=False", "tagged_exchange=True"))
+    result = step_profile.run(cfg)
+    off, on = cfg.variants
+    assert calls == [("lstm", 1024, off), ("lstm", 1024, on), ("gru", 1024, off), ("gru", 1024, on)] * 2
+    assert [(c["round"], c["variant"]) for c in result["cases"]] == [(r, v) for r in (0, 1) for _ in "lg"
+                                                                     for v in (off, on)]
+    assert [c["config"]["tagged_exchange"] for c in result["cases"]] == [False, True] * 4
+    assert all(c["config"]["fused_step"] for c in result["cases"])
+    table = step_profile.format_table(result)
+    assert "| lstm 1024 b1 float32 (round 2) | default with tagged_exchange=True: " in table
+    assert "fused tagged | 7.000 |" in table  # the sixth call: its own timing, not another row's
+
+
+def test_a_variant_that_names_no_configuration_field_is_a_usage_error(capsys):
+    from persistrnn.bench.step_profile import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--variant", "taged_exchange=True"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "expected KernelConfig fields as k=v,k=v, got 'taged_exchange=True'" in err
+    assert "'taged_exchange' is not a KernelConfig field" in err

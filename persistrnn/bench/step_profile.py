@@ -19,6 +19,13 @@ A barrier phase is thread 0's wait there: the lag of the slowest warp of its
 block. The exchange wait is the wait for the slowest peer block's push.
 The instrumented build's outputs are checked bit for bit against the
 shipped build's before anything is timed.
+
+An A/B of kernel variants: ``--variant`` (repeatable) runs every case once
+per variant, its fields applied over the configuration, in turn, and
+``--rounds`` repeats the whole set, so variants alternate in one process
+and a drift between rounds shows; ``--no-plan`` starts from the default
+configuration instead of the planner's (nothing is tuned), for
+configurations given field by field.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class StepProfileConfig:
     steps: int = 100
     repeats: int = 5
     config: str | None = None  # KernelConfig fields as k=v,k=v applied to every case's configuration
+    variants: tuple[str, ...] = ()  # each case runs once per variant (k=v,k=v over ``config``), in turn
+    rounds: int = 1  # the whole set of cases and variants, repeated
+    from_plan: bool = True  # False: start from the default configuration (no tuning)
 
 
 def phase_table(words: Any, config: persistent.KernelConfig) -> dict[str, Any]:
@@ -82,8 +92,11 @@ def _parse_fields(text: str | None) -> dict[str, Any]:
     if not text:
         return {}
     fields = {}
+    known = {f.name for f in dataclasses.fields(persistent.KernelConfig)}
     for item in text.split(","):
         key, _, value = item.partition("=")
+        if key not in known:
+            raise ValueError(f"{key!r} is not a KernelConfig field")
         if key in ("cell", "sync", "dtype", "math"):
             fields[key] = value
         elif value in ("True", "False"):
@@ -93,29 +106,33 @@ def _parse_fields(text: str | None) -> dict[str, Any]:
     return fields
 
 
-def _chosen(cell: str, hidden: int, batch: int, dtype: str, fields: dict[str, Any]) -> tuple[Any, Any, str]:
+def _chosen(cell: str, hidden: int, batch: int, dtype: str, fields: dict[str, Any],
+            from_plan: bool = True) -> tuple[Any, Any, str]:
     """(configuration, batch slice, where it came from) for a case."""
     from ..plan import ModelShape, cached_plan
 
-    chosen = cached_plan(ModelShape(cell, hidden, hidden, 1, dtype, False), batch)
-    if chosen.path == "persistent":
+    chosen = cached_plan(ModelShape(cell, hidden, hidden, 1, dtype, False), batch) if from_plan else None
+    if chosen is not None and chosen.path == "persistent":
         config, batch_slice, source = chosen.config, chosen.batch_slice, "plan"
     else:
         config = persistent.default_config(cell, hidden, batch, sm_count=runtime.device_facts().sm_count,
                                            dtype=dtype)
-        batch_slice, source = None, f"default (the plan runs {chosen.path})"
+        batch_slice = None
+        source = f"default (the plan runs {chosen.path})" if chosen is not None else "default"
     if fields:
         config, source = dataclasses.replace(config, **fields), source + " with " + ", ".join(
             f"{k}={v}" for k, v in fields.items())
     return config, batch_slice, source
 
 
-def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: StepProfileConfig) -> dict[str, Any]:
+def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: StepProfileConfig,
+             variant: str | None = None) -> dict[str, Any]:
     import torch
 
     spec = get_cell(cell)
     G, H = spec.num_gates, hidden
-    config, batch_slice, source = _chosen(cell, hidden, batch, dtype, _parse_fields(cfg.config))
+    fields = _parse_fields(cfg.config) | _parse_fields(variant)
+    config, batch_slice, source = _chosen(cell, hidden, batch, dtype, fields, cfg.from_plan)
     instrumented = dataclasses.replace(config, step_profile=True)
     dev, tdtype = torch.device("cuda"), getattr(torch, dtype)
     gen = torch.Generator(device=dev).manual_seed(hash((cell, hidden, batch, dtype)) % 2**31)
@@ -169,10 +186,12 @@ def run(cfg: StepProfileConfig, after_case: Any = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {"suite": "step-profile", "environment": environment(),
                               "config": dataclasses.asdict(cfg), "cases": []}
-    for case in cfg.cases:
-        result["cases"].append(run_case(*case, cfg))
-        if after_case:
-            after_case(result)
+    for round_ in range(cfg.rounds):
+        for case in cfg.cases:
+            for variant in cfg.variants or (None,):
+                result["cases"].append(run_case(*case, cfg, variant) | {"round": round_, "variant": variant})
+                if after_case:
+                    after_case(result)
     return result
 
 
@@ -185,7 +204,8 @@ def format_table(result: dict[str, Any]) -> str:
     for c in result["cases"]:
         phases = " | ".join(f"{c['phases_us'][p]:.3f} ({c['phases_max_us'][p]:.3f})" for p in PHASES)
         label = config_label(persistent.KernelConfig(**c["config"]), c["batch_slice"])
-        lines.append(f"| {c['cell']} {c['hidden']} b{c['batch']} {c['dtype']} | {c['source']}: {label} | "
+        round_ = f" (round {c['round'] + 1})" if result["config"].get("rounds", 1) > 1 else ""
+        lines.append(f"| {c['cell']} {c['hidden']} b{c['batch']} {c['dtype']}{round_} | {c['source']}: {label} | "
                      f"{c['shipped_us_per_step']:.3f} | {c['instrumented_us_per_step']:.3f} | {phases} | "
                      f"{c['uncovered_us']:.3f} | {c['clock_ghz']:.2f} |")
     return "\n".join(lines) + ("\n\nPhases: µs per step, the mean over blocks of thread 0's time in the phase "
@@ -203,9 +223,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="the short launch's steps (the long one runs ten times as many)")
     parser.add_argument("--config", default=None,
                         help="KernelConfig fields as k=v,k=v, applied to every case's configuration")
+    parser.add_argument("--variant", action="append", default=None, metavar="K=V[,K=V]",
+                        help="run every case once per variant, these fields applied over --config (repeatable), "
+                             "e.g. --variant tagged_exchange=False --variant tagged_exchange=True")
+    parser.add_argument("--rounds", type=int, default=1, help="run the whole set of cases and variants this often")
+    parser.add_argument("--no-plan", action="store_true",
+                        help="start from the default configuration instead of the planner's (nothing is tuned)")
     add_result_arguments(parser)
     args = parser.parse_args(argv)
-    cfg = StepProfileConfig(steps=args.steps, config=args.config)
+    for text in (args.config, *(args.variant or ())):
+        try:
+            _parse_fields(text)
+        except ValueError as err:
+            parser.error(f"expected KernelConfig fields as k=v,k=v, got {text!r} ({err})")
+    cfg = StepProfileConfig(steps=args.steps, config=args.config, variants=tuple(args.variant or ()),
+                            rounds=args.rounds, from_plan=not args.no_plan)
     if args.case:
         cfg.cases = tuple(args.case)
     result = run_or_load(args, parser, "step-profile", lambda save: run(cfg, after_case=save))
