@@ -217,6 +217,20 @@ def test_inference_script_gives_the_training_loss():
     assert infer.grads is None and abs(infer.loss - train.loss) <= TOLERANCE * train.loss
 
 
+def test_the_reference_saturates_without_overflow_on_large_parameters():
+    """Parameters trained to large values (the benches time many updates before a later refcheck) drive
+    gate pre-activations past exp's float64 range: the reference's sigmoid must give 0 or 1 there, not
+    warn, and the loss must stay finite."""
+    import warnings
+
+    model, builder, trees, vocab, graph = sst_batch(3)
+    flat = model.initial_values() * 1e4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = dynamic.run_script(dynamic.schedule(graph, 6, train=False), flat)
+    assert np.isfinite(result.loss)
+
+
 # ---- script structure ----------------------------------------------------------
 
 def test_script_structure():

@@ -14,6 +14,7 @@ import dataclasses
 
 import numpy as np
 
+from ..cells import NUMPY_FUNCTIONS
 from ..errors import ArgumentError
 from .optimizers import Optimizer
 from .script import BACKWARD, OPCODES, Script
@@ -36,8 +37,7 @@ class Result:
     params: np.ndarray
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+_sigmoid = NUMPY_FUNCTIONS["sigmoid"]  # the cells' reference: exp only sees -|x|, so large inputs do not overflow
 
 
 def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None = None, *, step: int = 1,
