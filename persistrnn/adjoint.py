@@ -12,7 +12,8 @@ walks them: the last block first. Each block's statements
    ``c`` (and ``step_runs``, of a cell with lengths: data, not differentiated);
 2. run reverse mode over the block's statements, last first, with the local
    derivatives sigmoid' = s (1 - s), tanh' = 1 - t², relu' = (x > 0) (0 at 0,
-   as torch's), and those of + - * / and unary minus.
+   as torch's), hardtanh' = (-1 < x < 1) (0 at the bounds, as torch's), and
+   those of + - * / and unary minus.
 
 Between two blocks the recurrent product of the later stage is a matrix
 product, not a statement: the backward adds ``d_product_j @ W_j`` into the
@@ -47,14 +48,18 @@ import re
 from . import runtime
 from .cells import CUDA_FUNCTIONS, NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, Statement, _parse, _render, get_cell
 
-__all__ = ["FUNCTIONS", "KERNEL_NAME", "RELU_GRAD", "THREADS", "BlockBackward", "StepBackward",
+__all__ = ["FUNCTIONS", "HARDTANH_GRAD", "KERNEL_NAME", "RELU_GRAD", "THREADS", "BlockBackward", "StepBackward",
            "block_kernel_source", "compile_block_kernel", "render_block_body", "render_python", "step_backward_program"]
 
 RELU_GRAD = "prnn_relu_grad"
-"""The one function the adjoint statements add to the expression language:
-relu's derivative, 1 where the argument is > 0, else 0."""
+"""A function the adjoint statements add to the expression language: relu's
+derivative, 1 where the argument is > 0, else 0."""
 
-FUNCTIONS = (*NUMPY_FUNCTIONS, RELU_GRAD)
+HARDTANH_GRAD = "prnn_hardtanh_grad"
+"""The other: hardtanh's derivative, 1 where the argument is strictly inside
+(-1, 1), else 0."""
+
+FUNCTIONS = (*NUMPY_FUNCTIONS, RELU_GRAD, HARDTANH_GRAD)
 """Every function the adjoint statements call."""
 
 KERNEL_NAME = "prnn_step_backward"
@@ -215,6 +220,8 @@ class _Adjoints:
             self.walk(args[0], f"{grad} * (1.0 - {value} * {value})")
         elif node.kind == "relu":
             self.walk(args[0], f"{grad} * {RELU_GRAD}({args[0].value})")
+        elif node.kind == "hardtanh":
+            self.walk(args[0], f"{grad} * {HARDTANH_GRAD}({args[0].value})")
         elif node.kind == "neg":
             self.walk(args[0], f"-{grad}")
         elif node.kind == "+":
@@ -226,9 +233,11 @@ class _Adjoints:
         elif node.kind == "*":
             self.walk(args[0], f"{grad} * {args[1].value}")
             self.walk(args[1], f"{grad} * {args[0].value}")
-        else:  # "/"
+        elif node.kind == "/":
             self.walk(args[0], f"{grad} / {args[1].value}")
             self.walk(args[1], f"-{grad} * {value} / {args[1].value}")
+        else:  # a function the language gained without a derivative here
+            raise AssertionError(f"adjoint: no derivative for {node.kind!r}")
 
 
 def _live(statements: list[Statement], needed: set[str]) -> list[Statement]:
@@ -326,7 +335,7 @@ def _value_address(spec: CellSpec, name: str) -> str:
 
 def render_block_body(program: StepBackward, block: BlockBackward) -> str:
     spec = program.spec
-    functions = {**CUDA_FUNCTIONS, RELU_GRAD: RELU_GRAD}
+    functions = {**CUDA_FUNCTIONS, RELU_GRAD: RELU_GRAD, HARDTANH_GRAD: HARDTANH_GRAD}
     lines = ["    // the forward values this block reads"]
     lines += [f"    const float {name} = {_value_address(spec, name)};" for name in block.inputs]
     lines.append("    // the adjoints the blocks after this one stored (h_new's and c_new's: the step's dh, dc)")

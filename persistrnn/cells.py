@@ -8,8 +8,9 @@ them to C++, so both run the same formulas.
 
 Expression language: identifiers, int/float literals, binary ``+ - * /``,
 unary ``-``, parentheses and the calls ``sigmoid(e)``, ``tanh(e)``,
-``relu(e)``. Nothing else parses, so evaluating a validated expression with
-``eval`` cannot reach anything but arithmetic and those three functions.
+``relu(e)`` and ``hardtanh(e)`` (``e`` clamped to [-1, 1]). Nothing else
+parses, so evaluating a validated expression with ``eval`` cannot reach
+anything but arithmetic and those four functions.
 
 Names a cell's statements may read:
 
@@ -22,6 +23,10 @@ Names a cell's statements may read:
 
 Every cell assigns ``h_new`` (before any LSTM projection) and, with a cell
 state, ``c_new``.
+
+:func:`with_clip` derives a cell whose gate pre-activations are clamped to
+[-clip, clip] (ONNX's ``clip``); its name, e.g. ``lstm+clip=3.0``, is a cell
+name :func:`get_cell` takes like a built-in one.
 
 :func:`with_lengths` derives a cell for sequences of their own lengths
 (packed sequences in training): its statements also read ``step_runs``
@@ -63,6 +68,7 @@ __all__ = [
     "render_cuda_expression",
     "render_numpy_expression",
     "render_pointwise_functions",
+    "with_clip",
     "with_lengths",
     "STEP_RUNS",
 ]
@@ -85,13 +91,18 @@ def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0.0)
 
 
+def _hardtanh(x: np.ndarray) -> np.ndarray:
+    """``x`` clamped to [-1, 1]; NaN stays NaN (np.clip keeps it)."""
+    return np.clip(x, -1.0, 1.0)
+
+
 NUMPY_FUNCTIONS: Mapping[str, Callable[[np.ndarray], np.ndarray]] = MappingProxyType(
-    {"sigmoid": _sigmoid, "tanh": np.tanh, "relu": _relu}
+    {"sigmoid": _sigmoid, "tanh": np.tanh, "relu": _relu, "hardtanh": _hardtanh}
 )
 """float64 numpy implementation of each function of the expression language."""
 
 CUDA_FUNCTIONS: Mapping[str, str] = MappingProxyType(
-    {"sigmoid": "prnn_sigmoid", "tanh": "tanhf", "relu": "prnn_relu"}
+    {"sigmoid": "prnn_sigmoid", "tanh": "tanhf", "relu": "prnn_relu", "hardtanh": "prnn_hardtanh"}
 )
 """CUDA name of each function; ``prnn_*`` are ``float -> float`` device functions
 the kernel source must define."""
@@ -589,13 +600,80 @@ def with_lengths(cell: str | CellSpec) -> CellSpec:
                     spec.between_stages, tuple(pointwise), lengths=True)
 
 
+CLIP_SUFFIX = "+clip="
+"""What a :func:`with_clip` cell's name adds to its base cell's: ``lstm+clip=3.0``."""
+
+
+class _ClipGates(ast.NodeTransformer):
+    """Wraps the argument of every activation call that does not read the
+    cell state in ``C * hardtanh(arg / C)``."""
+
+    def __init__(self, clip: float) -> None:
+        self.clip = clip
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        reads = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)}
+        if reads & {"c", "c_new"}:  # LSTM's output activation h(c): ONNX Runtime does not clip it
+            return node
+        bound = ast.Constant(self.clip)
+        clamped = ast.Call(ast.Name("hardtanh", ast.Load()),
+                           [ast.BinOp(node.args[0], ast.Div(), bound)], [])
+        return ast.Call(node.func, [ast.BinOp(bound, ast.Mult(), clamped)], [])
+
+
+def with_clip(cell: str | CellSpec, clip: float) -> CellSpec:
+    """``cell`` with every gate pre-activation clamped to [-clip, clip]
+    before its activation, as ONNX Runtime runs an LSTM, GRU or RNN node's
+    ``clip`` (the LSTM's output activation of the cell state is not clipped
+    there, so it is not here). The clamp is ``clip * hardtanh(x / clip)``:
+    exact at the bounds, within one rounding of ``x`` between them, and no
+    cancellation for a large ``x``."""
+    spec = get_cell(cell)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+        raise ArgumentTypeError(f"clip: expected a positive float, got {type(clip).__name__}")
+    if not (math.isfinite(clip) and clip > 0):
+        raise ArgumentError(f"clip: expected a positive finite float, got {clip!r}")
+    if CLIP_SUFFIX in spec.name:
+        raise ArgumentError(f"cell {spec.name!r} is clipped already")
+    clip = float(clip)
+    transform = _ClipGates(clip)
+    functions = {name: name for name in NUMPY_FUNCTIONS}
+
+    def clipped(block: tuple[Statement, ...]) -> tuple[Statement, ...]:
+        return tuple(Statement(name, _render(transform.visit(copy.deepcopy(_parse(expr))), functions, ""))
+                     for name, expr in block)
+
+    return CellSpec(f"{spec.name}{CLIP_SUFFIX}{clip!r}", spec.gates, spec.has_cell_state, spec.stages,
+                    spec.stage_operands, tuple(clipped(block) for block in spec.between_stages),
+                    clipped(spec.pointwise), spec.supports_projection, spec.lengths)
+
+
+@functools.lru_cache(maxsize=None)
+def _clipped_cell(name: str) -> CellSpec:
+    base, _, value = name.partition(CLIP_SUFFIX)
+    if base not in CELLS:
+        raise ArgumentError(f"cell: expected one of {sorted(CELLS)} before {CLIP_SUFFIX!r}, got {name!r}")
+    try:
+        clip = float(value)
+    except ValueError:
+        raise ArgumentError(f"cell: expected {base}{CLIP_SUFFIX}<a positive float>, got {name!r}") from None
+    spec = with_clip(base, clip)
+    if spec.name != name:  # one name per cell, so that plans and binaries are cached once
+        raise ArgumentError(f"cell: expected {spec.name!r}, got {name!r}")
+    return spec
+
+
 def get_cell(cell: str | CellSpec) -> CellSpec:
-    """Return the spec for a registry name, or ``cell`` itself if it is a CellSpec."""
+    """Return the spec for a registry name or a clipped cell's name
+    (:func:`with_clip`), or ``cell`` itself if it is a CellSpec."""
     if isinstance(cell, CellSpec):
         return cell
     if not isinstance(cell, str):
         raise ArgumentTypeError(f"cell: expected a str or CellSpec, got {type(cell).__name__}")
+    if CLIP_SUFFIX in cell:
+        return _clipped_cell(cell)
     try:
         return CELLS[cell]
     except KeyError:
-        raise ArgumentError(f"cell: expected one of {sorted(CELLS)}, got {cell!r}") from None
+        raise ArgumentError(f"cell: expected one of {sorted(CELLS)} (or one of them with {CLIP_SUFFIX}<clip>), "
+                            f"got {cell!r}") from None

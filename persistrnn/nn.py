@@ -54,7 +54,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import ops, persistent, runtime, training
 from .training import TORCH_FUNCTIONS
-from .cells import CellSpec, get_cell
+from .cells import CellSpec, get_cell, with_clip
 from .errors import ArgumentError, ArgumentTypeError, InputShapeError, InputTypeError, UnsupportedError
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
@@ -197,9 +197,17 @@ class _Persistent:
         return torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self._flat_weights))
 
     def _torch_forward(self, input: Any, hx: Any) -> Any:
-        if self.cell == "gru_reset_before":
-            return _canonical_gru_torch_forward(self, input, hx)
+        if self.cell not in _TORCH_CELLS:  # the canonical GRU, a clipped cell: no torch module computes them
+            return _spec_torch_forward(self, input, hx)
         return super().forward(input, hx)  # type: ignore[misc]
+
+    def _set_cell(self, base: str, clip: float | None) -> None:
+        """The cell this module runs: ``base``, or with its gates clipped (ONNX ``clip``)."""
+        self.clip = None if clip is None else float(clip)
+        self.cell = base if clip is None else with_clip(base, clip).name
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.clip is None else f", clip={self.clip!r}")  # type: ignore[misc]
 
     def _shape(self, dtype: torch.dtype) -> Any:
         shape = self._shapes.get(dtype)
@@ -453,28 +461,35 @@ class _Persistent:
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+_TORCH_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+"""The cells torch's own modules compute (their CPU and gradient path is torch's)."""
 
-def _canonical_gru_torch_forward(module: "GRU", input: Any, hx: Any) -> Any:
+
+def _spec_torch_forward(module: "_Persistent", input: Any, hx: Any) -> Any:
+    """A cell torch has no module for (the canonical GRU, a clipped cell), with torch ops from its spec."""
     if isinstance(input, PackedSequence):
-        raise UnsupportedError("GRU(reset_after=False) takes a PackedSequence only where the persistent kernels "
-                               "run it (a CUDA call without gradients whose plan is persistent); pass padded "
-                               "input here")
+        raise UnsupportedError(f"persistrnn.{type(module).__name__} with cell {module.cell!r} takes a "
+                               "PackedSequence only where the persistent kernels run it (a CUDA call without "
+                               "gradients whose plan is persistent); pass padded input here")
     x, hx, unbatched = module._normalise(input, hx)
     if hx is None:
-        hx = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
+        zeros = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
+        hx = (zeros, zeros) if module.spec.has_cell_state else zeros
     out, state = torch_forward(module.spec, module, x, hx)
     if unbatched:
-        return out.squeeze(1), state.squeeze(1)
-    return (out.transpose(0, 1) if module.batch_first else out), state
+        out = out.squeeze(1)
+        state = tuple(s.squeeze(1) for s in state) if isinstance(state, tuple) else state.squeeze(1)
+    elif module.batch_first:
+        out = out.transpose(0, 1)
+    return out, state
 
 
 class LSTM(_Persistent, torch.nn.LSTM):
     """``torch.nn.LSTM`` with a persistent-kernel forward (see the module docstring)."""
 
-    cell = "lstm"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clip: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._set_cell("lstm", clip)
         self._init_persistent()
 
 
@@ -483,12 +498,12 @@ class GRU(_Persistent, torch.nn.GRU):
     selects the canonical GRU (reset gate applied before the recurrent
     product), with the same parameter names and shapes."""
 
-    def __init__(self, *args: Any, reset_after: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, reset_after: bool = True, clip: float | None = None, **kwargs: Any) -> None:
         if not isinstance(reset_after, bool):
             raise ArgumentTypeError(f"reset_after: expected a bool, got {type(reset_after).__name__}")
         super().__init__(*args, **kwargs)
         self.reset_after = reset_after
-        self.cell = "gru" if reset_after else "gru_reset_before"
+        self._set_cell("gru" if reset_after else "gru_reset_before", clip)
         self._init_persistent()
 
     def extra_repr(self) -> str:
@@ -498,9 +513,9 @@ class GRU(_Persistent, torch.nn.GRU):
 class RNN(_Persistent, torch.nn.RNN):
     """``torch.nn.RNN`` (tanh or relu) with a persistent-kernel forward."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clip: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.cell = f"rnn_{self.nonlinearity}"
+        self._set_cell(f"rnn_{self.nonlinearity}", clip)
         self._init_persistent()
 
 

@@ -78,7 +78,7 @@ import numpy as np
 import torch
 
 from . import adjoint, ops, persistent, runtime, training_kernel
-from .adjoint import RELU_GRAD, BlockBackward, render_python, step_backward_program
+from .adjoint import HARDTANH_GRAD, RELU_GRAD, BlockBackward, render_python, step_backward_program
 from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
 from .checks import check_lengths
 from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
@@ -88,9 +88,11 @@ __all__ = ["OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faste
            "direction_forward", "dropout_masks", "forward", "run_module", "saved_shapes", "step_backward",
            "train_step", "training_config"]
 
-TORCH_FUNCTIONS = {name: getattr(torch, name) for name in NUMPY_FUNCTIONS}
+TORCH_FUNCTIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu,
+                   "hardtanh": torch.nn.functional.hardtanh}
 """The cell expression language's functions on tensors (autograd included):
-torch's by the same names (sigmoid, tanh, relu)."""
+torch's by the same names."""
+assert set(TORCH_FUNCTIONS) == set(NUMPY_FUNCTIONS), "every function of the cell language needs its torch form"
 
 # ---- the cell, differentiated from its spec ------------------------------------
 
@@ -130,7 +132,8 @@ def _run_cell(spec: CellSpec, xg: torch.Tensor, h: torch.Tensor, c: torch.Tensor
     return env, products
 
 
-_ADJOINT_GLOBALS = {"__builtins__": {}, **TORCH_FUNCTIONS, RELU_GRAD: lambda x: (x > 0).to(x.dtype)}
+_ADJOINT_GLOBALS = {"__builtins__": {}, **TORCH_FUNCTIONS, RELU_GRAD: lambda x: (x > 0).to(x.dtype),
+                    HARDTANH_GRAD: lambda x: ((x > -1) & (x < 1)).to(x.dtype)}
 """What the generated backward statements call, on tensors (no builtins:
 they need nothing but these functions)."""
 

@@ -335,3 +335,36 @@ def test_spec_is_frozen():
     with pytest.raises(AttributeError):
         LSTM.name = "other"  # type: ignore[misc]
     assert replace(LSTM) == LSTM
+
+
+def test_a_clipped_cell_clamps_every_gate_pre_activation_but_not_the_lstm_output():
+    from persistrnn.cells import with_clip
+
+    lstm = with_clip("lstm", 3)
+    assert lstm.name == "lstm+clip=3.0" and get_cell("lstm+clip=3.0") is get_cell("lstm+clip=3.0")
+    exprs = dict(lstm.pointwise)
+    assert exprs["i"] == "sigmoid(3.0 * hardtanh((x_i + h_i) / 3.0))"
+    assert exprs["h_new"] == "o * tanh(c_new)"  # ONNX Runtime does not clip the cell state before h
+    gru = dict(with_clip("gru_reset_before", 0.5).between_stages[0])
+    assert gru["r"] == "sigmoid(0.5 * hardtanh((x_r + h_r) / 0.5))" and gru["r_h"] == "r * h"
+    # the clamp, evaluated: the bound exactly outside it, the value (to rounding) inside, NaN kept
+    env = evaluate([("y", "3.0 * hardtanh(x / 3.0)")], {"x": np.array([-1e30, -3.5, -1.0, 2.999, 4.0, np.nan])})
+    np.testing.assert_allclose(env["y"][:5], [-3.0, -3.0, -1.0, 2.999, 3.0], rtol=1e-15)
+    assert np.isnan(env["y"][5])
+
+
+def test_clipped_cell_names_are_canonical_and_bad_ones_say_what_was_expected():
+    with pytest.raises(ValueError, match=r"cell: expected 'lstm\+clip=3.0', got 'lstm\+clip=3'"):
+        get_cell("lstm+clip=3")
+    with pytest.raises(ValueError, match=r"cell: expected lstm\+clip=<a positive float>, got 'lstm\+clip=x'"):
+        get_cell("lstm+clip=x")
+    with pytest.raises(ValueError, match=r"clip: expected a positive finite float, got 0.0"):
+        get_cell("gru+clip=0.0")
+    with pytest.raises(ValueError, match=r"cell: expected one of .* before '\+clip=', got 'lsmt\+clip=3.0'"):
+        get_cell("lsmt+clip=3.0")
+    with pytest.raises(ValueError, match=r"got 'lstm\+clip=3.0\+clip=1.0'"):
+        get_cell("lstm+clip=3.0+clip=1.0")
+    from persistrnn.cells import with_clip
+
+    with pytest.raises(ValueError, match=r"cell 'lstm\+clip=3.0' is clipped already"):
+        with_clip("lstm+clip=3.0", 1.0)

@@ -655,3 +655,44 @@ def test_more_bad_inputs_raise_what_torch_raises():
         persistrnn.LSTM(4, 5)(torch.randn(3, 2, 4), 3)
     with pytest.raises(ValueError, match="input must have 2 dimensions, got 1"):
         persistrnn.GRU(1, 5)(pack_sequence([torch.randn(3), torch.randn(2)]))
+
+
+# ---- clipped cells (ONNX clip): the modules' clip argument ------------------------------------------------
+
+
+CLIPPED_MODULES = [(persistrnn.LSTM, {}), (persistrnn.GRU, {}), (persistrnn.GRU, {"reset_after": False}),
+                   (persistrnn.RNN, {"nonlinearity": "relu"}), (persistrnn.RNN, {})]
+
+
+@pytest.mark.parametrize("cls, kwargs", CLIPPED_MODULES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_clipped_module_on_the_cpu_matches_the_float64_reference_and_differs_from_the_unclipped(cls, kwargs):
+    """The CPU path of a clipped cell (torch ops from its spec, autograd through them) against the float64
+    reference, two layers both ways, inputs large enough that most gates clip; batch first and unbatched
+    give torch's shapes."""
+    torch.manual_seed(5)
+    m = cls(4, 5, num_layers=2, bidirectional=True, clip=0.3, **kwargs).double()
+    assert m.cell.endswith("+clip=0.3") and m.clip == 0.3 and "clip=0.3" in repr(m)
+    x = torch.randn(7, 3, 4, dtype=torch.float64) * 3
+    out, _ = m(x)
+    layers = [[{k: v.detach().numpy() for k, v in d.items()} for d in layer] for layer in pnn._layers(m)]
+    want, _ = reference.rnn_forward(m.cell, x.numpy(), layers, num_layers=2, bidirectional=True)
+    assert rel(out.detach().numpy(), want) <= 1e-14
+    unclipped = cls(4, 5, num_layers=2, bidirectional=True, **kwargs).double()
+    unclipped.load_state_dict(m.state_dict())
+    assert rel(unclipped(x)[0].detach().numpy(), want) > 1e-2  # the clip changed the answer
+    out.sum().backward()  # gradients through the clamp
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    first = cls(4, 5, batch_first=True, clip=0.3, **kwargs)
+    assert first(torch.randn(2, 7, 4))[0].shape == (2, 7, 5)
+    assert first(torch.randn(7, 4))[0].shape == (7, 5)
+
+
+def test_clip_must_be_a_positive_finite_float():
+    with pytest.raises(ValueError, match=r"clip: expected a positive finite float, got -1.0"):
+        persistrnn.LSTM(4, 5, clip=-1.0)
+    with pytest.raises(ValueError, match=r"clip: expected a positive finite float, got inf"):
+        persistrnn.GRU(4, 5, clip=float("inf"))
+    with pytest.raises(TypeError, match=r"clip: expected a positive float, got str"):
+        persistrnn.RNN(4, 5, clip="3")
+    assert persistrnn.LSTM(4, 5).clip is None and persistrnn.LSTM(4, 5).cell == "lstm"
+    assert persistrnn.GRU(4, 5, clip=3).cell == "gru+clip=3.0"

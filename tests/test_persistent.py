@@ -283,6 +283,27 @@ def test_tagged_exchange_matches_float64_reference(config, batch, steps):
     check_against_reference(config, batch, steps, seed=seed)
 
 
+CLIPPED_CASES = [
+    # (config, batch, steps): cells with their gates clamped at 0.5 (ONNX clip; cells.with_clip), where most
+    # of the tests' pre-activations lie outside the bound: each sync mode, a two-stage cell, the fused step,
+    # 16-bit on both math paths
+    (KernelConfig("lstm+clip=0.5", 256, "cluster", 16), 3, 20),
+    (KernelConfig("gru+clip=0.5", 100, "single", 1, 256, 16, 2), 5, 9),
+    (KernelConfig("gru_reset_before+clip=0.5", 100, "grid", 10, 64, 2, 1), 17, 7),
+    (KernelConfig("rnn_relu+clip=0.5", 100, "cluster", 4, 128, 4, 4), 9, 7),
+    (KernelConfig("lstm+clip=0.5", 256, "cluster", 16, 128, 8, 1, fused_step=True), 1, 50),
+    (KernelConfig("gru+clip=0.5", 96, "cluster", 2, 384, 8, 8, fused_step=True, dtype="bfloat16"), 10, 7),
+    (_mma("lstm+clip=0.5", 256, "cluster", 8, 256, 2, "float16"), 8, 7),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, steps", CLIPPED_CASES, ids=[f"{c}-B{b}-T{t}" for c, b, t in CLIPPED_CASES])
+def test_clipped_cells_match_float64_reference(config, batch, steps):
+    seed = hash((str(config), batch, steps)) % 2**32
+    check_against_reference(config, batch, steps, seed=seed)
+
+
 def test_tagged_exchange_doubles_the_grid_buffer_only():
     barrier = KernelConfig("lstm", 1024, "grid", 128, 256, 16, 1)
     tagged = dataclasses.replace(barrier, tagged_exchange=True)
@@ -364,7 +385,8 @@ def test_bad_inputs_raise_before_launch():
 
 def _compiled_configs():
     """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
-    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES + TAGGED_CASES},
+    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES + TAGGED_CASES
+                                         + CLIPPED_CASES},
                   key=str)
 
 

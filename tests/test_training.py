@@ -84,8 +84,13 @@ def gradients(fn, cell, x, h0, c0, weights, *options):
 # ---- the cell, differentiated from its spec ------------------------------------
 
 
+CLIPPED_NAMES = tuple(f"{name}+clip=0.5" for name in CELL_NAMES)
+"""Every cell with its gates clamped (ONNX clip; cells.with_clip): at 0.5 most of the random pre-activations
+below lie outside the bound, so both sides of hardtanh's derivative are taken."""
+
+
 @pytest.mark.parametrize("lengths", [False, True])
-@pytest.mark.parametrize("cell", CELL_NAMES)
+@pytest.mark.parametrize("cell", CELL_NAMES + CLIPPED_NAMES)
 def test_step_backward_equals_autograd_of_the_cell_step(cell, lengths):
     # The generated statements evaluated with torch in float64 (random
     # inputs, never zeros; odd sizes), against autograd of the spec's step:
@@ -515,7 +520,8 @@ def test_saved_shapes_match_what_the_forward_keeps():
 # ---- the fused backward step (sm_90 builds, and its kernels emulated on the CPU) ----------
 
 
-BLOCK_KERNELS = [(spec, block.block) for spec in (*cells.CELLS.values(), *map(cells.with_lengths, cells.CELLS))
+BLOCK_KERNELS = [(spec, block.block) for spec in (*cells.CELLS.values(), *map(cells.with_lengths, cells.CELLS),
+                                                  *map(cells.get_cell, CLIPPED_NAMES))
                  for block in adjoint.step_backward_program(spec).blocks]
 
 

@@ -381,6 +381,9 @@ template <> __device__ __forceinline__ prnn_bf16 prnn_from_float<prnn_bf16>(floa
 // the precise tanhf: 1 - 2/(e^2x + 1) loses relative accuracy near 0.
 __device__ __forceinline__ float prnn_sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float prnn_relu(float x) { return fmaxf(x, 0.0f); }
+// x clamped to [-1, 1] (a clipped cell's gates, cells.with_clip); comparisons, not fminf/fmaxf, so that a
+// NaN stays NaN instead of becoming a bound.
+__device__ __forceinline__ float prnn_hardtanh(float x) { return x < -1.0f ? -1.0f : (x > 1.0f ? 1.0f : x); }
 
 // ---- tensor cores ------------------------------------------------------------
 
