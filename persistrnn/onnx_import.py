@@ -18,8 +18,13 @@ r, z, n) and adds what ONNX has and torch does not: ``direction="reverse"``
 ``linear_before_reset=0`` (ONNX's default) is ``persistrnn.GRU(reset_after=False)``;
 ``linear_before_reset=1`` is torch's GRU.
 
+``clip`` makes a clipped cell (:func:`persistrnn.cells.with_clip`): every
+gate pre-activation clamped to [-clip, clip] before its activation, as ONNX
+Runtime computes it (the LSTM's cell state is not clipped before its output
+activation there, and not here).
+
 What the cells cannot compute raises :class:`~persistrnn.errors.UnsupportedError`
-naming the node and the attribute: ``clip``, LSTM ``input_forget=1``, LSTM
+naming the node and the attribute: LSTM ``input_forget=1``, LSTM
 peepholes (a ``P`` that is not all zeros), activations other than the
 defaults (and ``Relu`` for RNN), and weights that are not constants.
 
@@ -44,7 +49,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .errors import ArgumentError, ArgumentTypeError, GPUUnavailableError, InputShapeError, UnsupportedError
-from .nn import GRU, LSTM, RNN
+from .nn import _TORCH_CELLS, GRU, LSTM, RNN
 
 if TYPE_CHECKING:
     import onnx
@@ -121,7 +126,7 @@ class RecurrentNode(torch.nn.Module):
         rnn = self.rnn
         form = ""
         if self.op_type == "GRU":
-            form = f", linear_before_reset={0 if rnn.cell == 'gru_reset_before' else 1}"
+            form = f", linear_before_reset={1 if rnn.reset_after else 0}"
         elif self.op_type == "RNN":
             form = f", {rnn.nonlinearity}"
         return (f"{self.op_type} node {self.node_name!r} (input {rnn.input_size}, hidden {rnn.hidden_size}, "
@@ -233,27 +238,33 @@ class RecurrentNode(torch.nn.Module):
         try:
             out, state = self.rnn(packed, hx)
         except UnsupportedError:
-            if self.rnn.cell != "gru_reset_before":
+            if self.rnn.cell in _TORCH_CELLS:
                 raise
-            # The canonical GRU takes a packed sequence only on the persistent
-            # kernels (persistrnn.nn); elsewhere each group of equal lengths
-            # runs as its own batch, which has the same semantics.
+            # A cell torch has no module for (the canonical GRU, a clipped
+            # cell) takes a packed sequence only on the persistent kernels
+            # (persistrnn.nn); elsewhere each group of equal lengths runs as
+            # its own batch, which has the same semantics.
             return self._run_length_groups(x, hx, lengths)
         return pad_packed_sequence(out, total_length=x.shape[0])[0], state
 
     def _run_length_groups(self, x: torch.Tensor, hx: Any, lengths: torch.Tensor) -> tuple[torch.Tensor, Any]:
         steps, batch = x.shape[0], x.shape[1]
         hidden, directions = self.rnn.hidden_size, self.num_directions
+        pairs = self.op_type == "LSTM"
         if hx is None:
-            hx = x.new_zeros(directions, batch, hidden)
+            zeros = x.new_zeros(directions, batch, hidden)
+            hx = (zeros, zeros) if pairs else zeros
+        states = list(hx) if pairs else [hx]
         out = x.new_zeros(steps, batch, directions * hidden)
-        h_n = x.new_empty(directions, batch, hidden)
+        finals = [x.new_empty(directions, batch, hidden) for _ in states]
         for length in lengths.unique().tolist():
             rows = (lengths == length).nonzero().squeeze(1).to(x.device)
-            part_out, part_h = self.rnn(x[:length].index_select(1, rows), hx.index_select(1, rows))
+            part = [s.index_select(1, rows) for s in states]
+            part_out, part_state = self.rnn(x[:length].index_select(1, rows), tuple(part) if pairs else part[0])
             out[:length, rows] = part_out
-            h_n[:, rows] = part_h
-        return out, h_n
+            for final, value in zip(finals, part_state if pairs else (part_state,)):
+                final[:, rows] = value
+        return out, (tuple(finals) if pairs else finals[0])
 
 
 def _reverse_steps(seq: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -351,9 +362,10 @@ def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | Non
         raise ArgumentError(f"node_module: expected an LSTM, GRU or RNN node, got {op!r}")
     where = f"{op} node {_node_name(node)!r}"
     attributes = _attributes(node, where)
-    if "clip" in attributes:
-        raise UnsupportedError(f"{where}: attribute clip={attributes['clip']} is not supported: the persistrnn "
-                               "cells do not clip their gate pre-activations (export the model without clip)")
+    clip = attributes.get("clip")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                             or not (np.isfinite(clip) and clip > 0)):
+        raise ArgumentError(f"{where}: attribute clip: expected a positive finite float, got {clip!r}")
     if attributes.get("input_forget", 0):
         raise UnsupportedError(f"{where}: attribute input_forget={attributes['input_forget']} is not supported: "
                                "the persistrnn LSTM has independent input and forget gates")
@@ -406,7 +418,7 @@ def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | Non
         raise UnsupportedError(f"{where}: input P (peepholes) is not supported: the persistrnn LSTM has no "
                                "peephole connections (an all-zero P is accepted)")
     kwargs: dict[str, Any] = dict(num_layers=1, bias=True, bidirectional=directions == 2,
-                                  dtype=_torch_dtype(w.dtype, where))
+                                  dtype=_torch_dtype(w.dtype, where), clip=clip)
     if op == "GRU":
         rnn = GRU(w.shape[2], hidden, reset_after=cell == "gru", **kwargs)
     elif op == "RNN":
