@@ -177,16 +177,16 @@ def test_gradcheck_of_the_training_operators(cell, num_layers, bidirectional, ha
     assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, rtol=1e-6)
 
 
-def _cpu_matrix(n, seed):
+def _cpu_matrix(n, seed, cell_names=CELL_NAMES):
     rng = random.Random(seed)
-    for cell in CELL_NAMES:
+    for cell in cell_names:
         for _ in range(n):
             yield (cell, rng.choice([1, 4, 7]), rng.choice([1, 5, 11]), rng.choice([1, 2, 3]), rng.random() < 0.5,
                    rng.random() < 0.8, rng.choice([1, 2, 6]), rng.choice([1, 3]))
 
 
 @pytest.mark.parametrize("cell,input_size,hidden,num_layers,bidirectional,has_biases,steps,batch",
-                         list(_cpu_matrix(3, seed=16)))
+                         list(_cpu_matrix(3, seed=16)) + list(_cpu_matrix(1, seed=17, cell_names=CLIPPED_NAMES)))
 def test_gradients_equal_float64_autograd_of_the_reference(cell, input_size, hidden, num_layers, bidirectional,
                                                            has_biases, steps, batch):
     options = (num_layers, bidirectional, has_biases)
@@ -588,7 +588,8 @@ class EmulatedBlockKernels:
     without a GPU."""
 
     FUNCTIONS = {"prnn_sigmoid": torch.sigmoid, "tanhf": torch.tanh, "prnn_relu": torch.relu,
-                 "prnn_relu_grad": lambda x: (x > 0).to(x.dtype)}
+                 "prnn_hardtanh": torch.nn.functional.hardtanh, "prnn_relu_grad": lambda x: (x > 0).to(x.dtype),
+                 "prnn_hardtanh_grad": lambda x: ((x > -1) & (x < 1)).to(x.dtype)}
 
     def __init__(self, cell):
         program = adjoint.step_backward_program(cell)
@@ -621,7 +622,7 @@ class EmulatedBlockKernels:
 
 @pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("cell", CELL_NAMES)
+@pytest.mark.parametrize("cell", CELL_NAMES + CLIPPED_NAMES)
 def test_fused_step_loop_with_emulated_kernels_equals_the_torch_op_steps(cell, reverse, lengths, monkeypatch):
     inputs = direction_inputs(cell, steps=4, batch=3, hidden=7, seed=11, lengths=lengths)
     want = run_steps(training._torch_steps, cell, inputs, reverse)
@@ -761,18 +762,18 @@ def test_operator_key_holds_what_the_capture_fixes():
 # ---- GPU ----------------------------------------------------------------------------------
 
 
-def _gpu_matrix(n, seed):
+def _gpu_matrix(n, seed, cell_names=CELL_NAMES):
     """Random models over every cell; hidden sizes cover one block (33),
     clusters (100, 333) and, with batch 8, the 16-bit paths."""
     rng = random.Random(seed)
     for i in range(n):
-        yield dict(cell=CELL_NAMES[i % len(CELL_NAMES)], input_size=rng.choice([7, 32]),
+        yield dict(cell=cell_names[i % len(cell_names)], input_size=rng.choice([7, 32]),
                    hidden=rng.choice([33, 100, 333]), num_layers=rng.choice([1, 2]),
                    bidirectional=rng.random() < 0.5, has_biases=rng.random() < 0.8, steps=rng.choice([1, 7, 30]),
                    batch=rng.choice([1, 3, 8]), dtype=rng.choice(["float32", "float32", "bfloat16", "float16"]))
 
 
-GPU_MATRIX = list(_gpu_matrix(20, seed=16))
+GPU_MATRIX = list(_gpu_matrix(20, seed=16)) + list(_gpu_matrix(5, seed=18, cell_names=CLIPPED_NAMES))
 
 
 def _f64_gradients(fn, case, tensors):

@@ -225,3 +225,12 @@ def test_gpu_persistent_steps_are_bit_identical_run_to_run(cell, hidden):
     for name, value in first.items():
         assert (value is None) == (second[name] is None), name
         assert value is None or torch.equal(value, second[name]), name
+
+
+@pytest.mark.parametrize("cell", [f"{name}+clip=0.5" for name in CELL_NAMES])
+def test_a_clipped_cells_backward_compiles_for_sm90_without_local_memory(cell):
+    """hardtanh's derivative (prnn_hardtanh_grad) in the generated statements of every clipped cell."""
+    config = training_kernel.plan(cell, 256, 8, H100_SHARED, grid_limit=H100_SMS)
+    binary = training_kernel.compile_kernel(config, arch="sm_90")
+    assert "prnn_hardtanh_grad(prnn_v" in training_kernel.kernel_source(config)
+    assert not binary.kernel_resources(training_kernel.KERNEL_NAME).uses_local_memory
