@@ -42,7 +42,7 @@ import copy
 import functools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import CodeType, MappingProxyType
 from typing import NamedTuple
@@ -68,6 +68,7 @@ __all__ = [
     "render_cuda_expression",
     "render_numpy_expression",
     "render_pointwise_functions",
+    "with_activations",
     "with_clip",
     "with_lengths",
     "STEP_RUNS",
@@ -633,8 +634,8 @@ def with_clip(cell: str | CellSpec, clip: float) -> CellSpec:
         raise ArgumentTypeError(f"clip: expected a positive float, got {type(clip).__name__}")
     if not (math.isfinite(clip) and clip > 0):
         raise ArgumentError(f"clip: expected a positive finite float, got {clip!r}")
-    if CLIP_SUFFIX in spec.name:
-        raise ArgumentError(f"cell {spec.name!r} is clipped already")
+    if CLIP_SUFFIX in spec.name or ACTIVATIONS_SUFFIX in spec.name:
+        raise ArgumentError(f"cell {spec.name!r} is clipped already or has other activations (clip first)")
     clip = float(clip)
     transform = _ClipGates(clip)
     functions = {name: name for name in NUMPY_FUNCTIONS}
@@ -648,16 +649,134 @@ def with_clip(cell: str | CellSpec, clip: float) -> CellSpec:
                     clipped(spec.pointwise), spec.supports_projection, spec.lengths)
 
 
-@functools.lru_cache(maxsize=None)
-def _clipped_cell(name: str) -> CellSpec:
-    base, _, value = name.partition(CLIP_SUFFIX)
-    if base not in CELLS:
-        raise ArgumentError(f"cell: expected one of {sorted(CELLS)} before {CLIP_SUFFIX!r}, got {name!r}")
+ACTIVATIONS_SUFFIX = "+act="
+"""What a :func:`with_activations` cell's name adds: ``lstm+act=hardsigmoid(0.2,0.5)/tanh/tanh``."""
+
+_ACTIVATION_ROLES: Mapping[str, Mapping[str, int]] = MappingProxyType({
+    "lstm": {"i": 0, "f": 0, "o": 0, "g": 1, "h_new": 2},
+    "gru": {"r": 0, "z": 0, "n": 1},
+    "gru_reset_before": {"r": 0, "z": 0, "n": 1},
+    "rnn_tanh": {"h_new": 0},
+    "rnn_relu": {"h_new": 0},
+})
+"""For each built-in cell, the statements whose activation is a role of ONNX's
+activation list: f (the gates), g (the cell input), h (the LSTM's output)."""
+
+_PARAMETERS = {"sigmoid": 0, "tanh": 0, "relu": 0, "hardsigmoid": 2, "leakyrelu": 1, "affine": 2, "scaledtanh": 2}
+"""The activations a cell can take (:func:`with_activations`) and how many parameters each has."""
+
+
+def _activation_tree(text: str, x: ast.expr) -> ast.expr:
+    """The expression of activation ``text`` (e.g. ``hardsigmoid(0.2,0.5)``) applied to ``x``."""
+    kind, _, rest = text.partition("(")
+    if kind not in _PARAMETERS:
+        raise ArgumentError(f"activation: expected one of {sorted(_PARAMETERS)}, got {text!r}")
     try:
-        clip = float(value)
+        params = [float(v) for v in rest.removesuffix(")").split(",")] if rest else []
     except ValueError:
-        raise ArgumentError(f"cell: expected {base}{CLIP_SUFFIX}<a positive float>, got {name!r}") from None
-    spec = with_clip(base, clip)
+        raise ArgumentError(f"activation {text!r}: expected numbers as its parameters") from None
+    if len(params) != _PARAMETERS[kind] or (rest and not rest.endswith(")")):
+        raise ArgumentError(f"activation {text!r}: expected {kind} with {_PARAMETERS[kind]} parameter(s)")
+    if not all(math.isfinite(v) for v in params):
+        raise ArgumentError(f"activation {text!r}: expected finite parameters")
+
+    def num(v: float) -> ast.expr:
+        return ast.Constant(float(v))
+
+    def call(name: str, arg: ast.expr) -> ast.expr:
+        return ast.Call(ast.Name(name, ast.Load()), [arg], [])
+
+    def mul(a: ast.expr, b: ast.expr) -> ast.expr:
+        return ast.BinOp(a, ast.Mult(), b)
+
+    def add(a: ast.expr, b: ast.expr) -> ast.expr:
+        return ast.BinOp(a, ast.Add(), b)
+
+    if kind in ("sigmoid", "tanh", "relu"):
+        return call(kind, x)
+    if kind == "hardsigmoid":  # clamp(a x + b, 0, 1) = (hardtanh(2a x + 2b - 1) + 1) / 2: within a rounding
+        a, b = params
+        return add(mul(num(0.5), call("hardtanh", add(mul(num(2 * a), x), num(2 * b - 1)))), num(0.5))
+    if kind == "leakyrelu":  # x for x >= 0, a x below: relu(x) - a relu(-x), exact
+        return ast.BinOp(call("relu", x), ast.Sub(),
+                         mul(num(params[0]), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x)))))
+    if kind == "affine":
+        return add(mul(num(params[0]), x), num(params[1]))
+    return mul(num(params[0]), call("tanh", mul(num(params[1]), x)))  # scaledtanh: a tanh(b x)
+
+
+def _canonical_activation(text: str) -> str:
+    kind, _, rest = text.partition("(")
+    _activation_tree(text, ast.Name("x", ast.Load()))  # validates
+    return kind if not rest else f"{kind}({','.join(repr(float(v)) for v in rest[:-1].split(','))})"
+
+
+class _Activate(ast.NodeTransformer):
+    """Replaces the first activation call of a statement (pre-order) by another activation."""
+
+    def __init__(self, activation: str) -> None:
+        self.activation, self.done = activation, False
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        if self.done:
+            return node
+        self.done = True
+        return _activation_tree(self.activation, node.args[0])
+
+
+def with_activations(cell: str | CellSpec, activations: Sequence[str]) -> CellSpec:
+    """``cell`` with other activations in ONNX's roles: for the LSTM (f, g,
+    h): the gates', the cell input's and the output's; for the GRU (f, g):
+    the gates' and the candidate's; for the RNN (f). Each is one of
+    ``sigmoid``, ``tanh``, ``relu``, ``hardsigmoid(a,b)`` (clamp(a x + b, 0,
+    1)), ``leakyrelu(a)``, ``affine(a,b)`` (a x + b) and ``scaledtanh(a,b)``
+    (a tanh(b x)). A clipped cell (:func:`with_clip`) keeps its clip inside
+    the new activations. The cell's own activations give the cell itself."""
+    spec = get_cell(cell)
+    base = spec.name.partition("+")[0]
+    if ACTIVATIONS_SUFFIX in spec.name or spec.lengths or base not in _ACTIVATION_ROLES:
+        raise ArgumentError(f"with_activations: expected a built-in cell, clipped or not, got {spec.name!r}")
+    roles = _ACTIVATION_ROLES[base]
+    wanted = [_canonical_activation(a) for a in activations]
+    own = list(CELLS[base].pointwise) + [s for block in CELLS[base].between_stages for s in block]
+    defaults = [None] * (max(roles.values()) + 1)
+    for name, expr in own:
+        if name in roles:
+            defaults[roles[name]] = next(n.func.id for n in ast.walk(_parse(expr)) if isinstance(n, ast.Call))
+    if len(wanted) != len(defaults):
+        raise ArgumentError(f"with_activations: expected {len(defaults)} activation(s) for {base}, got {len(wanted)}")
+    if wanted == defaults:
+        return spec
+    functions = {name: name for name in NUMPY_FUNCTIONS}
+
+    def activated(block: tuple[Statement, ...]) -> tuple[Statement, ...]:
+        return tuple(Statement(name, expr) if name not in roles else Statement(
+            name, _render(_Activate(wanted[roles[name]]).visit(copy.deepcopy(_parse(expr))), functions, ""))
+            for name, expr in block)
+
+    return CellSpec(f"{spec.name}{ACTIVATIONS_SUFFIX}{'/'.join(wanted)}", spec.gates, spec.has_cell_state,
+                    spec.stages, spec.stage_operands, tuple(activated(b) for b in spec.between_stages),
+                    activated(spec.pointwise), spec.supports_projection, spec.lengths)
+
+
+@functools.lru_cache(maxsize=None)
+def _derived_cell(name: str) -> CellSpec:
+    """A name of the form ``base[+clip=C][+act=A/B/...]``, as :func:`with_clip`
+    and :func:`with_activations` name their cells."""
+    rest, _, activations = name.partition(ACTIVATIONS_SUFFIX)
+    base, _, clip_text = rest.partition(CLIP_SUFFIX)
+    if base not in CELLS:
+        raise ArgumentError(f"cell: expected one of {sorted(CELLS)} before {CLIP_SUFFIX!r} or "
+                            f"{ACTIVATIONS_SUFFIX!r}, got {name!r}")
+    spec = CELLS[base]
+    if CLIP_SUFFIX in rest:
+        try:
+            clip = float(clip_text)
+        except ValueError:
+            raise ArgumentError(f"cell: expected {base}{CLIP_SUFFIX}<a positive float>, got {name!r}") from None
+        spec = with_clip(spec, clip)
+    if ACTIVATIONS_SUFFIX in name:
+        spec = with_activations(spec, activations.split("/"))
     if spec.name != name:  # one name per cell, so that plans and binaries are cached once
         raise ArgumentError(f"cell: expected {spec.name!r}, got {name!r}")
     return spec
@@ -670,8 +789,8 @@ def get_cell(cell: str | CellSpec) -> CellSpec:
         return cell
     if not isinstance(cell, str):
         raise ArgumentTypeError(f"cell: expected a str or CellSpec, got {type(cell).__name__}")
-    if CLIP_SUFFIX in cell:
-        return _clipped_cell(cell)
+    if CLIP_SUFFIX in cell or ACTIVATIONS_SUFFIX in cell:
+        return _derived_cell(cell)
     try:
         return CELLS[cell]
     except KeyError:

@@ -54,7 +54,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import ops, persistent, runtime, training
 from .training import TORCH_FUNCTIONS
-from .cells import CellSpec, get_cell, with_clip
+from .cells import ACTIVATIONS_SUFFIX, CellSpec, get_cell, with_activations, with_clip
 from .errors import ArgumentError, ArgumentTypeError, InputShapeError, InputTypeError, UnsupportedError
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
@@ -201,13 +201,23 @@ class _Persistent:
             return _spec_torch_forward(self, input, hx)
         return super().forward(input, hx)  # type: ignore[misc]
 
-    def _set_cell(self, base: str, clip: float | None) -> None:
-        """The cell this module runs: ``base``, or with its gates clipped (ONNX ``clip``)."""
+    def _set_cell(self, base: str, clip: float | None, activations: Any) -> None:
+        """The cell this module runs: ``base``, with its gates clipped (ONNX
+        ``clip``) and other activations (ONNX ``activations``) where given."""
+        spec = get_cell(base) if clip is None else with_clip(base, clip)
+        if activations is not None:
+            if isinstance(activations, str) or not all(isinstance(a, str) for a in activations):
+                raise ArgumentTypeError(f"activations: expected a sequence of names, got {activations!r}")
+            spec = with_activations(spec, list(activations))
         self.clip = None if clip is None else float(clip)
-        self.cell = base if clip is None else with_clip(base, clip).name
+        named = spec.name.partition(ACTIVATIONS_SUFFIX)[2]  # canonical: "hardsigmoid(0.2,0.5)", not "HardSigmoid"
+        self.activations = tuple(named.split("/")) if named else None
+        self.cell = spec.name
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ("" if self.clip is None else f", clip={self.clip!r}")  # type: ignore[misc]
+        extra = ("" if self.clip is None else f", clip={self.clip!r}") + (
+            "" if self.activations is None else f", activations={self.activations!r}")
+        return super().extra_repr() + extra  # type: ignore[misc]
 
     def _shape(self, dtype: torch.dtype) -> Any:
         shape = self._shapes.get(dtype)
@@ -487,9 +497,9 @@ def _spec_torch_forward(module: "_Persistent", input: Any, hx: Any) -> Any:
 class LSTM(_Persistent, torch.nn.LSTM):
     """``torch.nn.LSTM`` with a persistent-kernel forward (see the module docstring)."""
 
-    def __init__(self, *args: Any, clip: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clip: float | None = None, activations: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._set_cell("lstm", clip)
+        self._set_cell("lstm", clip, activations)
         self._init_persistent()
 
 
@@ -498,12 +508,13 @@ class GRU(_Persistent, torch.nn.GRU):
     selects the canonical GRU (reset gate applied before the recurrent
     product), with the same parameter names and shapes."""
 
-    def __init__(self, *args: Any, reset_after: bool = True, clip: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, reset_after: bool = True, clip: float | None = None, activations: Any = None,
+                 **kwargs: Any) -> None:
         if not isinstance(reset_after, bool):
             raise ArgumentTypeError(f"reset_after: expected a bool, got {type(reset_after).__name__}")
         super().__init__(*args, **kwargs)
         self.reset_after = reset_after
-        self._set_cell("gru" if reset_after else "gru_reset_before", clip)
+        self._set_cell("gru" if reset_after else "gru_reset_before", clip, activations)
         self._init_persistent()
 
     def extra_repr(self) -> str:
@@ -513,9 +524,9 @@ class GRU(_Persistent, torch.nn.GRU):
 class RNN(_Persistent, torch.nn.RNN):
     """``torch.nn.RNN`` (tanh or relu) with a persistent-kernel forward."""
 
-    def __init__(self, *args: Any, clip: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clip: float | None = None, activations: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._set_cell(f"rnn_{self.nonlinearity}", clip)
+        self._set_cell(f"rnn_{self.nonlinearity}", clip, activations)
         self._init_persistent()
 
 

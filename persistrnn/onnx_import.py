@@ -21,12 +21,17 @@ r, z, n) and adds what ONNX has and torch does not: ``direction="reverse"``
 ``clip`` makes a clipped cell (:func:`persistrnn.cells.with_clip`): every
 gate pre-activation clamped to [-clip, clip] before its activation, as ONNX
 Runtime computes it (the LSTM's cell state is not clipped before its output
-activation there, and not here).
+activation there, and not here). ``activations`` other than the defaults
+make a cell with those activations (:func:`persistrnn.cells.with_activations`):
+Sigmoid, Tanh, Relu, HardSigmoid, LeakyRelu, Affine and ScaledTanh, with
+``activation_alpha``/``activation_beta`` read as ONNX Runtime reads them, the
+same in both directions.
 
 What the cells cannot compute raises :class:`~persistrnn.errors.UnsupportedError`
 naming the node and the attribute: LSTM ``input_forget=1``, LSTM
-peepholes (a ``P`` that is not all zeros), activations other than the
-defaults (and ``Relu`` for RNN), and weights that are not constants.
+peepholes (a ``P`` that is not all zeros), other activations (ThresholdedRelu,
+Elu, Softsign, Softplus) or activations that differ between the directions,
+and weights that are not constants.
 
 ``python -m persistrnn onnx model.onnx`` (:func:`main`) prints what was
 converted, what runs where, and, on a GPU, times the model against ONNX
@@ -71,7 +76,6 @@ c -> torch i, f, g, o; ONNX GRU z, r, h -> torch r, z, n)."""
 
 _DEFAULT_ACTIVATIONS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh"), "RNN": ("tanh",)}
 
-# activation_alpha/beta parametrise only activations the cells do not have;
 # output_sequence (opset 1) only says whether Y is an output.
 _COMMON_ATTRIBUTES = {"activation_alpha", "activation_beta", "activations", "clip", "direction", "hidden_size",
                       "layout", "output_sequence"}
@@ -326,28 +330,66 @@ def _attributes(node: onnx.NodeProto, where: str) -> dict[str, Any]:
     return values
 
 
-def _cell_of(node: onnx.NodeProto, attributes: dict[str, Any], directions: int, where: str) -> str:
-    """The persistrnn cell the node's activations and form select."""
+_ALPHA_DEFAULTS = {"hardsigmoid": 0.2, "leakyrelu": 0.01}
+_BETA_DEFAULTS = {"hardsigmoid": 0.5}
+_USES_ALPHA = ("affine", "leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu")
+_USES_BETA = ("affine", "scaledtanh", "hardsigmoid")
+_CELL_ACTIVATIONS = ("sigmoid", "tanh", "relu", "hardsigmoid", "leakyrelu", "affine", "scaledtanh")
+"""ONNX's activations a cell computes (persistrnn.cells.with_activations), lower-cased."""
+
+
+def _activations_of(attributes: dict[str, Any], count: int, where: str) -> list[str]:
+    """The node's activations as the cells name them (``hardsigmoid(0.2,0.5)``).
+    ``activation_alpha``/``activation_beta`` are consumed in order by the
+    activations that take them, each list by itself, and a missing value is
+    the ONNX operator's default, as ONNX Runtime reads them."""
+    names = [a.lower() for a in attributes["activations"]]
+    if len(names) != count:
+        raise ArgumentError(f"{where}: attribute activations: expected {count} names "
+                            f"({count // 2 if count > 3 else count} per direction), got {len(names)}")
+    alphas, betas = list(attributes.get("activation_alpha", [])), list(attributes.get("activation_beta", []))
+    out = []
+    for name in names:
+        if name not in _CELL_ACTIVATIONS:
+            raise UnsupportedError(f"{where}: attribute activations={attributes['activations']} is not supported: "
+                                   f"{name!r} is not among the activations the cells compute "
+                                   f"({', '.join(_CELL_ACTIVATIONS)})")
+        params = []
+        for uses, values, defaults, what in ((_USES_ALPHA, alphas, _ALPHA_DEFAULTS, "activation_alpha"),
+                                             (_USES_BETA, betas, _BETA_DEFAULTS, "activation_beta")):
+            if name in uses:
+                if values:
+                    params.append(float(values.pop(0)))
+                elif name in defaults:
+                    params.append(defaults[name])
+                else:
+                    raise UnsupportedError(f"{where}: attribute activations: {name} needs its {what} value "
+                                           f"(ONNX gives it no default)")
+        out.append(name if not params else f"{name}({','.join(repr(p) for p in params)})")
+    return out
+
+
+def _cell_of(node: onnx.NodeProto, attributes: dict[str, Any], directions: int,
+             where: str) -> tuple[str, list[str] | None]:
+    """The persistrnn cell the node's form selects, and its activations
+    where they are not that cell's own (None: its own)."""
     op = node.op_type
     default = _DEFAULT_ACTIVATIONS[op]
-    activations = attributes.get("activations")
-    if activations is None:
-        activations = list(default) * directions
-    activations = [a.lower() for a in activations]
-    if len(activations) != len(default) * directions:
-        raise ArgumentError(f"{where}: attribute activations: expected {len(default) * directions} names "
-                            f"({len(default)} per direction), got {len(activations)}")
-    per_direction = [tuple(activations[d * len(default):(d + 1) * len(default)]) for d in range(directions)]
-    if op == "RNN" and len(set(per_direction)) == 1 and per_direction[0] in (("tanh",), ("relu",)):
-        return f"rnn_{per_direction[0][0]}"
-    if any(p != default for p in per_direction):
-        supported = "Tanh or Relu, the same in both directions" if op == "RNN" else \
-            ", ".join(a.capitalize() for a in default)
-        raise UnsupportedError(f"{where}: attribute activations={attributes['activations']} is not supported: "
-                               f"the {op} cells compute {supported}")
     if op == "GRU":
-        return "gru" if attributes.get("linear_before_reset", 0) else "gru_reset_before"
-    return "lstm"
+        cell = "gru" if attributes.get("linear_before_reset", 0) else "gru_reset_before"
+    else:
+        cell = "lstm" if op == "LSTM" else "rnn_tanh"
+    if attributes.get("activations") is None:
+        return cell, None
+    activations = _activations_of(attributes, len(default) * directions, where)
+    per_direction = {tuple(activations[d * len(default):(d + 1) * len(default)]) for d in range(directions)}
+    if len(per_direction) > 1:
+        raise UnsupportedError(f"{where}: attribute activations={attributes['activations']} is not supported: "
+                               "one module runs both directions, so they must be the same in both")
+    (chosen,) = per_direction
+    if op == "RNN" and chosen == ("relu",):
+        return "rnn_relu", None
+    return cell, (None if chosen == default else list(chosen))
 
 
 def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | None]) -> RecurrentNode:
@@ -380,7 +422,7 @@ def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | Non
         raise ArgumentError(f"{where}: attribute linear_before_reset: expected an int, got {linear_before_reset!r}")
     linear_before_reset = int(linear_before_reset != 0)  # ONNX: any nonzero value applies the product first
     directions = 2 if direction == "bidirectional" else 1
-    cell = _cell_of(node, attributes, directions, where)
+    cell, activations = _cell_of(node, attributes, directions, where)
 
     inputs = list(node.input) + [""] * (8 - len(node.input))
     weights = {}
@@ -418,7 +460,7 @@ def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | Non
         raise UnsupportedError(f"{where}: input P (peepholes) is not supported: the persistrnn LSTM has no "
                                "peephole connections (an all-zero P is accepted)")
     kwargs: dict[str, Any] = dict(num_layers=1, bias=True, bidirectional=directions == 2,
-                                  dtype=_torch_dtype(w.dtype, where), clip=clip)
+                                  dtype=_torch_dtype(w.dtype, where), clip=clip, activations=activations)
     if op == "GRU":
         rnn = GRU(w.shape[2], hidden, reset_after=cell == "gru", **kwargs)
     elif op == "RNN":

@@ -360,7 +360,8 @@ def test_clipped_cell_names_are_canonical_and_bad_ones_say_what_was_expected():
         get_cell("lstm+clip=x")
     with pytest.raises(ValueError, match=r"clip: expected a positive finite float, got 0.0"):
         get_cell("gru+clip=0.0")
-    with pytest.raises(ValueError, match=r"cell: expected one of .* before '\+clip=', got 'lsmt\+clip=3.0'"):
+    with pytest.raises(ValueError,
+                       match=r"cell: expected one of .* before '\+clip=' or '\+act=', got 'lsmt\+clip=3.0'"):
         get_cell("lsmt+clip=3.0")
     with pytest.raises(ValueError, match=r"got 'lstm\+clip=3.0\+clip=1.0'"):
         get_cell("lstm+clip=3.0+clip=1.0")
@@ -368,3 +369,32 @@ def test_clipped_cell_names_are_canonical_and_bad_ones_say_what_was_expected():
 
     with pytest.raises(ValueError, match=r"cell 'lstm\+clip=3.0' is clipped already"):
         with_clip("lstm+clip=3.0", 1.0)
+
+
+def test_other_activations_replace_each_role_and_keep_a_clip_inside_them():
+    from persistrnn.cells import with_activations, with_clip
+
+    lstm = with_activations("lstm+clip=3.0", ["HardSigmoid(0.2,0.5)".lower(), "tanh", "leakyrelu(0.1)"])
+    assert lstm.name == "lstm+clip=3.0+act=hardsigmoid(0.2,0.5)/tanh/leakyrelu(0.1)"
+    assert get_cell(lstm.name) is get_cell(lstm.name)
+    exprs = dict(lstm.pointwise)
+    assert exprs["i"] == "0.5 * hardtanh(0.4 * (3.0 * hardtanh((x_i + h_i) / 3.0)) + 0.0) + 0.5"
+    assert exprs["g"] == "tanh(3.0 * hardtanh((x_g + h_g) / 3.0))"
+    assert exprs["h_new"] == "o * (relu(c_new) - 0.1 * relu(-c_new))"
+    assert with_activations("gru", ["sigmoid", "tanh"]).name == "gru"  # its own activations: the cell itself
+    # each activation, evaluated against its definition
+    x = np.linspace(-6.0, 6.0, 49)
+    for text, want in (("hardsigmoid(0.3,0.4)", np.clip(0.3 * x + 0.4, 0, 1)),
+                       ("leakyrelu(0.1)", np.where(x >= 0, x, 0.1 * x)),
+                       ("affine(0.5,0.1)", 0.5 * x + 0.1), ("scaledtanh(2.0,0.5)", 2.0 * np.tanh(0.5 * x))):
+        expr = dict(with_activations("rnn_tanh", [text]).pointwise)["h_new"]
+        got = evaluate([("y", expr)], {"x_a": x, "h_a": np.zeros_like(x)})["y"]
+        np.testing.assert_allclose(got, want, rtol=1e-15, atol=1e-15, err_msg=text)
+    for bad, match in ((["elu"], "activation: expected one of"), (["hardsigmoid(0.2)"], "2 parameter"),
+                       (["sigmoid", "tanh"], "expected 1 activation"), (["affine(1,inf)"], "finite")):
+        with pytest.raises(ValueError, match=match):
+            with_activations("rnn_tanh", bad)
+    with pytest.raises(ValueError, match=r"has other activations \(clip first\)"):
+        with_clip("rnn_tanh+act=sigmoid", 1.0)
+    with pytest.raises(ValueError, match=r"cell: expected 'rnn_tanh\+act=affine\(1.0,0.0\)'"):
+        get_cell("rnn_tanh+act=affine(1,0)")

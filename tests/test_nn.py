@@ -696,3 +696,20 @@ def test_clip_must_be_a_positive_finite_float():
         persistrnn.RNN(4, 5, clip="3")
     assert persistrnn.LSTM(4, 5).clip is None and persistrnn.LSTM(4, 5).cell == "lstm"
     assert persistrnn.GRU(4, 5, clip=3).cell == "gru+clip=3.0"
+
+
+def test_other_activations_on_a_module_run_its_cell_on_the_cpu_and_say_so():
+    torch.manual_seed(6)
+    m = persistrnn.GRU(4, 5, reset_after=False, clip=0.5, activations=["hardsigmoid(0.2,0.5)", "tanh"]).double()
+    assert m.cell == "gru_reset_before+clip=0.5+act=hardsigmoid(0.2,0.5)/tanh"
+    assert repr(m) == ("GRU(4, 5, clip=0.5, activations=('hardsigmoid(0.2,0.5)', 'tanh'), reset_after=False)")
+    x = torch.randn(6, 2, 4, dtype=torch.float64) * 3
+    out, _ = m(x)
+    layers = [[{k: v.detach().numpy() for k, v in d.items()} for d in layer] for layer in pnn._layers(m)]
+    want, _ = reference.rnn_forward(m.cell, x.numpy(), layers)
+    assert rel(out.detach().numpy(), want) <= 1e-14
+    assert persistrnn.LSTM(4, 5, activations=("sigmoid", "tanh", "tanh")).activations is None  # its own
+    with pytest.raises(TypeError, match="activations: expected a sequence of names, got 'tanh'"):
+        persistrnn.RNN(4, 5, activations="tanh")
+    with pytest.raises(ValueError, match="expected 3 activation"):
+        persistrnn.LSTM(4, 5, activations=["sigmoid", "tanh"])

@@ -274,6 +274,61 @@ def test_gpu_clip_matches_onnxruntime(request, untuned, op, attributes, directio
     _check_clip(request, op, attributes, direction, lengths, "cuda")
 
 
+# Activations other than the defaults (onnx.reference has some, ONNX Runtime all): the parametrised ones
+# with activation_alpha/beta consumed as ONNX Runtime consumes them (each list by the activations that take
+# it, in order), HardSigmoid and LeakyRelu also with their defaults; with clip too, inside them.
+ACTIVATION_CASES = [
+    ("LSTM", {"activations": ["HardSigmoid", "Tanh", "Tanh"]}),
+    ("LSTM", {"activations": ["Sigmoid", "LeakyRelu", "ScaledTanh"], "activation_alpha": [0.1, 1.5],
+              "activation_beta": [0.7]}),
+    ("LSTM", {"activations": ["HardSigmoid", "Affine", "Relu"], "activation_alpha": [0.3, 0.5],
+              "activation_beta": [0.4, 0.1], "clip": 0.8}),
+    ("GRU", {"linear_before_reset": 0, "activations": ["HardSigmoid", "Tanh"]}),
+    ("GRU", {"linear_before_reset": 1, "activations": ["Sigmoid", "LeakyRelu"]}),
+    ("GRU", {"linear_before_reset": 0, "activations": ["HardSigmoid", "ScaledTanh"], "activation_alpha": [0.25, 2.0],
+             "activation_beta": [0.45, 0.5], "clip": 0.6}),
+    ("RNN", {"activations": ["Sigmoid"]}),
+    ("RNN", {"activations": ["LeakyRelu"], "activation_alpha": [0.2]}),
+    ("RNN", {"activations": ["Affine"], "activation_alpha": [0.5], "activation_beta": [0.1]}),
+]
+ACTIVATION_PARAMS = [
+    pytest.param(op, attributes, direction, id=f"{op.lower()}-{'-'.join(attributes['activations'])}"
+                 f"{'-clip' if 'clip' in attributes else ''}-{direction}")
+    for op, attributes in ACTIVATION_CASES for direction in ("forward", "bidirectional")
+]
+
+
+def _check_activations(request, op, attributes, direction, device):
+    seed = zlib.crc32(request.node.callspec.id.encode())
+    attributes = dict(attributes)
+    if direction == "bidirectional":  # the same activations (and parameters) for the reverse direction
+        for name in ("activation_alpha", "activation_beta"):
+            if name in attributes:
+                attributes[name] = attributes[name] * 2
+    model, feeds = node_model(op, attributes, direction=direction, lengths=LENGTHS, states=True, seed=seed)
+    module = from_onnx(model)
+    assert module.rnn.activations is not None or module.rnn.cell == "rnn_relu"
+    got = run_module(module, feeds, device)
+    assert_onnx_close(got, onnxruntime_reference(model, feeds, 0), "against ONNX Runtime",
+                      absolute=ORT_ABSOLUTE, scaled=True)
+    for name in ("activations", "activation_alpha", "activation_beta"):  # the defaults: a different answer
+        for attribute in [a for a in model.graph.node[0].attribute if a.name == name]:
+            model.graph.node[0].attribute.remove(attribute)
+    default = run_module(from_onnx(model), feeds, device)
+    assert max(float(np.abs(d - g).max()) for d, g in zip(default, got)) > 1e-2
+
+
+@pytest.mark.parametrize("op, attributes, direction", ACTIVATION_PARAMS)
+def test_activations_match_onnxruntime(request, op, attributes, direction):
+    _check_activations(request, op, attributes, direction, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, attributes, direction", ACTIVATION_PARAMS)
+def test_gpu_activations_match_onnxruntime(request, untuned, op, attributes, direction):
+    _check_activations(request, op, attributes, direction, "cuda")
+
+
 # Sequences of length 0 (ONNX Runtime's zeros for Y, Y_h and Y_c), among others and all of them.
 EMPTY_CASES = [
     pytest.param(op, attributes, direction, layout, lengths, id=f"{cell}-{direction}-layout{layout}-{name}")
@@ -493,9 +548,10 @@ def test_unsupported_backend_case_names_the_reason(name, reason):
 @pytest.mark.parametrize("op, attributes, inputs, match", [
     ("LSTM", {"input_forget": 1}, {}, "attribute input_forget=1"),
     ("LSTM", {}, {7: 0.1 * np.ones((1, 3 * HIDDEN), np.float32)}, "input P"),
-    ("LSTM", {"activations": ["Sigmoid", "Tanh", "Relu"]}, {}, "attribute activations"),
-    ("GRU", {"activations": ["HardSigmoid", "Tanh"]}, {}, "attribute activations"),
-    ("RNN", {"activations": ["Sigmoid"]}, {}, "attribute activations"),
+    ("LSTM", {"activations": ["Sigmoid", "Tanh", "Elu"]}, {}, "attribute activations.*'elu' is not among"),
+    ("GRU", {"activations": ["Softsign", "Tanh"]}, {}, "attribute activations.*'softsign' is not among"),
+    ("RNN", {"activations": ["ThresholdedRelu"]}, {}, "attribute activations.*'thresholdedrelu' is not among"),
+    ("LSTM", {"activations": ["Sigmoid", "Affine", "Tanh"]}, {}, "affine needs its activation_alpha value"),
 ])
 def test_unsupported_attributes_name_the_node_and_attribute(op, attributes, inputs, match):
     model, _ = node_model(op, attributes)
@@ -512,7 +568,7 @@ def test_mixed_rnn_activations_across_directions_are_unsupported():
     model, _ = node_model("RNN", direction="bidirectional")
     node = model.graph.node[0]
     node.attribute.append(helper.make_attribute("activations", ["Tanh", "Relu"]))
-    with pytest.raises(UnsupportedError, match="the same in both directions"):
+    with pytest.raises(UnsupportedError, match="must be the same in both"):
         from_onnx(model)
 
 
@@ -670,7 +726,7 @@ def test_whole_model_without_onnx2torch_says_what_to_install(monkeypatch):
 
 def test_unsupported_node_in_a_whole_model_fails_before_onnx2torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx2torch", None)
-    model = _set_attribute(stacked_model()[0], "activations", ["HardSigmoid", "Tanh"] * 2)  # bidirectional
+    model = _set_attribute(stacked_model()[0], "activations", ["Softsign", "Tanh"] * 2)  # bidirectional
     with pytest.raises(UnsupportedError, match="GRU node 'encoder': attribute activations"):
         from_onnx(model)
 

@@ -294,6 +294,11 @@ CLIPPED_CASES = [
     (KernelConfig("lstm+clip=0.5", 256, "cluster", 16, 128, 8, 1, fused_step=True), 1, 50),
     (KernelConfig("gru+clip=0.5", 96, "cluster", 2, 384, 8, 8, fused_step=True, dtype="bfloat16"), 10, 7),
     (_mma("lstm+clip=0.5", 256, "cluster", 8, 256, 2, "float16"), 8, 7),
+    # other activations (ONNX activations; cells.with_activations), one with a clip inside them
+    (KernelConfig("lstm+act=hardsigmoid(0.2,0.5)/tanh/leakyrelu(0.1)", 256, "cluster", 16), 3, 20),
+    (KernelConfig("gru_reset_before+clip=0.5+act=hardsigmoid(0.2,0.5)/scaledtanh(2.0,0.5)", 100, "grid", 10, 64,
+                  2, 1), 17, 7),
+    (KernelConfig("gru+act=sigmoid/leakyrelu(0.01)", 96, "cluster", 2, 384, 8, 8, fused_step=True), 10, 7),
 ]
 
 

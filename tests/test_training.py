@@ -84,13 +84,17 @@ def gradients(fn, cell, x, h0, c0, weights, *options):
 # ---- the cell, differentiated from its spec ------------------------------------
 
 
+ACTIVATED_NAMES = ("lstm+act=hardsigmoid(0.2,0.5)/tanh/leakyrelu(0.1)",
+                   "gru_reset_before+clip=0.5+act=hardsigmoid(0.2,0.5)/scaledtanh(2.0,0.5)",
+                   "gru+act=sigmoid/leakyrelu(0.01)", "rnn_tanh+act=affine(0.5,0.1)")
+"""Cells with other activations (ONNX activations; cells.with_activations), one with a clip inside them."""
 CLIPPED_NAMES = tuple(f"{name}+clip=0.5" for name in CELL_NAMES)
 """Every cell with its gates clamped (ONNX clip; cells.with_clip): at 0.5 most of the random pre-activations
 below lie outside the bound, so both sides of hardtanh's derivative are taken."""
 
 
 @pytest.mark.parametrize("lengths", [False, True])
-@pytest.mark.parametrize("cell", CELL_NAMES + CLIPPED_NAMES)
+@pytest.mark.parametrize("cell", CELL_NAMES + CLIPPED_NAMES + ACTIVATED_NAMES)
 def test_step_backward_equals_autograd_of_the_cell_step(cell, lengths):
     # The generated statements evaluated with torch in float64 (random
     # inputs, never zeros; odd sizes), against autograd of the spec's step:
@@ -186,7 +190,8 @@ def _cpu_matrix(n, seed, cell_names=CELL_NAMES):
 
 
 @pytest.mark.parametrize("cell,input_size,hidden,num_layers,bidirectional,has_biases,steps,batch",
-                         list(_cpu_matrix(3, seed=16)) + list(_cpu_matrix(1, seed=17, cell_names=CLIPPED_NAMES)))
+                         list(_cpu_matrix(3, seed=16))
+                         + list(_cpu_matrix(1, seed=17, cell_names=CLIPPED_NAMES + ACTIVATED_NAMES)))
 def test_gradients_equal_float64_autograd_of_the_reference(cell, input_size, hidden, num_layers, bidirectional,
                                                            has_biases, steps, batch):
     options = (num_layers, bidirectional, has_biases)
@@ -521,7 +526,7 @@ def test_saved_shapes_match_what_the_forward_keeps():
 
 
 BLOCK_KERNELS = [(spec, block.block) for spec in (*cells.CELLS.values(), *map(cells.with_lengths, cells.CELLS),
-                                                  *map(cells.get_cell, CLIPPED_NAMES))
+                                                  *map(cells.get_cell, CLIPPED_NAMES + ACTIVATED_NAMES))
                  for block in adjoint.step_backward_program(spec).blocks]
 
 
@@ -622,7 +627,7 @@ class EmulatedBlockKernels:
 
 @pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("cell", CELL_NAMES + CLIPPED_NAMES)
+@pytest.mark.parametrize("cell", CELL_NAMES + CLIPPED_NAMES + ACTIVATED_NAMES)
 def test_fused_step_loop_with_emulated_kernels_equals_the_torch_op_steps(cell, reverse, lengths, monkeypatch):
     inputs = direction_inputs(cell, steps=4, batch=3, hidden=7, seed=11, lengths=lengths)
     want = run_steps(training._torch_steps, cell, inputs, reverse)
@@ -773,7 +778,7 @@ def _gpu_matrix(n, seed, cell_names=CELL_NAMES):
                    batch=rng.choice([1, 3, 8]), dtype=rng.choice(["float32", "float32", "bfloat16", "float16"]))
 
 
-GPU_MATRIX = list(_gpu_matrix(20, seed=16)) + list(_gpu_matrix(5, seed=18, cell_names=CLIPPED_NAMES))
+GPU_MATRIX = list(_gpu_matrix(20, seed=16)) + list(_gpu_matrix(8, seed=18, cell_names=CLIPPED_NAMES + ACTIVATED_NAMES))
 
 
 def _f64_gradients(fn, case, tensors):
