@@ -70,6 +70,7 @@ __all__ = [
     "render_pointwise_functions",
     "with_activations",
     "with_clip",
+    "with_coupled_gates",
     "with_lengths",
     "STEP_RUNS",
 ]
@@ -634,8 +635,8 @@ def with_clip(cell: str | CellSpec, clip: float) -> CellSpec:
         raise ArgumentTypeError(f"clip: expected a positive float, got {type(clip).__name__}")
     if not (math.isfinite(clip) and clip > 0):
         raise ArgumentError(f"clip: expected a positive finite float, got {clip!r}")
-    if CLIP_SUFFIX in spec.name or ACTIVATIONS_SUFFIX in spec.name:
-        raise ArgumentError(f"cell {spec.name!r} is clipped already or has other activations (clip first)")
+    if "+" in spec.name:
+        raise ArgumentError(f"cell {spec.name!r} is clipped already or derived otherwise (clip first)")
     clip = float(clip)
     transform = _ClipGates(clip)
     functions = {name: name for name in NUMPY_FUNCTIONS}
@@ -734,7 +735,7 @@ def with_activations(cell: str | CellSpec, activations: Sequence[str]) -> CellSp
     the new activations. The cell's own activations give the cell itself."""
     spec = get_cell(cell)
     base = spec.name.partition("+")[0]
-    if ACTIVATIONS_SUFFIX in spec.name or spec.lengths or base not in _ACTIVATION_ROLES:
+    if ACTIVATIONS_SUFFIX in spec.name or COUPLED_SUFFIX in spec.name or spec.lengths or base not in _ACTIVATION_ROLES:
         raise ArgumentError(f"with_activations: expected a built-in cell, clipped or not, got {spec.name!r}")
     roles = _ACTIVATION_ROLES[base]
     wanted = [_canonical_activation(a) for a in activations]
@@ -759,11 +760,31 @@ def with_activations(cell: str | CellSpec, activations: Sequence[str]) -> CellSp
                     activated(spec.pointwise), spec.supports_projection, spec.lengths)
 
 
+COUPLED_SUFFIX = "+coupled"
+"""What a :func:`with_coupled_gates` cell's name ends with: ``lstm+coupled``."""
+
+
+def with_coupled_gates(cell: str | CellSpec) -> CellSpec:
+    """An LSTM (clipped, with other activations, or neither) whose forget gate
+    is one minus its input gate: ONNX's ``input_forget=1``, as ONNX Runtime
+    computes it. The forget gate's rows still exist (ONNX keeps them); their
+    product goes unused."""
+    spec = get_cell(cell)
+    if spec.name.partition("+")[0] != "lstm" or COUPLED_SUFFIX in spec.name or spec.lengths:
+        raise ArgumentError(f"with_coupled_gates: expected an LSTM cell whose gates are not coupled yet, "
+                            f"got {spec.name!r}")
+    pointwise = tuple(Statement(name, "1.0 - i" if name == "f" else expr) for name, expr in spec.pointwise)
+    return CellSpec(f"{spec.name}{COUPLED_SUFFIX}", spec.gates, spec.has_cell_state, spec.stages,
+                    spec.stage_operands, spec.between_stages, pointwise, spec.supports_projection, spec.lengths)
+
+
 @functools.lru_cache(maxsize=None)
 def _derived_cell(name: str) -> CellSpec:
-    """A name of the form ``base[+clip=C][+act=A/B/...]``, as :func:`with_clip`
-    and :func:`with_activations` name their cells."""
-    rest, _, activations = name.partition(ACTIVATIONS_SUFFIX)
+    """A name of the form ``base[+clip=C][+act=A/B/...][+coupled]``, as
+    :func:`with_clip`, :func:`with_activations` and :func:`with_coupled_gates`
+    name their cells."""
+    coupled = name.endswith(COUPLED_SUFFIX)
+    rest, _, activations = name.removesuffix(COUPLED_SUFFIX).partition(ACTIVATIONS_SUFFIX)
     base, _, clip_text = rest.partition(CLIP_SUFFIX)
     if base not in CELLS:
         raise ArgumentError(f"cell: expected one of {sorted(CELLS)} before {CLIP_SUFFIX!r} or "
@@ -777,6 +798,8 @@ def _derived_cell(name: str) -> CellSpec:
         spec = with_clip(spec, clip)
     if ACTIVATIONS_SUFFIX in name:
         spec = with_activations(spec, activations.split("/"))
+    if coupled:
+        spec = with_coupled_gates(spec)
     if spec.name != name:  # one name per cell, so that plans and binaries are cached once
         raise ArgumentError(f"cell: expected {spec.name!r}, got {name!r}")
     return spec
@@ -789,7 +812,7 @@ def get_cell(cell: str | CellSpec) -> CellSpec:
         return cell
     if not isinstance(cell, str):
         raise ArgumentTypeError(f"cell: expected a str or CellSpec, got {type(cell).__name__}")
-    if CLIP_SUFFIX in cell or ACTIVATIONS_SUFFIX in cell:
+    if "+" in cell and not cell.endswith("+lengths"):
         return _derived_cell(cell)
     try:
         return CELLS[cell]

@@ -54,7 +54,8 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import ops, persistent, runtime, training
 from .training import TORCH_FUNCTIONS
-from .cells import ACTIVATIONS_SUFFIX, CellSpec, get_cell, with_activations, with_clip
+from .cells import (ACTIVATIONS_SUFFIX, COUPLED_SUFFIX, CellSpec, get_cell, with_activations, with_clip,
+                    with_coupled_gates)
 from .errors import ArgumentError, ArgumentTypeError, InputShapeError, InputTypeError, UnsupportedError
 
 __all__ = ["LSTM", "GRU", "RNN", "InputShapeError", "InputTypeError", "StreamSession", "from_torch", "convert",
@@ -201,22 +202,30 @@ class _Persistent:
             return _spec_torch_forward(self, input, hx)
         return super().forward(input, hx)  # type: ignore[misc]
 
-    def _set_cell(self, base: str, clip: float | None, activations: Any) -> None:
+    def _set_cell(self, base: str, clip: float | None, activations: Any, input_forget: bool = False) -> None:
         """The cell this module runs: ``base``, with its gates clipped (ONNX
-        ``clip``) and other activations (ONNX ``activations``) where given."""
+        ``clip``), other activations (ONNX ``activations``) and the LSTM's
+        forget gate coupled to its input gate (ONNX ``input_forget``) where given."""
         spec = get_cell(base) if clip is None else with_clip(base, clip)
         if activations is not None:
             if isinstance(activations, str) or not all(isinstance(a, str) for a in activations):
                 raise ArgumentTypeError(f"activations: expected a sequence of names, got {activations!r}")
             spec = with_activations(spec, list(activations))
+        if not isinstance(input_forget, bool):
+            raise ArgumentTypeError(f"input_forget: expected a bool, got {type(input_forget).__name__}")
+        if input_forget:
+            spec = with_coupled_gates(spec)
         self.clip = None if clip is None else float(clip)
-        named = spec.name.partition(ACTIVATIONS_SUFFIX)[2]  # canonical: "hardsigmoid(0.2,0.5)", not "HardSigmoid"
+        # canonical names: "hardsigmoid(0.2,0.5)", not "HardSigmoid"
+        named = spec.name.removesuffix(COUPLED_SUFFIX).partition(ACTIVATIONS_SUFFIX)[2]
         self.activations = tuple(named.split("/")) if named else None
+        self.input_forget = input_forget
         self.cell = spec.name
 
     def extra_repr(self) -> str:
         extra = ("" if self.clip is None else f", clip={self.clip!r}") + (
-            "" if self.activations is None else f", activations={self.activations!r}")
+            "" if self.activations is None else f", activations={self.activations!r}") + (
+            ", input_forget=True" if self.input_forget else "")
         return super().extra_repr() + extra  # type: ignore[misc]
 
     def _shape(self, dtype: torch.dtype) -> Any:
@@ -497,9 +506,10 @@ def _spec_torch_forward(module: "_Persistent", input: Any, hx: Any) -> Any:
 class LSTM(_Persistent, torch.nn.LSTM):
     """``torch.nn.LSTM`` with a persistent-kernel forward (see the module docstring)."""
 
-    def __init__(self, *args: Any, clip: float | None = None, activations: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clip: float | None = None, activations: Any = None, input_forget: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._set_cell("lstm", clip, activations)
+        self._set_cell("lstm", clip, activations, input_forget)
         self._init_persistent()
 
 

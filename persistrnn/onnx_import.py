@@ -25,10 +25,12 @@ activation there, and not here). ``activations`` other than the defaults
 make a cell with those activations (:func:`persistrnn.cells.with_activations`):
 Sigmoid, Tanh, Relu, HardSigmoid, LeakyRelu, Affine and ScaledTanh, with
 ``activation_alpha``/``activation_beta`` read as ONNX Runtime reads them, the
-same in both directions.
+same in both directions. LSTM ``input_forget=1`` couples the forget gate to
+the input gate (f = 1 - i, as ONNX Runtime computes it;
+:func:`persistrnn.cells.with_coupled_gates`).
 
 What the cells cannot compute raises :class:`~persistrnn.errors.UnsupportedError`
-naming the node and the attribute: LSTM ``input_forget=1``, LSTM
+naming the node and the attribute: LSTM
 peepholes (a ``P`` that is not all zeros), other activations (ThresholdedRelu,
 Elu, Softsign, Softplus) or activations that differ between the directions,
 and weights that are not constants.
@@ -408,9 +410,6 @@ def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | Non
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                              or not (np.isfinite(clip) and clip > 0)):
         raise ArgumentError(f"{where}: attribute clip: expected a positive finite float, got {clip!r}")
-    if attributes.get("input_forget", 0):
-        raise UnsupportedError(f"{where}: attribute input_forget={attributes['input_forget']} is not supported: "
-                               "the persistrnn LSTM has independent input and forget gates")
     direction = attributes.get("direction", "forward")
     if direction not in _DIRECTIONS:
         raise ArgumentError(f"{where}: attribute direction: expected one of {list(_DIRECTIONS)}, got {direction!r}")
@@ -461,6 +460,8 @@ def node_module(node: onnx.NodeProto, constant: Callable[[str], np.ndarray | Non
                                "peephole connections (an all-zero P is accepted)")
     kwargs: dict[str, Any] = dict(num_layers=1, bias=True, bidirectional=directions == 2,
                                   dtype=_torch_dtype(w.dtype, where), clip=clip, activations=activations)
+    if op == "LSTM":  # ONNX: any nonzero input_forget couples the gates (f = 1 - i)
+        kwargs["input_forget"] = bool(attributes.get("input_forget", 0))
     if op == "GRU":
         rnn = GRU(w.shape[2], hidden, reset_after=cell == "gru", **kwargs)
     elif op == "RNN":

@@ -394,7 +394,19 @@ def test_other_activations_replace_each_role_and_keep_a_clip_inside_them():
                        (["sigmoid", "tanh"], "expected 1 activation"), (["affine(1,inf)"], "finite")):
         with pytest.raises(ValueError, match=match):
             with_activations("rnn_tanh", bad)
-    with pytest.raises(ValueError, match=r"has other activations \(clip first\)"):
+    with pytest.raises(ValueError, match=r"derived otherwise \(clip first\)"):
         with_clip("rnn_tanh+act=sigmoid", 1.0)
     with pytest.raises(ValueError, match=r"cell: expected 'rnn_tanh\+act=affine\(1.0,0.0\)'"):
         get_cell("rnn_tanh+act=affine(1,0)")
+
+
+def test_coupled_gates_make_the_forget_gate_one_minus_the_input_gate():
+    from persistrnn.cells import with_coupled_gates
+
+    spec = get_cell("lstm+clip=2.0+act=hardsigmoid(0.2,0.5)/tanh/tanh+coupled")
+    assert dict(spec.pointwise)["f"] == "1.0 - i" and spec.name == with_coupled_gates(
+        "lstm+clip=2.0+act=hardsigmoid(0.2,0.5)/tanh/tanh").name
+    assert dict(spec.pointwise)["i"].startswith("0.5 * hardtanh(")
+    for bad in ("gru", "lstm+coupled"):
+        with pytest.raises(ValueError, match="expected an LSTM cell whose gates are not coupled yet"):
+            with_coupled_gates(bad)

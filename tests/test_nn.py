@@ -713,3 +713,16 @@ def test_other_activations_on_a_module_run_its_cell_on_the_cpu_and_say_so():
         persistrnn.RNN(4, 5, activations="tanh")
     with pytest.raises(ValueError, match="expected 3 activation"):
         persistrnn.LSTM(4, 5, activations=["sigmoid", "tanh"])
+
+
+def test_input_forget_couples_the_lstm_gates_on_the_cpu():
+    torch.manual_seed(7)
+    m = persistrnn.LSTM(4, 5, input_forget=True).double()
+    assert m.cell == "lstm+coupled" and repr(m) == "LSTM(4, 5, input_forget=True)"
+    x = torch.randn(6, 2, 4, dtype=torch.float64)
+    out, _ = m(x)
+    layers = [[{k: v.detach().numpy() for k, v in d.items()} for d in layer] for layer in pnn._layers(m)]
+    want, _ = reference.rnn_forward("lstm+coupled", x.numpy(), layers)
+    assert rel(out.detach().numpy(), want) <= 1e-14
+    with pytest.raises(TypeError, match="input_forget: expected a bool, got int"):
+        persistrnn.LSTM(4, 5, input_forget=1)

@@ -290,10 +290,14 @@ ACTIVATION_CASES = [
     ("RNN", {"activations": ["Sigmoid"]}),
     ("RNN", {"activations": ["LeakyRelu"], "activation_alpha": [0.2]}),
     ("RNN", {"activations": ["Affine"], "activation_alpha": [0.5], "activation_beta": [0.1]}),
+    # input_forget=1: the forget gate is 1 - the input gate (with other activations and a clip too)
+    ("LSTM", {"input_forget": 1}),
+    ("LSTM", {"input_forget": 1, "activations": ["HardSigmoid", "Tanh", "Tanh"], "clip": 0.7}),
 ]
 ACTIVATION_PARAMS = [
-    pytest.param(op, attributes, direction, id=f"{op.lower()}-{'-'.join(attributes['activations'])}"
-                 f"{'-clip' if 'clip' in attributes else ''}-{direction}")
+    pytest.param(op, attributes, direction, id=f"{op.lower()}-{'-'.join(attributes.get('activations', ['default']))}"
+                 f"{'-clip' if 'clip' in attributes else ''}{'-input_forget' if 'input_forget' in attributes else ''}"
+                 f"-{direction}")
     for op, attributes in ACTIVATION_CASES for direction in ("forward", "bidirectional")
 ]
 
@@ -307,11 +311,11 @@ def _check_activations(request, op, attributes, direction, device):
                 attributes[name] = attributes[name] * 2
     model, feeds = node_model(op, attributes, direction=direction, lengths=LENGTHS, states=True, seed=seed)
     module = from_onnx(model)
-    assert module.rnn.activations is not None or module.rnn.cell == "rnn_relu"
+    assert module.rnn.cell != {"LSTM": "lstm", "GRU": "gru_reset_before", "RNN": "rnn_tanh"}[op]
     got = run_module(module, feeds, device)
     assert_onnx_close(got, onnxruntime_reference(model, feeds, 0), "against ONNX Runtime",
                       absolute=ORT_ABSOLUTE, scaled=True)
-    for name in ("activations", "activation_alpha", "activation_beta"):  # the defaults: a different answer
+    for name in ("activations", "activation_alpha", "activation_beta", "input_forget"):  # the defaults: another answer
         for attribute in [a for a in model.graph.node[0].attribute if a.name == name]:
             model.graph.node[0].attribute.remove(attribute)
     default = run_module(from_onnx(model), feeds, device)
@@ -546,7 +550,6 @@ def test_unsupported_backend_case_names_the_reason(name, reason):
 
 
 @pytest.mark.parametrize("op, attributes, inputs, match", [
-    ("LSTM", {"input_forget": 1}, {}, "attribute input_forget=1"),
     ("LSTM", {}, {7: 0.1 * np.ones((1, 3 * HIDDEN), np.float32)}, "input P"),
     ("LSTM", {"activations": ["Sigmoid", "Tanh", "Elu"]}, {}, "attribute activations.*'elu' is not among"),
     ("GRU", {"activations": ["Softsign", "Tanh"]}, {}, "attribute activations.*'softsign' is not among"),
@@ -759,10 +762,10 @@ def test_cli_without_a_gpu_prints_the_conversion(tmp_path, capsys, monkeypatch):
 def test_cli_refuses_an_unsupported_model(tmp_path, capsys):
     from persistrnn import __main__ as cli
 
-    path = tmp_path / "input_forget.onnx"
-    onnx.save(node_model("LSTM", {"input_forget": 1})[0], str(path))
+    path = tmp_path / "elu.onnx"
+    onnx.save(node_model("LSTM", {"activations": ["Sigmoid", "Elu", "Tanh"]})[0], str(path))
     assert cli.main(["onnx", str(path)]) == 2
-    assert "attribute input_forget=1 is not supported" in capsys.readouterr().err
+    assert "'elu' is not among the activations the cells compute" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

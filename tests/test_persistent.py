@@ -299,6 +299,8 @@ CLIPPED_CASES = [
     (KernelConfig("gru_reset_before+clip=0.5+act=hardsigmoid(0.2,0.5)/scaledtanh(2.0,0.5)", 100, "grid", 10, 64,
                   2, 1), 17, 7),
     (KernelConfig("gru+act=sigmoid/leakyrelu(0.01)", 96, "cluster", 2, 384, 8, 8, fused_step=True), 10, 7),
+    # the LSTM's forget gate coupled to its input gate (ONNX input_forget; cells.with_coupled_gates)
+    (KernelConfig("lstm+clip=0.5+coupled", 256, "cluster", 16, 128, 8, 1, fused_step=True), 2, 30),
 ]
 
 
