@@ -130,6 +130,10 @@ class _Persistent:
     """The persistent forward shared by the three modules (a mixin before the torch class)."""
 
     cell: str
+    # class-level defaults, so that a module pickled before these existed loads and prints as it ran
+    clip: float | None = None
+    activations: tuple[str, ...] | None = None
+    input_forget: bool = False
     training_kernels: bool = False
     """Whether a CUDA call that needs gradients runs :mod:`persistrnn.training`'s
     operators (deterministic gradients, through autograd) instead of torch's

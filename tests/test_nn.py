@@ -4,6 +4,7 @@ of the persistent path with the float64 reference and with cuDNN."""
 
 import copy
 import itertools
+import pickle
 import random
 
 import pytest
@@ -726,3 +727,13 @@ def test_input_forget_couples_the_lstm_gates_on_the_cpu():
     assert rel(out.detach().numpy(), want) <= 1e-14
     with pytest.raises(TypeError, match="input_forget: expected a bool, got int"):
         persistrnn.LSTM(4, 5, input_forget=1)
+
+
+def test_a_module_pickled_before_clip_and_activations_existed_loads_and_prints():
+    m = persistrnn.GRU(3, 4, reset_after=False)
+    old = {k: v for k, v in pickle.loads(pickle.dumps(m)).__dict__.items()
+           if k not in ("clip", "activations", "input_forget")}
+    loaded = persistrnn.GRU.__new__(persistrnn.GRU)
+    loaded.__dict__.update(old)
+    assert repr(loaded) == "GRU(3, 4, reset_after=False)" and loaded.cell == "gru_reset_before"
+    assert loaded(torch.randn(5, 2, 3))[0].shape == (5, 2, 4)
