@@ -663,7 +663,8 @@ _ACTIVATION_ROLES: Mapping[str, Mapping[str, int]] = MappingProxyType({
 """For each built-in cell, the statements whose activation is a role of ONNX's
 activation list: f (the gates), g (the cell input), h (the LSTM's output)."""
 
-_PARAMETERS = {"sigmoid": 0, "tanh": 0, "relu": 0, "hardsigmoid": 2, "leakyrelu": 1, "affine": 2, "scaledtanh": 2}
+_PARAMETERS = {"sigmoid": 0, "tanh": 0, "relu": 0, "hardsigmoid": 2, "leakyrelu": 1, "affine": 2, "scaledtanh": 2,
+               "softsign": 0}
 """The activations a cell can take (:func:`with_activations`) and how many parameters each has."""
 
 
@@ -703,6 +704,9 @@ def _activation_tree(text: str, x: ast.expr) -> ast.expr:
                          mul(num(params[0]), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x)))))
     if kind == "affine":
         return add(mul(num(params[0]), x), num(params[1]))
+    if kind == "softsign":  # x / (1 + |x|), |x| = relu(x) + relu(-x): exact
+        absolute = add(call("relu", copy.deepcopy(x)), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x))))
+        return ast.BinOp(x, ast.Div(), add(num(1.0), absolute))
     return mul(num(params[0]), call("tanh", mul(num(params[1]), x)))  # scaledtanh: a tanh(b x)
 
 
@@ -730,8 +734,8 @@ def with_activations(cell: str | CellSpec, activations: Sequence[str]) -> CellSp
     h): the gates', the cell input's and the output's; for the GRU (f, g):
     the gates' and the candidate's; for the RNN (f). Each is one of
     ``sigmoid``, ``tanh``, ``relu``, ``hardsigmoid(a,b)`` (clamp(a x + b, 0,
-    1)), ``leakyrelu(a)``, ``affine(a,b)`` (a x + b) and ``scaledtanh(a,b)``
-    (a tanh(b x)). A clipped cell (:func:`with_clip`) keeps its clip inside
+    1)), ``leakyrelu(a)``, ``affine(a,b)`` (a x + b), ``scaledtanh(a,b)``
+    (a tanh(b x)) and ``softsign`` (x / (1 + |x|)). A clipped cell (:func:`with_clip`) keeps its clip inside
     the new activations. The cell's own activations give the cell itself."""
     spec = get_cell(cell)
     base = spec.name.partition("+")[0]

@@ -23,7 +23,7 @@ gate pre-activation clamped to [-clip, clip] before its activation, as ONNX
 Runtime computes it (the LSTM's cell state is not clipped before its output
 activation there, and not here). ``activations`` other than the defaults
 make a cell with those activations (:func:`persistrnn.cells.with_activations`):
-Sigmoid, Tanh, Relu, HardSigmoid, LeakyRelu, Affine and ScaledTanh, with
+Sigmoid, Tanh, Relu, HardSigmoid, LeakyRelu, Affine, ScaledTanh and Softsign, with
 ``activation_alpha``/``activation_beta`` read as ONNX Runtime reads them, the
 same in both directions. LSTM ``input_forget=1`` couples the forget gate to
 the input gate (f = 1 - i, as ONNX Runtime computes it;
@@ -32,7 +32,7 @@ the input gate (f = 1 - i, as ONNX Runtime computes it;
 What the cells cannot compute raises :class:`~persistrnn.errors.UnsupportedError`
 naming the node and the attribute: LSTM
 peepholes (a ``P`` that is not all zeros), other activations (ThresholdedRelu,
-Elu, Softsign, Softplus) or activations that differ between the directions,
+Elu, Softplus) or activations that differ between the directions,
 and weights that are not constants.
 
 ``python -m persistrnn onnx model.onnx`` (:func:`main`) prints what was
@@ -336,7 +336,7 @@ _ALPHA_DEFAULTS = {"hardsigmoid": 0.2, "leakyrelu": 0.01}
 _BETA_DEFAULTS = {"hardsigmoid": 0.5}
 _USES_ALPHA = ("affine", "leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu")
 _USES_BETA = ("affine", "scaledtanh", "hardsigmoid")
-_CELL_ACTIVATIONS = ("sigmoid", "tanh", "relu", "hardsigmoid", "leakyrelu", "affine", "scaledtanh")
+_CELL_ACTIVATIONS = ("sigmoid", "tanh", "relu", "hardsigmoid", "leakyrelu", "affine", "scaledtanh", "softsign")
 """ONNX's activations a cell computes (persistrnn.cells.with_activations), lower-cased."""
 
 

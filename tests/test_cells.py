@@ -386,7 +386,8 @@ def test_other_activations_replace_each_role_and_keep_a_clip_inside_them():
     x = np.linspace(-6.0, 6.0, 49)
     for text, want in (("hardsigmoid(0.3,0.4)", np.clip(0.3 * x + 0.4, 0, 1)),
                        ("leakyrelu(0.1)", np.where(x >= 0, x, 0.1 * x)),
-                       ("affine(0.5,0.1)", 0.5 * x + 0.1), ("scaledtanh(2.0,0.5)", 2.0 * np.tanh(0.5 * x))):
+                       ("affine(0.5,0.1)", 0.5 * x + 0.1), ("scaledtanh(2.0,0.5)", 2.0 * np.tanh(0.5 * x)),
+                       ("softsign", x / (1 + np.abs(x)))):
         expr = dict(with_activations("rnn_tanh", [text]).pointwise)["h_new"]
         got = evaluate([("y", expr)], {"x_a": x, "h_a": np.zeros_like(x)})["y"]
         np.testing.assert_allclose(got, want, rtol=1e-15, atol=1e-15, err_msg=text)

@@ -288,6 +288,8 @@ ACTIVATION_CASES = [
     ("GRU", {"linear_before_reset": 0, "activations": ["HardSigmoid", "ScaledTanh"], "activation_alpha": [0.25, 2.0],
              "activation_beta": [0.45, 0.5], "clip": 0.6}),
     ("RNN", {"activations": ["Sigmoid"]}),
+    ("RNN", {"activations": ["Softsign"]}),
+    ("GRU", {"linear_before_reset": 1, "activations": ["Softsign", "Softsign"]}),
     ("RNN", {"activations": ["LeakyRelu"], "activation_alpha": [0.2]}),
     ("RNN", {"activations": ["Affine"], "activation_alpha": [0.5], "activation_beta": [0.1]}),
     # input_forget=1: the forget gate is 1 - the input gate (with other activations and a clip too)
@@ -552,7 +554,7 @@ def test_unsupported_backend_case_names_the_reason(name, reason):
 @pytest.mark.parametrize("op, attributes, inputs, match", [
     ("LSTM", {}, {7: 0.1 * np.ones((1, 3 * HIDDEN), np.float32)}, "input P"),
     ("LSTM", {"activations": ["Sigmoid", "Tanh", "Elu"]}, {}, "attribute activations.*'elu' is not among"),
-    ("GRU", {"activations": ["Softsign", "Tanh"]}, {}, "attribute activations.*'softsign' is not among"),
+    ("GRU", {"activations": ["Softplus", "Tanh"]}, {}, "attribute activations.*'softplus' is not among"),
     ("RNN", {"activations": ["ThresholdedRelu"]}, {}, "attribute activations.*'thresholdedrelu' is not among"),
     ("LSTM", {"activations": ["Sigmoid", "Affine", "Tanh"]}, {}, "affine needs its activation_alpha value"),
 ])
@@ -729,7 +731,7 @@ def test_whole_model_without_onnx2torch_says_what_to_install(monkeypatch):
 
 def test_unsupported_node_in_a_whole_model_fails_before_onnx2torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx2torch", None)
-    model = _set_attribute(stacked_model()[0], "activations", ["Softsign", "Tanh"] * 2)  # bidirectional
+    model = _set_attribute(stacked_model()[0], "activations", ["Softplus", "Tanh"] * 2)  # bidirectional
     with pytest.raises(UnsupportedError, match="GRU node 'encoder': attribute activations"):
         from_onnx(model)
 

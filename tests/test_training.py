@@ -86,7 +86,8 @@ def gradients(fn, cell, x, h0, c0, weights, *options):
 
 ACTIVATED_NAMES = ("lstm+act=hardsigmoid(0.2,0.5)/tanh/leakyrelu(0.1)",
                    "gru_reset_before+clip=0.5+act=hardsigmoid(0.2,0.5)/scaledtanh(2.0,0.5)",
-                   "gru+act=sigmoid/leakyrelu(0.01)", "rnn_tanh+act=affine(0.5,0.1)", "lstm+coupled")
+                   "gru+act=sigmoid/leakyrelu(0.01)", "rnn_tanh+act=affine(0.5,0.1)", "lstm+coupled",
+                   "gru+act=softsign/softsign")
 """Cells with other activations (ONNX activations; cells.with_activations), one with a clip inside them, and
 the LSTM with its forget gate coupled to its input gate (ONNX input_forget; cells.with_coupled_gates)."""
 CLIPPED_NAMES = tuple(f"{name}+clip=0.5" for name in CELL_NAMES)
