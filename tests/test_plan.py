@@ -460,3 +460,38 @@ def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():
     c = fused[0]
     plain, one = model.step_cost(dataclasses.replace(c, fused_step=False), 1), model.step_cost(c, 1)
     assert one.barriers < plain.barriers and one.product == plain.product
+
+
+def test_a_derived_cell_plans_its_own_kernels_without_cudnn_and_its_plan_round_trips(monkeypatch, tmp_path):
+    """A clipped cell with other activations (ONNX clip, activations): its configurations carry its name, cuDNN
+    (which has no such cell) is not a candidate, and its plan survives the plan cache's JSON."""
+    monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "device_facts", lambda: H100)
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
+    monkeypatch.setattr(tuner, "compiles", lambda config: True)
+
+    class NoWorkload:  # the timing needs a GPU; the candidates' list does not
+        def __init__(self, shape, batch, steps):
+            pass
+
+        def persistent(self, config, batch_slice):
+            return None
+
+        def fallback(self):
+            return None
+
+        def cudnn(self):
+            raise AssertionError("cuDNN has no clipped cell")
+
+    monkeypatch.setattr(tuner, "_Workload", NoWorkload)
+    shape = tuner.ModelShape("lstm+clip=0.5+act=hardsigmoid(0.2,0.5)/tanh/tanh", 256, 256)
+    ranked = tuner.ranked_configs(shape, 1, model)
+    assert ranked and all(r.config.cell == shape.cell for r in ranked)
+    labels = [c.label for c in tuner.timing_candidates(shape, 1, ranked[:3], 100)]
+    assert "cudnn" not in labels and "fallback" in labels
+    monkeypatch.setattr(tuner, "time_candidates", lambda candidates, progress=False: {
+        c.label: 0.1 if c.label == labels[1] else 0.2 for c in candidates})
+    chosen = tuner.plan(shape, 1)
+    assert chosen.path == "persistent" and chosen.label == labels[1] and chosen.config.cell == shape.cell
+    assert tuner.Plan.from_json(json.loads(json.dumps(chosen.to_json()))) == chosen
