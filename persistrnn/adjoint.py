@@ -12,8 +12,8 @@ walks them: the last block first. Each block's statements
    ``c`` (and ``step_runs``, of a cell with lengths: data, not differentiated);
 2. run reverse mode over the block's statements, last first, with the local
    derivatives sigmoid' = s (1 - s), tanh' = 1 - t², relu' = (x > 0) (0 at 0,
-   as torch's), hardtanh' = (-1 < x < 1) (0 at the bounds, as torch's), and
-   those of + - * / and unary minus.
+   as torch's), hardtanh' = (-1 < x < 1) (0 at the bounds, as torch's),
+   exp' = exp, log' = 1 / x, step' = 0, and those of + - * / and unary minus.
 
 Between two blocks the recurrent product of the later stage is a matrix
 product, not a statement: the backward adds ``d_product_j @ W_j`` into the
@@ -222,6 +222,12 @@ class _Adjoints:
             self.walk(args[0], f"{grad} * {RELU_GRAD}({args[0].value})")
         elif node.kind == "hardtanh":
             self.walk(args[0], f"{grad} * {HARDTANH_GRAD}({args[0].value})")
+        elif node.kind == "exp":
+            self.walk(args[0], f"{grad} * {value}")
+        elif node.kind == "log":
+            self.walk(args[0], f"{grad} / {args[0].value}")
+        elif node.kind == "step":
+            return  # constant where it is differentiable; torch's gradient of the comparison is 0 too
         elif node.kind == "neg":
             self.walk(args[0], f"-{grad}")
         elif node.kind == "+":

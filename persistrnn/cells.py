@@ -8,9 +8,10 @@ them to C++, so both run the same formulas.
 
 Expression language: identifiers, int/float literals, binary ``+ - * /``,
 unary ``-``, parentheses and the calls ``sigmoid(e)``, ``tanh(e)``,
-``relu(e)`` and ``hardtanh(e)`` (``e`` clamped to [-1, 1]). Nothing else
-parses, so evaluating a validated expression with ``eval`` cannot reach
-anything but arithmetic and those four functions.
+``relu(e)``, ``hardtanh(e)`` (``e`` clamped to [-1, 1]), ``exp(e)``,
+``log(e)`` and ``step(e)`` (1 where ``e`` > 0, else 0). Nothing else parses,
+so evaluating a validated expression with ``eval`` cannot reach anything but
+arithmetic and those functions.
 
 Names a cell's statements may read:
 
@@ -98,13 +99,20 @@ def _hardtanh(x: np.ndarray) -> np.ndarray:
     return np.clip(x, -1.0, 1.0)
 
 
+def _step(x: np.ndarray) -> np.ndarray:
+    """1 where ``x`` > 0, 0 where ``x`` <= 0; NaN stays NaN."""
+    return np.where(x > 0, 1.0, np.where(x <= 0, 0.0, x))
+
+
 NUMPY_FUNCTIONS: Mapping[str, Callable[[np.ndarray], np.ndarray]] = MappingProxyType(
-    {"sigmoid": _sigmoid, "tanh": np.tanh, "relu": _relu, "hardtanh": _hardtanh}
+    {"sigmoid": _sigmoid, "tanh": np.tanh, "relu": _relu, "hardtanh": _hardtanh, "exp": np.exp, "log": np.log,
+     "step": _step}
 )
 """float64 numpy implementation of each function of the expression language."""
 
 CUDA_FUNCTIONS: Mapping[str, str] = MappingProxyType(
-    {"sigmoid": "prnn_sigmoid", "tanh": "tanhf", "relu": "prnn_relu", "hardtanh": "prnn_hardtanh"}
+    {"sigmoid": "prnn_sigmoid", "tanh": "tanhf", "relu": "prnn_relu", "hardtanh": "prnn_hardtanh", "exp": "expf",
+     "log": "logf", "step": "prnn_step"}
 )
 """CUDA name of each function; ``prnn_*`` are ``float -> float`` device functions
 the kernel source must define."""
@@ -664,7 +672,7 @@ _ACTIVATION_ROLES: Mapping[str, Mapping[str, int]] = MappingProxyType({
 activation list: f (the gates), g (the cell input), h (the LSTM's output)."""
 
 _PARAMETERS = {"sigmoid": 0, "tanh": 0, "relu": 0, "hardsigmoid": 2, "leakyrelu": 1, "affine": 2, "scaledtanh": 2,
-               "softsign": 0}
+               "softsign": 0, "elu": 1, "softplus": 0, "thresholdedrelu": 1}
 """The activations a cell can take (:func:`with_activations`) and how many parameters each has."""
 
 
@@ -704,9 +712,20 @@ def _activation_tree(text: str, x: ast.expr) -> ast.expr:
                          mul(num(params[0]), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x)))))
     if kind == "affine":
         return add(mul(num(params[0]), x), num(params[1]))
-    if kind == "softsign":  # x / (1 + |x|), |x| = relu(x) + relu(-x): exact
-        absolute = add(call("relu", copy.deepcopy(x)), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x))))
-        return ast.BinOp(x, ast.Div(), add(num(1.0), absolute))
+    def absolute(x: ast.expr) -> ast.expr:  # |x| = relu(x) + relu(-x), exact
+        return add(call("relu", copy.deepcopy(x)), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x))))
+
+    if kind == "softsign":  # x / (1 + |x|)
+        return ast.BinOp(x, ast.Div(), add(num(1.0), absolute(x)))
+    if kind == "elu":  # x for x >= 0, a (e^x - 1) below: relu(x) + a (exp(-relu(-x)) - 1), exact
+        below = ast.BinOp(call("exp", ast.UnaryOp(ast.USub(), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x))))),
+                          ast.Sub(), num(1.0))
+        return add(call("relu", x), mul(num(params[0]), below))
+    if kind == "softplus":  # log(1 + e^x) as relu(x) + log(1 + e^-|x|): no overflow for a large x
+        return add(call("relu", copy.deepcopy(x)),
+                   call("log", add(num(1.0), call("exp", ast.UnaryOp(ast.USub(), absolute(x))))))
+    if kind == "thresholdedrelu":  # x where x > a, else 0
+        return mul(x, call("step", ast.BinOp(copy.deepcopy(x), ast.Sub(), num(params[0]))))
     return mul(num(params[0]), call("tanh", mul(num(params[1]), x)))  # scaledtanh: a tanh(b x)
 
 
@@ -735,8 +754,10 @@ def with_activations(cell: str | CellSpec, activations: Sequence[str]) -> CellSp
     the gates' and the candidate's; for the RNN (f). Each is one of
     ``sigmoid``, ``tanh``, ``relu``, ``hardsigmoid(a,b)`` (clamp(a x + b, 0,
     1)), ``leakyrelu(a)``, ``affine(a,b)`` (a x + b), ``scaledtanh(a,b)``
-    (a tanh(b x)) and ``softsign`` (x / (1 + |x|)). A clipped cell (:func:`with_clip`) keeps its clip inside
-    the new activations. The cell's own activations give the cell itself."""
+    (a tanh(b x)), ``softsign`` (x / (1 + |x|)), ``elu(a)``, ``softplus``
+    (log(1 + e^x)) and ``thresholdedrelu(a)`` (x where x > a, else 0). A
+    clipped cell (:func:`with_clip`) keeps its clip inside the new
+    activations. The cell's own activations give the cell itself."""
     spec = get_cell(cell)
     base = spec.name.partition("+")[0]
     if ACTIVATIONS_SUFFIX in spec.name or COUPLED_SUFFIX in spec.name or spec.lengths or base not in _ACTIVATION_ROLES:

@@ -23,7 +23,8 @@ gate pre-activation clamped to [-clip, clip] before its activation, as ONNX
 Runtime computes it (the LSTM's cell state is not clipped before its output
 activation there, and not here). ``activations`` other than the defaults
 make a cell with those activations (:func:`persistrnn.cells.with_activations`):
-Sigmoid, Tanh, Relu, HardSigmoid, LeakyRelu, Affine, ScaledTanh and Softsign, with
+every activation ONNX names (Sigmoid, Tanh, Relu, HardSigmoid, LeakyRelu,
+Affine, ScaledTanh, Softsign, Elu, Softplus, ThresholdedRelu), with
 ``activation_alpha``/``activation_beta`` read as ONNX Runtime reads them, the
 same in both directions. LSTM ``input_forget=1`` couples the forget gate to
 the input gate (f = 1 - i, as ONNX Runtime computes it;
@@ -31,8 +32,8 @@ the input gate (f = 1 - i, as ONNX Runtime computes it;
 
 What the cells cannot compute raises :class:`~persistrnn.errors.UnsupportedError`
 naming the node and the attribute: LSTM
-peepholes (a ``P`` that is not all zeros), other activations (ThresholdedRelu,
-Elu, Softplus) or activations that differ between the directions,
+peepholes (a ``P`` that is not all zeros), activations that differ between
+the directions,
 and weights that are not constants.
 
 ``python -m persistrnn onnx model.onnx`` (:func:`main`) prints what was
@@ -332,11 +333,12 @@ def _attributes(node: onnx.NodeProto, where: str) -> dict[str, Any]:
     return values
 
 
-_ALPHA_DEFAULTS = {"hardsigmoid": 0.2, "leakyrelu": 0.01}
+_ALPHA_DEFAULTS = {"hardsigmoid": 0.2, "leakyrelu": 0.01, "elu": 1.0}
 _BETA_DEFAULTS = {"hardsigmoid": 0.5}
 _USES_ALPHA = ("affine", "leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu")
 _USES_BETA = ("affine", "scaledtanh", "hardsigmoid")
-_CELL_ACTIVATIONS = ("sigmoid", "tanh", "relu", "hardsigmoid", "leakyrelu", "affine", "scaledtanh", "softsign")
+_CELL_ACTIVATIONS = ("sigmoid", "tanh", "relu", "hardsigmoid", "leakyrelu", "affine", "scaledtanh", "softsign", "elu",
+                     "softplus", "thresholdedrelu")
 """ONNX's activations a cell computes (persistrnn.cells.with_activations), lower-cased."""
 
 

@@ -89,7 +89,8 @@ __all__ = ["OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faste
            "train_step", "training_config"]
 
 TORCH_FUNCTIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu,
-                   "hardtanh": torch.nn.functional.hardtanh}
+                   "hardtanh": torch.nn.functional.hardtanh, "exp": torch.exp, "log": torch.log,
+                   "step": lambda x: torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0, x))}
 """The cell expression language's functions on tensors (autograd included):
 torch's by the same names."""
 assert set(TORCH_FUNCTIONS) == set(NUMPY_FUNCTIONS), "every function of the cell language needs its torch form"

@@ -12,7 +12,8 @@ from persistrnn.persistent import KernelConfig
 CELL_NAMES = tuple(cells.CELLS)
 CLIPPED_NAMES = ("lstm+clip=0.5", "gru+clip=0.5", "gru_reset_before+clip=0.5", "rnn_relu+clip=0.5",
                  "lstm+act=hardsigmoid(0.2,0.5)/tanh/leakyrelu(0.1)", "rnn_tanh+clip=0.5+act=affine(0.5,0.1)",
-                 "lstm+clip=0.5+coupled")
+                 "lstm+clip=0.5+coupled", "lstm+act=sigmoid/elu(0.5)/softplus",
+                 "gru_reset_before+act=sigmoid/thresholdedrelu(0.2)")
 """Cells with their gates clamped (ONNX clip, cells.with_clip; at 0.5 many of the tests' pre-activations
 lie outside the bound), other activations (cells.with_activations) or coupled LSTM gates
 (cells.with_coupled_gates)."""

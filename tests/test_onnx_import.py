@@ -289,6 +289,9 @@ ACTIVATION_CASES = [
              "activation_beta": [0.45, 0.5], "clip": 0.6}),
     ("RNN", {"activations": ["Sigmoid"]}),
     ("RNN", {"activations": ["Softsign"]}),
+    ("LSTM", {"activations": ["Sigmoid", "Elu", "Softplus"]}),
+    ("GRU", {"linear_before_reset": 0, "activations": ["Sigmoid", "ThresholdedRelu"], "activation_alpha": [0.2]}),
+    ("RNN", {"activations": ["Elu"], "activation_alpha": [0.5]}),
     ("GRU", {"linear_before_reset": 1, "activations": ["Softsign", "Softsign"]}),
     ("RNN", {"activations": ["LeakyRelu"], "activation_alpha": [0.2]}),
     ("RNN", {"activations": ["Affine"], "activation_alpha": [0.5], "activation_beta": [0.1]}),
@@ -553,9 +556,8 @@ def test_unsupported_backend_case_names_the_reason(name, reason):
 
 @pytest.mark.parametrize("op, attributes, inputs, match", [
     ("LSTM", {}, {7: 0.1 * np.ones((1, 3 * HIDDEN), np.float32)}, "input P"),
-    ("LSTM", {"activations": ["Sigmoid", "Tanh", "Elu"]}, {}, "attribute activations.*'elu' is not among"),
-    ("GRU", {"activations": ["Softplus", "Tanh"]}, {}, "attribute activations.*'softplus' is not among"),
-    ("RNN", {"activations": ["ThresholdedRelu"]}, {}, "attribute activations.*'thresholdedrelu' is not among"),
+    ("LSTM", {"activations": ["Sigmoid", "Tanh", "Gelu"]}, {}, "attribute activations.*'gelu' is not among"),
+    ("RNN", {"activations": ["ThresholdedRelu"]}, {}, "thresholdedrelu needs its activation_alpha value"),
     ("LSTM", {"activations": ["Sigmoid", "Affine", "Tanh"]}, {}, "affine needs its activation_alpha value"),
 ])
 def test_unsupported_attributes_name_the_node_and_attribute(op, attributes, inputs, match):
@@ -731,7 +733,7 @@ def test_whole_model_without_onnx2torch_says_what_to_install(monkeypatch):
 
 def test_unsupported_node_in_a_whole_model_fails_before_onnx2torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx2torch", None)
-    model = _set_attribute(stacked_model()[0], "activations", ["Softplus", "Tanh"] * 2)  # bidirectional
+    model = _set_attribute(stacked_model()[0], "activations", ["Gelu", "Tanh"] * 2)  # bidirectional
     with pytest.raises(UnsupportedError, match="GRU node 'encoder': attribute activations"):
         from_onnx(model)
 
@@ -765,9 +767,9 @@ def test_cli_refuses_an_unsupported_model(tmp_path, capsys):
     from persistrnn import __main__ as cli
 
     path = tmp_path / "elu.onnx"
-    onnx.save(node_model("LSTM", {"activations": ["Sigmoid", "Elu", "Tanh"]})[0], str(path))
+    onnx.save(node_model("LSTM", {"activations": ["Sigmoid", "Gelu", "Tanh"]})[0], str(path))
     assert cli.main(["onnx", str(path)]) == 2
-    assert "'elu' is not among the activations the cells compute" in capsys.readouterr().err
+    assert "'gelu' is not among the activations the cells compute" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

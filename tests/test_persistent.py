@@ -301,6 +301,8 @@ CLIPPED_CASES = [
     (KernelConfig("gru+act=sigmoid/leakyrelu(0.01)", 96, "cluster", 2, 384, 8, 8, fused_step=True), 10, 7),
     # the LSTM's forget gate coupled to its input gate (ONNX input_forget; cells.with_coupled_gates)
     (KernelConfig("lstm+clip=0.5+coupled", 256, "cluster", 16, 128, 8, 1, fused_step=True), 2, 30),
+    (KernelConfig("lstm+act=sigmoid/elu(0.5)/softplus", 100, "single", 1, 256, 16, 2), 5, 9),
+    (KernelConfig("gru_reset_before+act=sigmoid/thresholdedrelu(0.2)", 100, "cluster", 4, 128, 4, 4), 9, 7),
 ]
 
 

@@ -87,7 +87,8 @@ def gradients(fn, cell, x, h0, c0, weights, *options):
 ACTIVATED_NAMES = ("lstm+act=hardsigmoid(0.2,0.5)/tanh/leakyrelu(0.1)",
                    "gru_reset_before+clip=0.5+act=hardsigmoid(0.2,0.5)/scaledtanh(2.0,0.5)",
                    "gru+act=sigmoid/leakyrelu(0.01)", "rnn_tanh+act=affine(0.5,0.1)", "lstm+coupled",
-                   "gru+act=softsign/softsign")
+                   "gru+act=softsign/softsign", "lstm+act=sigmoid/elu(0.5)/softplus",
+                   "gru_reset_before+act=sigmoid/thresholdedrelu(0.2)")
 """Cells with other activations (ONNX activations; cells.with_activations), one with a clip inside them, and
 the LSTM with its forget gate coupled to its input gate (ONNX input_forget; cells.with_coupled_gates)."""
 CLIPPED_NAMES = tuple(f"{name}+clip=0.5" for name in CELL_NAMES)
@@ -595,7 +596,8 @@ class EmulatedBlockKernels:
     without a GPU."""
 
     FUNCTIONS = {"prnn_sigmoid": torch.sigmoid, "tanhf": torch.tanh, "prnn_relu": torch.relu,
-                 "prnn_hardtanh": torch.nn.functional.hardtanh, "prnn_relu_grad": lambda x: (x > 0).to(x.dtype),
+                 "prnn_hardtanh": torch.nn.functional.hardtanh, "expf": torch.exp, "logf": torch.log,
+                 "prnn_step": training.TORCH_FUNCTIONS["step"], "prnn_relu_grad": lambda x: (x > 0).to(x.dtype),
                  "prnn_hardtanh_grad": lambda x: ((x > -1) & (x < 1)).to(x.dtype)}
 
     def __init__(self, cell):

@@ -384,6 +384,8 @@ __device__ __forceinline__ float prnn_relu(float x) { return fmaxf(x, 0.0f); }
 // x clamped to [-1, 1] (a clipped cell's gates, cells.with_clip); comparisons, not fminf/fmaxf, so that a
 // NaN stays NaN instead of becoming a bound.
 __device__ __forceinline__ float prnn_hardtanh(float x) { return x < -1.0f ? -1.0f : (x > 1.0f ? 1.0f : x); }
+// 1 where x > 0, 0 where x <= 0, NaN kept (ONNX's ThresholdedRelu, cells.with_activations).
+__device__ __forceinline__ float prnn_step(float x) { return x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x); }
 
 // ---- tensor cores ------------------------------------------------------------
 
