@@ -62,6 +62,19 @@ HARDTANH_GRAD = "prnn_hardtanh_grad"
 FUNCTIONS = (*NUMPY_FUNCTIONS, RELU_GRAD, HARDTANH_GRAD)
 """Every function the adjoint statements call."""
 
+_CHAIN_RULES = {
+    "sigmoid": lambda grad, value, arg: f"{grad} * ({value} * (1.0 - {value}))",
+    "tanh": lambda grad, value, arg: f"{grad} * (1.0 - {value} * {value})",
+    "relu": lambda grad, value, arg: f"{grad} * {RELU_GRAD}({arg})",
+    "hardtanh": lambda grad, value, arg: f"{grad} * {HARDTANH_GRAD}({arg})",
+    "exp": lambda grad, value, arg: f"{grad} * {value}",
+    "log": lambda grad, value, arg: f"{grad} / {arg}",
+    "step": None,  # constant where it is differentiable (torch's gradient of the comparison is 0 too)
+}
+"""For each function of the cell language, its argument's gradient from the
+gradient of its value (texts of names), or None where it is zero."""
+assert set(_CHAIN_RULES) == set(NUMPY_FUNCTIONS), "every function of the cell language needs its derivative"
+
 KERNEL_NAME = "prnn_step_backward"
 THREADS = 256  # per block of the backward kernels; one thread per (batch row, hidden unit)
 
@@ -204,7 +217,8 @@ class _Adjoints:
 
     def walk(self, node: _Node, grad: str) -> None:
         """Add ``grad`` (the gradient of ``node``'s value) into the adjoints of the names it reads."""
-        if node.kind == "constant" or node.value == STEP_RUNS:  # step_runs is data, not a variable
+        if node.kind == "constant" or node.value == STEP_RUNS or (  # step_runs is data, not a variable
+                node.kind in _CHAIN_RULES and _CHAIN_RULES[node.kind] is None):
             return
         if node.kind == "name":
             self.add(node.value, grad)
@@ -214,20 +228,8 @@ class _Adjoints:
             self._emit(term, grad)
             grad = term
         value, args = node.value, node.args
-        if node.kind == "sigmoid":
-            self.walk(args[0], f"{grad} * ({value} * (1.0 - {value}))")
-        elif node.kind == "tanh":
-            self.walk(args[0], f"{grad} * (1.0 - {value} * {value})")
-        elif node.kind == "relu":
-            self.walk(args[0], f"{grad} * {RELU_GRAD}({args[0].value})")
-        elif node.kind == "hardtanh":
-            self.walk(args[0], f"{grad} * {HARDTANH_GRAD}({args[0].value})")
-        elif node.kind == "exp":
-            self.walk(args[0], f"{grad} * {value}")
-        elif node.kind == "log":
-            self.walk(args[0], f"{grad} / {args[0].value}")
-        elif node.kind == "step":
-            return  # constant where it is differentiable; torch's gradient of the comparison is 0 too
+        if node.kind in _CHAIN_RULES:
+            self.walk(args[0], _CHAIN_RULES[node.kind](grad, value, args[0].value))
         elif node.kind == "neg":
             self.walk(args[0], f"-{grad}")
         elif node.kind == "+":
@@ -239,11 +241,9 @@ class _Adjoints:
         elif node.kind == "*":
             self.walk(args[0], f"{grad} * {args[1].value}")
             self.walk(args[1], f"{grad} * {args[0].value}")
-        elif node.kind == "/":
+        else:  # "/"
             self.walk(args[0], f"{grad} / {args[1].value}")
             self.walk(args[1], f"-{grad} * {value} / {args[1].value}")
-        else:  # a function the language gained without a derivative here
-            raise AssertionError(f"adjoint: no derivative for {node.kind!r}")
 
 
 def _live(statements: list[Statement], needed: set[str]) -> list[Statement]:

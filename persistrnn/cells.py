@@ -702,28 +702,29 @@ def _activation_tree(text: str, x: ast.expr) -> ast.expr:
     def add(a: ast.expr, b: ast.expr) -> ast.expr:
         return ast.BinOp(a, ast.Add(), b)
 
+    def negative(x: ast.expr) -> ast.expr:
+        return ast.UnaryOp(ast.USub(), copy.deepcopy(x))
+
+    def absolute(x: ast.expr) -> ast.expr:  # |x| = relu(x) + relu(-x), exact
+        return add(call("relu", copy.deepcopy(x)), call("relu", negative(x)))
+
     if kind in ("sigmoid", "tanh", "relu"):
         return call(kind, x)
     if kind == "hardsigmoid":  # clamp(a x + b, 0, 1) = (hardtanh(2a x + 2b - 1) + 1) / 2: within a rounding
         a, b = params
         return add(mul(num(0.5), call("hardtanh", add(mul(num(2 * a), x), num(2 * b - 1)))), num(0.5))
     if kind == "leakyrelu":  # x for x >= 0, a x below: relu(x) - a relu(-x), exact
-        return ast.BinOp(call("relu", x), ast.Sub(),
-                         mul(num(params[0]), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x)))))
+        return ast.BinOp(call("relu", x), ast.Sub(), mul(num(params[0]), call("relu", negative(x))))
     if kind == "affine":
         return add(mul(num(params[0]), x), num(params[1]))
-    def absolute(x: ast.expr) -> ast.expr:  # |x| = relu(x) + relu(-x), exact
-        return add(call("relu", copy.deepcopy(x)), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x))))
-
     if kind == "softsign":  # x / (1 + |x|)
         return ast.BinOp(x, ast.Div(), add(num(1.0), absolute(x)))
     if kind == "elu":  # x for x >= 0, a (e^x - 1) below: relu(x) + a (exp(-relu(-x)) - 1), exact
-        below = ast.BinOp(call("exp", ast.UnaryOp(ast.USub(), call("relu", ast.UnaryOp(ast.USub(), copy.deepcopy(x))))),
-                          ast.Sub(), num(1.0))
+        below = ast.BinOp(call("exp", negative(call("relu", negative(x)))), ast.Sub(), num(1.0))
         return add(call("relu", x), mul(num(params[0]), below))
     if kind == "softplus":  # log(1 + e^x) as relu(x) + log(1 + e^-|x|): no overflow for a large x
         return add(call("relu", copy.deepcopy(x)),
-                   call("log", add(num(1.0), call("exp", ast.UnaryOp(ast.USub(), absolute(x))))))
+                   call("log", add(num(1.0), call("exp", negative(absolute(x))))))
     if kind == "thresholdedrelu":  # x where x > a, else 0
         return mul(x, call("step", ast.BinOp(copy.deepcopy(x), ast.Sub(), num(params[0]))))
     return mul(num(params[0]), call("tanh", mul(num(params[1]), x)))  # scaledtanh: a tanh(b x)
@@ -831,16 +832,17 @@ def _derived_cell(name: str) -> CellSpec:
 
 
 def get_cell(cell: str | CellSpec) -> CellSpec:
-    """Return the spec for a registry name or a clipped cell's name
-    (:func:`with_clip`), or ``cell`` itself if it is a CellSpec."""
+    """Return the spec for a registry name or a derived cell's name
+    (:func:`with_clip`, :func:`with_activations`, :func:`with_coupled_gates`),
+    or ``cell`` itself if it is a CellSpec."""
     if isinstance(cell, CellSpec):
         return cell
     if not isinstance(cell, str):
         raise ArgumentTypeError(f"cell: expected a str or CellSpec, got {type(cell).__name__}")
-    if "+" in cell and not cell.endswith("+lengths"):
+    if "+" in cell:
         return _derived_cell(cell)
     try:
         return CELLS[cell]
     except KeyError:
-        raise ArgumentError(f"cell: expected one of {sorted(CELLS)} (or one of them with {CLIP_SUFFIX}<clip>), "
-                            f"got {cell!r}") from None
+        raise ArgumentError(f"cell: expected one of {sorted(CELLS)}, or one of them derived ({CLIP_SUFFIX}, "
+                            f"{ACTIVATIONS_SUFFIX}, {COUPLED_SUFFIX}), got {cell!r}") from None

@@ -342,15 +342,15 @@ _CELL_ACTIVATIONS = ("sigmoid", "tanh", "relu", "hardsigmoid", "leakyrelu", "aff
 """ONNX's activations a cell computes (persistrnn.cells.with_activations), lower-cased."""
 
 
-def _activations_of(attributes: dict[str, Any], count: int, where: str) -> list[str]:
+def _activations_of(attributes: dict[str, Any], per_direction: int, directions: int, where: str) -> list[str]:
     """The node's activations as the cells name them (``hardsigmoid(0.2,0.5)``).
     ``activation_alpha``/``activation_beta`` are consumed in order by the
     activations that take them, each list by itself, and a missing value is
     the ONNX operator's default, as ONNX Runtime reads them."""
     names = [a.lower() for a in attributes["activations"]]
-    if len(names) != count:
-        raise ArgumentError(f"{where}: attribute activations: expected {count} names "
-                            f"({count // 2 if count > 3 else count} per direction), got {len(names)}")
+    if len(names) != per_direction * directions:
+        raise ArgumentError(f"{where}: attribute activations: expected {per_direction * directions} names "
+                            f"({per_direction} per direction), got {len(names)}")
     alphas, betas = list(attributes.get("activation_alpha", [])), list(attributes.get("activation_beta", []))
     out = []
     for name in names:
@@ -385,7 +385,7 @@ def _cell_of(node: onnx.NodeProto, attributes: dict[str, Any], directions: int,
         cell = "lstm" if op == "LSTM" else "rnn_tanh"
     if attributes.get("activations") is None:
         return cell, None
-    activations = _activations_of(attributes, len(default) * directions, where)
+    activations = _activations_of(attributes, len(default), directions, where)
     per_direction = {tuple(activations[d * len(default):(d + 1) * len(default)]) for d in range(directions)}
     if len(per_direction) > 1:
         raise UnsupportedError(f"{where}: attribute activations={attributes['activations']} is not supported: "

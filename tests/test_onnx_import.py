@@ -571,6 +571,12 @@ def test_unsupported_attributes_name_the_node_and_attribute(op, attributes, inpu
     assert f"{op} node '{op.lower()}_node'" in str(error.value)
 
 
+def test_a_bidirectional_rnn_with_one_activation_says_one_per_direction():
+    model = _set_attribute(node_model("RNN", direction="bidirectional")[0], "activations", ["Tanh"])
+    with pytest.raises(ArgumentError, match=r"activations: expected 2 names \(1 per direction\), got 1"):
+        from_onnx(model)
+
+
 def test_mixed_rnn_activations_across_directions_are_unsupported():
     model, _ = node_model("RNN", direction="bidirectional")
     node = model.graph.node[0]
