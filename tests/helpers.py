@@ -31,7 +31,7 @@ import numpy as np
 
 from persistrnn import cells, reference
 
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "tf32": 2.0**-11}
 
 NORM_FLOOR = {
     # The issue's fp32 bound: the FFMA paths measure 1.5e-7 to 5.2e-7.
@@ -42,6 +42,11 @@ NORM_FLOOR = {
     # (The old bound of 2e-2 was ten times the documented bf16 error.)
     "bfloat16": 2.0**-8,
     "float16": 2.0**-11,
+    # fp32 tensors with TF32 products (weights and h rounded to a 10-bit
+    # mantissa, u = 2^-11, fp32 sums): every product carries up to 2u, so a
+    # gate's pre-activation up to ~2u of the sum of its terms' magnitudes;
+    # 4u in norm is the 16-bit floors' margin over their u.
+    "tf32": 2.0**-9,
 }
 
 ELEMENT_FLOOR = {
@@ -62,6 +67,9 @@ ELEMENT_FLOOR = {
     # rounding step.
     "bfloat16": 2.0**-6,
     "float16": 2.0**-9,
+    # 16u: an element's pre-activations carry ~2u of the sum of their
+    # products' magnitudes, which at H=1024 is several times the sum itself.
+    "tf32": 2.0**-7,
 }
 
 MIN_NORM_ELEMENTS = 32

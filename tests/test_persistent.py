@@ -9,6 +9,7 @@ from helpers import assert_close_to_reference, exact_torch, reference_forward, r
 
 from persistrnn import cells, persistent
 from persistrnn.persistent import ConfigError, KernelConfig
+from persistrnn.plan import config_label
 
 CELL_NAMES = tuple(cells.CELLS)
 
@@ -31,7 +32,7 @@ CELL_NAMES = tuple(cells.CELLS)
         (dict(hidden_size=9, sync="cluster", blocks=4), "without units"),
         (dict(dtype="float64"), "one of"),
         (dict(math="wmma"), "one of"),
-        (dict(math="mma"), "expected dtype float16 or bfloat16, got float32"),
+        (dict(math="mma"), "group_size: math 'mma' needs 32, got 8"),  # fp32 runs TF32
         (dict(math="mma", dtype="float16"), "group_size: math 'mma' needs 32, got 8"),
         (dict(math="mma", dtype="float16", group_size=32), "batch_tile: math 'mma' needs 8, got 1"),
         (dict(math="mma", dtype="float16", group_size=32, batch_tile=8, k_split=3), "power of two dividing"),
@@ -141,6 +142,19 @@ MMA_SAMPLE = [
 ]
 COMPILE_SAMPLE += [_mma(cell, *shape) for cell in CELL_NAMES for shape, _, _ in MMA_SAMPLE]
 
+# TF32 (fp32 weights on the mma path): (hidden, sync, blocks, threads, k_split), batch, steps. Each
+# fragment is twice a 16-bit one's registers, so the shapes whose 16-bit fragments fill the registers
+# (H=333 on 16 blocks, H=1000 on 125) spill and the planner never offers them.
+TF32_SAMPLE = [
+    ((1, "single", 1, 64, 1), 1, 7),
+    ((64, "single", 1, 256, 2), 3, 100),
+    ((100, "cluster", 4, 256, 4), 17, 7),
+    ((256, "cluster", 8, 256, 2), 8, 100),
+    ((256, "cluster", 16, 256, 2), 20, 50),
+    ((1024, "grid", 128, 256, 8), 16, 100),
+]
+COMPILE_SAMPLE += [_mma(cell, *shape, dtype="float32") for cell in CELL_NAMES for shape, _, _ in TF32_SAMPLE]
+
 # The 1-sync reset-before GRU: (hidden, sync, blocks, threads, group, tile, dtype), batch, steps
 ONE_SYNC_SAMPLE = [
     ((100, "single", 1, 256, 16, 2, "float32"), 3, 7),
@@ -197,7 +211,7 @@ def check_against_reference(config, batch, steps, seed, input_size=None, batch_s
     peer = torch_peer(config.cell, [[t]], x_t, h0_t, c0)
     if peer is not None:
         peer = {"output": peer[0], "h_n": peer[1][0], **({"c_n": peer[2][0]} if spec.has_cell_state else {})}
-    return assert_close_to_reference(ours, ref, peer, dtype=config.dtype,
+    return assert_close_to_reference(ours, ref, peer, dtype="tf32" if config.tf32 else config.dtype,
                                      context=f"{config}, batch {batch} in slices of {batch_slice}, {steps} steps, "
                                              f"seed {seed}")
 
@@ -220,6 +234,9 @@ def _gpu_cases():
             for (hidden, sync, blocks, threads, k_split), batch, steps in MMA_SAMPLE:
                 cases.append((_mma(cell, hidden, sync, blocks, threads, k_split, dtype), batch, steps))
             cases.append((KernelConfig(cell, 100, "cluster", 4, 128, 8, 4, dtype=dtype), 17, 7))
+        # fp32 on tensor cores: TF32
+        for (hidden, sync, blocks, threads, k_split), batch, steps in TF32_SAMPLE:
+            cases.append((_mma(cell, hidden, sync, blocks, threads, k_split, "float32"), batch, steps))
     cases += [(_one_sync(*shape), batch, steps) for shape, batch, steps in ONE_SYNC_SAMPLE]
     return cases
 
@@ -311,6 +328,16 @@ CLIPPED_CASES = [
 def test_clipped_cells_match_float64_reference(config, batch, steps):
     seed = hash((str(config), batch, steps)) % 2**32
     check_against_reference(config, batch, steps, seed=seed)
+
+
+def test_fp32_weights_on_the_mma_path_run_tf32_with_twice_the_fragment_registers():
+    tf32 = _mma("lstm", 256, "cluster", 8, 256, 2, "float32")
+    half = _mma("lstm", 256, "cluster", 8, 256, 2, "bfloat16")
+    assert tf32.tf32 and not half.tf32 and not KernelConfig("lstm", 256, "cluster", 8).tf32
+    assert tf32.register_weights == 2 * half.register_weights == 8 * tf32.m_tiles_per_warp(0) * tf32.k_tiles_per_warp
+    assert "#define PRNN_TF32 1" in persistent.render_source(tf32)
+    assert "#define PRNN_TF32 0" in persistent.render_source(half)
+    assert "tf32" in config_label(tf32) and "tf32" not in config_label(half)
 
 
 def test_tagged_exchange_doubles_the_grid_buffer_only():

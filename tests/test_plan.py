@@ -169,6 +169,27 @@ def test_ranking_offers_slices_that_fit_the_sms_at_once():
     assert [r.us for r in ranked] == sorted(r.us for r in ranked)
 
 
+def test_tf32_configurations_are_candidates_of_fp32_models_only_where_torch_allows_tf32(monkeypatch):
+    import torch
+
+    model = cost.CostModel(synthetic_calibration(), H100)
+    shape = tuner.ModelShape("lstm", 1024, 1024)
+    plain = tuner.ranked_configs(shape, 16, model)
+    with_tf32 = tuner.ranked_configs(shape, 16, model, tf32=True)
+    assert not [r for r in plain if r.config.math == "mma"]
+    tf32 = [r for r in with_tf32 if r.config.math == "mma"]
+    assert tf32 and all(r.config.tf32 and r.config.dtype == "float32" for r in tf32)
+    assert len(with_tf32) == len(plain) + len(tf32)
+    # two m16n8k8 per 16-column tile: the model prices a TF32 product twice a 16-bit one's
+    half = dataclasses.replace(tf32[0].config, dtype="bfloat16")
+    assert model.step_cost(tf32[0].config, 16).product == pytest.approx(2 * model.step_cost(half, 16).product)
+    # the switch is torch's fp32 matmul precision, which also puts the input projection's GEMM in TF32
+    for precision, allowed in (("highest", False), ("high", True), ("medium", True)):
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda p=precision: p)
+        assert tuner.tf32_allowed(shape) is allowed
+        assert tuner.tf32_allowed(dataclasses.replace(shape, dtype="bfloat16")) is False
+
+
 def test_rank_orders_by_predicted_cost():
     model = cost.CostModel(synthetic_calibration(), H100)
     configs = space.pruned_space("lstm", 256, 1, "float32", H100)
@@ -226,6 +247,7 @@ def test_cache_key_changes_with_each_component():
         tuner.cache_key(H100, dataclasses.replace(SHAPE, num_layers=3), 8),
         tuner.cache_key(H100, dataclasses.replace(SHAPE, dtype="bfloat16"), 8),
         tuner.cache_key(H100, SHAPE, 16),
+        tuner.cache_key(H100, SHAPE, 8, tf32=True),
     ]
     paths = {tuner.cache_path(k) for k in [base] + variants}
     assert len(paths) == len(variants) + 1

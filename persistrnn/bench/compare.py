@@ -87,6 +87,9 @@ class Settings:
     cpu_repeats: int = 3
     refcheck: bool = True
     end_to_end: bool = True
+    # torch's fp32 matmul precision for the run: "high" lets fp32 layers run TF32 tensor cores in our kernels
+    # (and cuBLAS's input projections), the peer of cuDNN's "TF32 allowed" setting
+    matmul_precision: str = "highest"
 
 
 @dataclasses.dataclass
@@ -416,13 +419,20 @@ def run(suite: Suite, cases: list[Case], s: Settings | None = None, progress: bo
     from ..progress import track
     from .environment import environment
 
+    import torch
+
     s = s or Settings()
     result: dict[str, Any] = {"suite": suite.name, "environment": environment(), "settings": dataclasses.asdict(s),
                               "cases": []}
-    for case in track(cases, progress, suite.name):
-        result["cases"].append(run_case(case, s))
-        if after_case:
-            after_case(result)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(s.matmul_precision)
+    try:
+        for case in track(cases, progress, suite.name):
+            result["cases"].append(run_case(case, s))
+            if after_case:
+                after_case(result)
+    finally:
+        torch.set_float32_matmul_precision(previous)
     if suite.streaming:
         result["streaming"] = streaming_case(s)
     return result
@@ -632,8 +642,13 @@ def markdown(result: dict[str, Any], suite: Suite) -> str:
     from .environment import describe
     from .targets import format_targets
 
+    precision = result.get("settings", {}).get("matmul_precision", "highest")
+    tf32 = ("" if precision == "highest" else
+            f"\n- torch's fp32 matmul precision: {precision!r}, so fp32 layers may run TF32 tensor cores in "
+            "persistrnn's kernels (and cuBLAS's input projections); the fp32 rows' errors are TF32's")
     return (f"# {suite.title} (`python -m persistrnn bench {suite.name}`)\n\n" + describe(result["environment"])
-            + "\n\n" + format_table(result) + "\n\n## Speed targets in this run\n\n" + format_targets([result]) + "\n")
+            + tf32 + "\n\n" + format_table(result) + "\n\n## Speed targets in this run\n\n"
+            + format_targets([result]) + "\n")
 
 
 _AXES = {
@@ -659,6 +674,8 @@ def main(suite_name: str, argv: list[str] | None = None) -> int:
     p.add_argument("--no-refcheck", dest="refcheck", action="store_false")
     p.add_argument("--no-end-to-end", dest="end_to_end", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
+                   help="torch's fp32 matmul precision for the run; 'high' lets fp32 layers run TF32 tensor cores")
     p.add_argument("--from-json", type=Path, help="write the table, files and plots of an earlier run's --json "
                                                   "instead of running (no GPU needed)")
     args = p.parse_args(argv)
@@ -675,7 +692,8 @@ def main(suite_name: str, argv: list[str] | None = None) -> int:
 
         require_gpu()
         cases = suite_cases(suite.name, **{a: getattr(args, a) for a in suite.axes})
-        settings = Settings(repeats=args.repeats, refcheck=args.refcheck, end_to_end=args.end_to_end)
+        settings = Settings(repeats=args.repeats, refcheck=args.refcheck, end_to_end=args.end_to_end,
+                            matmul_precision=args.matmul_precision)
 
         def save(result: dict[str, Any]) -> None:
             if args.json:

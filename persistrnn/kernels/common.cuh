@@ -403,6 +403,23 @@ template <> __device__ __forceinline__ prnn_u32 prnn_pack2<prnn_bf16>(float lo, 
     return r;
 }
 
+// fp32 -> TF32 (10-bit mantissa), rounded to nearest, ties away (cvt.rna):
+// what cuBLAS and cuDNN round to; a plain fp32 operand would be truncated.
+__device__ __forceinline__ prnn_u32 prnn_tf32(float v) {
+    prnn_u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return r;
+}
+
+// d += a * b with a: 16x8 (row), b: 8x8 (col), TF32 inputs, fp32 accumulation.
+__device__ __forceinline__ void prnn_mma_1688_tf32(float (&d)[4], prnn_u32 a0, prnn_u32 a1, prnn_u32 a2, prnn_u32 a3,
+                                                   prnn_u32 b0, prnn_u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 template <typename T> struct prnn_mma_16816;
 // d += a * b with a: 16x16 (row), b: 16x8 (col), fp32 accumulation.
 template <> struct prnn_mma_16816<prnn_f16> {

@@ -29,8 +29,9 @@
 // barrier between product and pointwise (see the stage loop).
 //
 // With PRNN_MMA the matrix product runs on tensor cores instead (16-bit
-// weights, mma.sync m16n8k16, fp32 accumulation): a warp is the work group,
-// and PRNN_KS warps split a row tile's K, each leaving a partial product that
+// weights, mma.sync m16n8k16, fp32 accumulation; fp32 weights as TF32,
+// PRNN_TF32, two m16n8k8 per 16-column tile): a warp is the work group, and
+// PRNN_KS warps split a row tile's K, each leaving a partial product that
 // the pointwise phase sums.
 //
 // Exchange, by PRNN_SYNC:
@@ -178,40 +179,51 @@ __device__ __forceinline__ void prnn_load_row_weights(const io_t* __restrict__ w
 //     (gid, k), (gid+8, k), (gid, k+8), (gid+8, k+8));
 //   B batch column gid x rows 2tig+{0,1}, 2tig+8+{0,1};
 //   C rows gid, gid+8 x batch columns 2tig+{0,1}.
+// TF32 (PRNN_TF32: fp32 weights, mma.m16n8k8 on each 8-column half h of a
+// tile): A register 4h + i holds one value, rows gid, gid+8 x columns
+// 8h + tig, 8h + tig + 4 (i as above); B rows 8h + tig, 8h + tig + 4 of
+// batch column gid; C as above. Weights are rounded to TF32 once, at load;
+// h as it is read.
 #define PRNN_WM (PRNN_THREADS / 32 / PRNN_KS)
+#define PRNN_AREGS (PRNN_TF32 ? 8 : 4)  // A registers per 16 x 16 tile
 
 template <int STAGE, int NG, int MTW>
 __device__ __forceinline__ void prnn_load_stage_fragments(const io_t* __restrict__ w_hh,
-                                                          prnn_u32 (&a)[MTW][PRNN_KTW][4], int blk, int warp,
-                                                          int lane) {
+                                                          prnn_u32 (&a)[MTW][PRNN_KTW][PRNN_AREGS], int blk,
+                                                          int warp, int lane) {
     const int mgroup = warp / PRNN_KS, kgroup = warp % PRNN_KS, gid = lane >> 2, tig = lane & 3;
 #pragma unroll
     for (int m = 0; m < MTW; ++m)
 #pragma unroll
         for (int kt = 0; kt < PRNN_KTW; ++kt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < PRNN_AREGS; ++i) {
                 const int row = (mgroup + m * PRNN_WM) * 16 + gid + (i & 1) * 8;
-                const int k = (kgroup * PRNN_KTW + kt) * 16 + 2 * tig + (i >> 1) * 8;
                 const int unit = blk * PRNN_U + row % PRNN_U;
                 const bool valid = row < NG * PRNN_U && unit < PRNN_H;
                 const long long base = valid ? (long long)(prnn_stage_gate(STAGE, row / PRNN_U) * PRNN_H + unit) * PRNN_H : 0;
+#if PRNN_TF32
+                const int k = (kgroup * PRNN_KTW + kt) * 16 + (i >> 2) * 8 + tig + (i >> 1 & 1) * 4;
+                a[m][kt][i] = valid && k < PRNN_H ? prnn_tf32(w_hh[base + k]) : 0u;
+#else
+                const int k = (kgroup * PRNN_KTW + kt) * 16 + 2 * tig + (i >> 1) * 8;
                 const prnn_u32 lo = valid && k < PRNN_H ? w_hh[base + k].bits : 0u;
                 const prnn_u32 hi = valid && k + 1 < PRNN_H ? w_hh[base + k + 1].bits : 0u;
                 a[m][kt][i] = lo | hi << 16;
+#endif
             }
 }
 
 template <int STAGE, int NG, int MTW>
-__device__ __forceinline__ void prnn_stage_mma(const prnn_u32 (&a)[MTW][PRNN_KTW][4], const float* operand,
+__device__ __forceinline__ void prnn_stage_mma(const prnn_u32 (&a)[MTW][PRNN_KTW][PRNN_AREGS], const float* operand,
                                                float* gates, int warp, int lane, int BP, int Bc) {
     constexpr int ROWS = NG * PRNN_U, MT = (ROWS + 15) / 16;
     const int mgroup = warp / PRNN_KS, kgroup = warp % PRNN_KS, gid = lane >> 2, tig = lane & 3;
     float* part = gates + (kgroup * PRNN_G + prnn_stage_gate(STAGE, 0)) * PRNN_U * BP;
-    const float* column = operand + (kgroup * PRNN_KTW * 16 + 2 * tig) * BP + gid;
+    const float* column = operand + (kgroup * PRNN_KTW * 16 + (PRNN_TF32 ? tig : 2 * tig)) * BP + gid;
     for (int b0 = 0; b0 < Bc; b0 += 8) {
-        // Two accumulators per tile, alternating by k tile, halve the chain
-        // of dependent mma latencies.
+        // Two accumulators per tile, alternating by k tile (TF32: by 8-column
+        // half), halve the chain of dependent mma latencies.
         float acc[MTW][2][4];
 #pragma unroll
         for (int m = 0; m < MTW; ++m)
@@ -220,11 +232,23 @@ __device__ __forceinline__ void prnn_stage_mma(const prnn_u32 (&a)[MTW][PRNN_KTW
 #pragma unroll
         for (int kt = 0; kt < PRNN_KTW; ++kt) {
             const float* p = column + kt * 16 * BP + b0;
+#if PRNN_TF32
+            const prnn_u32 b0_lo = prnn_tf32(p[0]), b0_hi = prnn_tf32(p[4 * BP]);
+            const prnn_u32 b1_lo = prnn_tf32(p[8 * BP]), b1_hi = prnn_tf32(p[12 * BP]);
+#pragma unroll
+            for (int m = 0; m < MTW; ++m)
+                if (mgroup + m * PRNN_WM < MT) {
+                    const prnn_u32(&f)[PRNN_AREGS] = a[m][kt];
+                    prnn_mma_1688_tf32(acc[m][0], f[0], f[1], f[2], f[3], b0_lo, b0_hi);
+                    prnn_mma_1688_tf32(acc[m][1], f[4], f[5], f[6], f[7], b1_lo, b1_hi);
+                }
+#else
             const prnn_u32 b_lo = prnn_pack2<io_t>(p[0], p[BP]);
             const prnn_u32 b_hi = prnn_pack2<io_t>(p[8 * BP], p[9 * BP]);
 #pragma unroll
             for (int m = 0; m < MTW; ++m)
                 if (mgroup + m * PRNN_WM < MT) prnn_mma_16816<io_t>::run(acc[m][kt & 1], a[m][kt], b_lo, b_hi);
+#endif
         }
 #pragma unroll
         for (int m = 0; m < MTW; ++m) {
@@ -726,11 +750,11 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #endif
 
 #if PRNN_MMA
-    prnn_u32 w0[PRNN_S0_MTW][PRNN_KTW][4];
+    prnn_u32 w0[PRNN_S0_MTW][PRNN_KTW][PRNN_AREGS];
     prnn_load_stage_fragments<0, PRNN_S0_NG, PRNN_S0_MTW>(w_hh, w0, blk, wg, lane);
 #define PRNN_STAGE_PRODUCT(s) prnn_stage_mma<s, PRNN_S##s##_NG, PRNN_S##s##_MTW>(w##s, operand, L.gates, wg, lane, BP, Bc)
 #if PRNN_STAGES > 1
-    prnn_u32 w1[PRNN_S1_MTW][PRNN_KTW][4];
+    prnn_u32 w1[PRNN_S1_MTW][PRNN_KTW][PRNN_AREGS];
     prnn_load_stage_fragments<1, PRNN_S1_NG, PRNN_S1_MTW>(w_hh, w1, blk, wg, lane);
 #endif
 #else

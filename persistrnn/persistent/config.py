@@ -27,7 +27,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 arithmetic stay fp32."""
 MATH_PATHS = ("ffma", "mma")
 """ffma: fp32 fused multiply-adds (16-bit weights are widened once, at load);
-mma: tensor cores, mma.sync m16n8k16 on 16-bit weights with fp32 accumulation."""
+mma: tensor cores with fp32 accumulation, mma.sync m16n8k16 on 16-bit
+weights, and on fp32 weights TF32 (m16n8k8; weights and h rounded to a
+10-bit mantissa), which the planner offers only where torch's fp32 matmul
+precision allows TF32."""
 
 KERNEL_NAME = "prnn_recurrence"
 MAX_INSTANCES = 8
@@ -88,9 +91,9 @@ class KernelConfig(KernelLayout):
         prefetch_steps: how many steps ahead the input projections are copied
             into shared memory (their load latency exceeds a step).
         dtype: one of :data:`DTYPES`.
-        math: one of :data:`MATH_PATHS`. ``mma`` needs a 16-bit dtype, a warp
-            per work group (group_size 32), batch_tile 8 and every weight in
-            registers.
+        math: one of :data:`MATH_PATHS`. ``mma`` needs a warp per work
+            group (group_size 32), batch_tile 8 and every weight in
+            registers; with dtype float32 it runs TF32.
         k_split: (mma) warps that split one row tile's columns; their partial
             products are summed in the pointwise phase.
         one_sync: (reset-before GRU) one exchange per step instead of two:
@@ -239,9 +242,6 @@ class KernelConfig(KernelLayout):
             raise ConfigError(f"cell {spec.name}: the kernel runs at most 2 stages, got {spec.num_stages}")
 
     def _check_mma(self) -> None:
-        if self.dtype == "float32":
-            raise ConfigError("KernelConfig.math: 'mma' runs 16-bit weights, expected dtype float16 or bfloat16, "
-                              "got float32")
         fixed = {"group_size": WARP, "batch_tile": MMA_BATCH, "shared_k_chunks": 0}
         for name, want in fixed.items():
             if getattr(self, name) != want:

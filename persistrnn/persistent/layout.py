@@ -106,6 +106,16 @@ class KernelLayout:
     # mma: a warp holds m_tiles_per_warp(s) x k_tiles_per_warp A fragments.
 
     @property
+    def tf32(self) -> bool:
+        """The mma path on fp32 weights: TF32 tensor cores."""
+        return self.math == "mma" and self.dtype == "float32"
+
+    @property
+    def fragment_registers(self) -> int:
+        """Registers of one 16 x 16 A fragment: two 16-bit values each, or one TF32 value."""
+        return 8 if self.tf32 else 4
+
+    @property
     def k_tiles_per_warp(self) -> int:
         return math.ceil(math.ceil(self.hidden_size / MMA_TILE) / self.k_split)
 
@@ -145,8 +155,8 @@ class KernelLayout:
     def register_weights(self) -> int:
         """Weight registers per thread, over all stages."""
         stages = range(self.spec.num_stages)
-        if self.math == "mma":  # a fragment is 4 registers of two 16-bit values
-            return sum(4 * self.m_tiles_per_warp(s) * self.k_tiles_per_warp for s in stages)
+        if self.math == "mma":
+            return sum(self.fragment_registers * self.m_tiles_per_warp(s) * self.k_tiles_per_warp for s in stages)
         return (sum(self.rows_per_group(s) * self.register_k for s in stages)
                 + self.next_rows_per_group * self.register_k
                 + self.column_rows_per_group * self.column_chunks)

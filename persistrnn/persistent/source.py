@@ -83,6 +83,7 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_STAGES": spec.num_stages,
         "PRNN_IO_T": DEVICE_TYPES[config.dtype],
         "PRNN_MMA": int(config.math == "mma"),
+        "PRNN_TF32": int(config.tf32),
         "PRNN_KS": config.k_split,
         "PRNN_KTW": config.k_tiles_per_warp,
         "PRNN_SHARED_W_FLOATS": config.shared_weight_floats,

@@ -36,7 +36,7 @@ def explain(model: Any, batch: int, *, top: int = 5, file: TextIO | None = None)
     cached, else the cost model's) and the model's ``top`` ranked
     configurations with their predicted cost by term. Returns the plan."""
     from . import model as cost, space
-    from .tuner import ranked_configs
+    from .tuner import ranked_configs, tf32_allowed
 
     out = file or sys.stdout
     shape = _shape(model)
@@ -44,7 +44,7 @@ def explain(model: Any, batch: int, *, top: int = 5, file: TextIO | None = None)
     print(chosen.describe(), file=out)
     cm = cost.cost_model(progress=False)
     bucket = space.batch_bucket(batch)
-    ranked = ranked_configs(shape, bucket, cm)
+    ranked = ranked_configs(shape, bucket, cm, tf32=tf32_allowed(shape))
     if ranked:
         print(f"  cost model, top {min(top, len(ranked))} of {len(ranked)} candidates "
               f"(µs per step: product + pointwise + barriers + exchange):", file=out)

@@ -288,7 +288,9 @@ class CostModel:
         product = 0.0
         for s in range(len(config.stages)):
             if config.math == "mma":
-                sequential = config.m_tiles_per_warp(s) * config.k_tiles_per_warp * math.ceil(per_launch / 8)
+                # TF32 runs two m16n8k8 per 16-column tile, where 16-bit runs one m16n8k16
+                sequential = (config.m_tiles_per_warp(s) * config.k_tiles_per_warp * math.ceil(per_launch / 8)
+                              * (2 if config.tf32 else 1))
                 product += sequential * self._mma_ns(w, config.m_tiles_per_warp(s))
                 continue
             product += self._rows_ns(config, w, config.rows_per_group(s), per_launch)

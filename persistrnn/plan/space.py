@@ -92,7 +92,7 @@ def block_counts(hidden_size: int, sm_count: int) -> list[tuple[str, int]]:
     return out
 
 
-def _mappings(dtype: str, threads: int, batch: int, k_per_thread) -> Iterator[dict]:
+def _mappings(dtype: str, threads: int, batch: int, k_per_thread, tf32: bool) -> Iterator[dict]:
     tiles = [t for t in BATCH_TILES if t == 1 or t <= next_power_of_two(batch)]
     for group in GROUP_SIZES:
         k = k_per_thread(group)
@@ -100,7 +100,7 @@ def _mappings(dtype: str, threads: int, batch: int, k_per_thread) -> Iterator[di
         for tile in tiles:
             for shared in placements:
                 yield dict(math="ffma", group_size=group, batch_tile=tile, shared_k_chunks=shared)
-    if dtype != "float32":
+    if dtype != "float32" or tf32:
         for k_split in K_SPLITS:
             if threads // WARP % k_split == 0:
                 yield dict(math="mma", group_size=WARP, batch_tile=persistent.MMA_BATCH, shared_k_chunks=0,
@@ -108,9 +108,10 @@ def _mappings(dtype: str, threads: int, batch: int, k_per_thread) -> Iterator[di
 
 
 def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: DeviceFacts, *, instances: int = 1,
-                    pipeline: bool = False) -> Iterator[KernelConfig]:
+                    pipeline: bool = False, tf32: bool = False) -> Iterator[KernelConfig]:
     """Every well-formed configuration for the layer (before pruning), each
-    running ``instances`` recurrences per launch (a ``pipeline`` of layers)."""
+    running ``instances`` recurrences per launch (a ``pipeline`` of layers).
+    ``tf32``: an fp32 layer may also run TF32 tensor cores (math 'mma')."""
     one_sync_options = (False, True) if cell == "gru_reset_before" else (False,)
     for sync, blocks in block_counts(hidden_size, facts.sm_count):
         units = math.ceil(hidden_size / blocks)
@@ -122,7 +123,7 @@ def enumerate_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: 
             # batch 2 (+49-71%), as at the larger batches where the copy's 16-byte reads win (+45% at batch 10).
             tagged_options = ((False, True) if sync == "grid" and batch == 1
                               and hidden_size <= threads * persistent.TAGGED_READS_PER_THREAD else (False,))
-            for mapping in _mappings(dtype, threads, batch, lambda g: math.ceil(hidden_size / g)):
+            for mapping in _mappings(dtype, threads, batch, lambda g: math.ceil(hidden_size / g), tf32):
                 # The fused step needs a work group per unit of the block.
                 fused_options = (False, True) if threads // mapping["group_size"] == units else (False,)
                 for one_sync in one_sync_options:
@@ -179,8 +180,9 @@ def prune(config: KernelConfig, batch: int, facts: DeviceFacts) -> str | None:
 
 
 def pruned_space(cell: str, hidden_size: int, batch: int, dtype: str, facts: DeviceFacts, *, instances: int = 1,
-                 pipeline: bool = False) -> list[KernelConfig]:
+                 pipeline: bool = False, tf32: bool = False) -> list[KernelConfig]:
     """The configurations :func:`prune` keeps, in enumeration order."""
-    return [c for c in enumerate_space(cell, hidden_size, batch, dtype, facts, instances=instances, pipeline=pipeline)
+    return [c for c in enumerate_space(cell, hidden_size, batch, dtype, facts, instances=instances, pipeline=pipeline,
+                                       tf32=tf32)
             if prune(c, batch, facts) is None]
 

@@ -4,8 +4,8 @@
 with a :class:`Plan`:
 
 1. A tuned choice for (device, cell, sizes, layers, batch bucket, dtype,
-   package version) in the on-disk tuning cache is reused as is: no compile,
-   no timing (the binary is in the kernel cache too).
+   whether TF32 is allowed, package version) in the on-disk tuning cache is
+   reused as is: no compile, no timing (the binary is in the kernel cache too).
 2. Otherwise the configuration space is pruned (:mod:`.space`) and ranked by
    the cost model (:mod:`.model`). Without tuning, the top-ranked
    configuration that compiles without spilling is the plan.
@@ -43,7 +43,7 @@ the configuration says); fallback: the non-persistent path
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 7
+CACHE_FORMAT = 8  # 8: the key says whether TF32 was allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +158,8 @@ class Plan:
             c = self.config
             lines.append(f"  kernel: sync {c.sync}, {c.blocks} block(s) x {c.threads} threads, work groups of "
                          f"{c.group_size}, batch tile {c.batch_tile}, {c.units_per_block} units per block, "
-                         f"{c.register_k} register / {c.shared_k_chunks} shared chunks per lane, math {c.math}"
+                         f"{c.register_k} register / {c.shared_k_chunks} shared chunks per lane, math "
+                         f"{'mma (TF32)' if c.tf32 else c.math}"
                          + (f", k_split {c.k_split}" if c.math == "mma" else "")
                          + (", one sync" if c.one_sync else "") + (", fused step" if c.fused_step else "")
                          + _layout(c))
@@ -176,19 +177,30 @@ class Plan:
 # ----------------------------------------------------------------------------
 
 
-def cache_key(facts: runtime.DeviceFacts, shape: ModelShape, bucket: int) -> dict[str, Any]:
+def tf32_allowed(shape: ModelShape) -> bool:
+    """Whether an fp32 model may run TF32 tensor cores in its persistent
+    kernels: where torch's fp32 matmul precision allows TF32
+    (``torch.set_float32_matmul_precision("high")`` or ``"medium"``), the
+    setting under which cuBLAS already runs the model's input projection in
+    TF32. torch's default ("highest") keeps every product in fp32."""
+    import torch
+
+    return shape.dtype == "float32" and torch.get_float32_matmul_precision() != "highest"
+
+
+def cache_key(facts: runtime.DeviceFacts, shape: ModelShape, bucket: int, tf32: bool = False) -> dict[str, Any]:
     """Every component a tuned choice depends on."""
     # NVRTC's version: whether a configuration compiles without spilling, and its timings, depend on it
     return {"device": facts.name, "sm_count": facts.sm_count, **dataclasses.asdict(shape),
-            "batch_bucket": bucket, "version": __version__, "format": CACHE_FORMAT,
+            "batch_bucket": bucket, "tf32": tf32, "version": __version__, "format": CACHE_FORMAT,
             "nvrtc": list(runtime.nvrtc_version())}
 
 
 def cache_path(key: dict[str, Any]) -> Path:
-    """``tuning/<cell>-i<I>-h<H>-l<L>-<dtype>[-bi]-b<bucket>-<device>-<digest>.json``."""
+    """``tuning/<cell>-i<I>-h<H>-l<L>-<dtype>[-tf32][-bi]-b<bucket>-<device>-<digest>.json``."""
     name = runtime.entry_name(key["cell"], f"i{key['input_size']}", f"h{key['hidden_size']}", f"l{key['num_layers']}",
-                              key["dtype"], "bi" if key["bidirectional"] else "", f"b{key['batch_bucket']}",
-                              key["device"], key=runtime.digest(key))
+                              key["dtype"], "tf32" if key["tf32"] else "", "bi" if key["bidirectional"] else "",
+                              f"b{key['batch_bucket']}", key["device"], key=runtime.digest(key))
     return runtime.cache_dir() / "tuning" / f"{name}.json"
 
 
@@ -250,13 +262,15 @@ def slice_sizes(bucket: int) -> list[int | None]:
 
 
 def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
-                   steps: int = DEFAULT_STEPS) -> list[Ranked]:
+                   steps: int = DEFAULT_STEPS, *, tf32: bool = False) -> list[Ranked]:
     """Every layout's pruned space at every slice size, cheapest predicted
     forward of ``steps`` steps first. A slice size below the bucket is a
     candidate only where all its slices fit the SMs at once (single and
-    cluster sync: grid sync runs one slice per launch)."""
+    cluster sync: grid sync runs one slice per launch). ``tf32``: TF32
+    configurations of an fp32 model are candidates too."""
     pruned = [c for layout in layouts(shape)
-              for c in space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts, **layout)]
+              for c in space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts, **layout,
+                                          tf32=tf32)]
     ranked: list[Ranked] = []
     for batch_slice in slice_sizes(bucket):
         slices = 1 if batch_slice is None else -(-bucket // batch_slice)
@@ -460,7 +474,8 @@ def config_label(c: KernelConfig, batch_slice: int | None = None) -> str:
     """A persistent configuration (and batch slice) in a few words: the
     tuner's key for its timings, and the benchmarks' column."""
     return (f"persistent {c.sync}x{c.blocks} t{c.threads} g{c.group_size} bt{c.batch_tile} sk{c.shared_k_chunks}"
-            f" {c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "") + (" 1sync" if c.one_sync else "")
+            f" {'tf32' if c.tf32 else c.math}" + (f" ks{c.k_split}" if c.math == "mma" else "")
+            + (" 1sync" if c.one_sync else "")
             + (" fused" if c.fused_step else "") + (" tagged" if c.tagged_exchange else "")
             + (f" pipeline{c.instances}" if c.pipeline else f" x{c.instances}" if c.instances > 1 else "")
             + (f" slices of {batch_slice}" if batch_slice else ""))
@@ -480,14 +495,15 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
         raise ArgumentError(f"steps: expected a positive int, got {steps!r}")
     facts = runtime.device_facts()
     bucket = space.batch_bucket(batch)
-    key = cache_key(facts, shape, bucket)
+    tf32 = tf32_allowed(shape)
+    key = cache_key(facts, shape, bucket, tf32)
     if not refresh:
         cached = load_plan(key)
         if cached is not None:
             return cached
     started = time.perf_counter()
     model = cost.cost_model(progress=progress)
-    ranked = ranked_configs(shape, bucket, model, steps)
+    ranked = ranked_configs(shape, bucket, model, steps, tf32=tf32)
     if not tune:
         top = compile_top(ranked, 1, twins=False)  # untimed: the model's choice alone
         if not top:
@@ -533,7 +549,7 @@ def cached_plan(shape: ModelShape, batch: int) -> Plan:
     nothing may be timed, the untimed choice is returned and not remembered."""
     import torch
 
-    key = (torch.cuda.current_device(), shape, space.batch_bucket(batch))
+    key = (torch.cuda.current_device(), shape, space.batch_bucket(batch), tf32_allowed(shape))
     chosen = _MEMO.get(key)
     if chosen is not None:
         return chosen
