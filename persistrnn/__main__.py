@@ -140,6 +140,9 @@ def _plan_parser(command: str):
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--bidirectional", action="store_true")
     p.add_argument("--batch", type=int, nargs="+", required=True, help="one or more batch sizes")
+    p.add_argument("--matmul-precision", choices=("highest", "high", "medium"), default=None,
+                   help="torch's fp32 matmul precision to plan under ('high' or 'medium': fp32 layers may run TF32 "
+                        "tensor cores); default: the process's")
     if command == "tune":
         p.add_argument("--k", type=int, default=DEFAULT_K, help="configurations to compile and time")
         p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="sequence length to time")
@@ -152,6 +155,10 @@ def _plan_command(command: str, argv: list[str]) -> int:
     from .errors import GPUUnavailableError
 
     args = _plan_parser(command).parse_args(argv)
+    if args.matmul_precision:
+        import torch
+
+        torch.set_float32_matmul_precision(args.matmul_precision)
     try:
         shape = plan.ModelShape(args.cell, args.input_size, args.hidden_size, args.layers, args.dtype,
                                 args.bidirectional)

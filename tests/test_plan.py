@@ -317,6 +317,24 @@ def test_shape_of_reads_torch_modules():
         tuner.shape_of(torch.nn.LSTM(10, 20, proj_size=5))
 
 
+def test_cli_plans_under_the_matmul_precision_it_is_given(monkeypatch):
+    import torch
+
+    from persistrnn import __main__ as cli
+    from persistrnn import plan as planner
+
+    seen = []
+    monkeypatch.setattr(planner, "explain", lambda shape, batch: seen.append(torch.get_float32_matmul_precision()))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        argv = ["--cell", "lstm", "--input-size", "8", "--hidden-size", "8", "--batch", "1"]
+        assert cli._plan_command("explain", argv + ["--matmul-precision", "high"]) == 0
+        assert cli._plan_command("explain", argv + ["--matmul-precision", "highest"]) == 0
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen == ["high", "highest"]
+
+
 def test_cli_tune_without_a_gpu_says_so():
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-m", "persistrnn", "tune", "--cell", "lstm", "--input-size", "8",
