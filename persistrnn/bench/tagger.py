@@ -127,4 +127,4 @@ def tagger_workload(settings: Settings, device: Any) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_suite(argv, suite="tagger", make_workload=tagger_workload)
+    return run_suite(argv, suite="tagger", make_workload=tagger_workload, description=__doc__)

@@ -597,8 +597,9 @@ def write_outputs(result: dict[str, Any], text: str, out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None, suite: str = "treelstm",
-         make_workload: Callable[[Settings, Any], Workload] = tree_lstm_workload) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m persistrnn bench {suite}", description=__doc__.split("\n\n")[0])
+         make_workload: Callable[[Settings, Any], Workload] = tree_lstm_workload, description: str = __doc__) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m persistrnn bench {suite}",
+                                     description=description.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--hidden", type=int, default=Settings.hidden)
     parser.add_argument("--embedding", type=int, default=Settings.embedding)
