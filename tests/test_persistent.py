@@ -300,6 +300,43 @@ def test_tagged_exchange_matches_float64_reference(config, batch, steps):
     check_against_reference(config, batch, steps, seed=seed)
 
 
+ONE_BUFFER_CASES = [
+    # (config, batch, steps): grid blocks of one-stage cells keep h once, so a launch holds batches that
+    # two copies did not fit (each batch here is above what two copies held, and runs as one launch):
+    # TF32, 16-bit and FFMA products, the fused step, every one-stage cell
+    (_mma("lstm", 1024, "grid", 128, 256, 8, "float32"), 20, 30),
+    (_mma("gru", 1024, "grid", 114, 256, 8, "bfloat16"), 29, 9),
+    (KernelConfig("lstm", 1024, "grid", 128, 256, 32, 1, fused_step=True), 33, 7),
+    (KernelConfig("rnn_relu", 1024, "grid", 128, 256, 16, 8), 37, 7),
+    (KernelConfig("gru", 1000, "grid", 125, 256, 16, 4), 30, 5),
+]
+
+
+def test_a_grid_block_of_a_one_stage_cell_keeps_h_once_and_holds_twice_the_batch():
+    lstm = KernelConfig("lstm", 1024, "grid", 128, 256, 32, 1)
+    assert lstm.h_buffers == 1 and "#define PRNN_HBUFS 1" in persistent.render_source(lstm)
+    two = {"tagged": dataclasses.replace(lstm, tagged_exchange=True),
+           "two-stage": KernelConfig("gru_reset_before", 1024, "grid", 128, 256, 32, 1),
+           "cluster": KernelConfig("lstm", 256, "cluster", 16)}
+    assert all(c.h_buffers == 2 and "#define PRNN_HBUFS 2" in persistent.render_source(c) for c in two.values())
+    per_column = lstm.padded_hidden * lstm.batch_align * 4  # one copy of h, one batch_align of columns
+    assert (two["tagged"].shared_bytes(lstm.batch_align) - two["tagged"].shared_bytes(0)
+            - (lstm.shared_bytes(lstm.batch_align) - lstm.shared_bytes(0))) == per_column
+    limit = 227 * 1024
+    for config, batch, _ in ONE_BUFFER_CASES:
+        assert config.h_buffers == 1
+        assert config.max_batch(limit) >= batch > dataclasses.replace(config, tagged_exchange=True).max_batch(limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, steps", ONE_BUFFER_CASES,
+                         ids=[f"{c}-B{b}-T{t}" for c, b, t in ONE_BUFFER_CASES])
+def test_one_buffer_grid_launches_match_float64_reference(config, batch, steps):
+    assert persistent.batch_per_launch(config, 0) >= batch  # one launch: the single buffer is what runs
+    seed = hash((str(config), batch, steps)) % 2**32
+    check_against_reference(config, batch, steps, seed=seed)
+
+
 CLIPPED_CASES = [
     # (config, batch, steps): cells with their gates clamped at 0.5 (ONNX clip; cells.with_clip), where most
     # of the tests' pre-activations lie outside the bound: each sync mode, a two-stage cell, the fused step,
@@ -422,7 +459,7 @@ def test_bad_inputs_raise_before_launch():
 def _compiled_configs():
     """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
     return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES + TAGGED_CASES
-                                         + CLIPPED_CASES},
+                                         + CLIPPED_CASES + ONE_BUFFER_CASES},
                   key=str)
 
 

@@ -46,7 +46,12 @@
 // h travels in shared memory as [KPAD][BP]: row k holds unit k for every batch
 // column, so a block's slice is one contiguous run and BT batch columns are
 // one vector load. Exchange e (stage s of step t is e = t * STAGES + s) lands
-// in buffer e & 1; the initial state is exchange -1, buffer 1.
+// in buffer e & 1; the initial state is exchange -1, buffer 1. A grid block of
+// a one-stage cell without tagged words keeps one buffer (PRNN_HBUFS 1): its
+// values go to L2, not to its shared h, and every read of h_{t-1} (product,
+// pointwise) precedes the barrier before its arrival, after which the copy
+// of h_t from L2 may overwrite it. At H = 1024 the second buffer was most of a
+// block's shared memory, so this doubles the sequences a launch holds.
 //
 // Instances (PRNN_INSTANCES > 1): one launch runs several independent
 // recurrences on disjoint blocks (sync 'single': a block each; 'cluster': a
@@ -95,7 +100,7 @@
 typedef PRNN_IO_T io_t;  // h0, c0, outputs and weights: the layer's dtype
 
 struct prnn_smem_layout {
-    float* hbuf;    // [2][KPAD][BP]
+    float* hbuf;    // [HBUFS][KPAD][BP]
     float* gates;   // [KS][G][U][BP]  recurrent products W_hh h, KS partials (b_hh is added pointwise)
     float* bias;    // [G][U]          b_hh of this block's rows
     float* xw;      // [DEPTH+1][G][U][BP]  input projections, prefetched DEPTH steps ahead
@@ -109,10 +114,12 @@ struct prnn_smem_layout {
     float* w_ih;       // resident: [XROWS][I] W_ih's rows of this block's units (g*U + u), then b_ih's [XROWS]
 };
 
+#define PRNN_HBUF(e) (L.hbuf + (PRNN_HBUFS == 2 ? (e) & 1 : 0) * PRNN_KPAD * BP)  // exchange e's h
+
 __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     prnn_smem_layout L;
     L.hbuf = base;
-    L.gates = L.hbuf + 2 * PRNN_KPAD * BP;
+    L.gates = L.hbuf + PRNN_HBUFS * PRNN_KPAD * BP;
     L.xw = L.gates + PRNN_KS * PRNN_G * PRNN_U * BP;
     L.c = L.xw + (PRNN_XW_DEPTH + 1) * PRNN_G * PRNN_U * BP;
     L.bias = L.c + (PRNN_HAS_C ? PRNN_U * BP : 0);
@@ -830,7 +837,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 
     // Both h buffers start as zeros (the padding rows and columns stay zero);
     // buffer 1 then receives h0, the state "exchanged" at step -1.
-    for (int i = tid; i < 2 * PRNN_KPAD * BP; i += PRNN_THREADS) L.hbuf[i] = 0.0f;
+    for (int i = tid; i < PRNN_HBUFS * PRNN_KPAD * BP; i += PRNN_THREADS) L.hbuf[i] = 0.0f;
 #if PRNN_ONE_SYNC
     for (int i = tid; i < 2 * PRNN_NB * part_floats + PRNN_KPAD * BP; i += PRNN_THREADS) L.part[i] = 0.0f;
 #endif
@@ -842,7 +849,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
         for (int i = tid; i < PRNN_H * (PRNN_RESIDENT ? Bc : B); i += PRNN_THREADS) {
             const int b = i / PRNN_H, k = i % PRNN_H;
             const bool row = !PRNN_RESIDENT || b < B;  // (a constant unless resident: no select then)
-            L.hbuf[PRNN_KPAD * BP + k * BP + b] = row ? prnn_to_float(h0[PRNN_STATE_IN(b) * PRNN_H + k]) : 0.0f;
+            L.hbuf[(PRNN_HBUFS - 1) * PRNN_KPAD * BP + k * BP + b] =  // PRNN_HBUF(-1)
+                row ? prnn_to_float(h0[PRNN_STATE_IN(b) * PRNN_H + k]) : 0.0f;
         }
 #if PRNN_HAS_C
         for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
@@ -980,7 +988,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #endif
         prnn_cp_async_wait<PRNN_XW_DEPTH - 1>();  // step 0's projections, x_r among them
         __syncthreads();
-        column_product(L.hbuf + PRNN_KPAD * BP, L.xw, part);
+        column_product(L.hbuf + PRNN_KPAD * BP, L.xw, part);  // PRNN_HBUF(-1): one-sync keeps two
         __syncthreads();
 #if PRNN_SYNC == 1
         prnn_push_to_peers(part, &bars[1], blk, part_floats / 4, part_walk);
@@ -1031,7 +1039,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
         }
 #endif
         const float* xs = L.xw + (t % (PRNN_XW_DEPTH + 1)) * PRNN_G * PRNN_U * BP;
-        const float* h_prev = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
+        const float* h_prev = PRNN_HBUF(e - 1);
 #if PRNN_ONE_SYNC
         {
             // r_t * h_{t-1} for every unit, from every block's partial sums.
@@ -1061,8 +1069,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 
 #pragma unroll
         for (int stage = PRNN_FIRST_STAGE; stage < PRNN_STAGES; ++stage, ++e) {
-            const float* operand = L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP;
-            float* next = L.hbuf + (e & 1) * PRNN_KPAD * BP;
+            const float* operand = PRNN_HBUF(e - 1);
+            float* next = PRNN_HBUF(e);
             // One (unit u, batch column b)'s update from its gates' inputs (xg:
             // projections; hg: recurrent products with b_hh), its outputs, and
             // its value for the exchange.
@@ -1331,7 +1339,7 @@ leave:
     // block left on a failure or a thread's last wait failed (decided by the
     // whole block: the branch holds a barrier).
     if (!__syncthreads_or(!ok) && produces) {
-        next_layer_product(L.hbuf + ((e - 1) & 1) * PRNN_KPAD * BP, T - 1);
+        next_layer_product(PRNN_HBUF(e - 1), T - 1);
         __syncthreads();
         if (tid == 0) prnn_red_release_gpu_add(progress + inst, T - (T - 1) / PRNN_RELEASE_EVERY * PRNN_RELEASE_EVERY);
     }

@@ -137,6 +137,14 @@ class KernelLayout:
         return -(-rows // 4) * 4
 
     @property
+    def h_buffers(self) -> int:
+        """Copies of h in a block's shared memory: two (exchanges alternate), or
+        one for a grid block of a one-stage cell without tagged words, whose
+        values go to L2 and whose copy of h_t from L2 follows every read of
+        h_{t-1} (recurrence.cu)."""
+        return 1 if self.sync == "grid" and not self.tagged_exchange and self.spec.num_stages == 1 else 2
+
+    @property
     def batch_align(self) -> int:
         """Batch columns are padded to this; a slice is then whole 16-byte vectors."""
         return self.batch_tile if self.units_per_block % 4 == 0 else max(self.batch_tile, 4)
@@ -198,7 +206,7 @@ class KernelLayout:
         g, u = self.spec.num_gates, self.units_per_block
         xw = (self.prefetch_steps + 1) * g * u * bp
         cell_state = u * bp if self.spec.has_cell_state else 0
-        floats = 2 * self.padded_hidden * bp + self.k_split * g * u * bp + xw + cell_state
+        floats = self.h_buffers * self.padded_hidden * bp + self.k_split * g * u * bp + xw + cell_state
         if self.one_sync:  # double-buffered partial sums of every block, and r * h
             floats += 2 * self.blocks * self.partial_rows * bp + self.padded_hidden * bp
         if self.pipeline:  # the next layer's b_ih and shared weights
