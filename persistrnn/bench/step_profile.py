@@ -202,7 +202,9 @@ def format_table(result: dict[str, Any]) -> str:
     from ..plan import config_label
 
     for c in result["cases"]:
-        phases = " | ".join(f"{c['phases_us'][p]:.3f} ({c['phases_max_us'][p]:.3f})" for p in PHASES)
+        # a run from before a phase existed has none for it
+        phases = " | ".join(f"{c['phases_us'][p]:.3f} ({c['phases_max_us'][p]:.3f})" if p in c["phases_us"] else "—"
+                            for p in PHASES)
         label = config_label(persistent.KernelConfig(**c["config"]), c["batch_slice"])
         round_ = f" (round {c['round'] + 1})" if result["config"].get("rounds", 1) > 1 else ""
         lines.append(f"| {c['cell']} {c['hidden']} b{c['batch']} {c['dtype']}{round_} | {c['source']}: {label} | "

@@ -1300,6 +1300,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 ok = false;  // the whole block's: one thread waited for it
                 goto leave;
             }
+            PRNN_MARK(EXCHANGE_WAIT);
             {
                 const float4* src = reinterpret_cast<const float4*>(exchange + (e & 1) * PRNN_KPAD * BP);
                 float4* dst = reinterpret_cast<float4*>(next);
@@ -1307,7 +1308,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 prnn_copy_from_l2(dst, src, (PRNN_H * BP + 3) / 4);
                 __syncthreads();
             }
-            PRNN_MARK(EXCHANGE_WAIT);
+            PRNN_MARK(EXCHANGE_COPY);
 #endif
         }
     }

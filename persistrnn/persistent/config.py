@@ -49,14 +49,15 @@ outputs are in host memory, and writes its generation into ``exited`` when
 it leaves (``stop`` set, idle, or its lifetime over)."""
 RESIDENT_TICK = RESIDENT_CONTROL[RESIDENT_CONTROL.index("steps"):]
 STEP_PROFILE_PHASES = ("product", "projection_wait", "product_barrier", "pointwise", "slice_barrier", "push",
-                       "prefetch", "exchange_wait")
+                       "prefetch", "exchange_wait", "exchange_copy")
 """The phases of a step that an instrumented build (``step_profile``) times,
 in the order of its counters (see recurrence.cu's PRNN_MARK): the recurrent
 product (with the pointwise update in a fused step), the wait for the step's
 prefetched projections, the block barrier after the product (the slowest
 warp's lag), the pointwise update, the barrier that completes the block's
 slice, the slice's push to peers (a grid's arrival), the next projections'
-prefetch, and the exchange's wait (a grid's barrier and its copy of h)."""
+prefetch, the exchange's wait (a grid's barrier; a tagged grid's polled read
+of h), and a grid's copy of h from L2 after its barrier (zero elsewhere)."""
 
 TAGGED_READS_PER_THREAD = 8
 """A tagged grid exchange's loads in flight per thread (recurrence.cu's
