@@ -307,21 +307,6 @@ __device__ __forceinline__ bool prnn_mbar_wait_cluster(prnn_u64* bar, prnn_u32 p
     return true;
 }
 
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
-// this block's shared memory by the bulk copy engine, completing on `bar`
-// (whose expected transaction bytes the caller has raised).
-__device__ __forceinline__ void prnn_bulk_load(void* smem_dst, const void* global_src, prnn_u32 bytes, prnn_u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     prnn_smem_addr(smem_dst)),
-                 "l"(global_src), "r"(bytes), "r"(prnn_smem_addr(bar))
-                 : "memory");
-}
-
-// Orders this thread's earlier generic-proxy accesses (an acquire of other
-// blocks' global writes; the block's reads of the shared buffer, ordered to
-// this thread by a barrier) before its later async-proxy (bulk copy) ones.
-__device__ __forceinline__ void prnn_fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
-
 // 16 bytes into a peer's shared memory; the peer's mbarrier counts the bytes
 // (complete_tx carries release semantics at cluster scope).
 __device__ __forceinline__ void prnn_st_async_v4(prnn_u32 remote_addr, float4 v, prnn_u32 remote_bar) {

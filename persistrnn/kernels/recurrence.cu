@@ -345,10 +345,21 @@ __device__ __forceinline__ void prnn_prefetch_xw_owned(const float* __restrict__
 #endif
 
 #if PRNN_SYNC == 2 && !PRNN_TAGGED
-// Grid mode: the whole exchanged vector, L2 -> shared, every step, by the
-// bulk copy engine (the threads' own 16-byte loads, 8 in flight each, cost
-// 1.1 / 1.7 / 2.2 µs a step at LSTM 1024 batch 8 / 16 / 20, perf-notes §55).
-#define PRNN_BULK_CHUNK 16384u  // bytes per bulk copy instruction: several in flight at once
+// Grid mode: the whole exchanged vector, L2 -> shared, every step. Loads go
+// out PRNN_COPY_BATCH at a time before any store: one load per loop trip
+// paid a full L2 round trip each (~5 µs per step at H=256, batch 20).
+#define PRNN_COPY_BATCH 8
+__device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src, int n) {
+    for (int q0 = threadIdx.x; q0 < n; q0 += PRNN_THREADS * PRNN_COPY_BATCH) {
+        float4 v[PRNN_COPY_BATCH];
+#pragma unroll
+        for (int c = 0; c < PRNN_COPY_BATCH; ++c)
+            if (q0 + c * PRNN_THREADS < n) v[c] = __ldcg(src + q0 + c * PRNN_THREADS);
+#pragma unroll
+        for (int c = 0; c < PRNN_COPY_BATCH; ++c)
+            if (q0 + c * PRNN_THREADS < n) dst[q0 + c * PRNN_THREADS] = v[c];
+    }
+}
 #endif
 
 #if PRNN_TAGGED
@@ -698,10 +709,6 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #elif PRNN_SYNC == 2
     const int blk = blockIdx.x;
     const int inst = 0;
-#if !PRNN_TAGGED
-    __shared__ prnn_u64 copy_bar;  // the bulk copy of h_t from L2 completes on it
-    prnn_u32 copy_phase = 0;       // the parity its next completion has
-#endif
 #else
     const int blk = 0;
     const int inst = blockIdx.x;
@@ -863,12 +870,6 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     }
     prnn_cluster_sync();  // barriers initialised everywhere before any peer pushes
 #else
-#if PRNN_SYNC == 2 && !PRNN_TAGGED
-    if (tid == 0) {
-        prnn_mbar_init(&copy_bar, 1);
-        prnn_fence_mbar_init();
-    }
-#endif
     __syncthreads();
 #endif
 
@@ -1301,23 +1302,11 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             }
             PRNN_MARK(EXCHANGE_WAIT);
             {
-                // h_t from L2 by the bulk copy engine: thread 0, which acquired
-                // the arrivals, issues it; every thread waits on copy_bar. Rows
-                // past H stay as initialised (zero): the buffer's are never written.
-                const prnn_u32 bytes = (prnn_u32)((PRNN_H * BP + 3) / 4 * 16);
-                if (tid == 0) {
-                    prnn_fence_proxy_async();
-                    prnn_mbar_arrive_expect_tx(&copy_bar, bytes);
-                    const char* src = reinterpret_cast<const char*>(exchange + (e & 1) * PRNN_KPAD * BP);
-                    for (prnn_u32 off = 0; off < bytes; off += PRNN_BULK_CHUNK)
-                        prnn_bulk_load(reinterpret_cast<char*>(next) + off, src + off, min(PRNN_BULK_CHUNK, bytes - off),
-                                       &copy_bar);
-                }
-                if (!prnn_mbar_wait_cluster(&copy_bar, copy_phase, watch)) {
-                    ok = false;
-                    goto leave;
-                }
-                copy_phase ^= 1u;
+                const float4* src = reinterpret_cast<const float4*>(exchange + (e & 1) * PRNN_KPAD * BP);
+                float4* dst = reinterpret_cast<float4*>(next);
+                // Rows past H stay as initialised (zero): the buffer's are never written.
+                prnn_copy_from_l2(dst, src, (PRNN_H * BP + 3) / 4);
+                __syncthreads();
             }
             PRNN_MARK(EXCHANGE_COPY);
 #endif
