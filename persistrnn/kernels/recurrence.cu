@@ -348,43 +348,17 @@ __device__ __forceinline__ void prnn_prefetch_xw_owned(const float* __restrict__
 // Grid mode: the whole exchanged vector, L2 -> shared, every step. Loads go
 // out PRNN_COPY_BATCH at a time before any store: one load per loop trip
 // paid a full L2 round trip each (~5 µs per step at H=256, batch 20).
-// In L2 a row of h is the BA aligned batch columns; in shared memory it is
-// padded to BP (PRNN_BP_PAD: the mma path's bank spacing, never read), so
-// the pad columns cost no L2 traffic (a third of a row at batch 8).
 #define PRNN_COPY_BATCH 8
-__device__ __forceinline__ void prnn_copy_from_l2(float* dst, const float* src, int rows, int BA, int BP) {
-#if PRNN_BP_PAD == 0
-    // Rows are contiguous on both sides: one run of float4s (BA need not be a multiple of 4).
-    const int n = (rows * BP + 3) / 4;
-    const float4* s = reinterpret_cast<const float4*>(src);
-    float4* d = reinterpret_cast<float4*>(dst);
+__device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src, int n) {
     for (int q0 = threadIdx.x; q0 < n; q0 += PRNN_THREADS * PRNN_COPY_BATCH) {
         float4 v[PRNN_COPY_BATCH];
 #pragma unroll
         for (int c = 0; c < PRNN_COPY_BATCH; ++c)
-            if (q0 + c * PRNN_THREADS < n) v[c] = __ldcg(s + q0 + c * PRNN_THREADS);
+            if (q0 + c * PRNN_THREADS < n) v[c] = __ldcg(src + q0 + c * PRNN_THREADS);
 #pragma unroll
         for (int c = 0; c < PRNN_COPY_BATCH; ++c)
-            if (q0 + c * PRNN_THREADS < n) d[q0 + c * PRNN_THREADS] = v[c];
+            if (q0 + c * PRNN_THREADS < n) dst[q0 + c * PRNN_THREADS] = v[c];
     }
-#else
-    // A thread copies float4 `col` of rows row0, row0 + per_pass, ... (BA is
-    // a multiple of 8 on the mma path).
-    const int vectors = BA / 4, per_pass = PRNN_THREADS / vectors, col = threadIdx.x % vectors;
-    const int row0 = threadIdx.x / vectors;
-    if (row0 >= per_pass) return;  // past the last whole row of a pass
-    const float4* s = reinterpret_cast<const float4*>(src) + col;
-    for (int r0 = row0; r0 < rows; r0 += per_pass * PRNN_COPY_BATCH) {
-        float4 v[PRNN_COPY_BATCH];
-#pragma unroll
-        for (int c = 0; c < PRNN_COPY_BATCH; ++c)
-            if (r0 + c * per_pass < rows) v[c] = __ldcg(s + (r0 + c * per_pass) * vectors);
-#pragma unroll
-        for (int c = 0; c < PRNN_COPY_BATCH; ++c)
-            if (r0 + c * per_pass < rows)
-                *reinterpret_cast<float4*>(dst + (r0 + c * per_pass) * BP + 4 * col) = v[c];
-    }
-#endif
 }
 #endif
 
@@ -708,9 +682,6 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // Every slice has the full slice's shared layout (the host sized it), so
     // BP comes from B before the last slice's B shrinks to what it holds.
     const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN + PRNN_BP_PAD;
-#if PRNN_SYNC == 2
-    const int BA = BP - PRNN_BP_PAD;  // a row of h in the grid's L2 buffer: no pad
-#endif
     // This slice's first sequence: per-sequence memory is indexed with
     // slice0 + b (b the slice's column). Offsetting the pointers instead
     // made them registers, and kernels at their register limit spilled.
@@ -1159,7 +1130,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 prnn_st_tagged(reinterpret_cast<prnn_u64*>(exchange) + (e & 1) * PRNN_KPAD * BP + unit * BP + b, value,
                                quit ? 0u : (prnn_u32)e + 1u);
 #elif PRNN_SYNC == 2
-                __stcg(exchange + (e & 1) * PRNN_KPAD * BA + unit * BA + b, value);
+                __stcg(exchange + (e & 1) * PRNN_KPAD * BP + unit * BP + b, value);
 #else
                 next[unit * BP + b] = value;
 #endif
@@ -1331,8 +1302,10 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             }
             PRNN_MARK(EXCHANGE_WAIT);
             {
+                const float4* src = reinterpret_cast<const float4*>(exchange + (e & 1) * PRNN_KPAD * BP);
+                float4* dst = reinterpret_cast<float4*>(next);
                 // Rows past H stay as initialised (zero): the buffer's are never written.
-                prnn_copy_from_l2(next, exchange + (e & 1) * PRNN_KPAD * BA, PRNN_H, BA, BP);
+                prnn_copy_from_l2(dst, src, (PRNN_H * BP + 3) / 4);
                 __syncthreads();
             }
             PRNN_MARK(EXCHANGE_COPY);
