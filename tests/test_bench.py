@@ -285,6 +285,15 @@ def test_targets_apply_only_to_their_cases_and_unmeasured_ones_are_listed():
     assert "| not measured |" in targets.format_targets([RESULT], measured_only=False)
 
 
+def test_a_tf32_run_is_judged_and_labelled_apart_from_an_exact_one():
+    exact = {**RESULT, "cases": [_case("LSTM 256", "lstm", 256, 1, 0.1, 0.2, 0.5, 1.0, 4.0)]}
+    tf32 = {**exact, "settings": {"matmul_precision": "high"},
+            "cases": [_case("LSTM 256", "lstm", 256, 1, 0.05, 0.06, 0.5, 1.0, 4.0)]}
+    rows = [r for r in targets.evaluate([exact, tf32]) if r["target"].startswith("LSTM H=256, batch 1:")]
+    assert [(r["case"], r["status"]) for r in rows] == [("fp32, batch 1", "missed"),
+                                                        ("fp32 (TF32 allowed), batch 1", "met")]
+
+
 def test_a_miss_carries_its_cause_and_a_slow_first_call_is_a_miss():
     slow = {**RESULT, "cases": [_case("LSTM 64", "lstm", 64, 3, 0.1, 0.2, 0.5, 1.0, 4.0, first=42.0)]}
     rows = targets.evaluate([slow])

@@ -296,8 +296,14 @@ def _first_calls(results: list[dict[str, Any]]) -> tuple[str, str] | None:
             f"{FIRST_CALL_LIMIT_S:.0f} s (slowest: {worst[1]}, batch {worst[2]})")
 
 
-def _case_label(target: Target, case: dict[str, Any]) -> str:
-    label = f"{DTYPE_NAMES[case['dtype']]}, batch {case['batch']}"
+def _tf32(result: dict[str, Any], case: dict[str, Any]) -> bool:
+    """Whether ``case`` ran fp32 with TF32 allowed (``--matmul-precision high``):
+    judged and labelled apart from an exact fp32 run of the same case."""
+    return case["dtype"] == "float32" and result.get("settings", {}).get("matmul_precision", "highest") != "highest"
+
+
+def _case_label(target: Target, case: dict[str, Any], tf32: bool = False) -> str:
+    label = f"{DTYPE_NAMES[case['dtype']]}{' (TF32 allowed)' if tf32 else ''}, batch {case['batch']}"
     return f"{case['model']}, T={case['steps']}, {label}" if target.name_model else label
 
 
@@ -314,17 +320,18 @@ def evaluate(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     the target's preferred suite, that measured the case), in the targets' order."""
     rows = []
     for target in TARGETS:
-        seen: dict[tuple, tuple[str, dict[str, Any]]] = {}
+        seen: dict[tuple, tuple[str, dict[str, Any], bool]] = {}
         for res in _runs_for(target, results):
             for case in res["cases"]:
                 if _applies(target, case):
-                    seen.setdefault(_key(case), (res.get("suite", "?"), case))
+                    tf32 = _tf32(res, case)
+                    seen.setdefault((*_key(case), tf32), (res.get("suite", "?"), case, tf32))
         if not seen:
             rows.append({"target": target.text, "issue": target.issue, "case": "—", "measured": "not measured",
                          "status": "not measured", "cause": "", "source": ""})
-        for suite, case in seen.values():
+        for suite, case, tf32 in seen.values():
             status, measured = judge(target, case)
-            rows.append({"target": target.text, "issue": target.issue, "case": _case_label(target, case),
+            rows.append({"target": target.text, "issue": target.issue, "case": _case_label(target, case, tf32),
                          "measured": measured,
                          "status": status, "cause": target.cause if status == "missed" else "", "source": suite})
     first = _first_calls(results)
