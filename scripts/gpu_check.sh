@@ -6,15 +6,16 @@
 # checkout with no install and no network: PYTHONPATH points at the repository.
 #
 #   STAGES       which stages run, in this order (default: all of them):
-#                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes
+#                tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes tf32
 #                dynamic serve resident training figure3 runs onnx targets sync recurrence profile (models is the real-models suite;
+#                tf32 is grnn-table with torch's fp32 matmul precision 'high', written as tf32.*;
 #                host, compile and regret come after grnn and models, whose tuning leaves every case's plan in the
 #                cache; figure3 is the ReLU RNN 1152 training sweep with its memory, runs the char-LM and SST training
 #                runs, onnx the imported GRU and LSTM of the import issue's targets against ONNX Runtime, resident
 #                one stream's latency with captured batches and in resident mode, and the bare resident tick, profile
 #                where a step's time goes in each case's planned configuration)
 #   PYTEST_ARGS  narrows the tests (default: the whole suite, the concurrency and failure tests included)
-#   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS, PROFILE_ARGS  narrow model-accuracy, the recurrence bench, dtypes
+#   ACCURACY_ARGS, BENCH_ARGS, DTYPES_ARGS, TF32_ARGS, PROFILE_ARGS  narrow model-accuracy, the recurrence bench, dtypes, tf32
 #                and the step profile (e.g. PROFILE_ARGS="--case lstm:256:1")
 #   REGRET_ARGS  e.g. "--suites grnn-table" for the planner-regret suite
 #   DYNAMIC_ARGS, SERVE_ARGS  narrow the treelstm/tagger and serve suites (e.g. DYNAMIC_ARGS="--batch 1 16")
@@ -33,7 +34,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PERSISTRNN_CACHE_DIR=${PERSISTRNN_CACHE_DIR:-/tmp/persistrnn-cache}
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes dynamic serve resident training figure3 runs onnx targets sync recurrence profile}
+STAGES=${STAGES:-tests sanitize demo calibrate tune accuracy grnn models host compile regret scaling dtypes tf32 dynamic serve resident training figure3 runs onnx targets sync recurrence profile}
 declare -A RC
 SUMMARY=()
 
@@ -134,23 +135,27 @@ stage_accuracy() {
 
 # The comparison suites (persistrnn beside cuDNN, the CPU and ONNX Runtime),
 # then the speed targets judged over all of their results.
-compare_suite() {
-    local suite=$1 stage=$2
-    shift 2
-    $PY -m persistrnn bench "$suite" --no-progress "$@" --json "$OUT/$suite.json" --csv "$OUT/$suite.csv" \
-        --markdown "$OUT/$suite.md" --plot "$OUT/$suite.png" >"$OUT/bench_$suite.log" 2>&1
+compare_suite() {  # suite, stage, the files' name, then the suite's options
+    local suite=$1 stage=$2 name=$3
+    shift 3
+    $PY -m persistrnn bench "$suite" --no-progress "$@" --json "$OUT/$name.json" --csv "$OUT/$name.csv" \
+        --markdown "$OUT/$name.md" --plot "$OUT/$name.png" >"$OUT/bench_$name.log" 2>&1
     RC[$stage]=$?
-    if [ -f "$OUT/$suite.md" ]; then
-        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(sed -n '/^| model/,/^$/p' "$OUT/$suite.md" | cut -c1-160)")
+    if [ -f "$OUT/$name.md" ]; then
+        SUMMARY+=("bench $name: exit ${RC[$stage]}" "$(sed -n '/^| model/,/^$/p' "$OUT/$name.md" | cut -c1-160)")
     else
-        SUMMARY+=("bench $suite: exit ${RC[$stage]}" "$(tail -n 30 "$OUT/bench_$suite.log")")
+        SUMMARY+=("bench $name: exit ${RC[$stage]}" "$(tail -n 30 "$OUT/bench_$name.log")")
     fi
 }
 
-stage_grnn() { compare_suite grnn-table grnn; }
-stage_models() { compare_suite real-models models; }
-stage_scaling() { compare_suite scaling scaling; }
-stage_dtypes() { compare_suite dtypes dtypes ${DTYPES_ARGS:-}; }
+stage_grnn() { compare_suite grnn-table grnn grnn-table; }
+stage_models() { compare_suite real-models models real-models; }
+stage_scaling() { compare_suite scaling scaling scaling; }
+stage_dtypes() { compare_suite dtypes dtypes dtypes ${DTYPES_ARGS:-}; }
+# fp32 with TF32 allowed (torch's matmul precision 'high'): the layers where the planner may pick TF32 kernels.
+stage_tf32() {
+    compare_suite grnn-table tf32 tf32 --matmul-precision high ${TF32_ARGS:---cells lstm gru --hidden 256 1024 --batch 8 16 20 64}
+}
 
 # Host time per call, and torch.compile beside eager: their tables (each
 # case's targets met or missed) and the count of targets met go in the summary.
