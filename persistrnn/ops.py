@@ -90,13 +90,10 @@ def launch_settings() -> tuple:
     per value: cuDNN's settings (a captured cuDNN call), the kernels' wait
     bound and test hook (kernel arguments), and what a captured fp32 GEMM
     fixes (the input projection, the backward's GEMMs): whether cuBLAS may
-    use TF32, and the BLAS library torch calls. torch 2.9 and later read
-    TF32 as ``fp32_precision`` (reading the legacy ``allow_tf32`` there
-    raises once both APIs have set it); earlier ones have only ``allow_tf32``."""
-    matmul = torch.backends.cuda.matmul
+    use TF32 (:func:`runtime.matmul_allows_tf32`), and the BLAS library
+    torch calls."""
     return (torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32, runtime.wait_timeout_ns(),
-            runtime.failure_hook(), getattr(matmul, "fp32_precision", None) or matmul.allow_tf32,
-            torch.backends.cuda.preferred_blas_library())
+            runtime.failure_hook(), runtime.matmul_allows_tf32(), torch.backends.cuda.preferred_blas_library())
 
 
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,

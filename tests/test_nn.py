@@ -297,6 +297,7 @@ def test_gpu_forward_matches_float64_reference_and_cudnn(untuned, kind, kw, batc
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
 def test_gpu_a_tf32_plan_under_high_matmul_precision_matches_float64_within_tf32s_bounds(monkeypatch, kind):
     from persistrnn import plan as planner
+    from persistrnn import runtime
     from persistrnn.persistent import KernelConfig
     from persistrnn.plan import tuner
 
@@ -307,15 +308,11 @@ def test_gpu_a_tf32_plan_under_high_matmul_precision_matches_float64_within_tf32
     monkeypatch.setattr(model, "plan_for", lambda batch: planner.Plan(shape, batch, "persistent", config, "tuned",
                                                                       "test"))
     x = _input(model, 30, 5, device="cuda")
-    previous = torch.get_float32_matmul_precision()
     assert not tuner.tf32_allowed(shape)  # torch's default: exact fp32 products only
-    torch.set_float32_matmul_precision("high")
-    try:
+    with runtime.matmul_precision("high"):
         assert tuner.tf32_allowed(shape)
         with torch.no_grad():
             out, state = model(x)
-    finally:
-        torch.set_float32_matmul_precision(previous)
     f64 = lambda t: t.double().cpu().numpy()  # noqa: E731
     want_out, want_state = reference.rnn_forward(model.cell, f64(x), reference.params_from_torch(model))
     h, want_h = (state[0], want_state[0]) if kind == "LSTM" else (state, want_state)

@@ -184,10 +184,27 @@ def test_tf32_configurations_are_candidates_of_fp32_models_only_where_torch_allo
     half = dataclasses.replace(tf32[0].config, dtype="bfloat16")
     assert model.step_cost(tf32[0].config, 16).product == pytest.approx(2 * model.step_cost(half, 16).product)
     # the switch is torch's fp32 matmul precision, which also puts the input projection's GEMM in TF32
-    for precision, allowed in (("highest", False), ("high", True), ("medium", True)):
-        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda p=precision: p)
-        assert tuner.tf32_allowed(shape) is allowed
-        assert tuner.tf32_allowed(dataclasses.replace(shape, dtype="bfloat16")) is False
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision, torch.backends.fp32_precision
+    try:
+        for precision, allowed in (("highest", False), ("high", True), ("medium", True)):
+            with runtime.matmul_precision(precision):
+                assert tuner.tf32_allowed(shape) is allowed
+                assert tuner.tf32_allowed(dataclasses.replace(shape, dtype="bfloat16")) is False
+            assert tuner.tf32_allowed(shape) is False  # put back
+        # torch's global setting, which the matmul backend inherits. torch.get_float32_matmul_precision()
+        # raises once a program has used the new API beside the legacy one; the switch must not read it, or
+        # every forward would raise.
+        def mixed():
+            raise RuntimeError("PyTorch is checking the matmul precision without a specific backend name")
+
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", mixed)
+        torch.backends.fp32_precision, matmul.fp32_precision = "tf32", "none"
+        assert tuner.tf32_allowed(shape) is True
+        torch.backends.fp32_precision = "ieee"
+        assert tuner.tf32_allowed(shape) is False
+    finally:
+        torch.backends.fp32_precision, matmul.fp32_precision = saved[1], saved[0]
 
 
 def test_rank_orders_by_predicted_cost():
@@ -318,21 +335,16 @@ def test_shape_of_reads_torch_modules():
 
 
 def test_cli_plans_under_the_matmul_precision_it_is_given(monkeypatch):
-    import torch
-
     from persistrnn import __main__ as cli
     from persistrnn import plan as planner
 
     seen = []
-    monkeypatch.setattr(planner, "explain", lambda shape, batch: seen.append(torch.get_float32_matmul_precision()))
-    previous = torch.get_float32_matmul_precision()
-    try:
+    monkeypatch.setattr(planner, "explain", lambda shape, batch: seen.append(runtime.matmul_allows_tf32()))
+    with runtime.matmul_precision("highest"):  # put back whatever the CLI set
         argv = ["--cell", "lstm", "--input-size", "8", "--hidden-size", "8", "--batch", "1"]
         assert cli._plan_command("explain", argv + ["--matmul-precision", "high"]) == 0
         assert cli._plan_command("explain", argv + ["--matmul-precision", "highest"]) == 0
-    finally:
-        torch.set_float32_matmul_precision(previous)
-    assert seen == ["high", "highest"]
+    assert seen == [True, False]
 
 
 def test_cli_tune_without_a_gpu_says_so():

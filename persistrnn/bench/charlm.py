@@ -241,15 +241,12 @@ def fp32_exact() -> Any:
 
     import torch
 
+    from .. import runtime
+
     @contextlib.contextmanager
     def scope() -> Any:
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-                yield
-        finally:
-            torch.set_float32_matmul_precision(previous)
+        with runtime.matmul_precision("highest"), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            yield
     return scope()
 
 

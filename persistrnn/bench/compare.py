@@ -416,23 +416,18 @@ def run(suite: Suite, cases: list[Case], s: Settings | None = None, progress: bo
         after_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every case of ``suite``; ``after_case(result so far)`` runs after each, so
     that a long run interrupted part way keeps what it measured."""
+    from .. import runtime
     from ..progress import track
     from .environment import environment
-
-    import torch
 
     s = s or Settings()
     result: dict[str, Any] = {"suite": suite.name, "environment": environment(), "settings": dataclasses.asdict(s),
                               "cases": []}
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(s.matmul_precision)
-    try:
+    with runtime.matmul_precision(s.matmul_precision):
         for case in track(cases, progress, suite.name):
             result["cases"].append(run_case(case, s))
             if after_case:
                 after_case(result)
-    finally:
-        torch.set_float32_matmul_precision(previous)
     if suite.streaming:
         result["streaming"] = streaming_case(s)
     return result

@@ -183,9 +183,7 @@ def tf32_allowed(shape: ModelShape) -> bool:
     (``torch.set_float32_matmul_precision("high")`` or ``"medium"``), the
     setting under which cuBLAS already runs the model's input projection in
     TF32. torch's default ("highest") keeps every product in fp32."""
-    import torch
-
-    return shape.dtype == "float32" and torch.get_float32_matmul_precision() != "highest"
+    return shape.dtype == "float32" and runtime.matmul_allows_tf32()
 
 
 def cache_key(facts: runtime.DeviceFacts, shape: ModelShape, bucket: int, tf32: bool = False) -> dict[str, Any]:

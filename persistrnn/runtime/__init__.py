@@ -10,7 +10,7 @@ from ..errors import CompileError, GPUUnavailableError, KernelLaunchError, Kerne
 from .cache import CACHE_ENV, atomic_write, cache_dir, digest, entry_name, key_lock
 from .compile import (CompiledBinary, KernelResources, cache_key, compile_source, map_in_threads, nvrtc_compiles,
                       nvrtc_version, parse_ptxas_report, program_options, read_source, render_template, sources_dir)
-from .device import DeviceFacts, device_facts, facts_of, require_gpu
+from .device import DeviceFacts, device_facts, facts_of, matmul_allows_tf32, matmul_precision, require_gpu
 from .graphs import CapturedCall, GraphCache, capture, capture_graph, own_stream, release_stream
 from .launch import (HOST_SPIN_S, WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
                      inject_failure, kernel_args, launch, raise_failure_code, raise_reported_failure, report_word,
@@ -22,7 +22,8 @@ __all__ = [
     "GPUUnavailableError", "GraphCache", "KernelLaunchError", "KernelResources", "KernelTimeoutError",
     "LoadedKernel", "Scratch", "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
     "compile_source", "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
-    "inject_failure", "kernel_args", "key_lock", "launch", "map_in_threads", "nvrtc_compiles", "nvrtc_version",
+    "inject_failure", "kernel_args", "key_lock", "launch", "map_in_threads", "matmul_allows_tf32",
+    "matmul_precision", "nvrtc_compiles", "nvrtc_version",
     "own_stream", "release_stream",
     "parse_ptxas_report", "per_iteration_us", "program_options", "raise_failure_code", "raise_reported_failure",
     "read_source",

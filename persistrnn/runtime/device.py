@@ -1,15 +1,19 @@
-"""Device facts, read from the device itself (never hard-coded)."""
+"""Device facts, read from the device itself (never hard-coded), and the
+torch math settings the kernels follow."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
 import threading
+from collections.abc import Iterator
 
 from ..errors import GPUUnavailableError
 
-__all__ = ["DeviceFacts", "device_facts", "facts_of", "import_cuda_core", "require_gpu"]
+__all__ = ["DeviceFacts", "device_facts", "facts_of", "import_cuda_core", "matmul_allows_tf32", "matmul_precision",
+           "require_gpu"]
 
 
 _CUDA_CORE_LOCK = threading.Lock()
@@ -98,3 +102,36 @@ def facts_of(index: int) -> DeviceFacts:
 def device_facts() -> DeviceFacts:
     """Facts of torch's current CUDA device (raises :class:`GPUUnavailableError`)."""
     return facts_of(require_gpu())
+
+
+def matmul_allows_tf32() -> bool:
+    """Whether torch's fp32 matmuls may run TF32 (its "high" or "medium" fp32
+    matmul precision). Read from the CUDA matmul backend's ``fp32_precision``
+    (torch 2.9 and later), which resolves the global setting it inherits;
+    ``torch.get_float32_matmul_precision()`` instead raises once a program
+    has used both the new and the legacy API (e.g. ``torch.backends.fp32_precision``
+    beside ``set_float32_matmul_precision``). Earlier torch: ``allow_tf32``."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    return precision == "tf32" if precision is not None else bool(matmul.allow_tf32)
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """torch's fp32 matmul precision set to ``precision`` ("highest",
+    "high" or "medium") for the duration, and the CUDA matmul backend's own
+    setting put back after (``fp32_precision``, or ``allow_tf32`` before torch
+    2.9): what ``torch.get_float32_matmul_precision()`` would return cannot
+    always be read (see :func:`matmul_allows_tf32`)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    previous = getattr(matmul, name)
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, previous)
