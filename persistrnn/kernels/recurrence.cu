@@ -835,8 +835,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
         L.bias[i] = unit < PRNN_H ? prnn_to_float(b_hh[(i / PRNN_U) * PRNN_H + unit]) : 0.0f;
     }
 
-    // Both h buffers start as zeros (the padding rows and columns stay zero);
-    // buffer 1 then receives h0, the state "exchanged" at step -1.
+    // The h buffers start as zeros (the padding rows and columns stay zero);
+    // exchange -1's (buffer 1, or the only one) then receives h0.
     for (int i = tid; i < PRNN_HBUFS * PRNN_KPAD * BP; i += PRNN_THREADS) L.hbuf[i] = 0.0f;
 #if PRNN_ONE_SYNC
     for (int i = tid; i < 2 * PRNN_NB * part_floats + PRNN_KPAD * BP; i += PRNN_THREADS) L.part[i] = 0.0f;
