@@ -149,3 +149,32 @@ def test_a_wait_on_a_stream_waits_for_a_capture_in_progress(monkeypatch):
         order.append("capture ended")
     waiter.join(5)
     assert order == ["capture ended", "synchronize"] and call.retired
+
+
+def test_copy_tensors_copies_every_tensor_large_ones_each_on_its_own(monkeypatch):
+    """``copy_tensors`` fills every destination, the tensors of at least
+    ``LARGE_COPY_ELEMENTS`` elements by their own ``copy_`` (a multi-tensor
+    copy gives a large tensor a handful of blocks) and the rest in one
+    ``_foreach_copy_``."""
+    grouped = []
+    foreach = torch._foreach_copy_
+
+    def recording_foreach(dst, src):
+        grouped.append([d.numel() for d in dst])
+        foreach(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording_foreach)
+    large = graphs.LARGE_COPY_ELEMENTS
+    sizes = [3, large, 7, large + 5, large - 1]
+    src = [torch.randn(n, dtype=torch.float64) for n in sizes]
+    dst = [torch.full((n,), float("nan"), dtype=torch.float64) for n in sizes]
+    graphs.copy_tensors(dst, src)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s)
+    assert grouped == [[3, 7, large - 1]]
+    grouped.clear()
+    dst = [torch.full((large,), float("nan"))]
+    graphs.copy_tensors(dst, [torch.ones(large)])  # nothing small: no multi-tensor launch
+    assert grouped == [] and bool((dst[0] == 1).all())
+    with pytest.raises(ValueError):
+        graphs.copy_tensors(dst, [])
