@@ -128,7 +128,10 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     else:
         key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
-        result = GRAPHS.call(key, lambda: runtime.CapturedCall(run, (x, h0, c0)), x.device.index, x, h0, c0)
+        device_us = chosen.device_us(T)  # a device-bound call spreads its copies (runtime.copy_tensors)
+        spread = device_us is not None and device_us >= runtime.DEVICE_BOUND_US
+        result = GRAPHS.call(key, lambda: runtime.CapturedCall(run, (x, h0, c0), spread_copies=spread),
+                             x.device.index, x, h0, c0)
     return result[0], result[1], (result[2] if has_c else None)
 
 

@@ -224,15 +224,14 @@ def exact_torch():
 
     import torch
 
+    from persistrnn import runtime
+
     @contextlib.contextmanager
     def context():
-        matmul = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-                yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = matmul
+        # not torch.backends.cuda.matmul.allow_tf32: its getter raises once the
+        # process has used torch's new precision API beside the legacy one
+        with runtime.matmul_precision("highest"), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            yield
 
     return context()
 

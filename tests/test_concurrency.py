@@ -16,7 +16,7 @@ import torch
 from helpers import on_own_streams
 
 import persistrnn
-from persistrnn import persistent
+from persistrnn import persistent, runtime
 from persistrnn import plan as planner
 from persistrnn.plan import tuner
 
@@ -31,10 +31,15 @@ BOUND = 1e-5
 
 @pytest.fixture(autouse=True)
 def exact_torch():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    # runtime.matmul_precision, not matmul.allow_tf32, whose getter raises once an
+    # earlier test has used torch's new precision API beside the legacy one
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with runtime.matmul_precision("highest"):
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
     tuner.clear_cached_plans()
 
 

@@ -151,11 +151,11 @@ def test_a_wait_on_a_stream_waits_for_a_capture_in_progress(monkeypatch):
     assert order == ["capture ended", "synchronize"] and call.retired
 
 
-def test_copy_tensors_copies_every_tensor_large_ones_each_on_its_own(monkeypatch):
-    """``copy_tensors`` fills every destination, the tensors of at least
-    ``LARGE_COPY_ELEMENTS`` elements by their own ``copy_`` (a multi-tensor
-    copy gives a large tensor a handful of blocks) and the rest in one
-    ``_foreach_copy_``."""
+def test_copy_tensors_copies_every_tensor_spread_or_grouped(monkeypatch):
+    """``copy_tensors`` fills every destination. Spread: the tensors of at
+    least ``LARGE_COPY_ELEMENTS`` elements by their own ``copy_`` (a
+    multi-tensor copy gives a large tensor a handful of blocks) and the rest
+    in one ``_foreach_copy_``; not spread: all in one ``_foreach_copy_``."""
     grouped = []
     foreach = torch._foreach_copy_
 
@@ -168,13 +168,19 @@ def test_copy_tensors_copies_every_tensor_large_ones_each_on_its_own(monkeypatch
     sizes = [3, large, 7, large + 5, large - 1]
     src = [torch.randn(n, dtype=torch.float64) for n in sizes]
     dst = [torch.full((n,), float("nan"), dtype=torch.float64) for n in sizes]
-    graphs.copy_tensors(dst, src)
+    graphs.copy_tensors(dst, src, spread=True)
     for d, s in zip(dst, src):
         assert torch.equal(d, s)
     assert grouped == [[3, 7, large - 1]]
     grouped.clear()
+    dst = [torch.full((n,), float("nan"), dtype=torch.float64) for n in sizes]
+    graphs.copy_tensors(dst, src, spread=False)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s)
+    assert grouped == [sizes]
+    grouped.clear()
     dst = [torch.full((large,), float("nan"))]
-    graphs.copy_tensors(dst, [torch.ones(large)])  # nothing small: no multi-tensor launch
+    graphs.copy_tensors(dst, [torch.ones(large)], spread=True)  # nothing small: no multi-tensor launch
     assert grouped == [] and bool((dst[0] == 1).all())
     with pytest.raises(ValueError):
-        graphs.copy_tensors(dst, [])
+        graphs.copy_tensors(dst, [], spread=True)

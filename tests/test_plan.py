@@ -547,3 +547,20 @@ def test_a_derived_cell_plans_its_own_kernels_without_cudnn_and_its_plan_round_t
     chosen = tuner.plan(shape, 1)
     assert chosen.path == "persistent" and chosen.label == labels[1] and chosen.config.cell == shape.cell
     assert tuner.Plan.from_json(json.loads(json.dumps(chosen.to_json()))) == chosen
+
+
+def test_a_plans_device_time_scales_its_own_timing_to_the_calls_steps():
+    """``Plan.device_us`` (what decides whether a captured call spreads its
+    copies) reads the timing of the plan's own choice, not another
+    candidate's, scaled from the tuner's steps to the call's; untimed and
+    failed choices give None."""
+    plan = _a_plan()
+    label = plan.label
+    timed = dataclasses.replace(plan, measured_ms={label: 0.2, "fallback": 0.9, "cudnn": 0.05})
+    assert timed.device_us(100) == pytest.approx(200.0)
+    assert timed.device_us(25) == pytest.approx(50.0)
+    cudnn = dataclasses.replace(timed, path="cudnn", config=None)
+    assert cudnn.device_us(100) == pytest.approx(50.0)
+    assert plan.device_us(100) is None  # its choice is not among the timed labels
+    assert dataclasses.replace(timed, measured_ms={label: float("nan")}).device_us(100) is None
+    assert dataclasses.replace(timed, steps=None).device_us(100) is None

@@ -125,6 +125,14 @@ class Plan:
         """The label the tuner times this plan's choice under (``measured_ms``'s keys)."""
         return config_label(self.config, self.batch_slice) if self.path == "persistent" else self.path
 
+    def device_us(self, steps: int) -> float | None:
+        """Device µs of a forward of ``steps`` steps, scaled from the tuner's
+        timing of this choice; None where it was not timed."""
+        ms = self.measured_ms.get(self.label)
+        if ms is None or not self.steps or ms != ms:  # untimed, or NaN: failed to launch
+            return None
+        return ms * 1e3 * steps / self.steps
+
     @property
     def launch(self) -> tuple:
         """What a run of this plan launches: path, kernel configuration and

@@ -11,14 +11,16 @@ from .cache import CACHE_ENV, atomic_write, cache_dir, digest, entry_name, key_l
 from .compile import (CompiledBinary, KernelResources, cache_key, compile_source, map_in_threads, nvrtc_compiles,
                       nvrtc_version, parse_ptxas_report, program_options, read_source, render_template, sources_dir)
 from .device import DeviceFacts, device_facts, facts_of, matmul_allows_tf32, matmul_precision, require_gpu
-from .graphs import CapturedCall, GraphCache, capture, capture_graph, copy_tensors, own_stream, release_stream
+from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, capture, capture_graph, copy_tensors, own_stream,
+                     release_stream)
 from .launch import (HOST_SPIN_S, WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
                      inject_failure, kernel_args, launch, raise_failure_code, raise_reported_failure, report_word,
                      scratch, set_wait_timeout, to_device_async, wait_timeout_ns)
 from .timing import per_iteration_us, time_cuda_ms, warm_up
 
 __all__ = [
-    "CACHE_ENV", "HOST_SPIN_S", "WAIT_TIMEOUT_ENV", "CapturedCall", "CompileError", "CompiledBinary", "DeviceFacts",
+    "CACHE_ENV", "DEVICE_BOUND_US", "HOST_SPIN_S", "WAIT_TIMEOUT_ENV", "CapturedCall", "CompileError",
+    "CompiledBinary", "DeviceFacts",
     "GPUUnavailableError", "GraphCache", "KernelLaunchError", "KernelResources", "KernelTimeoutError",
     "LoadedKernel", "Scratch", "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
     "compile_source", "copy_tensors", "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",

@@ -113,26 +113,33 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     return graph, result
 
 
-# torch._foreach_copy_ (multi_tensor_apply) gives each 65,536-element chunk of a
-# tensor one thread block, so a large tensor is copied by a handful of SMs:
-# measured on the H100, the copy in and out of a (100, 10, 128) fp32 forward
-# took 16 µs of device time in two such launches, of (100, 20, 1024) 33 µs,
-# 10-30% of the call's excess over its graph. Tensor.copy_ spreads one tensor
-# over the whole GPU. Below this many elements (64 KB of fp32) one block
-# copies a tensor in about the time of a launch, and grouping the small ones
-# keeps their host cost at one launch.
-LARGE_COPY_ELEMENTS = 1 << 14
+# The copies in and out of a captured call trade device time against host
+# time. torch._foreach_copy_ (multi_tensor_apply) copies every tensor in one
+# launch but gives each 65,536-element chunk of a tensor one thread block, so
+# a large tensor is copied by a handful of SMs; Tensor.copy_ spreads a tensor
+# over the whole GPU but is a launch of its own. Measured on the H100 (eager
+# calls back to back, all in one multi-tensor launch against each tensor of
+# at least 16 K elements on its own): device-bound forwards gained 10-20 µs
+# per call (LSTM 128 x 3 at batch 10, graph 177 µs: 197 -> 186; LSTM 1024
+# batch 10: 781 -> 764; GRU 1024 batch 20: 1020 -> 1000), while host-bound
+# ones, whose calls the host's issue time sets, lost 20-30 µs to the extra
+# launches (LSTM 64 at batch 10-20, graph 56 µs: 90 -> 114, 105 -> 136).
+# So a call spreads its copies only where its device time exceeds what the
+# host takes to issue a call (70-130 µs on the H100's host).
+LARGE_COPY_ELEMENTS = 1 << 14  # below this (64 KB of fp32) one block copies a tensor in about a launch's time
+DEVICE_BOUND_US = 150.0
 
 
-def copy_tensors(dst: Sequence[Any], src: Sequence[Any]) -> None:
-    """``dst[i].copy_(src[i])`` for every i: each tensor of at least
-    :data:`LARGE_COPY_ELEMENTS` elements by its own copy, the rest in one
-    multi-tensor launch."""
+def copy_tensors(dst: Sequence[Any], src: Sequence[Any], *, spread: bool) -> None:
+    """``dst[i].copy_(src[i])`` for every i. ``spread``: each tensor of at
+    least :data:`LARGE_COPY_ELEMENTS` elements by its own copy, the rest in
+    one multi-tensor launch (the least device time); otherwise all in one
+    multi-tensor launch (the least host time)."""
     import torch
 
     small_dst, small_src = [], []
     for d, s in zip(dst, src, strict=True):
-        if d.numel() >= LARGE_COPY_ELEMENTS:
+        if spread and d.numel() >= LARGE_COPY_ELEMENTS:
             d.copy_(s)
         else:
             small_dst.append(d)
@@ -146,7 +153,8 @@ class CapturedCall:
     the example ``args``.
 
     A call is a copy into the static inputs, one replay, and a copy of the
-    graph's outputs into fresh tensors (:func:`copy_tensors`), so the
+    graph's outputs into fresh tensors (:func:`copy_tensors`; ``spread_copies``
+    where the call is device-bound), so the
     caller owns what it gets and no later replay touches it. ``fn`` returns a
     tuple of tensors. ``None`` arguments stay None. Arguments marked False in
     ``copy_in`` are not copied: the graph reads (and may write) them where
@@ -159,9 +167,10 @@ class CapturedCall:
     """
 
     def __init__(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any],
-                 copy_in: Sequence[bool] | None = None) -> None:
+                 copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False) -> None:
         import torch
 
+        self.spread_copies = spread_copies
         copy_in = [True] * len(args) if copy_in is None else list(copy_in)
         self.copy_in = [c and a is not None for a, c in zip(args, copy_in)]
         self.copied: list[Any] = []
@@ -191,9 +200,9 @@ class CapturedCall:
             if self.retired:
                 return None
             if given:
-                copy_tensors(self.copied, given)
+                copy_tensors(self.copied, given, spread=self.spread_copies)
             self.graph.replay()
-            copy_tensors(results, self.outputs)
+            copy_tensors(results, self.outputs, spread=self.spread_copies)
         return results
 
     def retire(self, stream: int) -> None:
