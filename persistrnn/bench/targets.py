@@ -188,13 +188,14 @@ TARGETS = (
            "case",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("persistrnn", "graph_ms"),
                                             plus_us=EAGER_OVER_GRAPH_US, labels=("eager", "graph")),),
-           cause="Device-bound cuDNN plans of large layers: the copy in and out of the captured forward's buffers "
-                 "and the replay's gaps add device time, not host time (perf-notes §19).",
+           cause="Host-bound calls of small models: the host's time to issue a call (copy in, replay, copy out; "
+                 "55-130 µs on the H100's host, ~2x apart between runs) exceeds the graph's device time + 25 µs; "
+                 "GRU 64's cuDNN plan costs ~25 µs more host time per call than LSTM 64's (perf-notes §56).",
            suites=HOST_SUITES, name_model=True),
     Target("eager call no slower than torch's eager call: every grnn-table and real-models case with a torch peer",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("cudnn", "ms"), labels=("eager", "cuDNN eager")),),
            cause="A cuDNN plan where torch's eager call is itself device-bound: our replay of the same cuDNN call "
-                 "adds the copies in and out (perf-notes §19).",
+                 "adds the copies in and out (perf-notes §19, §56).",
            suites=HOST_SUITES, name_model=True),
     Target(f"torch.compile (default mode): ≤ {COMPILED_OVER_EAGER}× the eager persistrnn module, and no slower than "
            "eager torch.nn", RUNTIME, (),
