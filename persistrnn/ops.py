@@ -20,6 +20,7 @@ pinned report word, which the next call reads
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -91,9 +92,11 @@ def launch_settings() -> tuple:
     bound and test hook (kernel arguments), and what a captured fp32 GEMM
     fixes (the input projection, the backward's GEMMs): whether cuBLAS may
     use TF32 (:func:`runtime.matmul_allows_tf32`), and the BLAS library
-    torch calls."""
-    return (torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32, runtime.wait_timeout_ns(),
-            runtime.failure_hook(), runtime.matmul_allows_tf32(), torch.backends.cuda.preferred_blas_library())
+    torch calls. Read on every call: cuDNN's flags and the BLAS library
+    through the C getters that torch's properties wrap (the properties'
+    Python layers cost more than the reads on the H100's host)."""
+    return (torch._C._get_cudnn_enabled(), torch._C._get_cudnn_allow_tf32(), runtime.wait_timeout_ns(),
+            runtime.failure_hook(), runtime.matmul_allows_tf32(), torch._C._get_blas_preferred_backend())
 
 
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,
@@ -104,8 +107,6 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros.
     ``plan_for(batch)`` gives the plan (default: the plan cache's).
     Returns fresh (output (T, B, D*H), h_n, c_n or None)."""
-    from . import plan as planner
-
     runtime.raise_reported_failure(x.device.index)
     has_c = get_cell(shape.cell).has_cell_state
     T, B = x.shape[0], x.shape[1]
@@ -113,7 +114,11 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     if B == 0:  # torch returns empty outputs and states
         out = x.new_empty(T, 0, shape.directions * shape.hidden_size)
         return out, x.new_empty(states), (x.new_empty(states) if has_c else None)
-    chosen = planner.cached_plan(shape, B) if plan_for is None else plan_for(B)
+    if plan_for is None:
+        from .plan import cached_plan
+
+        plan_for = functools.partial(cached_plan, shape)
+    chosen = plan_for(B)
 
     def run(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if h0 is None:  # zeros made inside the capture: each replay writes them, no copy per call
@@ -128,11 +133,19 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     else:
         key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
-        device_us = chosen.device_us(T)  # a device-bound call spreads its copies (runtime.copy_tensors)
-        spread = device_us is not None and device_us >= runtime.DEVICE_BOUND_US
-        result = GRAPHS.call(key, lambda: runtime.CapturedCall(run, (x, h0, c0), spread_copies=spread),
-                             x.device.index, x, h0, c0)
+        def capture() -> Any:
+            return runtime.CapturedCall(run, (x, h0, c0), spread_copies=_device_bound(chosen, T))
+
+        result = GRAPHS.call(key, capture, x.device.index, x, h0, c0)
     return result[0], result[1], (result[2] if has_c else None)
+
+
+def _device_bound(chosen: Any, steps: int) -> bool:
+    """Whether a call of ``steps`` steps on ``chosen`` keeps the device busy
+    longer than the host takes to issue it, by the tuner's timing of the
+    plan: such a call spreads its copies (:func:`runtime.copy_tensors`)."""
+    device_us = chosen.device_us(steps)
+    return device_us is not None and device_us >= runtime.DEVICE_BOUND_US
 
 
 # The operator is defined with torch.library's low-level registration, not
