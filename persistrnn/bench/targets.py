@@ -189,8 +189,9 @@ TARGETS = (
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("persistrnn", "graph_ms"),
                                             plus_us=EAGER_OVER_GRAPH_US, labels=("eager", "graph")),),
            cause="Host-bound calls of small models: the host's time to issue a call (copy in, replay, copy out; "
-                 "55-130 µs on the H100's host, ~2x apart between runs) exceeds the graph's device time + 25 µs "
-                 "(perf-notes §56).",
+                 "55-130 µs on the H100's host, ~2x apart between runs) exceeds the graph's device time + 25 µs; "
+                 "at ~1 ms, a device-bound call's two timings differ by run too (GRU 1024 b20: +24 and +43 µs "
+                 "in two runs) (perf-notes §56).",
            suites=HOST_SUITES, name_model=True),
     Target("eager call no slower than torch's eager call: every grnn-table and real-models case with a torch peer",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("cudnn", "ms"), labels=("eager", "cuDNN eager")),),
