@@ -225,3 +225,19 @@ def test_operator_passes_torchs_operator_checks(cell, bidirectional, untuned):
         assert rel(c_n.cpu().double(), want_state[1]) <= 1e-5
     else:
         assert c_n.numel() == 0
+
+
+def test_a_call_spreads_its_copies_only_where_its_plans_timing_says_it_is_device_bound():
+    """``ops._device_bound``: the tuner's timing of the plan's own choice,
+    scaled to the call's steps, against ``runtime.DEVICE_BOUND_US``; an
+    untimed plan keeps the one multi-tensor copy."""
+    from persistrnn import runtime
+    from persistrnn.plan import ModelShape, tuner
+
+    shape = ModelShape("lstm", 64, 64, 1, "float32", False)
+    bound_ms = runtime.DEVICE_BOUND_US / 1e3
+    timed = tuner.Plan(shape, 10, "cudnn", None, "tuned", "timed", measured_ms={"cudnn": bound_ms}, steps=100)
+    assert ops._device_bound(timed, 100)  # exactly at the bound
+    assert ops._device_bound(timed, 200)
+    assert not ops._device_bound(timed, 99)
+    assert not ops._device_bound(tuner.Plan(shape, 10, "cudnn", None, "model", "untimed"), 10_000)
