@@ -386,6 +386,10 @@ __device__ __forceinline__ float prnn_relu(float x) { return fmaxf(x, 0.0f); }
 __device__ __forceinline__ float prnn_hardtanh(float x) { return x < -1.0f ? -1.0f : (x > 1.0f ? 1.0f : x); }
 // 1 where x > 0, 0 where x <= 0, NaN kept (ONNX's ThresholdedRelu, cells.with_activations).
 __device__ __forceinline__ float prnn_step(float x) { return x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x); }
+// The derivatives the backward kernels' generated statements call (adjoint.RELU_GRAD, HARDTANH_GRAD):
+// 0 at 0 and at the bounds, as torch's.
+__device__ __forceinline__ float prnn_relu_grad(float x) { return x > 0.0f ? 1.0f : 0.0f; }
+__device__ __forceinline__ float prnn_hardtanh_grad(float x) { return x > -1.0f && x < 1.0f ? 1.0f : 0.0f; }
 
 // ---- tensor cores ------------------------------------------------------------
 

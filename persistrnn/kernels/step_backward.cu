@@ -24,11 +24,6 @@
 // (adjoint.py), besides the cell's own names, which never start with prnn_:
 // no parameter or local below has any of these forms.
 
-// relu's derivative; 0 at 0, as torch's.
-__device__ __forceinline__ float prnn_relu_grad(float x) { return x > 0.0f ? 1.0f : 0.0f; }
-// hardtanh's derivative; 0 at the bounds, as torch's.
-__device__ __forceinline__ float prnn_hardtanh_grad(float x) { return x > -1.0f && x < 1.0f ? 1.0f : 0.0f; }
-
 extern "C" __global__ void __launch_bounds__(PRNN_THREADS)
     prnn_step_backward(const float* __restrict__ prnn_xg,     // [B][G*H] x_t W_ih^T + b_ih
                        const float* __restrict__ prnn_gates,  // [B][G*H] recurrent products with b_hh

@@ -62,10 +62,6 @@
 // The slice row of gate g's first owned unit (PRNN_GATE_ROW0: each stage's rows start at a multiple of 4).
 __device__ __forceinline__ constexpr int prnn_gate_row0(int g) { return PRNN_GATE_ROW0(g); }
 
-// relu's and hardtanh's derivatives; 0 at 0 and at the bounds, as torch's (and step_backward.cu's).
-__device__ __forceinline__ float prnn_relu_grad(float x) { return x > 0.0f ? 1.0f : 0.0f; }
-__device__ __forceinline__ float prnn_hardtanh_grad(float x) { return x > -1.0f && x < 1.0f ? 1.0f : 0.0f; }
-
 // The statements address gate g of their element at [prnn_row + g * prnn_hidden];
 // here prnn_row is 0 and each pointer starts at the thread's element, so the
 // index is g * PRNN_H, a compile-time constant, and these views turn it into
