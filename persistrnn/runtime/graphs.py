@@ -137,9 +137,12 @@ def copy_tensors(dst: Sequence[Any], src: Sequence[Any], *, spread: bool) -> Non
     multi-tensor launch (the least host time)."""
     import torch
 
+    if not spread:  # the host-bound calls': no Python per tensor
+        torch._foreach_copy_(dst, src)
+        return
     small_dst, small_src = [], []
     for d, s in zip(dst, src, strict=True):
-        if spread and d.numel() >= LARGE_COPY_ELEMENTS:
+        if d.numel() >= LARGE_COPY_ELEMENTS:
             d.copy_(s)
         else:
             small_dst.append(d)
