@@ -273,6 +273,9 @@ class _Persistent:
                                             self._plan_for_dtype(x.dtype))
         elif self._needs_grad(input):
             out, h_n, c_n = training.run_module(self, x, h0, c0)
+        elif self._plans_by_cache() and runtime.native.available():  # the operator: replayed from C++
+            out, h_n, c_n = torch.ops.persistrnn.forward(x, h0, c0, self._flat_weights, self.cell, self.num_layers,
+                                                         self.bidirectional, self.bias)
         else:
             out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias, self.plan_for)
         if unbatched:
@@ -462,6 +465,11 @@ class _Persistent:
             raise InputShapeError(f"{name}: expected at least one step, got input of shape {tuple(input.shape)}")
 
     # ---- running ----------------------------------------------------------------
+
+    def _plans_by_cache(self) -> bool:
+        """Whether this module's plans are the plan cache's (the operator's),
+        not a ``plan_for`` of a subclass or of the instance."""
+        return type(self).plan_for is _Persistent.plan_for and "plan_for" not in self.__dict__
 
     def plan_for(self, batch: int) -> Any:
         """The plan this module runs ``batch`` sequences with on the current GPU

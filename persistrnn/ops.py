@@ -11,7 +11,11 @@ its captured form, and the torch operator.
   or the launches themselves inside a caller's capture.
 * ``torch.ops.persistrnn.forward`` wraps :func:`forward` as a custom operator
   with a fake (shape-only) implementation, so that ``torch.compile`` traces a
-  persistrnn module into one graph instead of breaking at our Python.
+  persistrnn module into one graph instead of breaking at our Python. On CUDA
+  its kernel is C++ where the native replay loads
+  (:mod:`persistrnn.runtime.native`): a call whose forward was captured before
+  replays it without Python; any other call comes back here, through
+  ``persistrnn::forward_capture``.
 
 Nothing here synchronises: a kernel that gave up waiting reports through the
 pinned report word, which the next call reads
@@ -28,6 +32,7 @@ import torch
 from . import fallback, persistent, runtime
 from .cells import get_cell
 from .errors import ArgumentError
+from .runtime import native
 
 GRAPHS = runtime.GraphCache(capacity=64)
 """Captured forwards of every module and operator call, one per (model, input
@@ -95,17 +100,28 @@ def launch_settings() -> tuple:
     torch calls. Read on every call: cuDNN's flags and the BLAS library
     through the C getters that torch's properties wrap (the properties'
     Python layers cost more than the reads on the H100's host)."""
-    return (torch._C._get_cudnn_enabled(), torch._C._get_cudnn_allow_tf32(), runtime.wait_timeout_ns(),
+    return (torch._C._get_cudnn_enabled(), _cudnn_rnn_precision(), runtime.wait_timeout_ns(),
             runtime.failure_hook(), runtime.matmul_allows_tf32(), torch._C._get_blas_preferred_backend())
 
 
+if hasattr(torch._C, "_get_fp32_precision_getter"):  # torch 2.9 and later
+    def _cudnn_rnn_precision() -> str:
+        """cuDNN RNNs' fp32 precision setting (``torch.backends.cudnn.rnn.fp32_precision``):
+        torch's one-flag getter refuses to answer once a program mixed the legacy and new APIs."""
+        return torch._C._get_fp32_precision_getter("cuda", "rnn")
+else:
+    def _cudnn_rnn_precision() -> str:
+        return "tf32" if torch._C._get_cudnn_allow_tf32() else "ieee"
+
+
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,
-            c0: torch.Tensor | None, has_biases: bool,
-            plan_for: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            c0: torch.Tensor | None, has_biases: bool, plan_for: Any = None, *,
+            on_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A model's forward on CUDA (inference): ``shape`` a
     :class:`persistrnn.plan.ModelShape`, torch's flat weight list, ``x``
     (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros.
     ``plan_for(batch)`` gives the plan (default: the plan cache's).
+    ``on_replay(instance)`` runs after a replay of a captured forward.
     Returns fresh (output (T, B, D*H), h_n, c_n or None)."""
     runtime.raise_reported_failure(x.device.index)
     has_c = get_cell(shape.cell).has_cell_state
@@ -134,9 +150,10 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
         key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
         def capture() -> Any:
-            return runtime.CapturedCall(run, (x, h0, c0), spread_copies=_device_bound(chosen, T))
+            return runtime.CapturedCall(run, (x, h0, c0), spread_copies=_device_bound(chosen, T),
+                                        native=native.available())
 
-        result = GRAPHS.call(key, capture, x.device.index, x, h0, c0)
+        result = GRAPHS.call(key, capture, x.device.index, x, h0, c0, on_replay=on_replay)
     return result[0], result[1], (result[2] if has_c else None)
 
 
@@ -175,13 +192,23 @@ def forward_op(x: torch.Tensor, h0: Optional[torch.Tensor], c0: Optional[torch.T
     if shape is None:
         shape = _OP_SHAPES[(cell, x.shape[2], hidden, num_layers, x.dtype, bidirectional)] = ModelShape(
             cell, x.shape[2], hidden, num_layers, str(x.dtype).removeprefix("torch."), bidirectional)
-    out, h_n, c_n = forward(shape, weights, x, h0, c0, has_biases)
+
+    def bind(instance: Any) -> None:  # the next call with these arguments replays from C++
+        if instance.native_id is not None:
+            native.bind(instance.native_id, x, h0, c0, weights, cell, num_layers, bidirectional, has_biases)
+
+    out, h_n, c_n = forward(shape, weights, x, h0, c0, has_biases, on_replay=bind if native.available() else None)
     return out, h_n, (c_n if c_n is not None else x.new_empty(0))
 
 
 _OP_SHAPES: dict[tuple, Any] = {}
-_LIBRARY.impl("forward", forward_op, "CUDA")
-_LIBRARY.impl("forward", forward_op, "CPU")  # refused there, with the error that says why
+# For every device (CPU inputs are refused, with the error that says why); a CUDA kernel of the same
+# operator registered by the native replay takes precedence over this one for CUDA tensors.
+_LIBRARY.impl("forward", forward_op, "CompositeExplicitAutograd")
+# What the native kernel calls for a call it has no captured forward for: the same Python.
+_LIBRARY.define("forward_capture(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, str cell, int num_layers, "
+                "bool bidirectional, bool has_biases) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.impl("forward_capture", forward_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("persistrnn::forward")

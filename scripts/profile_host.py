@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--no-profile", action="store_true", help="the host times only, no cProfile listings")
     args = ap.parse_args()
     torch._dynamo.config.allow_rnn = True
     model = persistrnn.LSTM(128, 128, num_layers=2).cuda().eval()
@@ -52,9 +53,13 @@ def main() -> None:
     plus_one = torch.compile(lambda t: t + 1, fullgraph=True)
     weights = list(model._flat_weights)
     h0 = torch.zeros(2, args.batch, 128, device="cuda")
+    own_plans = persistrnn.LSTM(128, 128, num_layers=2).cuda().eval()  # plans of its own: the Python path
+    own_plans.load_state_dict(model.state_dict())
+    own_plans.plan_for = model.plan_for
     with torch.no_grad():
         runs = {
             "eager module": lambda: model(x),
+            "eager, Python path": lambda: own_plans(x),
             "compiled module": lambda: compiled(x),
             "operator": lambda: torch.ops.persistrnn.forward(x, h0, h0, weights, "lstm", 2, False, True),
             "operator, no h0": lambda: torch.ops.persistrnn.forward(x, None, None, weights, "lstm", 2, False, True),
@@ -64,6 +69,8 @@ def main() -> None:
         }
         for name, fn in runs.items():
             print(f"{name:<18} host {host_us(fn, args.calls):7.1f} µs per call")
+        if args.no_profile:
+            return
         for name, fn in runs.items():
             print(f"\n== {name}\n{top(fn, args.calls)}")
 

@@ -569,8 +569,10 @@ def cached_plan(shape: ModelShape, batch: int) -> Plan:
 
 
 def clear_cached_plans() -> None:
-    """Forget the in-process plans (the disk cache stays)."""
+    """Forget the in-process plans (the disk cache stays), and the native
+    replay's bindings, which stand for them."""
     _MEMO.clear()
+    runtime.native.unbind_all()
 
 
 def _no_fit_reason(shape: ModelShape, facts: runtime.DeviceFacts) -> str:

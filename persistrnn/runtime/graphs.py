@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 __all__ = ["CapturedCall", "GraphCache", "capture", "capture_graph", "copy_tensors", "own_stream", "release_stream"]
@@ -163,14 +164,23 @@ class CapturedCall:
     ``copy_in`` are not copied: the graph reads (and may write) them where
     they are, e.g. a stream's carried states.
 
+    ``native``: replayed from C++ (:mod:`persistrnn.runtime.native`), which
+    the forward operator's C++ kernel can then do without Python; every
+    replay, from Python or C++, takes the one lock there. The native replay
+    is a ``cuGraphLaunch``: it skips what ``CUDAGraph.replay`` does for
+    torch's random generators, so ``fn`` must draw no random numbers.
+
     The static inputs are allocated inside the capture, so every buffer the
     graph uses is in the graph's own pool (none in whatever pool is current
     around the call, e.g. ``torch.compile``'s CUDA-graph pool while it warms
     up), and lives exactly as long as the graph.
     """
 
+    native_id: int | None = None  # the instance's id in the native replay's table, where it has one
+
     def __init__(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any],
-                 copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False) -> None:
+                 copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False,
+                 native: bool = False) -> None:
         import torch
 
         self.spread_copies = spread_copies
@@ -189,6 +199,12 @@ class CapturedCall:
         self.device = self.outputs[0].device
         self.lock = threading.Lock()
         self.retired = False
+        if native:
+            from . import native as replay_native
+
+            self.native_id = replay_native.add_entry(self.copied, self.outputs, self.graph, spread_copies)
+            # an instance dropped without retire (its cache cleared by the GC) frees its buffers there too
+            weakref.finalize(self, replay_native.retire, self.native_id).atexit = False
 
     def __call__(self, *args: Any) -> list[Any] | None:
         """The outputs of one replay on ``args``; None if the instance was
@@ -198,6 +214,10 @@ class CapturedCall:
         import torch
 
         given = [a for a, c in zip(args, self.copy_in) if c]
+        if self.native_id is not None:
+            from . import native
+
+            return native.replay(self.native_id, given)
         results = [torch.empty_like(o) for o in self.outputs]
         with self.lock:
             if self.retired:
@@ -220,6 +240,10 @@ class CapturedCall:
         is refused while another thread captures)."""
         import torch
 
+        if self.native_id is not None:
+            from . import native
+
+            native.retire(self.native_id)  # its lock is the one the replays take
         with self.lock:
             self.retired = True
         with _CAPTURE_LOCK:  # the stream may be one of ours, now another thread's capture stream
@@ -232,7 +256,8 @@ class GraphCache:
 
     ``call(key, make, device, *args)`` replays the instance of ``key`` for
     torch's current stream on ``device`` on ``args``, capturing it with
-    ``make()`` on first use.
+    ``make()`` on first use; ``on_replay(instance)``, if given, runs after
+    the replay with the instance that made it.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -243,11 +268,14 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def call(self, key: tuple, make: Callable[[], CapturedCall], device: int, *args: Any) -> list[Any]:
+    def call(self, key: tuple, make: Callable[[], CapturedCall], device: int, *args: Any,
+             on_replay: Callable[[CapturedCall], None] | None = None) -> list[Any]:
         """One replay of ``key``'s instance on ``args`` (again with the
         current instance if another thread evicted the one taken)."""
-        while (results := self.get(key, make, device)(*args)) is None:
+        while (results := (instance := self.get(key, make, device))(*args)) is None:
             pass
+        if on_replay is not None:
+            on_replay(instance)
         return results
 
     def get(self, key: tuple, make: Callable[[], CapturedCall], device: int) -> CapturedCall:

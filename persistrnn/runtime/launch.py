@@ -378,6 +378,9 @@ def set_wait_timeout(seconds: float) -> None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ArgumentError(f"set_wait_timeout: expected a positive number of seconds, got {seconds!r}")
     _wait_timeout_ns = int(seconds * 1e9)
+    from . import native
+
+    native.launch_state_changed()
 
 
 def wait_timeout_ns() -> int:
@@ -397,11 +400,15 @@ def inject_failure(block: int) -> Iterator[None]:
     global _abandon_block
     if isinstance(block, bool) or not isinstance(block, int) or block < 0:
         raise ArgumentError(f"inject_failure: expected a block index >= 0, got {block!r}")
+    from . import native
+
     previous, _abandon_block = _abandon_block, block
+    native.launch_state_changed()
     try:
         yield
     finally:
         _abandon_block = previous
+        native.launch_state_changed()
 
 
 def failure_hook() -> int:
@@ -445,7 +452,15 @@ def report_word(device: int) -> int:
             if (entry := _REPORTS.get(device)) is None:
                 word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
                 entry = _REPORTS[device] = (word, word.numpy())
+                from . import native
+
+                native.report_word_created(device, word.data_ptr())
     return entry[0].data_ptr()
+
+
+def report_words() -> dict[int, int]:
+    """{device: address} of the report words made so far."""
+    return {device: entry[0].data_ptr() for device, entry in list(_REPORTS.items())}
 
 
 def raise_reported_failure(device: int, kernel: str = "a persistent kernel", *, synchronize: bool = False) -> None:

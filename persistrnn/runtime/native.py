@@ -1,0 +1,196 @@
+"""The native replay (``replay.cpp``): a captured forward replayed from C++.
+
+A module call or ``torch.ops.persistrnn.forward`` whose forward was captured
+before is a hash of its arguments in C++, the copies in and out, and one
+``cuGraphLaunch``; nothing of it runs Python. Everything else (the plan, the
+capture, errors, calls inside a caller's capture) stays in Python: the C++
+kernel of ``persistrnn::forward`` calls ``persistrnn::forward_capture``, our
+Python implementation, for any call it has no bound forward for.
+
+The library is built from its one source with the host's C++ compiler
+against the torch that runs it (a few seconds, once per torch build: the
+disk cache keeps it), and loaded on the first forward on CUDA. Where it
+cannot be built (no compiler) or loaded, a warning says so once and every
+call takes the Python path, which computes the same thing. ``$PERSISTRNN_NATIVE=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import CompileError
+from ..log import logger
+from .cache import cache_dir, digest, entry_name, key_lock
+
+__all__ = ["NATIVE_ENV", "SOURCE", "add_entry", "available", "bind", "build", "launch_state_changed", "library_path",
+           "replay", "report_word_created", "retire", "unbind_all"]
+
+NATIVE_ENV = "PERSISTRNN_NATIVE"
+SOURCE = Path(__file__).with_name("replay.cpp")
+COMPILE_TIMEOUT_S = 300
+
+_LOCK = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+
+
+def library_path() -> Path:
+    """Where the library for this torch build lives in the disk cache: the
+    name says what it is, the digest covers the source, torch's version and
+    C++ ABI, and the compiler."""
+    import torch
+
+    key = digest([SOURCE.read_text(), torch.__version__, torch.version.git_version,
+                  bool(torch._C._GLIBCXX_USE_CXX11_ABI), _compiler()])
+    return cache_dir() / "native" / (entry_name("replay", f"torch{torch.__version__}", key=key) + ".so")
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def build(target: Path) -> None:
+    """Compile ``replay.cpp`` into ``target`` (a temp name, then a rename:
+    a reader never sees half a library). Raises :class:`CompileError` with
+    the compiler's output."""
+    import torch
+    from torch.utils import cpp_extension
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+    os.close(fd)
+    command = [_compiler(), "-O2", "-std=c++20", "-shared", "-fPIC",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *(f"-isystem{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", tmp,
+               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise CompileError(f"building the native replay failed ({' '.join(command[:1])} exit "
+                               f"{done.returncode}):\n{done.stderr[-4000:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CompileError(f"building the native replay failed: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def available() -> bool:
+    """Whether the native replay is loaded, loading it on the first call
+    (building it if the cache has none). False, with one warning, where it
+    cannot be had; False without one where ``$PERSISTRNN_NATIVE`` is 0."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _LOCK:
+        if _loaded is None:
+            _loaded = _load()
+    return _loaded
+
+
+def _load() -> bool:
+    import time
+
+    import torch
+
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return False
+    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        logger.warning("the native replay needs torch.cuda.CUDAGraph.raw_cuda_graph_exec (torch %s has none): "
+                       "calls take the Python path", torch.__version__)
+        return False
+    path = library_path()
+    try:
+        with key_lock(path):
+            if not path.exists():
+                start = time.perf_counter()
+                build(path)
+                logger.info("built the native replay for torch %s in %.1f s: %s", torch.__version__,
+                            time.perf_counter() - start, path)
+        torch.ops.load_library(str(path))
+        driver = ctypes.CDLL("libcuda.so.1")
+        torch.ops.persistrnn_native.configure(_address(driver.cuGraphLaunch), _address(driver.cuStreamIsCapturing))
+    except (CompileError, OSError, RuntimeError, AttributeError) as exc:
+        logger.warning("the native replay is unavailable (%s): calls take the Python path", exc)
+        return False
+    from . import launch
+
+    for device, address in launch.report_words().items():
+        torch.ops.persistrnn_native.set_report_word(device, address)
+    launch_state_changed()
+    return True
+
+
+def _address(function: Any) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def launch_state_changed() -> None:
+    """Tell the native keys the kernels' wait bound and test hook (Python
+    state that a capture fixes), after either changed."""
+    if _loaded:
+        import torch
+
+        from . import launch
+
+        torch.ops.persistrnn_native.set_launch_state(launch.wait_timeout_ns(), launch.failure_hook())
+
+
+def report_word_created(device: int, address: int) -> None:
+    """Tell the native path where ``device``'s report word is: a call finds a
+    reported failure there and takes the Python path, which raises it."""
+    if _loaded:
+        import torch
+
+        torch.ops.persistrnn_native.set_report_word(device, address)
+
+
+def add_entry(inputs: Sequence[Any], outputs: Sequence[Any], graph: Any, spread: bool) -> int:
+    """Register a captured call (its static inputs and outputs and its
+    executable graph) for native replays; returns its id."""
+    import torch
+
+    from .graphs import LARGE_COPY_ELEMENTS
+
+    return torch.ops.persistrnn_native.add_entry(list(inputs), list(outputs), graph.raw_cuda_graph_exec(), spread,
+                                                 LARGE_COPY_ELEMENTS)
+
+
+def replay(entry: int, given: Sequence[Any]) -> list[Any] | None:
+    """One replay of ``entry`` on ``given``; None once it is retired."""
+    import torch
+
+    results = torch.ops.persistrnn_native.replay(entry, list(given))
+    return results if results else None
+
+
+def bind(entry: int, x: Any, h0: Any, c0: Any, weights: Sequence[Any], cell: str, num_layers: int,
+         bidirectional: bool, has_biases: bool) -> None:
+    """Make ``entry`` what ``torch.ops.persistrnn.forward`` replays for these
+    arguments (their shapes, the weights' addresses, the current stream and
+    settings) without entering Python."""
+    import torch
+
+    torch.ops.persistrnn_native.bind(entry, x, h0, c0, list(weights), cell, num_layers, bidirectional, has_biases)
+
+
+def retire(entry: int) -> None:
+    """No replay of ``entry`` after this returns, and none in progress."""
+    import torch
+
+    torch.ops.persistrnn_native.retire(entry)
+
+
+def unbind_all() -> None:
+    """Forget every binding (the plans changed); entries stay until retired."""
+    if _loaded:
+        import torch
+
+        torch.ops.persistrnn_native.unbind_all()

@@ -1,0 +1,211 @@
+"""The native replay (``persistrnn/runtime/replay.cpp``).
+
+CPU: the library builds against this torch and loads; its key changes with
+every setting a capture fixes; its entry table copies in, launches, copies
+out and refuses a retired entry (with a stand-in for ``cuGraphLaunch`` that
+runs the "graph" in Python); the operator still refuses CPU tensors once the
+C++ kernel is registered. GPU: a second call of the operator or of a module
+replays from C++ without entering Python, gives every call its own inputs'
+answer, and goes back through Python where a setting, the plans or the graph
+cache changed.
+"""
+
+import copy
+import ctypes
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import persistrnn
+from persistrnn import ops, runtime
+from persistrnn.runtime import native
+
+NEEDS_COMPILER = pytest.mark.skipif(shutil.which(native._compiler()) is None,
+                                    reason=f"no C++ compiler ({native._compiler()}) on this machine")
+
+
+@pytest.fixture(scope="module")
+def library():
+    """The native library for this torch, built (once per torch build and
+    source: the disk cache keeps it) and loaded."""
+    path = native.library_path()
+    if not path.exists():
+        native.build(path)
+    torch.ops.load_library(str(path))
+    return torch.ops.persistrnn_native
+
+
+@NEEDS_COMPILER
+def test_the_library_builds_from_its_one_source_and_a_build_error_names_the_compiler_output(tmp_path, monkeypatch):
+    target = tmp_path / "replay.so"
+    native.build(target)
+    assert target.stat().st_size > 0 and not list(tmp_path.glob("*.tmp"))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with pytest.raises(persistrnn.CompileError, match="broken.cpp"):
+        native.build(tmp_path / "broken.so")
+    assert not (tmp_path / "broken.so").exists() and not list(tmp_path.glob("broken.so*"))
+
+
+@NEEDS_COMPILER
+def test_the_native_key_changes_with_every_setting_a_capture_fixes(library):
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled, runtime.wait_timeout_ns(),
+             torch.backends.fp32_precision)
+    library.set_launch_state(saved[3], runtime.failure_hook())
+    keys = [tuple(library.settings_key())]
+    try:
+        matmul.fp32_precision = "ieee" if saved[0] == "tf32" else "tf32"
+        keys.append(tuple(library.settings_key()))
+        cudnn.rnn.fp32_precision = "ieee" if saved[1] == "tf32" else "tf32"
+        keys.append(tuple(library.settings_key()))
+        cudnn.enabled = not saved[2]
+        keys.append(tuple(library.settings_key()))
+        library.set_launch_state(2 * saved[3], runtime.failure_hook())
+        keys.append(tuple(library.settings_key()))
+        library.set_launch_state(saved[3], 3)
+        keys.append(tuple(library.settings_key()))
+        # The global setting the backends inherit, set by the new API beside the legacy one: the key still
+        # answers where torch's one-flag getters refuse (ops.launch_settings reads the same way).
+        torch.backends.fp32_precision = "tf32" if saved[4] != "tf32" else "ieee"
+        keys.append(tuple(library.settings_key()))
+        ops.launch_settings()
+    finally:
+        matmul.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled = saved[:3]
+        torch.backends.fp32_precision = saved[4]
+        library.set_launch_state(saved[3], runtime.failure_hook())
+    assert len(set(keys)) == len(keys), keys
+    assert tuple(library.settings_key()) == keys[0]
+
+
+@NEEDS_COMPILER
+@pytest.mark.parametrize("spread", [False, True])
+def test_an_entry_copies_in_launches_once_and_copies_out_into_fresh_tensors(library, spread):
+    rng = np.random.default_rng(5)
+    static_in = [torch.full((300,), float("nan")), torch.full((20_000,), float("nan"))]  # one of each copy kind
+    static_out = [torch.full((300,), float("nan")), torch.full((20_000,), float("nan"))]
+    launches = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    def graph_launch(graph_exec, stream):  # the "graph": out = 2 * in + 1
+        launches.append(graph_exec)
+        for i, o in zip(static_in, static_out):
+            o.copy_(2 * i + 1)
+        return 0
+
+    library.configure(ctypes.cast(graph_launch, ctypes.c_void_p).value, 0)
+    entry = library.add_entry(static_in, static_out, 0x5EED, spread, runtime.graphs.LARGE_COPY_ELEMENTS)
+    try:
+        for _ in range(3):
+            given = [torch.from_numpy(rng.standard_normal(t.shape).astype(np.float32)) for t in static_in]
+            results = native.replay(entry, given)
+            for got, g, o in zip(results, given, static_out):
+                torch.testing.assert_close(got, 2 * g + 1, rtol=0, atol=0)
+                assert got.data_ptr() != o.data_ptr()  # the caller's own tensor
+        assert launches == [0x5EED] * 3
+        results[0].fill_(7.0)  # a later replay does not touch what an earlier one returned
+        assert native.replay(entry, given)[0].ne(7.0).all()
+        library.retire(entry)
+        assert native.replay(entry, given) is None and len(launches) == 4
+    finally:
+        library.retire(entry)
+        library.configure(0, 0)
+
+
+@NEEDS_COMPILER
+def test_the_operator_still_refuses_cpu_tensors_beside_the_native_cuda_kernel(library):
+    m = torch.nn.LSTM(4, 8)
+    with pytest.raises(persistrnn.ArgumentError, match="expected CUDA tensors, got x on cpu"):
+        torch.ops.persistrnn.forward(torch.randn(3, 2, 4), None, None, [w.detach() for w in m._flat_weights],
+                                     "lstm", 1, False, True)
+
+
+def test_no_native_replay_where_it_is_turned_off(monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    monkeypatch.setattr(native, "_loaded", None)
+    assert native.available() is False
+
+
+# ---- GPU ------------------------------------------------------------------------
+
+
+def _reference(ref, x, hx):
+    with torch.no_grad():
+        return ref(x.cpu().double(), tuple(s.cpu().double() for s in hx))
+
+
+@pytest.mark.gpu
+def test_a_second_call_replays_from_cpp_with_each_calls_own_inputs(untuned, monkeypatch):
+    assert native.available(), "the native replay did not load on this GPU machine (see the log's warning)"
+    torch.manual_seed(4)
+    m = torch.nn.LSTM(12, 40, num_layers=2).cuda()
+    weights = [w.detach() for w in m._flat_weights]
+    ref = copy.deepcopy(m).to("cpu", torch.float64)
+    entered = []
+    real = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda *a, **k: entered.append(1) or real(*a, **k))
+    for call in range(4):
+        x = torch.randn(7, 3, 12, device="cuda")
+        hx = (torch.randn(2, 3, 40, device="cuda"), torch.randn(2, 3, 40, device="cuda"))
+        out, h_n, c_n = torch.ops.persistrnn.forward(x, *hx, weights, "lstm", 2, False, True)
+        want, (want_h, want_c) = _reference(ref, x, hx)
+        for got, ref in ((out, want), (h_n, want_h), (c_n, want_c)):
+            assert float((got.cpu().double() - ref).norm() / ref.norm()) <= 1e-5
+        assert len(entered) == 1, f"call {call} entered Python"  # the first call captured and bound
+    out.fill_(float("nan"))  # what a call returned is the caller's: the next call is unaffected
+    assert not torch.ops.persistrnn.forward(x, *hx, weights, "lstm", 2, False, True)[0].isnan().any()
+
+
+@pytest.mark.gpu
+def test_a_module_call_replays_from_cpp_unless_its_plans_are_its_own(untuned, monkeypatch):
+    assert native.available()
+    torch.manual_seed(6)
+    model = persistrnn.GRU(10, 24, batch_first=True).cuda().eval()
+    entered = []
+    real = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda *a, **k: entered.append(1) or real(*a, **k))
+    x = torch.randn(5, 9, 10, device="cuda")
+    with torch.no_grad():
+        first = model(x)[0]
+        second = model(x)[0]
+    assert len(entered) == 1 and torch.equal(first, second)
+    chosen = model.plan_for(5)
+    monkeypatch.setattr(model, "plan_for", lambda batch: chosen)  # a plan of its own: the Python path
+    with torch.no_grad():
+        third = model(x)[0]
+    assert len(entered) == 2 and torch.equal(first, third)
+
+
+@pytest.mark.gpu
+def test_a_changed_setting_plan_cache_or_graph_cache_goes_through_python_again(untuned, monkeypatch):
+    from persistrnn.plan import tuner
+
+    assert native.available()
+    torch.manual_seed(8)
+    m = torch.nn.RNN(6, 16).cuda()
+    weights = [w.detach() for w in m._flat_weights]
+    x = torch.randn(4, 2, 6, device="cuda")
+    h0 = torch.randn(1, 2, 16, device="cuda")
+    entered = []
+    real = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda *a, **k: entered.append(1) or real(*a, **k))
+
+    def call():
+        return torch.ops.persistrnn.forward(x, h0, None, weights, "rnn_tanh", 1, False, True)[0]
+
+    want = call()
+    saved = runtime.wait_timeout_ns() / 1e9
+    try:
+        runtime.set_wait_timeout(2 * saved)  # a kernel argument: a new capture
+        assert torch.equal(call(), want) and len(entered) == 2
+    finally:
+        runtime.set_wait_timeout(saved)
+    assert torch.equal(call(), want) and len(entered) == 2  # the first binding again
+    tuner.clear_cached_plans()
+    assert torch.equal(call(), want) and len(entered) == 3
+    ops.GRAPHS.clear()  # retired: the C++ side must not replay a freed graph
+    assert torch.equal(call(), want) and len(entered) == 4
+    assert torch.equal(call(), want) and len(entered) == 4
