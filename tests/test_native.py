@@ -123,6 +123,39 @@ def test_the_operator_still_refuses_cpu_tensors_beside_the_native_cuda_kernel(li
                                      "lstm", 1, False, True)
 
 
+@NEEDS_COMPILER
+def test_loading_configures_the_driver_entry_points_report_words_and_launch_state(library, monkeypatch):
+    launches = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    def graph_launch(graph_exec, stream):
+        launches.append(graph_exec)
+        return 0
+
+    address = ctypes.cast(graph_launch, ctypes.c_void_p).value
+    monkeypatch.setattr(native, "driver_entry_points", lambda: (address, 0))
+    monkeypatch.setattr(native, "_loaded", None)
+    try:
+        assert native.available() is True
+        assert library.settings_key()[-2:] == [runtime.wait_timeout_ns(), -1]
+        with runtime.inject_failure(5):
+            assert library.settings_key()[-1] == 5
+        assert library.settings_key()[-1] == -1
+        saved = runtime.wait_timeout_ns() / 1e9
+        runtime.set_wait_timeout(3 * saved)
+        try:
+            assert library.settings_key()[-2] == runtime.wait_timeout_ns()
+        finally:
+            runtime.set_wait_timeout(saved)
+        entry = native.add_entry([torch.zeros(2)], [torch.ones(2)], type("Graph", (), {
+            "raw_cuda_graph_exec": lambda self: 77})(), False)
+        assert native.replay(entry, [torch.ones(2)])[0].tolist() == [1.0, 1.0] and launches == [77]
+        native.retire(entry)
+    finally:
+        library.configure(0, 0)
+        library.set_launch_state(runtime.wait_timeout_ns(), -1)
+
+
 def test_no_native_replay_where_it_is_turned_off(monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     monkeypatch.setattr(native, "_loaded", None)

@@ -115,32 +115,38 @@ def _load() -> bool:
                 logger.info("built the native replay for torch %s in %.1f s: %s", torch.__version__,
                             time.perf_counter() - start, path)
         torch.ops.load_library(str(path))
-        driver = ctypes.CDLL("libcuda.so.1")
-        torch.ops.persistrnn_native.configure(_address(driver.cuGraphLaunch), _address(driver.cuStreamIsCapturing))
+        torch.ops.persistrnn_native.configure(*driver_entry_points())
     except (CompileError, OSError, RuntimeError, AttributeError) as exc:
         logger.warning("the native replay is unavailable (%s): calls take the Python path", exc)
         return False
-    from . import launch
+    from .launch import report_words
 
-    for device, address in launch.report_words().items():
+    for device, address in report_words().items():
         torch.ops.persistrnn_native.set_report_word(device, address)
-    launch_state_changed()
+    _push_launch_state()
     return True
 
 
-def _address(function: Any) -> int:
-    return ctypes.cast(function, ctypes.c_void_p).value
+def driver_entry_points() -> tuple[int, int]:
+    """The addresses of the CUDA driver's ``cuGraphLaunch`` and
+    ``cuStreamIsCapturing``, which the C++ side calls."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (driver.cuGraphLaunch, driver.cuStreamIsCapturing))
 
 
 def launch_state_changed() -> None:
     """Tell the native keys the kernels' wait bound and test hook (Python
     state that a capture fixes), after either changed."""
     if _loaded:
-        import torch
+        _push_launch_state()
 
-        from . import launch
 
-        torch.ops.persistrnn_native.set_launch_state(launch.wait_timeout_ns(), launch.failure_hook())
+def _push_launch_state() -> None:
+    import torch
+
+    from .launch import failure_hook, wait_timeout_ns
+
+    torch.ops.persistrnn_native.set_launch_state(wait_timeout_ns(), failure_hook())
 
 
 def report_word_created(device: int, address: int) -> None:
