@@ -185,8 +185,8 @@ def test_a_second_call_replays_from_cpp_with_each_calls_own_inputs(untuned, monk
         hx = (torch.randn(2, 3, 40, device="cuda"), torch.randn(2, 3, 40, device="cuda"))
         out, h_n, c_n = torch.ops.persistrnn.forward(x, *hx, weights, "lstm", 2, False, True)
         want, (want_h, want_c) = _reference(ref, x, hx)
-        for got, ref in ((out, want), (h_n, want_h), (c_n, want_c)):
-            assert float((got.cpu().double() - ref).norm() / ref.norm()) <= 1e-5
+        for got, expected in ((out, want), (h_n, want_h), (c_n, want_c)):
+            assert float((got.cpu().double() - expected).norm() / expected.norm()) <= 1e-5
         assert len(entered) == 1, f"call {call} entered Python"  # the first call captured and bound
     out.fill_(float("nan"))  # what a call returned is the caller's: the next call is unaffected
     assert not torch.ops.persistrnn.forward(x, *hx, weights, "lstm", 2, False, True)[0].isnan().any()
