@@ -188,10 +188,11 @@ TARGETS = (
            "case",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("persistrnn", "graph_ms"),
                                             plus_us=EAGER_OVER_GRAPH_US, labels=("eager", "graph")),),
-           cause="Host-bound calls of small models: the host's time to issue a call (copy in, replay, copy out; "
-                 "55-130 µs on the H100's host, ~2x apart between runs) exceeds the graph's device time + 25 µs; "
-                 "at ~1 ms, a device-bound call's two timings differ by run too (GRU 1024 b20: +24 and +43 µs "
-                 "in two runs) (perf-notes §56).",
+           cause="With the native replay a call's host time is 31-58 µs on the H100's host (was 55-130), below "
+                 "every case's device time; what is left over the graph is the copies in and out (~5-20 µs of "
+                 "device time) and the spread of one timing: at ~1 ms a device-bound call's two timings differ "
+                 "by run (LSTM 1024 b20: +22 and +26 µs in two runs), and one run's GRU (reset-before) 256 b10 "
+                 "eager timing (+130 µs) was +8 µs the run before (perf-notes §56, §59).",
            suites=HOST_SUITES, name_model=True),
     Target("eager call no slower than torch's eager call: every grnn-table and real-models case with a torch peer",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("cudnn", "ms"), labels=("eager", "cuDNN eager")),),
@@ -205,7 +206,9 @@ TARGETS = (
                       Relation(("persistrnn compiled", "ms"), ("torch.nn", "ms"),
                                labels=("compiled", "torch.nn eager"))),
            cause="torch.compile's own per-call path (AOT-autograd runtime wrappers, Dynamo's frame hook, inductor's "
-                 "size asserts): 161 µs of host time per call against the operator's 70 µs (perf-notes §20).",
+                 "size asserts; ~40-50 µs for a one-op graph) on top of the operator (~25-40 µs with the native "
+                 "replay): the compiled call is host-bound where the eager one is device-bound at ~85 µs "
+                 "(perf-notes §20, §59).",
            suites=("compile",), name_model=True),
 )
 
