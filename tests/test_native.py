@@ -242,3 +242,17 @@ def test_a_changed_setting_plan_cache_or_graph_cache_goes_through_python_again(u
     ops.GRAPHS.clear()  # retired: the C++ side must not replay a freed graph
     assert torch.equal(call(), want) and len(entered) == 4
     assert torch.equal(call(), want) and len(entered) == 4
+
+
+@pytest.mark.gpu
+def test_a_stream_sessions_chunks_replay_natively_and_carry_the_state(untuned):
+    assert native.available()
+    torch.manual_seed(9)
+    model = persistrnn.LSTM(8, 16, num_layers=2).cuda().eval()
+    session = model.stream(3)
+    chunks = [torch.randn(4, 3, 8, device="cuda") for _ in range(3)]
+    with torch.no_grad():
+        got = torch.cat([session(c) for c in chunks])
+        want, _ = torch.nn.LSTM.forward(model, torch.cat(chunks))  # torch's own forward over the whole sequence
+    assert all(entry.native_id is not None for entry in session._graphs._entries.values())
+    assert float((got - want).norm() / want.norm()) <= 1e-5

@@ -164,11 +164,14 @@ class CapturedCall:
     ``copy_in`` are not copied: the graph reads (and may write) them where
     they are, e.g. a stream's carried states.
 
-    ``native``: replayed from C++ (:mod:`persistrnn.runtime.native`), which
-    the forward operator's C++ kernel can then do without Python; every
-    replay, from Python or C++, takes the one lock there. The native replay
-    is a ``cuGraphLaunch``: it skips what ``CUDAGraph.replay`` does for
-    torch's random generators, so ``fn`` must draw no random numbers.
+    Where the native replay loads (:mod:`persistrnn.runtime.native`), a call
+    is one C++ call (the outputs' allocations, the copies and the launch,
+    ~1 µs of host time per tensor less than from Python), and the forward
+    operator's C++ kernel can replay the instance without Python at all;
+    every replay, from Python or C++, takes the one lock there. The native
+    replay is a ``cuGraphLaunch``: it skips what ``CUDAGraph.replay`` does
+    for torch's random generators, so ``fn`` must draw no random numbers
+    (dropout masks come in as arguments).
 
     The static inputs are allocated inside the capture, so every buffer the
     graph uses is in the graph's own pool (none in whatever pool is current
@@ -179,9 +182,10 @@ class CapturedCall:
     native_id: int | None = None  # the instance's id in the native replay's table, where it has one
 
     def __init__(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any],
-                 copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False,
-                 native: bool = False) -> None:
+                 copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False) -> None:
         import torch
+
+        from . import native
 
         self.spread_copies = spread_copies
         copy_in = [True] * len(args) if copy_in is None else list(copy_in)
@@ -199,12 +203,10 @@ class CapturedCall:
         self.device = self.outputs[0].device
         self.lock = threading.Lock()
         self.retired = False
-        if native:
-            from . import native as replay_native
-
-            self.native_id = replay_native.add_entry(self.copied, self.outputs, self.graph, spread_copies)
+        if native.available():
+            self.native_id = native.add_entry(self.copied, self.outputs, self.graph, spread_copies)
             # an instance dropped without retire (its cache cleared by the GC) frees its buffers there too
-            weakref.finalize(self, replay_native.retire, self.native_id).atexit = False
+            weakref.finalize(self, native.retire, self.native_id).atexit = False
 
     def __call__(self, *args: Any) -> list[Any] | None:
         """The outputs of one replay on ``args``; None if the instance was
