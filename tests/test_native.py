@@ -135,6 +135,7 @@ def test_loading_configures_the_driver_entry_points_report_words_and_launch_stat
     address = ctypes.cast(graph_launch, ctypes.c_void_p).value
     monkeypatch.setattr(native, "driver_entry_points", lambda: (address, 0))
     monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_builder", None)
     try:
         assert native.available() is True
         assert library.settings_key()[-2:] == [runtime.wait_timeout_ns(), -1]
@@ -159,7 +160,53 @@ def test_loading_configures_the_driver_entry_points_report_words_and_launch_stat
 def test_no_native_replay_where_it_is_turned_off(monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     monkeypatch.setattr(native, "_loaded", None)
-    assert native.available() is False
+    monkeypatch.setattr(native, "_builder", None)
+    assert native.available() is False and native._builder is None
+
+
+@NEEDS_COMPILER
+def test_a_library_not_built_yet_is_built_in_the_background_while_calls_take_the_python_path(
+        library, tmp_path, monkeypatch):
+    import threading
+
+    built = native.library_path()
+    release = threading.Event()
+
+    def slow_build(target):
+        assert release.wait(30)
+        # the library already loaded, by another name: a second copy of it would register its operators twice
+        target.symlink_to(built)
+
+    monkeypatch.setattr(native, "library_path", lambda: tmp_path / "replay.so")
+    monkeypatch.setattr(native, "build", slow_build)
+    monkeypatch.setattr(native, "driver_entry_points", lambda: (0, 0))
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_builder", None)
+    try:
+        assert native.available() is False  # the build is running: not loaded, not failed
+        assert native.available() is False and native._loaded is None and native._builder.is_alive()
+        release.set()
+        assert native.available(wait=True) is True and (tmp_path / "replay.so").exists()
+    finally:
+        release.set()
+        library.set_launch_state(runtime.wait_timeout_ns(), -1)
+
+
+@NEEDS_COMPILER
+def test_a_failed_build_warns_once_and_leaves_the_python_path(tmp_path, monkeypatch, caplog):
+    def failing_build(target):
+        raise persistrnn.CompileError("the compiler said no")
+
+    monkeypatch.setattr(native, "library_path", lambda: tmp_path / "replay.so")
+    monkeypatch.setattr(native, "build", failing_build)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_builder", None)
+    monkeypatch.setattr(native, "_build_error", None)
+    with caplog.at_level("WARNING", logger="persistrnn"):
+        assert native.available(wait=True) is False
+        assert native.available(wait=True) is False
+    assert [r.getMessage() for r in caplog.records].count(
+        "the native replay is unavailable (the compiler said no): calls take the Python path") == 1
 
 
 # ---- GPU ------------------------------------------------------------------------
@@ -172,7 +219,7 @@ def _reference(ref, x, hx):
 
 @pytest.mark.gpu
 def test_a_second_call_replays_from_cpp_with_each_calls_own_inputs(untuned, monkeypatch):
-    assert native.available(), "the native replay did not load on this GPU machine (see the log's warning)"
+    assert native.available(wait=True), "the native replay did not load on this GPU machine (see the log's warning)"
     torch.manual_seed(4)
     m = torch.nn.LSTM(12, 40, num_layers=2).cuda()
     weights = [w.detach() for w in m._flat_weights]
@@ -194,7 +241,7 @@ def test_a_second_call_replays_from_cpp_with_each_calls_own_inputs(untuned, monk
 
 @pytest.mark.gpu
 def test_a_module_call_replays_from_cpp_unless_its_plans_are_its_own(untuned, monkeypatch):
-    assert native.available()
+    assert native.available(wait=True)
     torch.manual_seed(6)
     model = persistrnn.GRU(10, 24, batch_first=True).cuda().eval()
     entered = []
@@ -216,7 +263,7 @@ def test_a_module_call_replays_from_cpp_unless_its_plans_are_its_own(untuned, mo
 def test_a_changed_setting_plan_cache_or_graph_cache_goes_through_python_again(untuned, monkeypatch):
     from persistrnn.plan import tuner
 
-    assert native.available()
+    assert native.available(wait=True)
     torch.manual_seed(8)
     m = torch.nn.RNN(6, 16).cuda()
     weights = [w.detach() for w in m._flat_weights]
@@ -246,7 +293,7 @@ def test_a_changed_setting_plan_cache_or_graph_cache_goes_through_python_again(u
 
 @pytest.mark.gpu
 def test_a_stream_sessions_chunks_replay_natively_and_carry_the_state(untuned):
-    assert native.available()
+    assert native.available(wait=True)
     torch.manual_seed(9)
     model = persistrnn.LSTM(8, 16, num_layers=2).cuda().eval()
     session = model.stream(3)
@@ -258,3 +305,25 @@ def test_a_stream_sessions_chunks_replay_natively_and_carry_the_state(untuned):
         want, _ = ref(torch.cat(chunks).cpu().double())  # the whole sequence at once, in float64
     assert all(entry.native_id is not None for entry in session._graphs._entries.values())
     assert float((got.cpu().double() - want).norm() / want.norm()) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_a_forward_captured_before_the_library_loaded_is_adopted_then_replayed_from_cpp(untuned, monkeypatch):
+    assert native.available(wait=True)
+    torch.manual_seed(10)
+    model = persistrnn.LSTM(6, 20).cuda().eval()
+    x = torch.randn(5, 2, 6, device="cuda")
+    entered = []
+    real = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda *a, **k: entered.append(1) or real(*a, **k))
+    with torch.no_grad():
+        monkeypatch.setattr(native, "_loaded", False)  # still building: the Python path captures
+        first = model(x)[0]
+        instance = next(iter(ops.GRAPHS._entries.values()))
+        assert instance.native_id is None
+        monkeypatch.setattr(native, "_loaded", True)  # loaded now
+        second = model(x)[0]  # the C++ kernel finds no binding: Python adopts the instance and binds it
+        assert instance.native_id is not None and len(entered) == 2
+        third = model(x)[0]
+    assert len(entered) == 2  # replayed from C++
+    assert torch.equal(first, second) and torch.equal(first, third)

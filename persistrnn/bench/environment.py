@@ -43,7 +43,8 @@ def describe(env: dict[str, Any]) -> str:
         f"(max {smi.get('clocks.max.sm')}), memory clock {smi.get('clocks.mem')}, power limit {smi.get('power.limit')}",
         f"- torch {env['torch']} (CUDA {env['cuda_runtime']}), cuDNN {env['cudnn']}, cuda.core {env['cuda_core']}, "
         f"NVRTC {env['nvrtc']}",
-        f"- persistrnn {env['persistrnn']}, commit {env['commit']}, {env['date']}",
+        f"- persistrnn {env['persistrnn']}, commit {env['commit']}, {env['date']}"
+        + ("" if "native_replay" not in env else f", native replay {'on' if env['native_replay'] else 'off'}"),
     ])
 
 
@@ -74,6 +75,11 @@ def environment() -> dict[str, Any]:
         fields = _run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i",
                        str(torch.cuda.current_device())])
         info["nvidia_smi"] = dict(zip(query.split(","), (f.strip() for f in fields.split(","))))
+        from ..runtime import native
+
+        # built (once per torch build) before anything is timed, so that no timing catches the Python path
+        # of a library still compiling in the background
+        info["native_replay"] = native.available(wait=True)
     return info
 
 

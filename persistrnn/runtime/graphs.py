@@ -185,8 +185,6 @@ class CapturedCall:
                  copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False) -> None:
         import torch
 
-        from . import native
-
         self.spread_copies = spread_copies
         copy_in = [True] * len(args) if copy_in is None else list(copy_in)
         self.copy_in = [c and a is not None for a, c in zip(args, copy_in)]
@@ -203,10 +201,22 @@ class CapturedCall:
         self.device = self.outputs[0].device
         self.lock = threading.Lock()
         self.retired = False
-        if native.available():
-            self.native_id = native.add_entry(self.copied, self.outputs, self.graph, spread_copies)
-            # an instance dropped without retire (its cache cleared by the GC) frees its buffers there too
-            weakref.finalize(self, native.retire, self.native_id).atexit = False
+        self.adopt_native()
+
+    def adopt_native(self) -> None:
+        """Hand the replays to the native replay, where it is loaded (it may
+        finish building after the capture). Under the instance's lock, which
+        a Python replay holds throughout, and checked again inside it: no
+        Python replay runs after this, and no C++ replay before."""
+        from . import native
+
+        if self.native_id is not None or not native.available():
+            return
+        with self.lock:
+            if self.native_id is None and not self.retired:
+                self.native_id = native.add_entry(self.copied, self.outputs, self.graph, self.spread_copies)
+                # an instance dropped without retire (its cache cleared by the GC) frees its buffers there too
+                weakref.finalize(self, native.retire, self.native_id).atexit = False
 
     def __call__(self, *args: Any) -> list[Any] | None:
         """The outputs of one replay on ``args``; None if the instance was
@@ -215,20 +225,22 @@ class CapturedCall:
         (:meth:`GraphCache.call`)."""
         import torch
 
-        given = [a for a, c in zip(args, self.copy_in) if c]
-        if self.native_id is not None:
-            from . import native
+        from . import native
 
-            return native.replay(self.native_id, given)
-        results = [torch.empty_like(o) for o in self.outputs]
-        with self.lock:
-            if self.retired:
-                return None
-            if given:
-                copy_tensors(self.copied, given, spread=self.spread_copies)
-            self.graph.replay()
-            copy_tensors(results, self.outputs, spread=self.spread_copies)
-        return results
+        given = [a for a, c in zip(args, self.copy_in) if c]
+        self.adopt_native()
+        if self.native_id is None:
+            results = [torch.empty_like(o) for o in self.outputs]
+            with self.lock:
+                if self.retired:
+                    return None
+                if self.native_id is None:  # not adopted meanwhile
+                    if given:
+                        copy_tensors(self.copied, given, spread=self.spread_copies)
+                    self.graph.replay()
+                    copy_tensors(results, self.outputs, spread=self.spread_copies)
+                    return results
+        return native.replay(self.native_id, given)
 
     def retire(self, stream: int) -> None:
         """No replay after this, and every replay queued before it finished,
@@ -242,12 +254,13 @@ class CapturedCall:
         is refused while another thread captures)."""
         import torch
 
-        if self.native_id is not None:
-            from . import native
+        from . import native
 
-            native.retire(self.native_id)  # its lock is the one the replays take
         with self.lock:
-            self.retired = True
+            self.retired = True  # no adoption after this
+            entry = self.native_id
+        if entry is not None:
+            native.retire(entry)  # the lock the native replays take: none in progress after this
         with _CAPTURE_LOCK:  # the stream may be one of ours, now another thread's capture stream
             torch.cuda.ExternalStream(stream, device=self.device).synchronize()
 

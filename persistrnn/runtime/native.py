@@ -8,10 +8,11 @@ kernel of ``persistrnn::forward`` calls ``persistrnn::forward_capture``, our
 Python implementation, for any call it has no bound forward for.
 
 The library is built from its one source with the host's C++ compiler
-against the torch that runs it (a few seconds, once per torch build: the
-disk cache keeps it), and loaded on the first forward on CUDA. Where it
-cannot be built (no compiler) or loaded, a warning says so once and every
-call takes the Python path, which computes the same thing. ``$PERSISTRNN_NATIVE=0``
+against the torch that runs it (~15 s on the H100's host, once per torch
+build: the disk cache keeps it), in a thread of its own that the first
+forward on CUDA starts; calls take the Python path until it is loaded.
+Where it cannot be built (no compiler) or loaded, a warning says so once and
+every call takes the Python path, which computes the same thing. ``$PERSISTRNN_NATIVE=0``
 turns it off.
 """
 
@@ -82,30 +83,57 @@ def build(target: Path) -> None:
             os.unlink(tmp)
 
 
-def available() -> bool:
-    """Whether the native replay is loaded, loading it on the first call
-    (building it if the cache has none). False, with one warning, where it
-    cannot be had; False without one where ``$PERSISTRNN_NATIVE`` is 0."""
-    global _loaded
+def available(*, wait: bool = False) -> bool:
+    """Whether the native replay is loaded. The first call loads it where
+    the disk cache has it; where it has to be built, the build runs in a
+    thread of its own and calls take the Python path until it is done (a
+    first call must not wait ~15 s for a compiler), unless ``wait`` (tests,
+    benchmarks). False, with one warning, where it cannot be had; False
+    without one where ``$PERSISTRNN_NATIVE`` is 0."""
+    global _loaded, _builder
     if _loaded is not None:
         return _loaded
     with _LOCK:
-        if _loaded is None:
-            _loaded = _load()
-    return _loaded
+        if _loaded is None and _builder is None:
+            import torch
+
+            if os.environ.get(NATIVE_ENV, "1") == "0":
+                _loaded = False
+            elif not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+                logger.warning("the native replay needs torch.cuda.CUDAGraph.raw_cuda_graph_exec (torch %s has "
+                               "none): calls take the Python path", torch.__version__)
+                _loaded = False
+            elif library_path().exists():
+                _loaded = _load()
+            else:
+                _builder = threading.Thread(target=_build_cached, name="persistrnn-native-build", daemon=True)
+                _builder.start()
+        builder = _builder
+    if _loaded is None and builder is not None:
+        if wait:
+            builder.join()
+        if not builder.is_alive():
+            with _LOCK:
+                if _loaded is None:
+                    _loaded = _build_error is None and _load()
+                    if _build_error is not None:
+                        logger.warning("the native replay is unavailable (%s): calls take the Python path",
+                                       _build_error)
+    return bool(_loaded)
 
 
-def _load() -> bool:
+_builder: threading.Thread | None = None
+_build_error: Exception | None = None
+
+
+def _build_cached() -> None:
+    """Build the library into the disk cache, unless another process does
+    (the cache's lock) or did."""
+    global _build_error
     import time
 
     import torch
 
-    if os.environ.get(NATIVE_ENV, "1") == "0":
-        return False
-    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
-        logger.warning("the native replay needs torch.cuda.CUDAGraph.raw_cuda_graph_exec (torch %s has none): "
-                       "calls take the Python path", torch.__version__)
-        return False
     path = library_path()
     try:
         with key_lock(path):
@@ -114,9 +142,19 @@ def _load() -> bool:
                 build(path)
                 logger.info("built the native replay for torch %s in %.1f s: %s", torch.__version__,
                             time.perf_counter() - start, path)
-        torch.ops.load_library(str(path))
+    except CompileError as exc:
+        _build_error = exc
+
+
+def _load() -> bool:
+    """Load the built library and tell it the driver's entry points, the
+    report words and the launch state."""
+    import torch
+
+    try:
+        torch.ops.load_library(str(library_path()))
         torch.ops.persistrnn_native.configure(*driver_entry_points())
-    except (CompileError, OSError, RuntimeError, AttributeError) as exc:
+    except (OSError, RuntimeError, AttributeError) as exc:
         logger.warning("the native replay is unavailable (%s): calls take the Python path", exc)
         return False
     from .launch import report_words
