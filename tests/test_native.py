@@ -319,7 +319,7 @@ def test_a_forward_captured_before_the_library_loaded_is_adopted_then_replayed_f
     with torch.no_grad():
         monkeypatch.setattr(native, "_loaded", False)  # still building: the Python path captures
         first = model(x)[0]
-        instance = next(iter(ops.GRAPHS._entries.values()))
+        instance = list(ops.GRAPHS._entries.values())[-1]  # the newest: this model's
         assert instance.native_id is None
         monkeypatch.setattr(native, "_loaded", True)  # loaded now
         second = model(x)[0]  # the C++ kernel finds no binding: Python adopts the instance and binds it
