@@ -191,8 +191,8 @@ TARGETS = (
            cause="With the native replay a call's host time is 31-58 µs on the H100's host (was 55-130), below "
                  "every case's device time; what is left over the graph is the copies in and out (~5-20 µs of "
                  "device time) and the spread of one timing: at ~1 ms a device-bound call's two timings differ "
-                 "by run (LSTM 1024 b20: +22 and +26 µs in two runs), and one run's GRU (reset-before) 256 b10 "
-                 "eager timing (+130 µs) was +8 µs the run before (perf-notes §56, §59).",
+                 "by run (LSTM 1024 b20: +22, +26 and +17 µs in three runs), and one run's GRU (reset-before) 256 "
+                 "b10 eager timing (+130 µs) was +8 and +19 µs in the runs around it (perf-notes §56, §59).",
            suites=HOST_SUITES, name_model=True),
     Target("eager call no slower than torch's eager call: every grnn-table and real-models case with a torch peer",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("cudnn", "ms"), labels=("eager", "cuDNN eager")),),
