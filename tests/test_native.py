@@ -30,7 +30,9 @@ NEEDS_COMPILER = pytest.mark.skipif(shutil.which(native._compiler()) is None,
 def library():
     """The native library for this torch, built (once per torch build and
     source: the disk cache keeps it) and loaded."""
-    path = native.library_path()
+    if native._path is None:  # the one library this process loads (a second copy would abort it)
+        native._path = native.library_path()
+    path = native._path
     if not path.exists():
         native.build(path)
     torch.ops.load_library(str(path))
@@ -169,7 +171,7 @@ def test_a_library_not_built_yet_is_built_in_the_background_while_calls_take_the
         library, tmp_path, monkeypatch):
     import threading
 
-    built = native.library_path()
+    built = native._path
     release = threading.Event()
 
     def slow_build(target):
@@ -182,6 +184,7 @@ def test_a_library_not_built_yet_is_built_in_the_background_while_calls_take_the
     monkeypatch.setattr(native, "driver_entry_points", lambda: (0, 0))
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_builder", None)
+    monkeypatch.setattr(native, "_path", None)
     try:
         assert native.available() is False  # the build is running: not loaded, not failed
         assert native.available() is False and native._loaded is None and native._builder.is_alive()
@@ -201,6 +204,7 @@ def test_a_failed_build_warns_once_and_leaves_the_python_path(tmp_path, monkeypa
     monkeypatch.setattr(native, "build", failing_build)
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_builder", None)
+    monkeypatch.setattr(native, "_path", None)
     monkeypatch.setattr(native, "_build_error", None)
     with caplog.at_level("WARNING", logger="persistrnn"):
         assert native.available(wait=True) is False

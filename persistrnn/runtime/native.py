@@ -90,20 +90,23 @@ def available(*, wait: bool = False) -> bool:
     first call must not wait ~15 s for a compiler), unless ``wait`` (tests,
     benchmarks). False, with one warning, where it cannot be had; False
     without one where ``$PERSISTRNN_NATIVE`` is 0."""
-    global _loaded, _builder
+    global _loaded, _builder, _path
     if _loaded is not None:
         return _loaded
     with _LOCK:
         if _loaded is None and _builder is None:
             import torch
 
+            # One library per process, wherever the cache folder points later: a second copy loaded would
+            # register its operators twice, which torch refuses by aborting.
+            _path = _path or library_path()
             if os.environ.get(NATIVE_ENV, "1") == "0":
                 _loaded = False
             elif not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
                 logger.warning("the native replay needs torch.cuda.CUDAGraph.raw_cuda_graph_exec (torch %s has "
                                "none): calls take the Python path", torch.__version__)
                 _loaded = False
-            elif library_path().exists():
+            elif _path.exists():
                 _loaded = _load()
             else:
                 _builder = threading.Thread(target=_build_cached, name="persistrnn-native-build", daemon=True)
@@ -124,6 +127,7 @@ def available(*, wait: bool = False) -> bool:
 
 _builder: threading.Thread | None = None
 _build_error: Exception | None = None
+_path: Path | None = None  # the library this process builds and loads
 
 
 def _build_cached() -> None:
@@ -134,7 +138,7 @@ def _build_cached() -> None:
 
     import torch
 
-    path = library_path()
+    path = _path
     try:
         with key_lock(path):
             if not path.exists():
@@ -152,7 +156,7 @@ def _load() -> bool:
     import torch
 
     try:
-        torch.ops.load_library(str(library_path()))
+        torch.ops.load_library(str(_path))
         torch.ops.persistrnn_native.configure(*driver_entry_points())
     except (OSError, RuntimeError, AttributeError) as exc:
         logger.warning("the native replay is unavailable (%s): calls take the Python path", exc)
