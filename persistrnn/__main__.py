@@ -93,7 +93,7 @@ def _demo() -> int:
     model = _demo_model().cuda().eval()
     ours = persistrnn.convert(copy.deepcopy(model))  # the same weights; every nn.LSTM inside swapped
     reference = copy.deepcopy(model).double().cpu()
-    tf32 = torch.backends.cudnn.allow_tf32
+    tf32 = persistrnn.runtime.cudnn_rnn_precision() == "tf32"
     print(f"{facts.name}, {facts.sm_count} SMs; torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print(f"model: LSTM({FEATURES}, {HIDDEN}, num_layers={LAYERS}) -> Linear({HIDDEN}, {CLASSES}) per step, "
           f"{STEPS} steps, fp32, eval; torch.nn beside persistrnn.convert(model)")

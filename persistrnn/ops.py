@@ -100,18 +100,8 @@ def launch_settings() -> tuple:
     torch calls. Read on every call: cuDNN's flags and the BLAS library
     through the C getters that torch's properties wrap (the properties'
     Python layers cost more than the reads on the H100's host)."""
-    return (torch._C._get_cudnn_enabled(), _cudnn_rnn_precision(), runtime.wait_timeout_ns(),
+    return (torch._C._get_cudnn_enabled(), runtime.cudnn_rnn_precision(), runtime.wait_timeout_ns(),
             runtime.failure_hook(), runtime.matmul_allows_tf32(), torch._C._get_blas_preferred_backend())
-
-
-if hasattr(torch._C, "_get_fp32_precision_getter"):  # torch 2.9 and later
-    def _cudnn_rnn_precision() -> str:
-        """cuDNN RNNs' fp32 precision setting (``torch.backends.cudnn.rnn.fp32_precision``):
-        torch's one-flag getter refuses to answer once a program mixed the legacy and new APIs."""
-        return torch._C._get_fp32_precision_getter("cuda", "rnn")
-else:
-    def _cudnn_rnn_precision() -> str:
-        return "tf32" if torch._C._get_cudnn_allow_tf32() else "ieee"
 
 
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,

@@ -222,7 +222,6 @@ def exact_torch():
     fp32 floor of 1e-5 is stated for."""
     import contextlib
 
-    import torch
 
     from persistrnn import runtime
 
@@ -230,7 +229,7 @@ def exact_torch():
     def context():
         # not torch.backends.cuda.matmul.allow_tf32: its getter raises once the
         # process has used torch's new precision API beside the legacy one
-        with runtime.matmul_precision("highest"), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        with runtime.matmul_precision("highest"), runtime.cudnn_rnn_settings(enabled=True, tf32=False):
             yield
 
     return context()

@@ -50,6 +50,30 @@ def test_launch_settings_change_with_each_setting_a_capture_fixes():
         runtime.set_wait_timeout(saved[2])
     assert ops.launch_settings() == base and len({base, *changed}) == 4
 
+
+@pytest.mark.skipif(not hasattr(torch.backends.cudnn, "rnn"), reason="torch before 2.9 has one TF32 API")
+def test_cudnn_rnn_settings_work_after_a_mix_of_the_legacy_and_new_tf32_apis():
+    # torch.backends.cudnn.allow_tf32 (and cudnn.flags, which reads it) raise
+    # once cuDNN's conv and RNN flags differ; the library, the benchmarks and
+    # the demo read and set cuDNN's RNN precision through runtime instead.
+    from persistrnn import runtime
+
+    cudnn = torch.backends.cudnn
+    saved = cudnn.rnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.enabled
+    try:
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = "ieee", "tf32"
+        with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+            _ = cudnn.allow_tf32
+        assert runtime.cudnn_rnn_precision() == "tf32"
+        with runtime.cudnn_rnn_settings(enabled=False, tf32=False):
+            assert (runtime.cudnn_rnn_precision(), cudnn.enabled, cudnn.conv.fp32_precision) == ("ieee", False, "ieee")
+            assert ops.launch_settings()[:2] == (False, "ieee")
+        assert (runtime.cudnn_rnn_precision(), cudnn.enabled) == ("tf32", saved[2])
+        with runtime.cudnn_rnn_settings(enabled=True):  # tf32 None: left as it is
+            assert runtime.cudnn_rnn_precision() == "tf32" and cudnn.enabled
+    finally:
+        cudnn.rnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.enabled = saved
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_layer_params_follow_torchs_flat_weight_order(bias, bidirectional):

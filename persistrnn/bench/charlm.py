@@ -239,13 +239,12 @@ def fp32_exact() -> Any:
     """TF32 off in cuDNN and cuBLAS for the duration: fp32 losses that can agree to rounding."""
     import contextlib
 
-    import torch
 
     from .. import runtime
 
     @contextlib.contextmanager
     def scope() -> Any:
-        with runtime.matmul_precision("highest"), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        with runtime.matmul_precision("highest"), runtime.cudnn_rnn_settings(enabled=True, tf32=False):
             yield
     return scope()
 
@@ -254,7 +253,7 @@ def run(s: Settings, data_dir: Path | None = None, progress: bool = True) -> dic
     import torch
 
     import persistrnn
-    from .. import training
+    from .. import runtime, training
     from ..dynamic import DATA_DIR
     from ..progress import track
     from .environment import environment
@@ -286,7 +285,7 @@ def run(s: Settings, data_dir: Path | None = None, progress: bool = True) -> dic
         for _ in track(range(0, s.train_steps, s.log_every), progress, "charlm"):
             count = min(s.log_every, s.train_steps - done)
             for name, trainer in trainers.items():  # interleaved: the runs see the same clocks
-                with torch.backends.cudnn.flags(enabled=True, allow_tf32=name in TF32_ALLOWED):
+                with runtime.cudnn_rnn_settings(enabled=True, tf32=name in TF32_ALLOWED):
                     ms = _window_ms(lambda t=trainer, n=count: t.run(n), s.device)
                 if count == s.log_every:
                     window_ms[name].append(ms)

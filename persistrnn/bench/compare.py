@@ -290,6 +290,7 @@ def _all_cores(fn: Callable[[], Any]) -> Any:
 def run_case(case: Case, s: Settings) -> dict[str, Any]:
     import torch
 
+    from .. import runtime
     from ..reference import params_from_torch
 
     theirs, ours = _modules(case)
@@ -329,12 +330,8 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
                 continue
 
             def cudnn_row(tf32: bool | None = tf32, label: str = label) -> Row:
-                previous = torch.backends.cudnn.allow_tf32
-                torch.backends.cudnn.allow_tf32 = previous if tf32 is None else tf32
-                try:
+                with runtime.cudnn_rnn_settings(enabled=torch.backends.cudnn.enabled, tf32=tf32):
                     return timed(label, lambda x: theirs(x)[0])
-                finally:
-                    torch.backends.cudnn.allow_tf32 = previous
 
             rows.append(_guard(label, cudnn_row))
 

@@ -151,12 +151,12 @@ def run(keys: list[str], s: Settings | None = None, progress: bool = True,
     from ..progress import track
     from .environment import environment
 
-    s = s or Settings()
-    import torch
+    from .. import runtime
 
+    s = s or Settings()
     result: dict[str, Any] = {"suite": "compile", "environment": environment(), "settings": dataclasses.asdict(s),
-                              "torch_settings": {"cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-                                                 "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32},
+                              "torch_settings": {"cudnn_allow_tf32": runtime.cudnn_rnn_precision() == "tf32",
+                                                 "matmul_allow_tf32": runtime.matmul_allows_tf32()},
                               "cases": []}
     for key in track(keys, progress, "torch.compile"):
         result["cases"].append({"key": key, **run_case(CASES[key], s)})

@@ -121,7 +121,7 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
         if theirs is None:
             rows.append(HostRow("cudnn", "no peer", note=f"torch has no {compare.CELL_NAMES[case.cell]}"))
         else:
-            tf32 = "allowed" if torch.backends.cudnn.allow_tf32 else "off"
+            tf32 = "allowed" if runtime.cudnn_rnn_precision() == "tf32" else "off"
             rows.append(compare._guard("cudnn", lambda: measured("cudnn", theirs,
                                                                  note=f"torch's settings: TF32 {tf32}")))
     return {**dataclasses.asdict(case), "rows": [dataclasses.asdict(r) for r in rows]}

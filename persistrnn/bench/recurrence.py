@@ -185,9 +185,7 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
     settings = {"": True, "fp32_": False} if dtype == "float32" else {"": True}
     with torch.no_grad():
         for prefix, tf32 in settings.items():
-            old = torch.backends.cudnn.allow_tf32
-            torch.backends.cudnn.allow_tf32 = tf32
-            try:
+            with runtime.cudnn_rnn_settings(enabled=torch.backends.cudnn.enabled, tf32=tf32):
                 out = module(x_gpu[0], hx)[0]
                 result[f"cudnn_{prefix}error"] = _rel(as_f64(out), ref_out)
                 k = iter(range(10**9))
@@ -198,8 +196,6 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: RecurrenceBenc
                     k = iter(range(10**9))
                     result["cudnn_graph_ms"] = _per_call_ms(
                         lambda graphs=graphs, k=k: graphs[next(k) % ROTATE].replay(), cfg)
-            finally:
-                torch.backends.cudnn.allow_tf32 = old
     return result
 
 

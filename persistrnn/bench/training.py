@@ -128,7 +128,7 @@ def run_case(hidden: int, batch: int, calls: int, repeats: int, inputs: str = "p
     runtime.warm_up(_step(ours, x, lengths))
     row["ours_ms"] = _time_ms(_step(ours, x, lengths), calls, repeats)
     for label, tf32 in (("cudnn_ms", True), ("cudnn_exact_ms", False)):
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+        with runtime.cudnn_rnn_settings(enabled=True, tf32=tf32):
             if not tf32:
                 row["cudnn_exact_grad_error"] = _input_grad_error(theirs, x, x64.grad, lengths)
             row[label] = _time_ms(_step(theirs, x, lengths), calls, repeats)
@@ -151,7 +151,7 @@ def activation_memory(cell: str, hidden: int, steps: int, batch: int, dtype: str
 
     import torch
 
-    from .. import training
+    from .. import runtime, training
 
     theirs, ours = _modules(cell, hidden, dtype)
     x = torch.randn(steps, batch, hidden, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
@@ -191,7 +191,7 @@ def activation_memory(cell: str, hidden: int, steps: int, batch: int, dtype: str
                            "ours_bytes": kept(ours)}
     row["ours_graph_bytes"] = graphs_hold() if reason is None else 0
     for label, tf32 in (("cudnn_bytes", True), ("cudnn_exact_bytes", False)):
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+        with runtime.cudnn_rnn_settings(enabled=True, tf32=tf32):
             row[label] = kept(theirs)
     return row
 

@@ -10,7 +10,8 @@ from ..errors import CompileError, GPUUnavailableError, KernelLaunchError, Kerne
 from .cache import CACHE_ENV, atomic_write, cache_dir, digest, entry_name, key_lock
 from .compile import (CompiledBinary, KernelResources, cache_key, compile_source, map_in_threads, nvrtc_compiles,
                       nvrtc_version, parse_ptxas_report, program_options, read_source, render_template, sources_dir)
-from .device import DeviceFacts, device_facts, facts_of, matmul_allows_tf32, matmul_precision, require_gpu
+from .device import (DeviceFacts, cudnn_rnn_precision, cudnn_rnn_settings, device_facts, facts_of, matmul_allows_tf32,
+                     matmul_precision, require_gpu)
 from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, capture, capture_graph, copy_tensors, own_stream,
                      release_stream)
 from . import native
@@ -24,7 +25,8 @@ __all__ = [
     "CompiledBinary", "DeviceFacts",
     "GPUUnavailableError", "GraphCache", "KernelLaunchError", "KernelResources", "KernelTimeoutError",
     "LoadedKernel", "Scratch", "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
-    "compile_source", "copy_tensors", "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
+    "compile_source", "copy_tensors", "cudnn_rnn_precision", "cudnn_rnn_settings",
+    "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
     "inject_failure", "kernel_args", "key_lock", "launch", "map_in_threads", "matmul_allows_tf32",
     "matmul_precision", "native", "nvrtc_compiles", "nvrtc_version",
     "own_stream", "release_stream",

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 from ..errors import GPUUnavailableError
 
-__all__ = ["DeviceFacts", "device_facts", "facts_of", "import_cuda_core", "matmul_allows_tf32", "matmul_precision",
-           "require_gpu"]
+__all__ = ["DeviceFacts", "cudnn_rnn_precision", "cudnn_rnn_settings", "device_facts", "facts_of", "import_cuda_core",
+           "matmul_allows_tf32", "matmul_precision", "require_gpu"]
 
 
 _CUDA_CORE_LOCK = threading.Lock()
@@ -116,6 +116,47 @@ def matmul_allows_tf32() -> bool:
     matmul = torch.backends.cuda.matmul
     precision = getattr(matmul, "fp32_precision", None)
     return precision == "tf32" if precision is not None else bool(matmul.allow_tf32)
+
+
+def cudnn_rnn_precision() -> str:
+    """cuDNN RNNs' fp32 precision, "tf32" or "ieee" (torch 2.9 and later:
+    ``torch.backends.cudnn.rnn.fp32_precision``, resolved through the
+    settings it inherits). torch's one-flag getter
+    (``torch.backends.cudnn.allow_tf32``) raises once a program has set the
+    TF32 flags with both the legacy and the new API, so nothing here reads it
+    on such a torch."""
+    import torch
+
+    if hasattr(torch._C, "_get_fp32_precision_getter"):
+        return torch._C._get_fp32_precision_getter("cuda", "rnn")
+    return "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+
+
+@contextlib.contextmanager
+def cudnn_rnn_settings(*, enabled: bool = True, tf32: bool | None = None) -> Iterator[None]:
+    """cuDNN on or off and (``tf32`` not None) its RNNs' TF32 allowed or not
+    for the duration, both put back after. ``torch.backends.cudnn.flags``
+    does the same but reads the one-flag getter (see
+    :func:`cudnn_rnn_precision`)."""
+    import torch
+
+    new_api = hasattr(torch.backends.cudnn, "rnn") and hasattr(torch.backends.cudnn.rnn, "fp32_precision")
+    previous = (torch.backends.cudnn.enabled, cudnn_rnn_precision())
+    torch.backends.cudnn.enabled = enabled
+    if tf32 is not None:
+        if new_api:
+            torch.backends.cudnn.rnn.fp32_precision = "tf32" if tf32 else "ieee"
+        else:
+            torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = previous[0]
+        if tf32 is not None:
+            if new_api:
+                torch.backends.cudnn.rnn.fp32_precision = previous[1]
+            else:
+                torch.backends.cudnn.allow_tf32 = previous[1] == "tf32"
 
 
 @contextlib.contextmanager
