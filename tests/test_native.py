@@ -99,7 +99,7 @@ def test_an_entry_copies_in_launches_once_and_copies_out_into_fresh_tensors(libr
         return 0
 
     library.configure(ctypes.cast(graph_launch, ctypes.c_void_p).value, 0)
-    entry = library.add_entry(static_in, static_out, 0x5EED, spread, runtime.graphs.LARGE_COPY_ELEMENTS)
+    entry = library.add_entry(static_in, static_out, 0x5EED, spread, runtime.graphs.LARGE_COPY_ELEMENTS, 0, [], [])
     try:
         for _ in range(3):
             given = [torch.from_numpy(rng.standard_normal(t.shape).astype(np.float32)) for t in static_in]
@@ -114,6 +114,124 @@ def test_an_entry_copies_in_launches_once_and_copies_out_into_fresh_tensors(libr
         assert native.replay(entry, given) is None and len(launches) == 4
     finally:
         library.retire(entry)
+        library.configure(0, 0)
+
+
+class _Memcpy3D(ctypes.Structure):  # the driver's CUDA_MEMCPY3D
+    _fields_ = [(f"{side}{name}", kind) for side in ("src", "dst") for name, kind in (
+        ("XInBytes", ctypes.c_size_t), ("Y", ctypes.c_size_t), ("Z", ctypes.c_size_t), ("LOD", ctypes.c_size_t),
+        ("MemoryType", ctypes.c_int), ("Host", ctypes.c_void_p), ("Device", ctypes.c_uint64),
+        ("Array", ctypes.c_void_p), ("Reserved", ctypes.c_void_p), ("Pitch", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t))] + [(n, ctypes.c_size_t) for n in ("WidthInBytes", "Height", "Depth")]
+
+
+class _FakeDriver:
+    """A captured graph as the driver shows it to the native replay: copy
+    nodes from each stand-in source into a static input and from each static
+    output into a stand-in sink, around a "kernel" (out = 2 * in + 1). Its
+    launch runs the copies with the parameters set on the executable graph,
+    as the GPU would; ``refuse`` names addresses a node will not take."""
+
+    def __init__(self, sources, static_in, static_out, sinks):
+        self.static_in, self.static_out, self.refuse = static_in, static_out, set()
+        self.captured, self.launches, self.calls = {}, [], []
+        pairs = [(s, t) for s, t in zip(sources, static_in)] + [(o, s) for o, s in zip(static_out, sinks)]
+        for node, (src, dst) in enumerate(pairs, start=1):
+            p = _Memcpy3D(srcMemoryType=2, srcDevice=src.data_ptr(), dstMemoryType=2, dstDevice=dst.data_ptr(),
+                          WidthInBytes=src.nbytes, Height=1, Depth=1)
+            self.captured[node] = p
+        self.inputs = list(range(1, len(sources) + 1))
+        self.exec_params = {n: _Memcpy3D.from_buffer_copy(p) for n, p in self.captured.items()}
+        c = ctypes.CFUNCTYPE
+        self.functions = [
+            c(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))(
+                self.get_nodes),
+            c(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))(self.get_type),
+            c(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_Memcpy3D))(self.get_params),
+            c(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_Memcpy3D), ctypes.c_void_p)(
+                self.set_params),
+            c(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))(self.context)]
+        self.launch = c(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(self.run)
+
+    def addresses(self):
+        return [ctypes.cast(f, ctypes.c_void_p).value for f in self.functions]
+
+    def get_nodes(self, graph, nodes, count):
+        ids = [99] + list(self.captured)  # 99: the kernel, not a copy
+        if nodes:
+            for i, n in enumerate(ids):
+                nodes[i] = n
+        count[0] = len(ids)
+        return 0
+
+    def get_type(self, node, kind):
+        kind[0] = 1 if node in self.captured else 0
+        return 0
+
+    def get_params(self, node, params):
+        ctypes.memmove(params, ctypes.byref(self.captured[node]), ctypes.sizeof(_Memcpy3D))
+        return 0
+
+    def set_params(self, graph_exec, node, params, context):
+        p = params.contents
+        if {p.srcDevice, p.dstDevice} & self.refuse:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        self.calls.append(node)
+        self.exec_params[node] = _Memcpy3D.from_buffer_copy(p)
+        return 0
+
+    def context(self, out):
+        out[0] = 0xC0
+        return 0
+
+    def run(self, graph_exec, stream):
+        self.launches.append(graph_exec)
+        copy = lambda n: ctypes.memmove(self.exec_params[n].dstDevice, self.exec_params[n].srcDevice,  # noqa: E731
+                                        self.exec_params[n].WidthInBytes)
+        for n in self.inputs:
+            copy(n)
+        for i, o in zip(self.static_in, self.static_out):
+            o.copy_(2 * i + 1)
+        for n in self.captured:
+            if n not in self.inputs:
+                copy(n)
+        return 0
+
+
+@NEEDS_COMPILER
+def test_an_entry_with_copy_nodes_points_them_at_each_calls_tensors_and_launches_once(library):
+    rng = np.random.default_rng(7)
+    nan = lambda *shape: torch.full(shape, float("nan"))  # noqa: E731
+    static_in, static_out = [nan(5, 3), nan(4)], [nan(5, 3), nan(4)]
+    sources, sinks = [nan(5, 3), nan(4)], [nan(5, 3), nan(4)]
+    driver = _FakeDriver(sources, static_in, static_out, sinks)
+    library.configure(ctypes.cast(driver.launch, ctypes.c_void_p).value, 0)
+    library.configure_copy_nodes(driver.addresses())
+    entry = library.add_entry(static_in, static_out, 0xE1, False, runtime.graphs.LARGE_COPY_ELEMENTS, 0x6,
+                              sources, sinks)
+    try:
+        assert library.copy_nodes(entry) == [2, 2]
+        for case in ("contiguous", "strided", "refused"):
+            given = [torch.from_numpy(rng.standard_normal(t.shape).astype(np.float32)) for t in static_in]
+            if case == "strided":  # a transposed view: made contiguous before its address is handed over
+                given[0] = torch.from_numpy(rng.standard_normal((3, 5)).astype(np.float32)).t()
+            if case == "refused":  # the driver refuses the caller's address: copied through the stand-in
+                driver.refuse = {given[1].data_ptr()}
+            driver.calls.clear()
+            results = native.replay(entry, given)
+            for got, g, o in zip(results, given, static_out):
+                torch.testing.assert_close(got, 2 * g + 1, rtol=0, atol=0)
+                assert got.data_ptr() != o.data_ptr()
+            assert sorted(driver.calls) == [1, 2, 3, 4]  # every node set before the launch
+            assert driver.exec_params[3].dstDevice == results[0].data_ptr()  # the output copied straight in
+            if case == "contiguous":
+                assert driver.exec_params[1].srcDevice == given[0].data_ptr()
+            if case == "refused":
+                assert driver.exec_params[2].srcDevice == sources[1].data_ptr()
+        assert driver.launches == [0xE1] * 3
+    finally:
+        library.retire(entry)
+        library.configure_copy_nodes([0] * 5)
         library.configure(0, 0)
 
 
@@ -136,6 +254,7 @@ def test_loading_configures_the_driver_entry_points_report_words_and_launch_stat
 
     address = ctypes.cast(graph_launch, ctypes.c_void_p).value
     monkeypatch.setattr(native, "driver_entry_points", lambda: (address, 0))
+    monkeypatch.setattr(native, "copy_node_entry_points", lambda: (0,) * 5)  # no driver here: no copy nodes
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_builder", None)
     try:
@@ -182,6 +301,7 @@ def test_a_library_not_built_yet_is_built_in_the_background_while_calls_take_the
     monkeypatch.setattr(native, "library_path", lambda: tmp_path / "replay.so")
     monkeypatch.setattr(native, "build", slow_build)
     monkeypatch.setattr(native, "driver_entry_points", lambda: (0, 0))
+    monkeypatch.setattr(native, "copy_node_entry_points", lambda: (0,) * 5)
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_builder", None)
     monkeypatch.setattr(native, "_path", None)
@@ -219,6 +339,32 @@ def test_a_failed_build_warns_once_and_leaves_the_python_path(tmp_path, monkeypa
 def _reference(ref, x, hx):
     with torch.no_grad():
         return ref(x.cpu().double(), tuple(s.cpu().double() for s in hx))
+
+
+@pytest.mark.gpu
+def test_a_captured_call_copies_through_its_own_nodes_pointed_at_each_calls_tensors():
+    assert native.available(wait=True), "the native replay did not load on this GPU machine (see the log's warning)"
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    fn = lambda a, b: (a * 2 + b, (a - b).sum(0))  # noqa: E731
+    example = [torch.randn(37, 5, device="cuda", generator=gen) for _ in range(2)]
+    call = runtime.CapturedCall(fn, example)
+    assert torch.ops.persistrnn_native.copy_nodes(call.native_id) == [2, 2]  # every copy is a node of the graph
+    kept = []
+    for layout in ("contiguous", "transposed", "contiguous"):
+        a, b = (torch.randn(37, 5, device="cuda", generator=gen) for _ in range(2))
+        if layout == "transposed":  # a view whose bytes are not laid out as the static input's
+            a = torch.randn(5, 37, device="cuda", generator=gen).t()
+        got = call(a, b)
+        for g, want in zip(got, fn(a, b)):  # the sum's order may differ with its input's alignment
+            torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-5)
+            assert all(g.data_ptr() != o.data_ptr() for o in call.outputs)
+        kept.append((got, fn(a, b)))
+    torch.cuda.synchronize()
+    for got, want in kept:  # no later call wrote into what an earlier one returned
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-5)
+    assert torch.ops.persistrnn_native.copy_nodes(
+        runtime.CapturedCall(fn, example, spread_copies=True).native_id) == [0, 0]  # device-bound: copies around
 
 
 @pytest.mark.gpu

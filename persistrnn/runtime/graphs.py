@@ -73,7 +73,7 @@ def capture_graph(fn: Callable[[], Any], stream: Any = None) -> Any:
 
 
 def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
-            stream: Any = None) -> tuple[Any, Any]:
+            stream: Any = None, keep_graph: bool = False) -> tuple[Any, Any]:
     """(graph, result) for ``record()`` captured as a ``torch.cuda.CUDAGraph``.
 
     The capture runs on ``stream`` (default: one of :func:`own_stream`'s,
@@ -87,7 +87,9 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     allocating meanwhile. A capture that fails keeps its stream out of the
     free list (it may still be capturing). ``result``
     is what the captured call returned; its tensors, and every tensor
-    ``record`` allocates, live in the graph's own memory pool."""
+    ``record`` allocates, live in the graph's own memory pool. ``keep_graph``:
+    the graph keeps its ``cudaGraph_t`` (``raw_cuda_graph()``) beside the
+    instantiated one, for finding its nodes."""
     import torch
 
     held = stream is None
@@ -105,9 +107,11 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
                 release_stream(stream)
             raise
         with _CAPTURE_LOCK:
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 result = record()
+            if keep_graph:
+                graph.instantiate()
     caller.wait_stream(stream)
     if held:  # only after a capture that ended well: a failed one's stream is not handed to anyone
         release_stream(stream)
@@ -158,9 +162,13 @@ class CapturedCall:
 
     A call is a copy into the static inputs, one replay, and a copy of the
     graph's outputs into fresh tensors (:func:`copy_tensors`; ``spread_copies``
-    where the call is device-bound), so the
-    caller owns what it gets and no later replay touches it. ``fn`` returns a
-    tuple of tensors. ``None`` arguments stay None. Arguments marked False in
+    where the call is device-bound), so the caller owns what it gets and no
+    later replay touches it. Where the native replay is loaded at capture
+    and the call is host-bound (not ``spread_copies``), the copies are the
+    graph's own first and last nodes, captured from stand-in tensors, and
+    the native replay points them at the caller's tensors and the new
+    outputs before each launch: one launch per call instead of three (perf
+    notes §60). ``fn`` returns a tuple of tensors. ``None`` arguments stay None. Arguments marked False in
     ``copy_in`` are not copied: the graph reads (and may write) them where
     they are, e.g. a stream's carried states.
 
@@ -190,13 +198,30 @@ class CapturedCall:
         self.copy_in = [c and a is not None for a, c in zip(args, copy_in)]
         self.copied: list[Any] = []
 
+        from . import native
+
+        # Host-bound calls only: a device-bound one (spread_copies) gains nothing from fewer launches, and the
+        # stand-ins double its static buffers, which may be large.
+        copy_nodes = native.available() and not spread_copies
+        self.sources: list[Any] = []  # what the copy nodes were captured copying from and to
+        self.sinks: list[Any] = []
+
         def record() -> Sequence[Any]:
             inputs = [torch.empty_like(a, memory_format=torch.contiguous_format) if c else a
                       for a, c in zip(args, self.copy_in)]
             self.copied = [t for t, c in zip(inputs, self.copy_in) if c]
-            return fn(*inputs)
+            if copy_nodes:
+                self.sources = [torch.empty_like(t) for t in self.copied]
+                for t, s in zip(self.copied, self.sources):
+                    t.copy_(s)
+            outs = fn(*inputs)
+            if copy_nodes:
+                self.sinks = [torch.empty_like(o) for o in outs]
+                for s, o in zip(self.sinks, outs):
+                    s.copy_(o)
+            return outs
 
-        self.graph, outs = capture(record, lambda: fn(*args))
+        self.graph, outs = capture(record, lambda: fn(*args), keep_graph=copy_nodes)
         self.outputs = list(outs)
         self.device = self.outputs[0].device
         self.lock = threading.Lock()
@@ -214,7 +239,8 @@ class CapturedCall:
             return
         with self.lock:
             if self.native_id is None and not self.retired:
-                self.native_id = native.add_entry(self.copied, self.outputs, self.graph, self.spread_copies)
+                self.native_id = native.add_entry(self.copied, self.outputs, self.graph, self.spread_copies,
+                                                  self.sources, self.sinks)
                 # an instance dropped without retire (its cache cleared by the GC) frees its buffers there too
                 weakref.finalize(self, native.retire, self.native_id).atexit = False
 

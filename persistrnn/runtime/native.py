@@ -158,6 +158,7 @@ def _load() -> bool:
     try:
         torch.ops.load_library(str(_path))
         torch.ops.persistrnn_native.configure(*driver_entry_points())
+        torch.ops.persistrnn_native.configure_copy_nodes(list(copy_node_entry_points()))
     except (OSError, RuntimeError, AttributeError) as exc:
         logger.warning("the native replay is unavailable (%s): calls take the Python path", exc)
         return False
@@ -174,6 +175,17 @@ def driver_entry_points() -> tuple[int, int]:
     ``cuStreamIsCapturing``, which the C++ side calls."""
     driver = ctypes.CDLL("libcuda.so.1")
     return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (driver.cuGraphLaunch, driver.cuStreamIsCapturing))
+
+
+def copy_node_entry_points() -> tuple[int, ...]:
+    """The addresses of the driver functions that find a captured graph's
+    copy nodes and set their addresses per launch: ``cuGraphGetNodes``,
+    ``cuGraphNodeGetType``, ``cuGraphMemcpyNodeGetParams``,
+    ``cuGraphExecMemcpyNodeSetParams``, ``cuCtxGetCurrent``."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    names = ("cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemcpyNodeGetParams", "cuGraphExecMemcpyNodeSetParams",
+             "cuCtxGetCurrent")
+    return tuple(ctypes.cast(getattr(driver, name), ctypes.c_void_p).value for name in names)
 
 
 def launch_state_changed() -> None:
@@ -200,15 +212,21 @@ def report_word_created(device: int, address: int) -> None:
         torch.ops.persistrnn_native.set_report_word(device, address)
 
 
-def add_entry(inputs: Sequence[Any], outputs: Sequence[Any], graph: Any, spread: bool) -> int:
+def add_entry(inputs: Sequence[Any], outputs: Sequence[Any], graph: Any, spread: bool,
+              sources: Sequence[Any] = (), sinks: Sequence[Any] = ()) -> int:
     """Register a captured call (its static inputs and outputs and its
-    executable graph) for native replays; returns its id."""
+    executable graph) for native replays; returns its id. ``sources`` and
+    ``sinks`` (where the graph was captured with copy nodes, see
+    :class:`~persistrnn.runtime.graphs.CapturedCall`): the stand-ins its
+    nodes copy each input from and each output to, which a replay replaces by
+    the caller's tensors and the new outputs."""
     import torch
 
     from .graphs import LARGE_COPY_ELEMENTS
 
+    raw = graph.raw_cuda_graph() if sources or sinks else 0
     return torch.ops.persistrnn_native.add_entry(list(inputs), list(outputs), graph.raw_cuda_graph_exec(), spread,
-                                                 LARGE_COPY_ELEMENTS)
+                                                 LARGE_COPY_ELEMENTS, raw, list(sources), list(sinks))
 
 
 def replay(entry: int, given: Sequence[Any]) -> list[Any] | None:

@@ -5,8 +5,11 @@
 // plan and graph keys, the captured call's copies and replay) took 40-60 us,
 // torch.compile's own per-call path adds ~40 us, and the device work of a
 // small model is ~60-80 us, so the calls were host-bound. Here a call is a
-// hash of its arguments, two multi-tensor copies, output allocations and one
-// cuGraphLaunch. Everything that needs Python (the plan, the capture itself,
+// hash of its arguments, output allocations, and one cuGraphLaunch of a graph
+// whose first and last nodes copy from the caller's inputs and into the
+// outputs: their addresses are set per call (cuGraphExecMemcpyNodeSetParams,
+// ~0.5 us each), where two multi-tensor copies around the launch took
+// 7 us each (perf notes §60). Everything that needs Python (the plan, the capture itself,
 // a reported kernel failure, a call inside someone's capture, batch 0) takes
 // the Python path: this file only replays what the Python side captured and
 // bound to a key here (persistrnn/runtime/native.py).
@@ -45,6 +48,44 @@ using GraphLaunch = int (*)(void* exec, void* stream);             // cuGraphLau
 using StreamIsCapturing = int (*)(void* stream, int* status);      // cuStreamIsCapturing
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
+// The driver's CUDA_MEMCPY3D (cuda.h; its layout has not changed since CUDA 3.2).
+struct Memcpy3D {
+  size_t srcXInBytes, srcY, srcZ, srcLOD;
+  int srcMemoryType;
+  const void* srcHost;
+  uint64_t srcDevice;
+  void* srcArray;
+  void* reserved0;
+  size_t srcPitch, srcHeight;
+  size_t dstXInBytes, dstY, dstZ, dstLOD;
+  int dstMemoryType;
+  void* dstHost;
+  uint64_t dstDevice;
+  void* dstArray;
+  void* reserved1;
+  size_t dstPitch, dstHeight;
+  size_t WidthInBytes, Height, Depth;
+};
+static_assert(sizeof(Memcpy3D) == 200, "CUDA_MEMCPY3D is 200 bytes");
+constexpr int kMemcpyNode = 1;  // CU_GRAPH_NODE_TYPE_MEMCPY
+
+struct CopyDriver {  // the driver entry points that find and retarget a graph's copy nodes
+  int (*graph_get_nodes)(void* graph, void** nodes, size_t* count) = nullptr;          // cuGraphGetNodes
+  int (*node_get_type)(void* node, int* type) = nullptr;                                // cuGraphNodeGetType
+  int (*memcpy_node_get_params)(void* node, Memcpy3D* params) = nullptr;                // cuGraphMemcpyNodeGetParams
+  int (*exec_memcpy_node_set_params)(void* exec, void* node, const Memcpy3D* params,
+                                     void* context) = nullptr;                          // cuGraphExecMemcpyNodeSetParams
+  int (*context_get_current)(void** context) = nullptr;                                 // cuCtxGetCurrent
+};
+
+// A copy node of a captured graph: its node handle and the parameters it was
+// captured with, whose source or destination address a call replaces.
+struct CopyNode {
+  void* node = nullptr;  // none: the tensor is copied around the launch instead
+  Memcpy3D params{};
+  at::Tensor standin;    // what the node was captured copying from (an input's) or to (an output's)
+};
+
 // One captured forward: its static inputs and outputs, its executable graph,
 // and the lock that orders the copy in, the launch and the copy out of the
 // threads that replay it on one stream (runtime/graphs.py says why that is
@@ -57,6 +98,9 @@ struct Entry {
   void* exec = nullptr;
   bool spread = false;
   int64_t large_copy = 0;
+  std::vector<CopyNode> copy_in;   // per input: the node that copies the caller's tensor into it
+  std::vector<CopyNode> copy_out;  // per output: the node that copies it into the caller's new tensor
+  void* context = nullptr;
 };
 
 // What a captured forward depends on beside the plan: the arguments'
@@ -85,6 +129,8 @@ std::unordered_map<int64_t, std::shared_ptr<Entry>> entries;
 std::unordered_map<Key, std::shared_ptr<Entry>, KeyHash> bound;
 int64_t next_id = 1;
 std::atomic<GraphLaunch> graph_launch{nullptr};
+CopyDriver copy_driver;  // set once, when the library loads, before any entry is added
+
 std::atomic<StreamIsCapturing> stream_is_capturing{nullptr};
 std::atomic<int32_t*> report_words[kMaxDevices];
 std::atomic<int64_t> wait_timeout_ns{0};
@@ -114,6 +160,20 @@ void* current_stream(const c10::Device& device) {
   return device.is_cuda() ? c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle() : nullptr;
 }
 
+// Point `node` at `address` (its source if `source`, else its destination)
+// for the next launches of `exec`; launches already queued keep the old one.
+int retarget(void* exec, const CopyNode& node, void* context, const void* address, bool source) {
+  Memcpy3D params = node.params;
+  if (source) {
+    params.srcDevice = reinterpret_cast<uint64_t>(address);
+    params.srcXInBytes = 0;
+  } else {
+    params.dstDevice = reinterpret_cast<uint64_t>(address);
+    params.dstXInBytes = 0;
+  }
+  return copy_driver.exec_memcpy_node_set_params(exec, node.node, &params, context);
+}
+
 // One replay of `entry` on `given` on the current stream; nullopt once the
 // entry is retired (the caller takes the Python path).
 std::optional<std::vector<at::Tensor>> replay_entry(Entry& entry, const std::vector<at::Tensor>& given,
@@ -121,14 +181,55 @@ std::optional<std::vector<at::Tensor>> replay_entry(Entry& entry, const std::vec
   std::vector<at::Tensor> results;
   results.reserve(entry.outputs.size());
   for (const auto& out : entry.outputs) results.push_back(at::empty_like(out));
+  // A copy node copies bytes: a caller's tensor laid out otherwise than the
+  // static input (device, dtype, shape, strides) is made like it first. These
+  // live to the end of the call, by which the launch that reads them is queued.
+  std::vector<at::Tensor> sources(given.begin(), given.end());
+  for (size_t i = 0; i < given.size() && i < entry.copy_in.size(); ++i) {
+    const at::Tensor& target = entry.inputs[i];
+    if (entry.copy_in[i].node != nullptr &&
+        !(sources[i].device() == target.device() && sources[i].scalar_type() == target.scalar_type() &&
+          sources[i].sizes() == target.sizes() && sources[i].is_contiguous())) {
+      sources[i] = at::empty_like(target);
+      sources[i].copy_(given[i]);
+    }
+  }
   std::lock_guard<std::mutex> hold(entry.lock);
   if (entry.retired) return std::nullopt;
-  if (!given.empty()) copy_tensors(entry.inputs, given, entry.spread, entry.large_copy);
+  // Where a node cannot take a tensor's address (the driver refuses memory
+  // mapped otherwise than the captured stand-in's), the node keeps its
+  // stand-in and the tensor is copied to or from the stand-in around the launch.
+  std::vector<at::Tensor> before_to, before_from, after_to, after_from;
+  for (size_t i = 0; i < given.size(); ++i) {
+    const CopyNode* node = i < entry.copy_in.size() && entry.copy_in[i].node ? &entry.copy_in[i] : nullptr;
+    if (node == nullptr) {
+      before_to.push_back(entry.inputs[i]);
+      before_from.push_back(given[i]);
+    } else if (retarget(entry.exec, *node, entry.context, sources[i].data_ptr(), true) != 0) {
+      int rc = retarget(entry.exec, *node, entry.context, node->standin.data_ptr(), true);
+      TORCH_CHECK(rc == 0, "persistrnn: cuGraphExecMemcpyNodeSetParams failed with CUresult ", rc);
+      before_to.push_back(node->standin);
+      before_from.push_back(given[i]);
+    }
+  }
+  for (size_t i = 0; i < results.size(); ++i) {
+    const CopyNode* node = i < entry.copy_out.size() && entry.copy_out[i].node ? &entry.copy_out[i] : nullptr;
+    if (node == nullptr) {
+      after_to.push_back(results[i]);
+      after_from.push_back(entry.outputs[i]);
+    } else if (retarget(entry.exec, *node, entry.context, results[i].data_ptr(), false) != 0) {
+      int rc = retarget(entry.exec, *node, entry.context, node->standin.data_ptr(), false);
+      TORCH_CHECK(rc == 0, "persistrnn: cuGraphExecMemcpyNodeSetParams failed with CUresult ", rc);
+      after_to.push_back(results[i]);
+      after_from.push_back(node->standin);
+    }
+  }
+  if (!before_to.empty()) copy_tensors(before_to, before_from, entry.spread, entry.large_copy);
   GraphLaunch launch = graph_launch.load();
   TORCH_CHECK(launch != nullptr, "persistrnn: the native replay is not configured");
   int rc = launch(entry.exec, stream);
   TORCH_CHECK(rc == 0, "persistrnn: cuGraphLaunch failed with CUresult ", rc);
-  copy_tensors(results, entry.outputs, entry.spread, entry.large_copy);
+  if (!after_to.empty()) copy_tensors(after_to, after_from, entry.spread, entry.large_copy);
   return results;
 }
 
@@ -268,13 +369,65 @@ void set_launch_state(int64_t timeout_ns, int64_t hook) {
 
 std::vector<int64_t> settings_key() { return settings(); }
 
-int64_t add_entry(at::TensorList inputs, at::TensorList outputs, int64_t exec, bool spread, int64_t large_copy) {
+void configure_copy_nodes(std::vector<int64_t> addresses) {
+  TORCH_CHECK(addresses.size() == 5, "persistrnn: configure_copy_nodes takes 5 driver entry points, got ",
+              addresses.size());
+  copy_driver.graph_get_nodes = reinterpret_cast<decltype(copy_driver.graph_get_nodes)>(addresses[0]);
+  copy_driver.node_get_type = reinterpret_cast<decltype(copy_driver.node_get_type)>(addresses[1]);
+  copy_driver.memcpy_node_get_params = reinterpret_cast<decltype(copy_driver.memcpy_node_get_params)>(addresses[2]);
+  copy_driver.exec_memcpy_node_set_params =
+      reinterpret_cast<decltype(copy_driver.exec_memcpy_node_set_params)>(addresses[3]);
+  copy_driver.context_get_current = reinterpret_cast<decltype(copy_driver.context_get_current)>(addresses[4]);
+}
+
+// The copy nodes of `graph` that copy each of `from[i]` into `to[i]`, as a
+// plain 1-D copy of the whole tensor (what torch captures for a copy between
+// contiguous tensors of one dtype); a node not found is left empty.
+std::vector<CopyNode> find_copy_nodes(void* graph, at::TensorList from, at::TensorList to, bool standin_is_source) {
+  std::vector<CopyNode> found(from.size());
+  if (graph == nullptr || from.empty() || copy_driver.graph_get_nodes == nullptr) return found;
+  size_t count = 0;
+  TORCH_CHECK(copy_driver.graph_get_nodes(graph, nullptr, &count) == 0, "persistrnn: cuGraphGetNodes failed");
+  std::vector<void*> nodes(count);
+  TORCH_CHECK(copy_driver.graph_get_nodes(graph, nodes.data(), &count) == 0, "persistrnn: cuGraphGetNodes failed");
+  for (void* node : nodes) {
+    int type = -1;
+    Memcpy3D params{};
+    if (copy_driver.node_get_type(node, &type) != 0 || type != kMemcpyNode ||
+        copy_driver.memcpy_node_get_params(node, &params) != 0 || params.Height != 1 || params.Depth != 1) {
+      continue;
+    }
+    for (size_t i = 0; i < from.size(); ++i) {
+      if (params.srcDevice + params.srcXInBytes == reinterpret_cast<uint64_t>(from[i].data_ptr()) &&
+          params.dstDevice + params.dstXInBytes == reinterpret_cast<uint64_t>(to[i].data_ptr()) &&
+          params.WidthInBytes == from[i].nbytes() && from[i].nbytes() > 0) {
+        found[i] = CopyNode{node, params, standin_is_source ? from[i] : to[i]};
+      }
+    }
+  }
+  return found;
+}
+
+int64_t add_entry(at::TensorList inputs, at::TensorList outputs, int64_t exec, bool spread, int64_t large_copy,
+                  int64_t graph, at::TensorList sources, at::TensorList sinks) {
   auto entry = std::make_shared<Entry>();
   entry->inputs = inputs.vec();
   entry->outputs = outputs.vec();
   entry->exec = reinterpret_cast<void*>(exec);
   entry->spread = spread;
   entry->large_copy = large_copy;
+  TORCH_CHECK(sources.empty() || sources.size() == inputs.size(), "persistrnn: ", sources.size(),
+              " copy sources for ", inputs.size(), " inputs");
+  TORCH_CHECK(sinks.empty() || sinks.size() == outputs.size(), "persistrnn: ", sinks.size(), " copy sinks for ",
+              outputs.size(), " outputs");
+  void* raw_graph = reinterpret_cast<void*>(graph);
+  if (raw_graph != nullptr && (!sources.empty() || !sinks.empty())) {
+    c10::DeviceGuard guard(outputs.at(0).device());
+    TORCH_CHECK(copy_driver.context_get_current != nullptr && copy_driver.context_get_current(&entry->context) == 0,
+                "persistrnn: cuCtxGetCurrent failed");
+    entry->copy_in = find_copy_nodes(raw_graph, sources, inputs, true);
+    entry->copy_out = find_copy_nodes(raw_graph, outputs, sinks, false);
+  }
   std::unique_lock<std::shared_mutex> write(table_lock);
   int64_t id = next_id++;
   entries.emplace(id, std::move(entry));
@@ -327,6 +480,16 @@ void unbind_all() {
   bound.clear();
 }
 
+std::vector<int64_t> copy_nodes(int64_t id) {  // (inputs, outputs) with a copy node: what the tests check
+  std::shared_lock<std::shared_mutex> read(table_lock);
+  auto found = entries.find(id);
+  TORCH_CHECK(found != entries.end(), "persistrnn: no entry ", id);
+  int64_t in = 0, out = 0;
+  for (const auto& n : found->second->copy_in) in += n.node != nullptr;
+  for (const auto& n : found->second->copy_out) out += n.node != nullptr;
+  return {in, out};
+}
+
 int64_t bound_count() {
   std::shared_lock<std::shared_mutex> read(table_lock);
   return static_cast<int64_t>(bound.size());
@@ -339,13 +502,16 @@ TORCH_LIBRARY(persistrnn_native, m) {
   m.def("set_report_word(int device, int address) -> ()", &set_report_word);
   m.def("set_launch_state(int wait_timeout_ns, int failure_hook) -> ()", &set_launch_state);
   m.def("settings_key() -> int[]", &settings_key);
-  m.def("add_entry(Tensor[] inputs, Tensor[] outputs, int graph_exec, bool spread, int large_copy) -> int", &add_entry);
+  m.def("configure_copy_nodes(int[] addresses) -> ()", &configure_copy_nodes);
+  m.def("add_entry(Tensor[] inputs, Tensor[] outputs, int graph_exec, bool spread, int large_copy, int graph, "
+        "Tensor[] sources, Tensor[] sinks) -> int", &add_entry);
   m.def("bind(int id, Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, str cell, int num_layers, "
         "bool bidirectional, bool has_biases) -> bool", &bind);
   m.def("replay(int id, Tensor[] given) -> Tensor[]", &replay);
   m.def("retire(int id) -> ()", &retire);
   m.def("unbind_all() -> ()", &unbind_all);
   m.def("bound_count() -> int", &bound_count);
+  m.def("copy_nodes(int id) -> int[]", &copy_nodes);
 }
 
 TORCH_LIBRARY_IMPL(persistrnn, CUDA, m) {
