@@ -188,11 +188,12 @@ TARGETS = (
            "case",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("persistrnn", "graph_ms"),
                                             plus_us=EAGER_OVER_GRAPH_US, labels=("eager", "graph")),),
-           cause="With the native replay a call's host time is 31-58 µs on the H100's host (was 55-130), below "
-                 "every case's device time; what is left over the graph is the copies in and out (~5-20 µs of "
-                 "device time) and the spread of one timing: at ~1 ms a device-bound call's two timings differ "
-                 "by run (LSTM 1024 b20: +22, +26 and +17 µs in three runs), and one run's GRU (reset-before) 256 "
-                 "b10 eager timing (+130 µs) was +8 and +19 µs in the runs around it (perf-notes §56, §59).",
+           cause="With the native replay and the graphs' own copy nodes a call's host time is 20-73 µs on the "
+                 "H100's host (median 38; 55-130 before the native replay), below every case's device time; what "
+                 "is left over the graph is a device-bound call's copies around the launch (~5-40 µs of device "
+                 "time at ~1 ms, where the copies are spread) and the spread of one timing: at ~1 ms a call's two "
+                 "timings differ by run (LSTM 1024 b20: +22, +26, +17 and +24 µs in four runs; GRU 1024 b20 on "
+                 "cuDNN +38) (perf-notes §56, §59, §60).",
            suites=HOST_SUITES, name_model=True),
     Target("eager call no slower than torch's eager call: every grnn-table and real-models case with a torch peer",
            RUNTIME, (), relations=(Relation(("persistrnn", "ms"), ("cudnn", "ms"), labels=("eager", "cuDNN eager")),),
@@ -205,10 +206,12 @@ TARGETS = (
                                labels=("compiled", "eager")),
                       Relation(("persistrnn compiled", "ms"), ("torch.nn", "ms"),
                                labels=("compiled", "torch.nn eager"))),
-           cause="torch.compile's own per-call path (AOT-autograd runtime wrappers, Dynamo's frame hook, inductor's "
-                 "size asserts; ~40-50 µs for a one-op graph) on top of the operator (~25-40 µs with the native "
-                 "replay): the compiled call is host-bound where the eager one is device-bound at ~85 µs "
-                 "(perf-notes §20, §59).",
+           cause="torch.compile's own per-call path (Dynamo's frame hook and guards, AOT-autograd's runtime "
+                 "wrappers, inductor's size asserts: ~45-60 µs on the H100's host) on top of the operator (~10 µs "
+                 "of C++ since the copy nodes, plus ~9 µs of argument parsing): a compiled call takes 70-130 µs of "
+                 "host time against 85-110 µs of device time, so it is host-bound or near it, and which side wins "
+                 "changes with the process's state and the machine (the three cases measured 1.00/1.00/1.14x at "
+                 "2b9a40e and 1.52/1.00/1.00x at a8e1149) (perf-notes §20, §59, §60).",
            suites=("compile",), name_model=True),
 )
 
