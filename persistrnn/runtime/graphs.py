@@ -28,6 +28,8 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
+from . import native
+
 __all__ = ["CapturedCall", "GraphCache", "capture", "capture_graph", "copy_tensors", "own_stream", "release_stream"]
 
 _CAPTURE_LOCK = threading.RLock()  # held by a capture, and by a wait on a stream that a capture might use
@@ -198,8 +200,6 @@ class CapturedCall:
         self.copy_in = [c and a is not None for a, c in zip(args, copy_in)]
         self.copied: list[Any] = []
 
-        from . import native
-
         # Host-bound calls only: a device-bound one (spread_copies) gains nothing from fewer launches, and the
         # stand-ins double its static buffers, which may be large.
         copy_nodes = native.available() and not spread_copies
@@ -233,8 +233,6 @@ class CapturedCall:
         finish building after the capture). Under the instance's lock, which
         a Python replay holds throughout, and checked again inside it: no
         Python replay runs after this, and no C++ replay before."""
-        from . import native
-
         if self.native_id is not None or not native.available():
             return
         with self.lock:
@@ -251,10 +249,9 @@ class CapturedCall:
         (:meth:`GraphCache.call`)."""
         import torch
 
-        from . import native
-
         given = [a for a, c in zip(args, self.copy_in) if c]
-        self.adopt_native()
+        if self.native_id is None:
+            self.adopt_native()
         if self.native_id is None:
             results = [torch.empty_like(o) for o in self.outputs]
             with self.lock:
@@ -279,8 +276,6 @@ class CapturedCall:
         event recorded per call would cost every call, and a device-wide wait
         is refused while another thread captures)."""
         import torch
-
-        from . import native
 
         with self.lock:
             self.retired = True  # no adoption after this

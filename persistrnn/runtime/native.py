@@ -233,7 +233,7 @@ def replay(entry: int, given: Sequence[Any]) -> list[Any] | None:
     """One replay of ``entry`` on ``given``; None once it is retired."""
     import torch
 
-    results = torch.ops.persistrnn_native.replay(entry, list(given))
+    results = torch.ops.persistrnn_native.replay(entry, given)
     return results if results else None
 
 
