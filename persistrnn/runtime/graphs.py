@@ -258,10 +258,11 @@ class CapturedCall:
                 if self.retired:
                     return None
                 if self.native_id is None:  # not adopted meanwhile
+                    # (a graph captured with copy nodes copies from and to its stand-ins itself)
                     if given:
-                        copy_tensors(self.copied, given, spread=self.spread_copies)
+                        copy_tensors(self.sources or self.copied, given, spread=self.spread_copies)
                     self.graph.replay()
-                    copy_tensors(results, self.outputs, spread=self.spread_copies)
+                    copy_tensors(results, self.sinks or self.outputs, spread=self.spread_copies)
                     return results
         return native.replay(self.native_id, given)
 

@@ -201,9 +201,9 @@ std::optional<std::vector<at::Tensor>> replay_entry(Entry& entry, const std::vec
   // stand-in and the tensor is copied to or from the stand-in around the launch.
   std::vector<at::Tensor> before_to, before_from, after_to, after_from;
   for (size_t i = 0; i < given.size(); ++i) {
-    const CopyNode* node = i < entry.copy_in.size() && entry.copy_in[i].node ? &entry.copy_in[i] : nullptr;
-    if (node == nullptr) {
-      before_to.push_back(entry.inputs[i]);
+    const CopyNode* node = i < entry.copy_in.size() ? &entry.copy_in[i] : nullptr;
+    if (node == nullptr || node->node == nullptr) {  // the graph copies from the stand-in, where it has one
+      before_to.push_back(node != nullptr && node->standin.defined() ? node->standin : entry.inputs[i]);
       before_from.push_back(given[i]);
     } else if (retarget(entry.exec, *node, entry.context, sources[i].data_ptr(), true) != 0) {
       int rc = retarget(entry.exec, *node, entry.context, node->standin.data_ptr(), true);
@@ -213,10 +213,10 @@ std::optional<std::vector<at::Tensor>> replay_entry(Entry& entry, const std::vec
     }
   }
   for (size_t i = 0; i < results.size(); ++i) {
-    const CopyNode* node = i < entry.copy_out.size() && entry.copy_out[i].node ? &entry.copy_out[i] : nullptr;
-    if (node == nullptr) {
+    const CopyNode* node = i < entry.copy_out.size() ? &entry.copy_out[i] : nullptr;
+    if (node == nullptr || node->node == nullptr) {  // the graph copies into the stand-in, where it has one
       after_to.push_back(results[i]);
-      after_from.push_back(entry.outputs[i]);
+      after_from.push_back(node != nullptr && node->standin.defined() ? node->standin : entry.outputs[i]);
     } else if (retarget(entry.exec, *node, entry.context, results[i].data_ptr(), false) != 0) {
       int rc = retarget(entry.exec, *node, entry.context, node->standin.data_ptr(), false);
       TORCH_CHECK(rc == 0, "persistrnn: cuGraphExecMemcpyNodeSetParams failed with CUresult ", rc);
@@ -380,12 +380,19 @@ void configure_copy_nodes(std::vector<int64_t> addresses) {
   copy_driver.context_get_current = reinterpret_cast<decltype(copy_driver.context_get_current)>(addresses[4]);
 }
 
-// The copy nodes of `graph` that copy each of `from[i]` into `to[i]`, as a
-// plain 1-D copy of the whole tensor (what torch captures for a copy between
-// contiguous tensors of one dtype); a node not found is left empty.
+// For each of `from[i]` -> `to[i]` (a stand-in and the static tensor it was
+// captured copying into, or a static output and its stand-in), the node of
+// `graph` that copies it as a plain 1-D copy of the whole tensor (what torch
+// captures for a copy between contiguous tensors of one dtype). A node not
+// found (or no driver to find it with) is left empty: the graph still
+// copies through the stand-in, and a call copies to or from the stand-in.
 std::vector<CopyNode> find_copy_nodes(void* graph, at::TensorList from, at::TensorList to, bool standin_is_source) {
   std::vector<CopyNode> found(from.size());
-  if (graph == nullptr || from.empty() || copy_driver.graph_get_nodes == nullptr) return found;
+  for (size_t i = 0; i < from.size(); ++i) found[i].standin = standin_is_source ? from[i] : to[i];
+  if (graph == nullptr || from.empty() || copy_driver.graph_get_nodes == nullptr ||
+      copy_driver.context_get_current == nullptr) {
+    return found;
+  }
   size_t count = 0;
   TORCH_CHECK(copy_driver.graph_get_nodes(graph, nullptr, &count) == 0, "persistrnn: cuGraphGetNodes failed");
   std::vector<void*> nodes(count);
@@ -421,10 +428,11 @@ int64_t add_entry(at::TensorList inputs, at::TensorList outputs, int64_t exec, b
   TORCH_CHECK(sinks.empty() || sinks.size() == outputs.size(), "persistrnn: ", sinks.size(), " copy sinks for ",
               outputs.size(), " outputs");
   void* raw_graph = reinterpret_cast<void*>(graph);
-  if (raw_graph != nullptr && (!sources.empty() || !sinks.empty())) {
+  if (!sources.empty() || !sinks.empty()) {
     c10::DeviceGuard guard(outputs.at(0).device());
-    TORCH_CHECK(copy_driver.context_get_current != nullptr && copy_driver.context_get_current(&entry->context) == 0,
-                "persistrnn: cuCtxGetCurrent failed");
+    if (copy_driver.context_get_current == nullptr || copy_driver.context_get_current(&entry->context) != 0) {
+      raw_graph = nullptr;  // no node is retargeted: every copy goes through its stand-in
+    }
     entry->copy_in = find_copy_nodes(raw_graph, sources, inputs, true);
     entry->copy_out = find_copy_nodes(raw_graph, outputs, sinks, false);
   }
