@@ -39,13 +39,17 @@ def library():
     return torch.ops.persistrnn_native
 
 
+_DRIVER_ENTRY_POINTS = native.driver_entry_points, native.copy_node_entry_points  # before any test patches them
+
+
 def _restore_driver(library):
     """The driver entry points loading configured, after a test's stand-ins
     (none on a machine without a driver): later tests in this process replay
     through the loaded library."""
+    launch_points, copy_points = _DRIVER_ENTRY_POINTS
     try:
-        library.configure(*native.driver_entry_points())
-        library.configure_copy_nodes(list(native.copy_node_entry_points()))
+        library.configure(*launch_points())
+        library.configure_copy_nodes(list(copy_points()))
     except OSError:
         library.configure(0, 0)
         library.configure_copy_nodes([0] * 5)

@@ -440,10 +440,16 @@ _REPORTS: dict[int, tuple[Any, Any]] = {}
 _REPORT_LOCK = threading.Lock()
 
 
-def report_word(device: int) -> int:
+def report_word(device: int | None) -> int:
     """Address of ``device``'s report word: pinned host memory, which a kernel
     writes directly (a pinned allocation has the same address on the host
-    and on every device with unified addressing)."""
+    and on every device with unified addressing). ``None``: the current
+    device (``torch.device("cuda")`` has no index), so that every launch on
+    a device reports where the checks of that device's index read."""
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
     entry = _REPORTS.get(device)
     if entry is None:
         import torch
@@ -463,11 +469,16 @@ def report_words() -> dict[int, int]:
     return {device: entry[0].data_ptr() for device, entry in list(_REPORTS.items())}
 
 
-def raise_reported_failure(device: int, kernel: str = "a persistent kernel", *, synchronize: bool = False) -> None:
+def raise_reported_failure(device: int | None, kernel: str = "a persistent kernel", *,
+                           synchronize: bool = False) -> None:
     """Raise if a kernel launched on ``device`` reported a failure, and clear
     the report. Without ``synchronize`` this reads host memory only (no wait
     for the GPU): a failure raises at the first check after the kernel left,
     which is the next call of any persistrnn module on that device."""
+    if device is None and _REPORTS:
+        import torch
+
+        device = torch.cuda.current_device()
     entry = _REPORTS.get(device)
     if entry is None:
         return
