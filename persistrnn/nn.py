@@ -46,6 +46,7 @@ of the same inputs, so code written against torch still catches them.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -255,6 +256,14 @@ class _Persistent:
     def forward(self, input: Any, hx: Any = None) -> Any:  # noqa: D401 - torch's signature
         if torch.compiler.is_compiling():
             return self._compiled_forward(input, hx)
+        if _dynamo_callback() is not None:
+            # Run eagerly inside a compiled model (a graph break at this module, e.g. without torch's
+            # allow_rnn): Dynamo would otherwise try to trace each of our frames it meets, down to the
+            # captured replays, and fail on their real tensors.
+            return _eager_forward_without_dynamo()(self, input, hx)
+        return self._eager_forward(input, hx)
+
+    def _eager_forward(self, input: Any, hx: Any) -> Any:
         if isinstance(input, PackedSequence):
             return self._packed_forward(input, hx)
         autocast = isinstance(input, torch.Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda")
@@ -488,6 +497,17 @@ class _Persistent:
     def stream(self, batch_size: int) -> "StreamSession":
         """A streaming session over ``batch_size`` sequences (see :class:`StreamSession`)."""
         return StreamSession(self, batch_size)
+
+
+# Dynamo's frame callback (None outside torch.compile's frames): read in ~15 ns.
+_dynamo_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: None)
+
+
+@functools.cache
+def _eager_forward_without_dynamo() -> Any:
+    """The eager forward with Dynamo kept out of it (made on first use:
+    torch._dynamo is a heavy import)."""
+    return torch._dynamo.disable(_Persistent._eager_forward, recursive=True)
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

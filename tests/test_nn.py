@@ -764,3 +764,29 @@ def test_a_module_pickled_before_clip_and_activations_existed_loads_and_prints()
     loaded.__dict__.update(old)
     assert repr(loaded) == "GRU(3, 4, reset_after=False)" and loaded.cell == "gru_reset_before"
     assert loaded(torch.randn(5, 2, 3))[0].shape == (5, 2, 4)
+
+
+def test_a_module_a_compiled_model_breaks_at_runs_eagerly_with_dynamo_kept_out_of_its_frames(monkeypatch):
+    # Without torch's allow_rnn switch Dynamo breaks the graph at an RNN module and runs it eagerly, with
+    # its frame callback still set: the module's eager path must not be traced frame by frame (on the GPU
+    # that reached the captured replays and failed on their real tensors).
+    from persistrnn import nn as ours
+
+    used = []
+    real = ours._eager_forward_without_dynamo
+    monkeypatch.setattr(ours, "_eager_forward_without_dynamo", lambda: used.append(1) or real())
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(persistrnn.GRU(6, 10), _First(), torch.nn.Linear(10, 3)).eval()
+    x = torch.randn(7, 3, 6)
+    with torch.no_grad():
+        want = model(x)
+        assert not used  # outside torch.compile: the plain eager path
+        torch._dynamo.reset()
+        got = torch.compile(model)(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert used
+
+
+class _First(torch.nn.Module):
+    def forward(self, pair):
+        return pair[0]
