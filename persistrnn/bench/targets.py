@@ -208,10 +208,13 @@ TARGETS = (
                                labels=("compiled", "torch.nn eager"))),
            cause="torch.compile's own per-call path (Dynamo's frame hook and guards, AOT-autograd's runtime "
                  "wrappers, inductor's size asserts: ~45-60 µs on the H100's host) on top of the operator (~10 µs "
-                 "of C++ since the copy nodes, plus ~9 µs of argument parsing): a compiled call takes 70-130 µs of "
+                 "of C++ since the copy nodes, plus ~9 µs of argument parsing): a compiled call takes 70-150 µs of "
                  "host time against 85-110 µs of device time, so it is host-bound or near it, and which side wins "
-                 "changes with the process's state and the machine (the three cases measured 1.00/1.00/1.14x at "
-                 "2b9a40e and 1.52/1.00/1.00x at a8e1149) (perf-notes §20, §59, §60).",
+                 "changes with the process's state and the machine instance (the three cases measured "
+                 "1.52/1.00/1.00x at a8e1149, 1.00/1.00/1.14x at 2b9a40e, and 1.74/1.41/1.08x at 8d6c289, whose "
+                 "compiled calls ran host-bound at 0.12-0.15 ms, where the instance before took 70-78 µs of host "
+                 "time per compiled call) "
+                 "(perf-notes §20, §59, §60).",
            suites=("compile",), name_model=True),
 )
 
