@@ -649,7 +649,8 @@ class StreamSession:
         # Capturing runs the body once before recording it; the carried
         # states must come out of that run as they went in.
         saved = [b.clone() for b in self._buffers]
-        captured = runtime.CapturedCall(run, (x, *self._buffers), copy_in=(True,) + (False,) * len(self._buffers))
+        captured = runtime.CapturedCall(run, (x, *self._buffers), copy_in=(True,) + (False,) * len(self._buffers),
+                                        copy_nodes=True)
         for dst, src in zip(self._buffers, saved):
             dst.copy_(src)
         return captured

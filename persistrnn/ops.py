@@ -140,7 +140,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
         key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
         def capture() -> Any:
-            return runtime.CapturedCall(run, (x, h0, c0), spread_copies=_device_bound(chosen, T))
+            return runtime.CapturedCall(run, (x, h0, c0), spread_copies=_device_bound(chosen, T), copy_nodes=True)
 
         result = GRAPHS.call(key, capture, x.device.index, x, h0, c0, on_replay=on_replay)
     return result[0], result[1], (result[2] if has_c else None)

@@ -165,13 +165,14 @@ class CapturedCall:
     A call is a copy into the static inputs, one replay, and a copy of the
     graph's outputs into fresh tensors (:func:`copy_tensors`; ``spread_copies``
     where the call is device-bound), so the caller owns what it gets and no
-    later replay touches it. Where the native replay is loaded at capture
-    and the call is host-bound (not ``spread_copies``), the copies are the
-    graph's own first and last nodes, captured from stand-in tensors, and
-    the native replay points them at the caller's tensors and the new
-    outputs before each launch: one launch per call instead of three (perf
-    notes §60). ``fn`` returns a tuple of tensors. ``None`` arguments stay None. Arguments marked False in
-    ``copy_in`` are not copied: the graph reads (and may write) them where
+    later replay touches it. With ``copy_nodes``, where the native replay is
+    loaded at capture and the call is host-bound (not ``spread_copies``),
+    the copies are the graph's own first and last nodes, captured from
+    stand-in tensors, and the native replay points them at the caller's
+    tensors and the new outputs before each launch: one launch per call
+    instead of three (perf notes §60); the stand-ins double the static
+    buffers. ``fn`` returns a tuple of tensors. ``None`` arguments stay
+    None. Arguments marked False in ``copy_in`` are not copied: the graph reads (and may write) them where
     they are, e.g. a stream's carried states.
 
     Where the native replay loads (:mod:`persistrnn.runtime.native`), a call
@@ -192,7 +193,8 @@ class CapturedCall:
     native_id: int | None = None  # the instance's id in the native replay's table, where it has one
 
     def __init__(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any],
-                 copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False) -> None:
+                 copy_in: Sequence[bool] | None = None, *, spread_copies: bool = False,
+                 copy_nodes: bool = False) -> None:
         import torch
 
         self.spread_copies = spread_copies
@@ -200,9 +202,10 @@ class CapturedCall:
         self.copy_in = [c and a is not None for a, c in zip(args, copy_in)]
         self.copied: list[Any] = []
 
-        # Host-bound calls only: a device-bound one (spread_copies) gains nothing from fewer launches, and the
-        # stand-ins double its static buffers, which may be large.
-        copy_nodes = native.available() and not spread_copies
+        # Host-bound calls that asked for them only: the stand-ins double the static buffers (a training
+        # step's saved activations would double its graph's memory), and a device-bound call (spread_copies)
+        # gains nothing from fewer launches.
+        copy_nodes = copy_nodes and not spread_copies and native.available()
         self.sources: list[Any] = []  # what the copy nodes were captured copying from and to
         self.sinks: list[Any] = []
 
