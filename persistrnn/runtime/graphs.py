@@ -172,8 +172,9 @@ class CapturedCall:
     tensors and the new outputs before each launch: one launch per call
     instead of three (perf notes §60); the stand-ins double the static
     buffers. ``fn`` returns a tuple of tensors. ``None`` arguments stay
-    None. Arguments marked False in ``copy_in`` are not copied: the graph reads (and may write) them where
-    they are, e.g. a stream's carried states.
+    None. Arguments marked False in ``copy_in`` are not copied: the graph
+    reads (and may write) them where they are, e.g. a stream's carried
+    states.
 
     Where the native replay loads (:mod:`persistrnn.runtime.native`), a call
     is one C++ call (the outputs' allocations, the copies and the launch,

@@ -7,11 +7,11 @@
 // small model is ~60-80 us, so the calls were host-bound. Here a call is a
 // hash of its arguments, output allocations, and one cuGraphLaunch of a graph
 // whose first and last nodes copy from the caller's inputs and into the
-// outputs: their addresses are set per call (cuGraphExecMemcpyNodeSetParams,
-// ~0.5 us each), where two multi-tensor copies around the launch took
-// 7 us each (perf notes §60). Everything that needs Python (the plan, the capture itself,
-// a reported kernel failure, a call inside someone's capture, batch 0) takes
-// the Python path: this file only replays what the Python side captured and
+// outputs: their addresses are set per call (cuGraphExecMemcpyNodeSetParams),
+// where two multi-tensor copies around the launch took 7 us each; measured
+// as a whole, 10-13 us less host time per call (perf notes §60). Everything
+// that needs Python (the plan, the capture itself, a reported kernel
+// failure, a call inside someone's capture, batch 0) takes the Python path: this file only replays what the Python side captured and
 // bound to a key here (persistrnn/runtime/native.py).
 //
 // Built without CUDA headers (the driver entry points come from Python as
@@ -174,6 +174,26 @@ int retarget(void* exec, const CopyNode& node, void* context, const void* addres
   return copy_driver.exec_memcpy_node_set_params(exec, node.node, &params, context);
 }
 
+// Copy `i` of a call: where the graph has a copy node for it that takes
+// `address` (the caller's tensor as its source, or a new output as its
+// destination), nothing is left to do. Otherwise `tensor` is copied around the
+// launch from or into the buffer the graph copies from or into: the node's
+// stand-in (the driver refused the address, or found no node), or the static
+// tensor `fixed` of a graph captured without copy nodes.
+void route(const Entry& entry, const std::vector<CopyNode>& nodes, size_t i, const at::Tensor& tensor,
+           const void* address, const at::Tensor& fixed, bool source, std::vector<at::Tensor>& dst,
+           std::vector<at::Tensor>& src) {
+  const CopyNode* node = i < nodes.size() ? &nodes[i] : nullptr;
+  if (node != nullptr && node->node != nullptr) {
+    if (retarget(entry.exec, *node, entry.context, address, source) == 0) return;
+    int rc = retarget(entry.exec, *node, entry.context, node->standin.data_ptr(), source);
+    TORCH_CHECK(rc == 0, "persistrnn: cuGraphExecMemcpyNodeSetParams failed with CUresult ", rc);
+  }
+  const at::Tensor& buffer = node != nullptr && node->standin.defined() ? node->standin : fixed;
+  dst.push_back(source ? buffer : tensor);
+  src.push_back(source ? tensor : buffer);
+}
+
 // One replay of `entry` on `given` on the current stream; nullopt once the
 // entry is retired (the caller takes the Python path).
 std::optional<std::vector<at::Tensor>> replay_entry(Entry& entry, const std::vector<at::Tensor>& given,
@@ -196,33 +216,13 @@ std::optional<std::vector<at::Tensor>> replay_entry(Entry& entry, const std::vec
   }
   std::lock_guard<std::mutex> hold(entry.lock);
   if (entry.retired) return std::nullopt;
-  // Where a node cannot take a tensor's address (the driver refuses memory
-  // mapped otherwise than the captured stand-in's), the node keeps its
-  // stand-in and the tensor is copied to or from the stand-in around the launch.
   std::vector<at::Tensor> before_to, before_from, after_to, after_from;
   for (size_t i = 0; i < given.size(); ++i) {
-    const CopyNode* node = i < entry.copy_in.size() ? &entry.copy_in[i] : nullptr;
-    if (node == nullptr || node->node == nullptr) {  // the graph copies from the stand-in, where it has one
-      before_to.push_back(node != nullptr && node->standin.defined() ? node->standin : entry.inputs[i]);
-      before_from.push_back(given[i]);
-    } else if (retarget(entry.exec, *node, entry.context, sources[i].data_ptr(), true) != 0) {
-      int rc = retarget(entry.exec, *node, entry.context, node->standin.data_ptr(), true);
-      TORCH_CHECK(rc == 0, "persistrnn: cuGraphExecMemcpyNodeSetParams failed with CUresult ", rc);
-      before_to.push_back(node->standin);
-      before_from.push_back(given[i]);
-    }
+    route(entry, entry.copy_in, i, given[i], sources[i].data_ptr(), entry.inputs[i], true, before_to, before_from);
   }
   for (size_t i = 0; i < results.size(); ++i) {
-    const CopyNode* node = i < entry.copy_out.size() ? &entry.copy_out[i] : nullptr;
-    if (node == nullptr || node->node == nullptr) {  // the graph copies into the stand-in, where it has one
-      after_to.push_back(results[i]);
-      after_from.push_back(node != nullptr && node->standin.defined() ? node->standin : entry.outputs[i]);
-    } else if (retarget(entry.exec, *node, entry.context, results[i].data_ptr(), false) != 0) {
-      int rc = retarget(entry.exec, *node, entry.context, node->standin.data_ptr(), false);
-      TORCH_CHECK(rc == 0, "persistrnn: cuGraphExecMemcpyNodeSetParams failed with CUresult ", rc);
-      after_to.push_back(results[i]);
-      after_from.push_back(node->standin);
-    }
+    route(entry, entry.copy_out, i, results[i], results[i].data_ptr(), entry.outputs[i], false, after_to,
+          after_from);
   }
   if (!before_to.empty()) copy_tensors(before_to, before_from, entry.spread, entry.large_copy);
   GraphLaunch launch = graph_launch.load();
