@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from persistrnn import persistent
+from persistrnn.bench.step_profile import parse_config_fields
 from persistrnn.bench.timing import time_cuda_ms
 
 
@@ -27,9 +28,7 @@ def main() -> None:
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = persistent.default_config(args.cell, args.hidden, args.batch, sm_count=sm)
     if args.config:
-        fields = {k: (v if k in ("cell", "sync", "dtype", "math") else int(v))
-                  for k, v in (kv.split("=") for kv in args.config.split(","))}
-        cfg = dataclasses.replace(cfg, **fields)
+        cfg = dataclasses.replace(cfg, **parse_config_fields(args.config))
     print(cfg)
     G, H, B = cfg.spec.num_gates, args.hidden, args.batch
     dt = getattr(torch, cfg.dtype)

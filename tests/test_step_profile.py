@@ -173,7 +173,7 @@ def test_variants_alternate_within_each_round_and_the_table_names_the_round(monk
     calls = []
 
     def fake_case(cell, hidden, batch, dtype, cfg, variant=None):
-        fields = step_profile._parse_fields(cfg.config) | step_profile._parse_fields(variant)
+        fields = step_profile.parse_config_fields(cfg.config) | step_profile.parse_config_fields(variant)
         config = dataclasses.replace(KernelConfig(cell, hidden, "grid", 128, 256, 32, 1), **fields)
         calls.append((cell, hidden, variant))
         zero = {p: 0.0 for p in PHASES}

@@ -88,7 +88,9 @@ def phase_table(words: Any, config: persistent.KernelConfig) -> dict[str, Any]:
     }
 
 
-def _parse_fields(text: str | None) -> dict[str, Any]:
+def parse_config_fields(text: str | None) -> dict[str, Any]:
+    """KernelConfig fields from ``k=v,k=v`` (ints, ``True``/``False``, and the
+    string fields ``cell``, ``sync``, ``dtype``, ``math``)."""
     if not text:
         return {}
     fields = {}
@@ -131,7 +133,7 @@ def run_case(cell: str, hidden: int, batch: int, dtype: str, cfg: StepProfileCon
 
     spec = get_cell(cell)
     G, H = spec.num_gates, hidden
-    fields = _parse_fields(cfg.config) | _parse_fields(variant)
+    fields = parse_config_fields(cfg.config) | parse_config_fields(variant)
     config, batch_slice, source = _chosen(cell, hidden, batch, dtype, fields, cfg.from_plan)
     instrumented = dataclasses.replace(config, step_profile=True)
     dev, tdtype = torch.device("cuda"), getattr(torch, dtype)
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for text in (args.config, *(args.variant or ())):
         try:
-            _parse_fields(text)
+            parse_config_fields(text)
         except ValueError as err:
             parser.error(f"expected KernelConfig fields as k=v,k=v, got {text!r} ({err})")
     cfg = StepProfileConfig(steps=args.steps, config=args.config, variants=tuple(args.variant or ()),
