@@ -332,7 +332,7 @@ class _Persistent:
         if self._torch_reason(probe, trains=True) is not None or data.is_cuda and torch.is_autocast_enabled("cuda"):
             return self._torch_forward(packed, hx)
         trains = self._needs_grad(probe)  # the training operators, with each sequence's length
-        chosen = None if trains else self.plan_for(batch)
+        chosen = None if trains else self.plan_for(batch).for_steps(steps)
         if chosen is not None and chosen.path != "persistent":
             return self._torch_forward(packed, hx)
         positions, lengths = _packed_positions(batch_sizes, data.device)
@@ -628,7 +628,7 @@ class StreamSession:
             return out
         runtime.raise_reported_failure(x.device.index)
         weights = module._flat_weights
-        chosen = module.plan_for(batch)
+        chosen = module.plan_for(batch).for_steps(x.shape[0])
         key = (x.shape, x.dtype, chosen.launch, ops.launch_settings(),
                tuple(w.data_ptr() for w in weights))
         out = self._graphs.call(key, lambda: self._capture(chosen, x), x.device.index, x, *self._buffers)[0]

@@ -110,7 +110,8 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     """A model's forward on CUDA (inference): ``shape`` a
     :class:`persistrnn.plan.ModelShape`, torch's flat weight list, ``x``
     (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros.
-    ``plan_for(batch)`` gives the plan (default: the plan cache's).
+    ``plan_for(batch)`` gives the plan (default: the plan cache's), whose
+    :meth:`~persistrnn.plan.Plan.for_steps` says what a call of T steps runs.
     ``on_replay(instance)`` runs after a replay of a captured forward.
     Returns fresh (output (T, B, D*H), h_n, c_n or None)."""
     runtime.raise_reported_failure(x.device.index)
@@ -124,7 +125,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
         from .plan import cached_plan
 
         plan_for = functools.partial(cached_plan, shape)
-    chosen = plan_for(B)
+    chosen = plan_for(B).for_steps(T)
 
     def run(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if h0 is None:  # zeros made inside the capture: each replay writes them, no copy per call

@@ -265,3 +265,62 @@ def test_a_call_spreads_its_copies_only_where_its_plans_timing_says_it_is_device
     assert ops._device_bound(timed, 200)
     assert not ops._device_bound(timed, 99)
     assert not ops._device_bound(tuner.Plan(shape, 10, "cudnn", None, "model", "untimed"), 10_000)
+
+
+@pytest.mark.gpu
+def test_gpu_a_short_sequence_runs_its_plans_short_path_in_a_call_a_stream_and_a_packed_call(monkeypatch, untuned):
+    """A plan whose short path is cuDNN for at most 2 steps: calls of 1 and 2
+    steps run cuDNN, 5 steps the persistent kernel, in a module call, a
+    stream session's chunks (the carried states across paths) and a packed
+    call; every output against float64."""
+    from helpers import assert_close_to_reference
+
+    from persistrnn import plan as planner
+    from persistrnn import persistent, runtime
+
+    torch.manual_seed(11)
+    model = persistrnn.LSTM(24, 40).cuda().eval()
+    exact = torch.nn.LSTM(24, 40).double()
+    exact.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+    config = persistent.default_config("lstm", 40, 3, sm_count=runtime.device_facts().sm_count)
+    planner.pin_plan(planner.Plan(model._shape(torch.float32), 3, "persistent", config, "model", "pinned",
+                                  short_path="cudnn", short_steps=2))
+    ran = []
+    real = ops.run_plan
+    monkeypatch.setattr(ops, "run_plan", lambda chosen, *a, **k: (ran.append(chosen.path), real(chosen, *a, **k))[1])
+
+    def check(got, want, context):
+        assert_close_to_reference(got.detach(), want.detach(), dtype="float32", context=context)
+
+    with torch.no_grad():
+        for steps, path in ((1, "cudnn"), (2, "cudnn"), (5, "persistent")):
+            x, h0, c0 = torch.randn(steps, 3, 24, device="cuda"), torch.randn(1, 3, 40), torch.randn(1, 3, 40)
+            ran.clear()
+            out, (h_n, c_n) = model(x, (h0.cuda(), c0.cuda()))
+            assert set(ran) == {path}, (steps, ran)
+            want, (want_h, want_c) = exact(x.double().cpu(), (h0.double(), c0.double()))
+            check(out.cpu(), want, f"{steps} steps")
+            check(h_n.cpu(), want_h, f"{steps} steps, h_n")
+            check(c_n.cpu(), want_c, f"{steps} steps, c_n")
+        # A stream of chunks of 1, 2 and 5 steps: each chunk's path by its length, the states carried across.
+        session = model.stream(3)
+        x = torch.randn(8, 3, 24, device="cuda")
+        outs = []
+        for start, stop, path in ((0, 1, "cudnn"), (1, 3, "cudnn"), (3, 8, "persistent")):
+            ran.clear()
+            outs.append(session(x[start:stop]))
+            assert set(ran) == {path}, (start, stop, ran)
+        want, _ = exact(x.double().cpu())
+        check(torch.cat(outs).cpu(), want, "stream")
+        # Packed: the padded length decides (2 steps: cuDNN through torch's own packed call, which run_plan does not
+        # see; 5 steps: the kernels with each sequence's length).
+        for lengths, path in (([2, 1, 2], None), ([5, 3, 1], "persistent")):
+            x = torch.randn(max(lengths), 3, 24, device="cuda")
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), enforce_sorted=False)
+            ran.clear()
+            out, _ = model(packed)
+            assert set(ran) == ({path} if path else set()), (lengths, ran)
+            want, _ = exact(torch.nn.utils.rnn.pack_padded_sequence(x.double().cpu(), torch.tensor(lengths),
+                                                                     enforce_sorted=False))
+            check(torch.nn.utils.rnn.pad_packed_sequence(out)[0].cpu(),
+                  torch.nn.utils.rnn.pad_packed_sequence(want)[0], f"packed {lengths}")

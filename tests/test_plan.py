@@ -564,3 +564,68 @@ def test_a_plans_device_time_scales_its_own_timing_to_the_calls_steps():
     assert plan.device_us(100) is None  # its choice is not among the timed labels
     assert dataclasses.replace(timed, measured_ms={label: float("nan")}).device_us(100) is None
     assert dataclasses.replace(timed, steps=None).device_us(100) is None
+
+
+def test_a_short_sequence_runs_the_path_that_wins_it_up_to_where_the_lines_cross():
+    # LSTM 256 b1 on the H100 (scaling-h100.md): a step on the persistent plan 0.014 ms, on cuDNN 0.010 ms;
+    # 100 steps 0.109 against 0.47. Linear between: cuDNN wins T = 1 and 2 (they cross at T = 2.08).
+    long_ms, short_ms = {"mine": 0.109, "cudnn": 0.47, "fallback": 0.9}, {"mine": 0.014, "cudnn": 0.010,
+                                                                          "fallback": 0.009}
+    assert tuner.short_sequence_path("mine", long_ms, short_ms, 100) == ("fallback", 1)  # the faster at T = 1
+    assert tuner.short_sequence_path("mine", long_ms, {**short_ms, "fallback": 0.02}, 100) == ("cudnn", 2)
+    # Crossing at T = 3 exactly: a tie goes to the persistent choice.
+    assert tuner.short_sequence_path("mine", {"mine": 0.5, "cudnn": 12.625}, {"mine": 0.5, "cudnn": 0.25},
+                                     100) == ("cudnn", 2)
+    # Nothing to gain: the persistent choice is fastest at one step too, or the others were not timed or failed.
+    assert tuner.short_sequence_path("mine", long_ms, {**short_ms, "mine": 0.009}, 100) == (None, 0)
+    assert tuner.short_sequence_path("mine", long_ms, {"mine": 0.014}, 100) == (None, 0)
+    assert tuner.short_sequence_path("mine", long_ms, {"mine": 0.014, "cudnn": float("nan")}, 100) == (None, 0)
+    assert tuner.short_sequence_path("mine", {"mine": 0.109}, short_ms, 100) == (None, 0)
+    assert tuner.short_sequence_path("mine", long_ms, {"cudnn": 0.01}, 100) == (None, 0)
+
+
+def test_a_plan_gives_its_short_path_to_calls_of_at_most_its_short_steps_and_round_trips():
+    plan = dataclasses.replace(_a_plan(), short_path="cudnn", short_steps=3,
+                               short_measured_ms={"a": 0.014, "cudnn": 0.010, "fallback": 0.02})
+    assert plan.for_steps(4) is plan and plan.for_steps(100) is plan
+    short = plan.for_steps(3)
+    assert short is plan.for_steps(1)  # made once
+    assert short.path == "cudnn" and short.config is None and short.batch_slice is None and short.launch == (
+        "cudnn", None, None)
+    assert short.for_steps(1) is short and "a sequence of at most 3 steps: cudnn" in short.reason
+    assert short.device_us(100) is None  # cuDNN was not timed at 100 steps in _a_plan
+    assert "a sequence of at most 3 steps runs cudnn" in plan.describe() and "cudnn 0.010" in plan.describe()
+    again = tuner.Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan and again.for_steps(2).path == "cudnn"
+    assert _a_plan().for_steps(1) is not None and _a_plan().for_steps(1).path == "persistent"
+
+
+def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(monkeypatch, tmp_path):
+    # The timing faked (it needs a GPU): the persistent choice wins 100 steps, cuDNN a single step.
+    monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "device_facts", lambda: H100)
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
+    monkeypatch.setattr(tuner, "compiles", lambda config: True)
+    lengths = []
+
+    def candidates(shape, batch, top, steps):
+        lengths.append((len(top), steps))
+        return ([tuner.Candidate(tuner.candidate_label(r), "persistent", r, steps) for r in top]
+                + [tuner.Candidate(p, p, None, steps) for p in ("fallback", "cudnn")])
+
+    monkeypatch.setattr(tuner, "timing_candidates", candidates)
+    long_ms = {"fallback": 0.9, "cudnn": 0.47}
+    short_ms = {"fallback": 0.02, "cudnn": 0.010}
+    monkeypatch.setattr(tuner, "time_candidates", lambda cs, progress=False: {
+        c.label: (short_ms if c.run == 1 else long_ms).get(c.label, 0.014 if c.run == 1 else 0.109) for c in cs})
+    chosen = tuner.plan(tuner.ModelShape("lstm", 256, 256), 1)
+    assert chosen.path == "persistent" and lengths == [(5, 100), (1, 1)]  # the choice alone at one step
+    assert (chosen.short_path, chosen.short_steps) == ("cudnn", 2)
+    assert chosen.short_measured_ms == {chosen.label: 0.014, **short_ms}
+    assert tuner.load_plan(tuner.cache_key(H100, chosen.shape, 1)).for_steps(2).path == "cudnn"
+    # A choice that is not persistent is not timed again.
+    long_ms["cudnn"] = 0.05
+    lengths.clear()
+    chosen = tuner.plan(tuner.ModelShape("lstm", 256, 256), 1, refresh=True)
+    assert chosen.path == "cudnn" and lengths == [(5, 100)] and chosen.short_path is None

@@ -946,8 +946,8 @@ def test_gpu_a_kernel_failure_inside_a_captured_batch_fails_its_chunk_and_the_ne
     model = persistrnn.LSTM(256, 256).cuda().eval()
     shape = model._shape(torch.float32)
     config = persistent.KernelConfig("lstm", 256, "cluster", 8)
-    tuner._MEMO[(torch.cuda.current_device(), shape, 1)] = persistrnn.Plan(shape, 1, "persistent", config, "model",
-                                                                            "pinned by the failure test")
+    tuner.pin_plan(persistrnn.Plan(shape, 1, "persistent", config, "model", "pinned by the failure test"))
+    assert model.plan_for(1).config == config
     saved = runtime.wait_timeout_ns()
     runtime.set_wait_timeout(0.05)
     chunks = [torch.randn(3, 256) for _ in range(2)]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from .tuner import (DEFAULT_K, DEFAULT_STEPS, ModelShape, Plan, cached_plan, clear_cached_plans, config_label, plan,
-                    shape_of)
+from .tuner import (DEFAULT_K, DEFAULT_STEPS, ModelShape, Plan, cached_plan, clear_cached_plans, config_label, pin_plan,
+                    plan, shape_of)
 
-__all__ = ["ModelShape", "Plan", "cached_plan", "clear_cached_plans", "config_label", "plan", "tune", "explain",
-           "shape_of"]
+__all__ = ["ModelShape", "Plan", "cached_plan", "clear_cached_plans", "config_label", "pin_plan", "plan", "tune",
+           "explain", "shape_of"]
 
 
 def _shape(model: Any) -> ModelShape:

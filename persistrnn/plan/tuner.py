@@ -19,7 +19,9 @@ with a :class:`Plan`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import statistics
 import threading
 import time
@@ -43,7 +45,10 @@ the configuration says); fallback: the non-persistent path
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
 DEFAULT_STEPS = 100
-CACHE_FORMAT = 8  # 8: the key says whether TF32 was allowed
+SHORT_STEPS = 1
+"""The short sequence length the tuner also times a persistent choice at,
+beside the paths with a smaller fixed cost (:func:`short_sequence_choice`)."""
+CACHE_FORMAT = 9  # 8: the key says whether TF32 was allowed; 9: plans carry their short-sequence path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +110,9 @@ class Plan:
     as many as a block holds). predicted_us: the model's µs per step of
     ``config`` at that slice (persistent only). measured_ms: device ms per
     forward of ``steps`` steps (CUDA-graph replay) for each timed candidate,
-    by label.
+    by label. short_path, short_steps: a call of at most ``short_steps``
+    steps runs ``short_path`` instead (:meth:`for_steps`); short_measured_ms:
+    the timings of :data:`SHORT_STEPS` steps that decided it, by label.
     """
 
     shape: ModelShape
@@ -119,6 +126,21 @@ class Plan:
     steps: int | None = None
     tuning_seconds: float | None = None
     batch_slice: int | None = None
+    short_path: str | None = None
+    short_steps: int = 0
+    short_measured_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def for_steps(self, steps: int) -> "Plan":
+        """The plan a call of ``steps`` steps runs: this one, or for a
+        sequence of at most ``short_steps`` steps its short path."""
+        return self._short_plan if steps <= self.short_steps else self
+
+    @functools.cached_property
+    def _short_plan(self) -> "Plan":
+        return dataclasses.replace(self, path=self.short_path, config=None, batch_slice=None, predicted_us=None,
+                                   short_path=None, short_steps=0,
+                                   reason=f"a sequence of at most {self.short_steps} steps: {self.short_path} "
+                                          f"(its smaller fixed cost); longer ones: {self.reason}")
 
     @property
     def label(self) -> str:
@@ -175,6 +197,11 @@ class Plan:
             lines.append(f"  predicted: {self.predicted_us:.2f} µs per step")
         for label, ms in sorted(self.measured_ms.items(), key=lambda kv: kv[1]):
             lines.append(f"  measured: {ms:8.3f} ms per forward of {self.steps} steps (device, graph replay)  {label}")
+        if self.short_path is not None:
+            timings = ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(self.short_measured_ms.items(),
+                                                                             key=lambda kv: kv[1]))
+            lines.append(f"  a sequence of at most {self.short_steps} steps runs {self.short_path} (ms per forward "
+                         f"of {SHORT_STEPS} step(s): {timings})")
         if self.tuning_seconds is not None:
             lines.append(f"  tuning took {self.tuning_seconds:.1f} s")
         return "\n".join(lines)
@@ -537,11 +564,48 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     else:
         reason = _no_fit_reason(shape, facts) + f"; {best.path} was the faster of the rest, timed"
     path, config, us = best.path, chosen.config, chosen.us
+    short_path, short_steps, short_measured = None, 0, {}
+    if best.path == "persistent" and steps > SHORT_STEPS:
+        short_measured = time_candidates(timing_candidates(shape, bucket, [best.ranked], SHORT_STEPS), progress)
+        short_path, short_steps = short_sequence_path(best.label, measured, short_measured, steps)
     result = Plan(shape, bucket, path, config, "tuned", reason, predicted_us=us, measured_ms=measured, steps=steps,
-                  tuning_seconds=time.perf_counter() - started, batch_slice=chosen.batch_slice)
+                  tuning_seconds=time.perf_counter() - started, batch_slice=chosen.batch_slice,
+                  short_path=short_path, short_steps=short_steps, short_measured_ms=short_measured)
     store_plan(key, result)
     logger.info("tuned %s at batch %d in %.1f s: %s", shape, batch, result.tuning_seconds, result.describe())
     return result
+
+
+def short_sequence_path(chosen: str, long_ms: dict[str, float], short_ms: dict[str, float],
+                        long_steps: int, short_steps: int = SHORT_STEPS) -> tuple[str | None, int]:
+    """(path, most steps) for short sequences, or (None, 0): the path other
+    than the chosen persistent one (label ``chosen``) that is fastest at
+    ``short_steps`` steps, where it beats the chosen one there, and the
+    longest sequence it still wins, each path's time taken as linear in the
+    steps between its two timings (``long_ms`` at ``long_steps``,
+    ``short_ms`` at ``short_steps``, device ms per forward by label). A
+    persistent launch pays its weights' load and its launch once per call
+    (~10 µs), where cuDNN's per-step kernels start sooner: on the H100 a
+    single step of an LSTM 256 took 0.014 ms on its persistent plan and 0.010
+    on cuDNN (``docs/results/scaling-h100.md``)."""
+    def timed(ms: dict[str, float], label: str) -> bool:
+        return math.isfinite(ms.get(label, math.nan))  # absent, or NaN: failed to launch
+
+    others = [(short_ms[path], path) for path in ("fallback", "cudnn")
+              if timed(short_ms, path) and timed(long_ms, path)]
+    if not (timed(short_ms, chosen) and timed(long_ms, chosen) and others):
+        return None, 0
+    mine_short, mine_long = short_ms[chosen], long_ms[chosen]
+    other_short, path = min(others)
+    if not other_short < mine_short:
+        return None, 0
+    # other(T) - mine(T) = (other_short - mine_short) + (T - short) * slope: negative at T = short, positive at
+    # long_steps (the chosen one won there), so the slope is positive and the sign changes once, at `crossing`.
+    slope = ((long_ms[path] - other_short) - (mine_long - mine_short)) / (long_steps - short_steps)
+    if not slope > 0:
+        return None, 0
+    crossing = short_steps + (mine_short - other_short) / slope
+    return path, max(short_steps, math.ceil(crossing) - 1)
 
 
 _MEMO: dict[tuple, Plan] = {}
@@ -555,7 +619,7 @@ def cached_plan(shape: ModelShape, batch: int) -> Plan:
     nothing may be timed, the untimed choice is returned and not remembered."""
     import torch
 
-    key = (torch.cuda.current_device(), shape, space.batch_bucket(batch), tf32_allowed(shape))
+    key = _memo_key(shape, batch)
     chosen = _MEMO.get(key)
     if chosen is not None:
         return chosen
@@ -566,6 +630,22 @@ def cached_plan(shape: ModelShape, batch: int) -> Plan:
         if chosen is None:
             chosen = _MEMO[key] = plan(shape, batch, tune=True)
     return chosen
+
+
+def _memo_key(shape: ModelShape, batch: int) -> tuple:
+    import torch
+
+    return torch.cuda.current_device(), shape, space.batch_bucket(batch), tf32_allowed(shape)
+
+
+def pin_plan(chosen: Plan) -> None:
+    """Make every call of ``chosen.shape`` at a batch of its bucket, on the
+    current device, run ``chosen`` in this process until
+    :func:`clear_cached_plans` (as :func:`cached_plan` would have chosen it;
+    the tests pin each path this way). The native replay's bindings, which
+    stand for the plans before, are dropped."""
+    _MEMO[_memo_key(chosen.shape, chosen.batch_bucket)] = chosen
+    runtime.native.unbind_all()
 
 
 def clear_cached_plans() -> None:
