@@ -74,7 +74,7 @@ def test_a_module_reports_the_failure_at_its_next_call_without_synchronising(sho
     model = persistrnn.LSTM(256, 256).cuda().eval()
     config = CASES["cluster"][0]
     shape = model._shape(torch.float32)
-    tuner.pin_plan(persistrnn.Plan(shape, 4, "persistent", config, "model", "pinned by the failure test"))
+    tuner.pin_plan(persistrnn.Plan(shape, 3, "persistent", config, "model", "pinned by the failure test"))
     assert model.plan_for(3).config == config
     x = torch.randn(20, 3, 256, device="cuda")
     try:
