@@ -125,7 +125,7 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
     host = [torch.randn(case.steps, case.batch, case.input, generator=gen) for _ in range(s.buffers)]
     inputs = [h.to("cuda") for h in host]
     want = compare._reference(theirs, host[0])
-    plan = ours.plan_for(case.batch).path
+    plan = ours.plan_for(case.batch).for_steps(case.steps).path
     variants: list[tuple[str, Callable[[], Any], dict[str, Any]]] = [
         (EAGER, lambda: ours, {"plan": plan}),
         (COMPILED, lambda: torch.compile(ours, fullgraph=True), {"plan": plan}),

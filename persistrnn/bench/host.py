@@ -113,7 +113,7 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
 
     with torch.no_grad():
         def ours_row() -> HostRow:
-            row = measured("persistrnn", ours, plan=ours.plan_for(case.batch).path)
+            row = measured("persistrnn", ours, plan=ours.plan_for(case.batch).for_steps(case.steps).path)
             row.host_us = host_us(ours, inputs, s.host_calls, s.repeats)
             return row
 
