@@ -182,7 +182,8 @@ TARGETS = (
            "the spread of two timings of one cuDNN call): every case with a cuDNN peer", KERNELS_V2, (),
            relations=(Relation(("persistrnn", "graph_ms"), ("cudnn", "graph_ms"), factor=1 + SAME_CALL_NOISE,
                                labels=("ours graph", "cuDNN graph")),),
-           cause="A plan that lost to cuDNN at this batch in this run (planner-regret re-times the plans).",
+           cause="A plan that lost to cuDNN at this batch in this run (planner-regret re-times the plans); where "
+                 "the plan is cuDNN itself, one call timed twice.",
            suites=COMPARISON_SUITES, name_model=True),
     Target(f"eager call ≤ its graph device time + {EAGER_OVER_GRAPH_US:.0f} µs: every grnn-table and real-models "
            "case",
