@@ -472,13 +472,22 @@ def test_the_tuner_times_each_of_its_top_k_with_its_tagged_twin_beside_it(monkey
         dataclasses.replace(r.config, tagged_exchange=True) for r in own if r.config.sync == "grid"]
 
 
-def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it_ranked(monkeypatch, tmp_path):
-    # The tuning path with the timing faked (it needs a GPU): the twin of the model's third choice is fastest.
+@pytest.fixture
+def offline_tuning(monkeypatch, tmp_path):
+    """The tuner on an H100's facts and calibration, with every configuration
+    compiling and a tuning cache of the test's own: the cost model (returned)
+    and the tuning path run without a GPU, the tests fake the timing."""
     monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime, "device_facts", lambda: H100)
     model = cost.CostModel(CALIBRATIONS[-1], H100)
     monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
     monkeypatch.setattr(tuner, "compiles", lambda config: True)
+    return model
+
+
+def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it_ranked(monkeypatch, offline_tuning):
+    # The tuning path with the timing faked (it needs a GPU): the twin of the model's third choice is fastest.
+    model = offline_tuning
     shape = tuner.ModelShape("lstm", 1024, 1024)
     ranked = tuner.ranked_configs(shape, 1, model)
     own = [r for r in ranked if not r.config.tagged_exchange][:5]
@@ -514,14 +523,10 @@ def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():
     assert one.barriers < plain.barriers and one.product == plain.product
 
 
-def test_a_derived_cell_plans_its_own_kernels_without_cudnn_and_its_plan_round_trips(monkeypatch, tmp_path):
+def test_a_derived_cell_plans_its_own_kernels_without_cudnn_and_its_plan_round_trips(monkeypatch, offline_tuning):
     """A clipped cell with other activations (ONNX clip, activations): its configurations carry its name, cuDNN
     (which has no such cell) is not a candidate, and its plan survives the plan cache's JSON."""
-    monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "device_facts", lambda: H100)
-    model = cost.CostModel(CALIBRATIONS[-1], H100)
-    monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
-    monkeypatch.setattr(tuner, "compiles", lambda config: True)
+    model = offline_tuning
 
     class NoWorkload:  # the timing needs a GPU; the candidates' list does not
         def __init__(self, shape, batch, steps):
@@ -600,13 +605,8 @@ def test_a_plan_gives_its_short_path_to_calls_of_at_most_its_short_steps_and_rou
     assert _a_plan().for_steps(1) is not None and _a_plan().for_steps(1).path == "persistent"
 
 
-def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(monkeypatch, tmp_path):
+def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(monkeypatch, offline_tuning):
     # The timing faked (it needs a GPU): the persistent choice wins 100 steps, cuDNN a single step.
-    monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "device_facts", lambda: H100)
-    model = cost.CostModel(CALIBRATIONS[-1], H100)
-    monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
-    monkeypatch.setattr(tuner, "compiles", lambda config: True)
     lengths = []
 
     def candidates(shape, batch, top, steps):
