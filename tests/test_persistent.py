@@ -395,6 +395,53 @@ def test_fused_step_needs_a_work_group_per_unit():
         KernelConfig("lstm", 64, "single", 1, 256, 4, 8, fused_step=True)
 
 
+SINGLE_SEQUENCE_CASES = [
+    # (config, batch, batch_slice): launches of one sequence per slice run the single-sequence build: batch 1 and
+    # slices of 1; single, cluster and grid sync; the fused step, one-sync, tagged words, tensor cores, 16-bit
+    (KernelConfig("lstm", 64, "single", 1, 128, 2, 1, fused_step=True), 1, None),
+    (KernelConfig("gru", 256, "cluster", 16, 256, 16, 1, fused_step=True), 5, 1),
+    (KernelConfig("gru_reset_before", 256, "cluster", 8, 256, 8, 1, one_sync=True), 3, 1),
+    (KernelConfig("lstm", 1024, "grid", 128, 256, 32, 1, fused_step=True, tagged_exchange=True), 1, None),
+    (KernelConfig("rnn_relu", 100, "cluster", 4, 128, 4, 1, dtype="float16"), 7, 1),
+    (_mma("rnn_tanh", 256, "cluster", 8, 256, 2), 2, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, batch, batch_slice", SINGLE_SEQUENCE_CASES,
+                         ids=[f"{c}-B{b}-s{s}" for c, b, s in SINGLE_SEQUENCE_CASES])
+def test_one_sequence_per_slice_runs_the_single_sequence_build(config, batch, batch_slice, monkeypatch):
+    from persistrnn.persistent import launch
+
+    launched = []
+    real = launch._prepared_launch
+    monkeypatch.setattr(launch, "_prepared_launch", lambda c, *a: (launched.append(c.single_sequence), real(c, *a))[1])
+    check_against_reference(config, batch, 9, seed=hash((str(config), batch)) % 2**32, batch_slice=batch_slice)
+    assert launched and all(launched), launched
+
+
+def test_the_single_sequence_build_is_the_configuration_itself_where_it_spills(monkeypatch):
+    from persistrnn.persistent import launch
+
+    config = KernelConfig("lstm", 64, "single", 1, 128, 2, 1, fused_step=True)
+
+    def spills(c, arch=None):
+        raise persistent.ConfigError(f"{c} spills")
+
+    launch.single_sequence_variant.cache_clear()
+    try:
+        monkeypatch.setattr(launch, "compile_config", lambda c, arch=None: persistent.compile_config(c, "sm_90"))
+        assert launch.single_sequence_variant(config) == dataclasses.replace(config, single_sequence=True)
+        monkeypatch.setattr(launch, "compile_config", spills)
+        assert launch.single_sequence_variant(dataclasses.replace(config, prefetch_steps=3)).prefetch_steps == 3
+        assert not launch.single_sequence_variant(dataclasses.replace(config, prefetch_steps=3)).single_sequence
+    finally:
+        launch.single_sequence_variant.cache_clear()
+    with pytest.raises(persistent.ConfigError, match="single_sequence: a resident kernel"):
+        KernelConfig("lstm", 64, "single", 1, resident_input_size=16, single_sequence=True)
+    assert "PRNN_SINGLE_SEQUENCE 1" in persistent.render_source(dataclasses.replace(config, single_sequence=True))
+
+
 SLICED_CASES = [
     # (config, batch, batch_slice): every cell; single, cluster and mma; uneven last slices
     (KernelConfig("lstm", 256, "cluster", 8, 256, 8, 1), 20, 3),
@@ -458,8 +505,9 @@ def test_bad_inputs_raise_before_launch():
 
 def _compiled_configs():
     """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
-    return sorted(set(COMPILE_SAMPLE) | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES + TAGGED_CASES
-                                         + CLIPPED_CASES + ONE_BUFFER_CASES},
+    single = {dataclasses.replace(c, single_sequence=True) for c, _, _ in SINGLE_SEQUENCE_CASES}
+    return sorted(set(COMPILE_SAMPLE) | single | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES
+                                                  + TAGGED_CASES + CLIPPED_CASES + ONE_BUFFER_CASES},
                   key=str)
 
 

@@ -482,6 +482,7 @@ def offline_tuning(monkeypatch, tmp_path):
     model = cost.CostModel(CALIBRATIONS[-1], H100)
     monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
     monkeypatch.setattr(tuner, "compiles", lambda config: True)
+    monkeypatch.setattr(persistent, "single_sequence_variant", lambda config: config)
     return model
 
 

@@ -670,7 +670,8 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 prnn_u32* __restrict__ counters, // grid-barrier arrivals, exits, then each instance's progress
                 float* __restrict__ pipe,        // pipeline: [INSTANCES-1][T][NB][G*U][BP]
                 const int* __restrict__ lengths, // [batch] steps of each sequence, 1..T (null: all T)
-                int T, int B, int batch, int ld, int out_row, int* __restrict__ status, int* __restrict__ report,
+                int T, int PRNN_SLICE_PARAM, int batch, int ld, int out_row, int* __restrict__ status,
+                int* __restrict__ report,
                 unsigned long long timeout_ns, int abandon_block PRNN_PROFILE_PARAMS) {
     extern __shared__ __align__(16) float smem[];
     const prnn_watch watch{status, report, timeout_ns};
@@ -679,6 +680,11 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // so the block leaves together at the first __syncthreads after the wait,
     // made a __syncthreads_or(!ok) (PRNN_SYNC_OR_LEAVE).
     bool ok = true;
+#if PRNN_SINGLE_SEQUENCE
+    // One sequence per slice, known here: every loop over a slice's columns
+    // and every index scaled by BP folds to constants (perf-notes §64).
+    constexpr int B = 1;
+#endif
     // Every slice has the full slice's shared layout (the host sized it), so
     // BP comes from B before the last slice's B shrinks to what it holds.
     const int BP = (B + PRNN_BP_ALIGN - 1) / PRNN_BP_ALIGN * PRNN_BP_ALIGN + PRNN_BP_PAD;
@@ -686,7 +692,9 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // slice0 + b (b the slice's column). Offsetting the pointers instead
     // made them registers, and kernels at their register limit spilled.
     const int slice0 = blockIdx.y * B;
+#if !PRNN_SINGLE_SEQUENCE
     B = min(B, batch - slice0);
+#endif
 #if PRNN_PIPELINE
     counters += blockIdx.y * (2 + PRNN_INSTANCES);  // each slice's own barrier counts and progress
 #endif

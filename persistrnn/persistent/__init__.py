@@ -14,7 +14,7 @@ from .config import (DTYPES, KERNEL_NAME, MATH_PATHS, MAX_CLUSTER, MAX_INSTANCES
                      PIPELINE_RELEASE_EVERY, STEP_PROFILE_PHASES, SYNC_MODES, TAGGED_READS_PER_THREAD, KernelConfig)
 from .heuristic import blocks_for, default_config
 from .launch import (Instance, batch_per_launch, forward_layer, forward_model, input_projection, profile_words,
-                     run_instances, run_recurrence)
+                     run_instances, run_recurrence, single_sequence_variant)
 from .layout import MMA_BATCH, MMA_TILE, REGISTER_OVERHEAD, WARP, KernelLayout
 from .source import DEVICE_TYPES, compile_config, instance_fields, render_source
 
@@ -24,5 +24,5 @@ __all__ = [
     "TAGGED_READS_PER_THREAD", "WARP", "ConfigError",
     "Instance", "KernelConfig", "KernelLayout", "batch_per_launch", "blocks_for", "check_lengths", "check_tensor",
     "compile_config", "default_config", "forward_layer", "forward_model", "input_projection", "instance_fields",
-    "profile_words", "render_source", "run_instances", "run_recurrence",
+    "profile_words", "render_source", "run_instances", "run_recurrence", "single_sequence_variant",
 ]

@@ -150,6 +150,12 @@ class KernelConfig(KernelLayout):
             barrier (a GPU-scope release, a counter wait and a second read
             of h). Faster where a thread reads at most
             :data:`TAGGED_READS_PER_THREAD` words (perf-notes §51).
+        single_sequence: compiled for one sequence per batch slice (batch 1,
+            or batch slices of 1): the slice's column count and row stride
+            are constants, so its loops over columns and its shared-memory
+            indices fold (perf-notes §64). :func:`run_instances` picks it
+            for such launches wherever it compiles without spilling. Not
+            resident (a tick's rows vary).
     """
 
     cell: str
@@ -174,6 +180,7 @@ class KernelConfig(KernelLayout):
     resident_input_size: int = 0
     step_profile: bool = False
     tagged_exchange: bool = False
+    single_sequence: bool = False
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
@@ -204,6 +211,9 @@ class KernelConfig(KernelLayout):
                               f"{self.one_sync}, pipeline {self.pipeline}")
         if self.resident_input_size:
             self._check_resident()
+        if self.single_sequence and self.resident_input_size:
+            raise ConfigError("KernelConfig.single_sequence: a resident kernel's ticks hold any number of rows, "
+                              f"expected resident_input_size 0, got {self.resident_input_size}")
         if self.tagged_exchange and self.sync != "grid":
             raise ConfigError(f"KernelConfig.tagged_exchange: only sync 'grid' exchanges through L2, got sync "
                               f"{self.sync!r}")

@@ -104,6 +104,8 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
         raise ArgumentError(f"batch_slice: expected a positive int or None, got {batch_slice!r}")
     most = batch_per_launch(config, device.index)
     per_slice = min(batch_slice or most, most, batch)
+    if per_slice == 1 and not config.single_sequence and not config.resident_input_size:
+        config = single_sequence_variant(config)
     per_launch = per_slice if config.sync == "grid" else batch
     if profile is not None:
         need = profile_words(config, -(-batch // per_slice))
@@ -222,6 +224,20 @@ def run_recurrence(
     run_instances(config, [Instance(xw, w_hh, b_hh, h0, c0, out, h_n, c_n, reverse)], T, B, lengths=lengths,
                   batch_slice=batch_slice, check=check)
     return out, h_n, c_n
+
+
+@functools.lru_cache(maxsize=None)
+def single_sequence_variant(config: KernelConfig) -> KernelConfig:
+    """``config`` compiled for one sequence per slice
+    (:attr:`KernelConfig.single_sequence`), or ``config`` itself where that
+    build spills. Compiled on first use (disk-cached); the tuner compiles it
+    for its candidates beforehand."""
+    single = dataclasses.replace(config, single_sequence=True)
+    try:
+        compile_config(single)
+    except ConfigError:
+        return config
+    return single
 
 
 @functools.lru_cache(maxsize=None)
