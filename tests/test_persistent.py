@@ -396,31 +396,37 @@ def test_fused_step_needs_a_work_group_per_unit():
 
 
 SINGLE_SEQUENCE_CASES = [
-    # (config, batch, batch_slice): launches of one sequence per slice run the single-sequence build: batch 1 and
-    # slices of 1; single, cluster and grid sync; the fused step, one-sync, tagged words, tensor cores, 16-bit
+    # (config, batch, batch_slice): launches of whole slices run the build with the slice size compiled in: batch 1,
+    # slices of 1, 2 and 4, and an uneven last slice that runs the general build; single, cluster and grid sync; the
+    # fused step, one-sync, tagged words, tensor cores, 16-bit
     (KernelConfig("lstm", 64, "single", 1, 128, 2, 1, fused_step=True), 1, None),
     (KernelConfig("gru", 256, "cluster", 16, 256, 16, 1, fused_step=True), 5, 1),
     (KernelConfig("gru_reset_before", 256, "cluster", 8, 256, 8, 1, one_sync=True), 3, 1),
     (KernelConfig("lstm", 1024, "grid", 128, 256, 32, 1, fused_step=True, tagged_exchange=True), 1, None),
     (KernelConfig("rnn_relu", 100, "cluster", 4, 128, 4, 1, dtype="float16"), 7, 1),
     (_mma("rnn_tanh", 256, "cluster", 8, 256, 2), 2, 1),
+    (KernelConfig("lstm", 256, "cluster", 16, 128, 8, 2, fused_step=True), 8, 2),
+    (KernelConfig("gru", 100, "single", 1, 256, 16, 4), 12, 4),
+    (_mma("lstm", 256, "cluster", 8, 256, 2, "float16"), 8, None),
+    (KernelConfig("rnn_tanh", 64, "cluster", 4, 128, 4, 2), 7, 2),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, batch, batch_slice", SINGLE_SEQUENCE_CASES,
                          ids=[f"{c}-B{b}-s{s}" for c, b, s in SINGLE_SEQUENCE_CASES])
-def test_one_sequence_per_slice_runs_the_single_sequence_build(config, batch, batch_slice, monkeypatch):
+def test_whole_slices_run_the_build_with_their_size_compiled_in(config, batch, batch_slice, monkeypatch):
     from persistrnn.persistent import launch
 
     launched = []
     real = launch._prepared_launch
-    monkeypatch.setattr(launch, "_prepared_launch", lambda c, *a: (launched.append(c.single_sequence), real(c, *a))[1])
+    monkeypatch.setattr(launch, "_prepared_launch", lambda c, *a: (launched.append(c.slice_sequences), real(c, *a))[1])
     check_against_reference(config, batch, 9, seed=hash((str(config), batch)) % 2**32, batch_slice=batch_slice)
-    assert launched and all(launched), launched
+    whole = batch % (batch_slice or batch) == 0 and (batch_slice or batch) <= persistent.MAX_SLICE_SEQUENCES
+    assert launched and set(launched) == {(batch_slice or batch) if whole else 0}, launched
 
 
-def test_the_single_sequence_build_is_the_configuration_itself_where_it_spills(monkeypatch):
+def test_a_fixed_slice_build_is_the_configuration_itself_where_it_spills_or_is_too_large(monkeypatch):
     from persistrnn.persistent import launch
 
     config = KernelConfig("lstm", 64, "single", 1, 128, 2, 1, fused_step=True)
@@ -428,18 +434,22 @@ def test_the_single_sequence_build_is_the_configuration_itself_where_it_spills(m
     def spills(c, arch=None):
         raise persistent.ConfigError(f"{c} spills")
 
-    launch.single_sequence_variant.cache_clear()
+    launch.fixed_slice_variant.cache_clear()
     try:
         monkeypatch.setattr(launch, "compile_config", lambda c, arch=None: persistent.compile_config(c, "sm_90"))
-        assert launch.single_sequence_variant(config) == dataclasses.replace(config, single_sequence=True)
+        assert launch.fixed_slice_variant(config, 1) == dataclasses.replace(config, slice_sequences=1)
+        assert launch.fixed_slice_variant(config, persistent.MAX_SLICE_SEQUENCES + 1) is config
         monkeypatch.setattr(launch, "compile_config", spills)
-        assert launch.single_sequence_variant(dataclasses.replace(config, prefetch_steps=3)).prefetch_steps == 3
-        assert not launch.single_sequence_variant(dataclasses.replace(config, prefetch_steps=3)).single_sequence
+        assert launch.fixed_slice_variant(config, 2) is config
     finally:
-        launch.single_sequence_variant.cache_clear()
-    with pytest.raises(persistent.ConfigError, match="single_sequence: a resident kernel"):
-        KernelConfig("lstm", 64, "single", 1, resident_input_size=16, single_sequence=True)
-    assert "PRNN_SINGLE_SEQUENCE 1" in persistent.render_source(dataclasses.replace(config, single_sequence=True))
+        launch.fixed_slice_variant.cache_clear()
+    with pytest.raises(persistent.ConfigError, match="slice_sequences: a resident kernel"):
+        KernelConfig("lstm", 64, "single", 1, resident_input_size=16, slice_sequences=1)
+    with pytest.raises(persistent.ConfigError, match=r"slice_sequences: expected 0\.\.8, got 9"):
+        KernelConfig("lstm", 64, "single", 1, slice_sequences=9)
+    with pytest.raises(TypeError, match="slice_sequences: expected an int, got bool"):
+        KernelConfig("lstm", 64, "single", 1, slice_sequences=True)
+    assert "PRNN_SLICE_SEQUENCES 4" in persistent.render_source(dataclasses.replace(config, slice_sequences=4))
 
 
 SLICED_CASES = [
@@ -505,7 +515,7 @@ def test_bad_inputs_raise_before_launch():
 
 def _compiled_configs():
     """COMPILE_SAMPLE plus every configuration the GPU tests run (defined below)."""
-    single = {dataclasses.replace(c, single_sequence=True) for c, _, _ in SINGLE_SEQUENCE_CASES}
+    single = {dataclasses.replace(c, slice_sequences=s or b) for c, b, s in SINGLE_SEQUENCE_CASES if b % (s or b) == 0}
     return sorted(set(COMPILE_SAMPLE) | single | {c for c, _, _ in GPU_CASES + SLICED_CASES + FUSED_CASES
                                                   + TAGGED_CASES + CLIPPED_CASES + ONE_BUFFER_CASES},
                   key=str)

@@ -482,7 +482,7 @@ def offline_tuning(monkeypatch, tmp_path):
     model = cost.CostModel(CALIBRATIONS[-1], H100)
     monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
     monkeypatch.setattr(tuner, "compiles", lambda config: True)
-    monkeypatch.setattr(persistent, "single_sequence_variant", lambda config: config)
+    monkeypatch.setattr(persistent, "launched_config", lambda config, batch, batch_slice, device: config)
     return model
 
 

@@ -680,10 +680,10 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // so the block leaves together at the first __syncthreads after the wait,
     // made a __syncthreads_or(!ok) (PRNN_SYNC_OR_LEAVE).
     bool ok = true;
-#if PRNN_SINGLE_SEQUENCE
-    // One sequence per slice, known here: every loop over a slice's columns
-    // and every index scaled by BP folds to constants (perf-notes §64).
-    constexpr int B = 1;
+#if PRNN_SLICE_SEQUENCES
+    // Every slice holds this many sequences, known here: every loop over a
+    // slice's columns and every index scaled by BP folds (perf-notes §64).
+    constexpr int B = PRNN_SLICE_SEQUENCES;
 #endif
     // Every slice has the full slice's shared layout (the host sized it), so
     // BP comes from B before the last slice's B shrinks to what it holds.
@@ -692,7 +692,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // slice0 + b (b the slice's column). Offsetting the pointers instead
     // made them registers, and kernels at their register limit spilled.
     const int slice0 = blockIdx.y * B;
-#if !PRNN_SINGLE_SEQUENCE
+#if !PRNN_SLICE_SEQUENCES
     B = min(B, batch - slice0);
 #endif
 #if PRNN_PIPELINE

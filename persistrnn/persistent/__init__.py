@@ -11,18 +11,19 @@ configuration from sizes alone; the planner replaces it with a tuned choice.
 from ..checks import check_lengths, check_tensor
 from ..errors import ConfigError
 from .config import (DTYPES, KERNEL_NAME, MATH_PATHS, MAX_CLUSTER, MAX_INSTANCES, MAX_REGISTERS_PER_THREAD,
-                     PIPELINE_RELEASE_EVERY, STEP_PROFILE_PHASES, SYNC_MODES, TAGGED_READS_PER_THREAD, KernelConfig)
+                     MAX_SLICE_SEQUENCES, PIPELINE_RELEASE_EVERY, STEP_PROFILE_PHASES, SYNC_MODES,
+                     TAGGED_READS_PER_THREAD, KernelConfig)
 from .heuristic import blocks_for, default_config
-from .launch import (Instance, batch_per_launch, forward_layer, forward_model, input_projection, profile_words,
-                     run_instances, run_recurrence, single_sequence_variant)
+from .launch import (Instance, batch_per_launch, forward_layer, forward_model, input_projection, launched_config,
+                     profile_words, run_instances, run_recurrence)
 from .layout import MMA_BATCH, MMA_TILE, REGISTER_OVERHEAD, WARP, KernelLayout
 from .source import DEVICE_TYPES, compile_config, instance_fields, render_source
 
 __all__ = [
     "DEVICE_TYPES", "DTYPES", "KERNEL_NAME", "MATH_PATHS", "MAX_CLUSTER", "MAX_INSTANCES", "MAX_REGISTERS_PER_THREAD",
-    "MMA_BATCH", "MMA_TILE", "PIPELINE_RELEASE_EVERY", "REGISTER_OVERHEAD", "STEP_PROFILE_PHASES", "SYNC_MODES",
-    "TAGGED_READS_PER_THREAD", "WARP", "ConfigError",
+    "MAX_SLICE_SEQUENCES", "MMA_BATCH", "MMA_TILE", "PIPELINE_RELEASE_EVERY", "REGISTER_OVERHEAD",
+    "STEP_PROFILE_PHASES", "SYNC_MODES", "TAGGED_READS_PER_THREAD", "WARP", "ConfigError",
     "Instance", "KernelConfig", "KernelLayout", "batch_per_launch", "blocks_for", "check_lengths", "check_tensor",
     "compile_config", "default_config", "forward_layer", "forward_model", "input_projection", "instance_fields",
-    "profile_words", "render_source", "run_instances", "run_recurrence", "single_sequence_variant",
+    "launched_config", "profile_words", "render_source", "run_instances", "run_recurrence",
 ]

@@ -34,6 +34,9 @@ precision allows TF32."""
 
 KERNEL_NAME = "prnn_recurrence"
 MAX_INSTANCES = 8
+# The largest slice size compiled in (KernelConfig.slice_sequences). At one sequence per slice a step lost
+# 29-34% (perf-notes §64); each size is one more build, and a larger slice unrolls longer column loops.
+MAX_SLICE_SEQUENCES = 8
 """Most recurrences (layers or directions) one launch runs; each has its own
 pointer parameters, chosen by a select chain that stays in registers."""
 PIPELINE_RELEASE_EVERY = 4
@@ -150,12 +153,13 @@ class KernelConfig(KernelLayout):
             barrier (a GPU-scope release, a counter wait and a second read
             of h). Faster where a thread reads at most
             :data:`TAGGED_READS_PER_THREAD` words (perf-notes §51).
-        single_sequence: compiled for one sequence per batch slice (batch 1,
-            or batch slices of 1): the slice's column count and row stride
-            are constants, so its loops over columns and its shared-memory
-            indices fold (perf-notes §64). :func:`run_instances` picks it
-            for such launches wherever it compiles without spilling. Not
-            resident (a tick's rows vary).
+        slice_sequences: 0, or compiled for exactly this many sequences in
+            every batch slice (batch 1, or a batch of whole slices): the
+            slice's column count and row stride are constants, so its loops
+            over columns and its shared-memory indices fold (perf-notes §64).
+            :func:`run_instances` picks it for such launches, up to
+            :data:`MAX_SLICE_SEQUENCES`, wherever it compiles without
+            spilling. Not resident (a tick's rows vary).
     """
 
     cell: str
@@ -180,7 +184,7 @@ class KernelConfig(KernelLayout):
     resident_input_size: int = 0
     step_profile: bool = False
     tagged_exchange: bool = False
-    single_sequence: bool = False
+    slice_sequences: int = 0
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
@@ -211,8 +215,14 @@ class KernelConfig(KernelLayout):
                               f"{self.one_sync}, pipeline {self.pipeline}")
         if self.resident_input_size:
             self._check_resident()
-        if self.single_sequence and self.resident_input_size:
-            raise ConfigError("KernelConfig.single_sequence: a resident kernel's ticks hold any number of rows, "
+        if not isinstance(self.slice_sequences, int) or isinstance(self.slice_sequences, bool):
+            raise ArgumentTypeError(f"KernelConfig.slice_sequences: expected an int, got "
+                                    f"{type(self.slice_sequences).__name__}")
+        if not 0 <= self.slice_sequences <= MAX_SLICE_SEQUENCES:
+            raise ConfigError(f"KernelConfig.slice_sequences: expected 0..{MAX_SLICE_SEQUENCES}, got "
+                              f"{self.slice_sequences}")
+        if self.slice_sequences and self.resident_input_size:
+            raise ConfigError("KernelConfig.slice_sequences: a resident kernel's ticks hold any number of rows, "
                               f"expected resident_input_size 0, got {self.resident_input_size}")
         if self.tagged_exchange and self.sync != "grid":
             raise ConfigError(f"KernelConfig.tagged_exchange: only sync 'grid' exchanges through L2, got sync "

@@ -16,7 +16,7 @@ from typing import Any
 from .. import runtime
 from ..checks import check_lengths, check_tensor
 from ..errors import ArgumentError, ConfigError
-from .config import KERNEL_NAME, STEP_PROFILE_PHASES, KernelConfig
+from .config import KERNEL_NAME, MAX_SLICE_SEQUENCES, STEP_PROFILE_PHASES, KernelConfig
 from .source import compile_config
 
 __all__ = ["Instance", "batch_per_launch", "forward_layer", "forward_model", "input_projection", "profile_words",
@@ -104,8 +104,8 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
         raise ArgumentError(f"batch_slice: expected a positive int or None, got {batch_slice!r}")
     most = batch_per_launch(config, device.index)
     per_slice = min(batch_slice or most, most, batch)
-    if per_slice == 1 and not config.single_sequence and not config.resident_input_size:
-        config = single_sequence_variant(config)
+    if batch % per_slice == 0 and not config.slice_sequences and not config.resident_input_size:
+        config = fixed_slice_variant(config, per_slice)  # every slice full: its size compiled in
     per_launch = per_slice if config.sync == "grid" else batch
     if profile is not None:
         need = profile_words(config, -(-batch // per_slice))
@@ -227,17 +227,31 @@ def run_recurrence(
 
 
 @functools.lru_cache(maxsize=None)
-def single_sequence_variant(config: KernelConfig) -> KernelConfig:
-    """``config`` compiled for one sequence per slice
-    (:attr:`KernelConfig.single_sequence`), or ``config`` itself where that
-    build spills. Compiled on first use (disk-cached); the tuner compiles it
-    for its candidates beforehand."""
-    single = dataclasses.replace(config, single_sequence=True)
+def fixed_slice_variant(config: KernelConfig, sequences: int) -> KernelConfig:
+    """``config`` compiled for slices of exactly ``sequences`` sequences
+    (:attr:`KernelConfig.slice_sequences`), or ``config`` itself past
+    :data:`MAX_SLICE_SEQUENCES` or where that build spills. Compiled on first
+    use (disk-cached); the tuner compiles it for its candidates beforehand
+    (:func:`launched_config`)."""
+    if sequences > MAX_SLICE_SEQUENCES:
+        return config
+    fixed = dataclasses.replace(config, slice_sequences=sequences)
     try:
-        compile_config(single)
+        compile_config(fixed)
     except ConfigError:
         return config
-    return single
+    return fixed
+
+
+def launched_config(config: KernelConfig, batch: int, batch_slice: int | None, device: int) -> KernelConfig:
+    """The build :func:`run_instances` launches for ``batch`` sequences of
+    ``config`` in slices of ``batch_slice``: with the slice size compiled in
+    where every slice is full."""
+    most = batch_per_launch(config, device)
+    per_slice = min(batch_slice or most, most, batch)
+    if batch % per_slice or config.slice_sequences or config.resident_input_size:
+        return config
+    return fixed_slice_variant(config, per_slice)
 
 
 @functools.lru_cache(maxsize=None)

@@ -117,9 +117,9 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_PROFILE_PHASES": len(STEP_PROFILE_PHASES),
         **{f"PRNN_PHASE_{phase.upper()}": i for i, phase in enumerate(STEP_PROFILE_PHASES)},
         "PRNN_PROFILE_PARAMS": _profile_params(config),
-        "PRNN_SINGLE_SEQUENCE": int(config.single_sequence),
-        # The slice's sequence count, a kernel parameter the single-sequence build ignores (B is a constant there).
-        "PRNN_SLICE_PARAM": "slice_sequences" if config.single_sequence else "B",
+        "PRNN_SLICE_SEQUENCES": config.slice_sequences,
+        # The slice's sequence count, a kernel parameter a fixed-slice build ignores (B is a constant there).
+        "PRNN_SLICE_PARAM": "slice_sequences" if config.slice_sequences else "B",
         "PRNN_INSTANCE_PARAMS": _instance_params(config),
         "PRNN_SELECT_INSTANCE": _select_instance(config),
     }

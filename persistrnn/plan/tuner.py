@@ -548,9 +548,9 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
                 "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
     top = compile_top(ranked, k)
-    # A launch of one sequence per slice runs the candidate's single-sequence build: compiled now, in threads.
-    runtime.map_in_threads(persistent.single_sequence_variant,
-                           [r.config for r in top if bucket == 1 or r.batch_slice == 1])
+    # A launch of whole slices runs the candidate's build for that slice size: compiled now, in threads.
+    device = runtime.device_facts().index
+    runtime.map_in_threads(lambda r: persistent.launched_config(r.config, bucket, r.batch_slice, device), top)
     ranks = sorted(top, key=ranked.index)  # the model's order, twins beside their own
     timed_configs = f"model's top {sum(not r.config.tagged_exchange for r in top)}" + (
         f" and {n} tagged twin(s)" if (n := sum(r.config.tagged_exchange for r in top)) else "")
