@@ -159,7 +159,8 @@ class KernelConfig(KernelLayout):
             over columns and its shared-memory indices fold (perf-notes §64).
             :func:`run_instances` picks it for such launches, up to
             :data:`MAX_SLICE_SEQUENCES`, wherever it compiles without
-            spilling. Not resident (a tick's rows vary).
+            spilling, except with ``tagged_exchange`` (slower there,
+            measured). Not resident (a tick's rows vary).
     """
 
     cell: str

@@ -233,7 +233,9 @@ def fixed_slice_variant(config: KernelConfig, sequences: int) -> KernelConfig:
     :data:`MAX_SLICE_SEQUENCES` or where that build spills. Compiled on first
     use (disk-cached); the tuner compiles it for its candidates beforehand
     (:func:`launched_config`)."""
-    if sequences > MAX_SLICE_SEQUENCES:
+    # The tagged exchange's read of h, built for one sequence, measured 2.4x slower in its exchange wait
+    # (LSTM 1024 b1, 0.67 -> 1.61 µs per step; perf-notes §64): it keeps the general build.
+    if sequences > MAX_SLICE_SEQUENCES or config.tagged_exchange:
         return config
     fixed = dataclasses.replace(config, slice_sequences=sequences)
     try:
