@@ -298,7 +298,7 @@ def test_a_miss_carries_its_cause_and_a_slow_first_call_is_a_miss():
     slow = {**RESULT, "cases": [_case("LSTM 64", "lstm", 64, 3, 0.1, 0.2, 0.5, 1.0, 4.0, first=42.0)]}
     rows = targets.evaluate([slow])
     small = next(r for r in rows if r["target"].startswith("LSTM H=64"))
-    assert small["status"] == "missed" and "small-H persistent kernel" in small["cause"]
+    assert small["status"] == "missed" and "latency-bound" in small["cause"]
     assert rows[-1]["status"] == "missed" and "42.0 s" in rows[-1]["measured"]
 
 

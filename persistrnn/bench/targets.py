@@ -101,7 +101,9 @@ LARGE_FP32 = ("H=1024 needs the grid (64+ SMs): its exchange costs ~1.1 µs of a
               "counter barrier, h read back from L2; perf-notes §50). The one-round-trip exchange, timed beside "
               "each batch-1 grid candidate, takes LSTM 1024 with the fused step from 0.243 to 0.201 ms (§51); "
               "it lost at every batch-2 configuration timed. TF32 mma.sync is not built.")
-SMALL_H = "At H=64 cuDNN's persistent kernel (0.056 ms) beats our single-block step chain (perf-notes §22)."
+SMALL_H = ("At H=64 one SM's step is latency-bound: 0.32 µs at batch 1 on the fused single-block build with one "
+           "sequence compiled in, 0.31 in a stand-alone probe of the thread-per-row design, plus ~11 µs of launch "
+           "and prologue: ~0.04-0.05 ms at T=100, against cuDNN's 0.056 (perf-notes §62, §64).")
 HALF = ("16-bit: B fragments are read from an fp32 h with scalar loads and conversions; the ldmatrix path is "
         "not built.")
 PHASES = ("About 0.9 µs per step against a 0.33 µs cluster sync floor: a step is a chain of block-wide phases "
@@ -124,8 +126,7 @@ TARGETS = (
            suites=COMPARISON_SUITES),
     Target("LSTM H=64, batch 1–20: ≤ 0.04 ms", KERNEL, _one_layer("lstm", 64, tuple(range(1, 21))),
            max_ms=0.04,
-           cause="cuDNN's small-H persistent kernel runs at 0.056 ms and the planner picks it: our kernels "
-                 "measured 0.073 ms and above.", suites=COMPARISON_SUITES),
+           cause=SMALL_H, suites=COMPARISON_SUITES),
     Target("LSTM fp16/bf16, H=256, batch 8 and 16: ≤ 0.05 ms", KERNEL,
            _one_layer("lstm", 256, (8, 16), ("float16", "bfloat16")), max_ms=0.05,
            cause="The same phase chain; the 16-bit product saves little at these sizes (perf-notes §9).",
