@@ -351,8 +351,10 @@ def evaluate(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     if first:
         rows.append({"target": f"first call of a new shape: seconds, not a minute (≤ {FIRST_CALL_LIMIT_S:.0f} s)",
                      "issue": KERNEL, "case": "every case", "measured": first[1], "status": first[0],
-                     "cause": "Not broken down yet. Tuning compiles and times the model's top 5 configurations, the "
-                              "fallback and cuDNN; how the time splits between them was not measured."
+                     "cause": "Tuning compiles and times the model's top 5 configurations (and their builds for whole "
+                              "slices), the fallback and cuDNN; the first tuned call of a process on a machine without "
+                              "a calibration cache also runs the cost model's micro-benchmarks (once per device). How "
+                              "a slow call's time splits between these was not measured."
                               if first[0] == "missed" else "",
                      "source": ", ".join(dict.fromkeys(r.get("suite", "?") for r in results if _first_call_rows(r)))})
     return rows
