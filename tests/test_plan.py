@@ -630,3 +630,8 @@ def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(mon
     lengths.clear()
     chosen = tuner.plan(tuner.ModelShape("lstm", 256, 256), 1, refresh=True)
     assert chosen.path == "cudnn" and lengths == [(5, 100)] and chosen.short_path is None
+
+
+def test_pin_plan_refuses_what_is_not_a_plan():
+    with pytest.raises(TypeError, match="pin_plan: expected a persistrnn.plan.Plan, got dict"):
+        tuner.pin_plan(_a_plan().to_json())

@@ -239,7 +239,6 @@ def fp32_exact() -> Any:
     """TF32 off in cuDNN and cuBLAS for the duration: fp32 losses that can agree to rounding."""
     import contextlib
 
-
     from .. import runtime
 
     @contextlib.contextmanager

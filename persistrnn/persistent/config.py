@@ -34,11 +34,11 @@ precision allows TF32."""
 
 KERNEL_NAME = "prnn_recurrence"
 MAX_INSTANCES = 8
+"""Most recurrences (layers or directions) one launch runs; each has its own
+pointer parameters, chosen by a select chain that stays in registers."""
 # The largest slice size compiled in (KernelConfig.slice_sequences). At one sequence per slice a step lost
 # 29-34% (perf-notes §64); each size is one more build, and a larger slice unrolls longer column loops.
 MAX_SLICE_SEQUENCES = 8
-"""Most recurrences (layers or directions) one launch runs; each has its own
-pointer parameters, chosen by a select chain that stays in registers."""
 PIPELINE_RELEASE_EVERY = 4
 """A pipeline's producer counts its forwarded steps in groups of this many: a
 count is a GPU-scope release, which every step cost ~0.25 µs per step; a

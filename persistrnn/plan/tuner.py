@@ -47,7 +47,7 @@ DEFAULT_K = 5
 DEFAULT_STEPS = 100
 SHORT_STEPS = 1
 """The short sequence length the tuner also times a persistent choice at,
-beside the paths with a smaller fixed cost (:func:`short_sequence_choice`)."""
+beside the paths with a smaller fixed cost (:func:`short_sequence_path`)."""
 CACHE_FORMAT = 9  # 8: the key says whether TF32 was allowed; 9: plans carry their short-sequence path
 
 
@@ -647,6 +647,8 @@ def pin_plan(chosen: Plan) -> None:
     :func:`clear_cached_plans` (as :func:`cached_plan` would have chosen it;
     the tests pin each path this way). The native replay's bindings, which
     stand for the plans before, are dropped."""
+    if not isinstance(chosen, Plan):
+        raise ArgumentTypeError(f"pin_plan: expected a persistrnn.plan.Plan, got {type(chosen).__name__}")
     _MEMO[_memo_key(chosen.shape, chosen.batch_bucket)] = chosen
     runtime.native.unbind_all()
 
