@@ -102,10 +102,8 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
     out_row = next((i.out.shape[2] for i in instances if i.out is not None), H)
     if batch_slice is not None and (not isinstance(batch_slice, int) or batch_slice < 1):
         raise ArgumentError(f"batch_slice: expected a positive int or None, got {batch_slice!r}")
-    most = batch_per_launch(config, device.index)
-    per_slice = min(batch_slice or most, most, batch)
-    if batch % per_slice == 0 and not config.slice_sequences and not config.resident_input_size:
-        config = fixed_slice_variant(config, per_slice)  # every slice full: its size compiled in
+    per_slice = _slice_size(config, batch, batch_slice, device.index)
+    config = _whole_slice_build(config, batch, per_slice)
     per_launch = per_slice if config.sync == "grid" else batch
     if profile is not None:
         need = profile_words(config, -(-batch // per_slice))
@@ -249,8 +247,17 @@ def launched_config(config: KernelConfig, batch: int, batch_slice: int | None, d
     """The build :func:`run_instances` launches for ``batch`` sequences of
     ``config`` in slices of ``batch_slice``: with the slice size compiled in
     where every slice is full."""
+    return _whole_slice_build(config, batch, _slice_size(config, batch, batch_slice, device))
+
+
+def _slice_size(config: KernelConfig, batch: int, batch_slice: int | None, device: int) -> int:
+    """Sequences per slice of a launch of ``batch``: ``batch_slice``, at most what one launch holds."""
     most = batch_per_launch(config, device)
-    per_slice = min(batch_slice or most, most, batch)
+    return min(batch_slice or most, most, batch)
+
+
+def _whole_slice_build(config: KernelConfig, batch: int, per_slice: int) -> KernelConfig:
+    """``config`` with the slice size compiled in where every slice is full (and the build is a general one)."""
     if batch % per_slice or config.slice_sequences or config.resident_input_size:
         return config
     return fixed_slice_variant(config, per_slice)
