@@ -451,21 +451,21 @@ def test_the_tuner_times_each_of_its_top_k_with_its_tagged_twin_beside_it(monkey
     assert any(r.config.tagged_exchange for r in ranked[:5])  # twins rank among the top: they must not crowd it
     spilled = next(r.config for r in ranked if not r.config.tagged_exchange)  # the top barrier one spills
     monkeypatch.setattr(tuner, "compiles", lambda c: c != spilled)
-    top = tuner.compile_top(ranked, 3)
+    top = tuner.compile_top(ranked, 3, families=False)
     own = [r for r in top if not r.config.tagged_exchange]
     assert own == [r for r in ranked if not r.config.tagged_exchange and r.config != spilled][:3]
     twins = [r for r in top if r.config.tagged_exchange]
     assert [r.config for r in twins] == [dataclasses.replace(r.config, tagged_exchange=True) for r in own]
     assert all(r in ranked for r in twins)
-    assert tuner.compile_top(ranked, 3, twins=False) == own  # the untimed path compiles no twin
+    assert tuner.compile_top(ranked, 3, twins=False, families=False) == own  # the untimed path compiles no twin
     # At batch 2 the space has no twins, nor for cluster and single blocks: the top k is the model's top k.
     for shape, batch in ((tuner.ModelShape("lstm", 1024, 1024), 2), (tuner.ModelShape("lstm", 256, 256), 1),
                          (tuner.ModelShape("gru", 64, 64), 1)):
         ranked = tuner.ranked_configs(shape, batch, model)
-        assert tuner.compile_top(ranked, 3) == [r for r in ranked if r.config != spilled][:3]
+        assert tuner.compile_top(ranked, 3, families=False) == [r for r in ranked if r.config != spilled][:3]
     # A mixed ranking (a grid layer whose top includes cluster configurations) pairs the grid ones only.
     mixed = tuner.ranked_configs(tuner.ModelShape("lstm", 448, 448), 1, model)
-    top = tuner.compile_top(mixed, 8)
+    top = tuner.compile_top(mixed, 8, families=False)
     own = top[:8]
     assert {r.config.sync for r in own} == {"grid", "cluster"} and not any(r.config.tagged_exchange for r in own)
     assert [r.config for r in top[8:]] == [
@@ -505,12 +505,17 @@ def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it
         r.config, tagged_exchange=False) in {o.config for o in own}], key=ranked.index).index(winner) + 1
     assert f"fastest of the model's top 5 and {twins} tagged twin(s) (model rank {rank})" in chosen.reason
     assert len(chosen.measured_ms) == 5 + twins + 2
-    # A layer whose candidates are clusters has no twins: the model's top 5 alone.
+    # A layer whose candidates are clusters has no twins: the model's top 5, and the first of each kernel family
+    # they leave out (here the fused step's).
     small = tuner.ModelShape("lstm", 256, 256)
-    winner = tuner.ranked_configs(small, 1, model)[1]
+    ranked = tuner.ranked_configs(small, 1, model)
+    winner = ranked[1]
+    families = {tuner.family(r.config) for r in ranked} - {tuner.family(r.config) for r in ranked[:5]}
+    assert families == {("ffma", False, True)}
     chosen = tuner.plan(small, 1)
     assert chosen.config == winner.config and chosen.config.sync == "cluster"
-    assert "fastest of the model's top 5 (model rank 2)" in chosen.reason and len(chosen.measured_ms) == 7
+    assert "fastest of the model's top 5, the first of 1 other kernel family (model rank 2)" in chosen.reason
+    assert len(chosen.measured_ms) == 5 + 1 + 2
 
 
 def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():
@@ -621,7 +626,7 @@ def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(mon
     monkeypatch.setattr(tuner, "time_candidates", lambda cs, progress=False: {
         c.label: (short_ms if c.run == 1 else long_ms).get(c.label, 0.014 if c.run == 1 else 0.109) for c in cs})
     chosen = tuner.plan(tuner.ModelShape("lstm", 256, 256), 1)
-    assert chosen.path == "persistent" and lengths == [(5, 100), (1, 1)]  # the choice alone at one step
+    assert chosen.path == "persistent" and lengths == [(6, 100), (1, 1)]  # top 5, a fused one; the choice at one step
     assert (chosen.short_path, chosen.short_steps) == ("cudnn", 2)
     assert chosen.short_measured_ms == {chosen.label: 0.014, **short_ms}
     assert tuner.load_plan(tuner.cache_key(H100, chosen.shape, 1)).for_steps(2).path == "cudnn"
@@ -629,9 +634,30 @@ def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(mon
     long_ms["cudnn"] = 0.05
     lengths.clear()
     chosen = tuner.plan(tuner.ModelShape("lstm", 256, 256), 1, refresh=True)
-    assert chosen.path == "cudnn" and lengths == [(5, 100)] and chosen.short_path is None
+    assert chosen.path == "cudnn" and lengths == [(6, 100)] and chosen.short_path is None
 
 
 def test_pin_plan_refuses_what_is_not_a_plan():
     with pytest.raises(TypeError, match="pin_plan: expected a persistrnn.plan.Plan, got dict"):
         tuner.pin_plan(_a_plan().to_json())
+
+
+@pytest.mark.parametrize("dtype, batch", [("bfloat16", 8), ("float16", 16), ("float32", 1)])
+def test_the_tuner_times_the_first_of_every_kernel_family_its_top_k_leaves_out(monkeypatch, dtype, batch):
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    ranked = tuner.ranked_configs(tuner.ModelShape("lstm", 256, 256, dtype=dtype), batch, model)
+    own = [r for r in ranked if not r.config.tagged_exchange]
+    k = 3
+    left = [f for f in dict.fromkeys(tuner.family(r.config) for r in own[k:])
+            if f not in {tuner.family(r.config) for r in own[:k]}]
+    assert left, "the case must leave a family out of its top k"
+    by_family = {f: [r for r in own if tuner.family(r.config) == f] for f in left}
+    spilled = by_family[left[0]][0].config  # the first of a left-out family spills: its next one stands in
+    monkeypatch.setattr(tuner, "compiles", lambda c: c != spilled)
+    top = tuner.compile_top(ranked, k, twins=False)
+    assert top[:k] == own[:k]
+    expected = [rs[1] if rs[0].config == spilled else rs[0] for rs in by_family.values() if len(rs) > 1
+                or rs[0].config != spilled]
+    assert top[k:] == sorted(expected, key=own.index)
+    assert {tuner.family(r.config) for r in top} == {tuner.family(r.config) for r in own}
+    assert tuner.compile_top(ranked, k, twins=False, families=False) == own[:k]

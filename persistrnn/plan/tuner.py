@@ -9,8 +9,9 @@ with a :class:`Plan`:
 2. Otherwise the configuration space is pruned (:mod:`.space`) and ranked by
    the cost model (:mod:`.model`). Without tuning, the top-ranked
    configuration that compiles without spilling is the plan.
-3. With tuning, the top ``k`` that compile (in threads), each with its
-   tagged-exchange twin where the space offers one, are timed on the real
+3. With tuning, the top ``k`` that compile (in threads), the best-ranked
+   one of each kernel family the top ``k`` leaves out (:func:`family`),
+   each with its tagged-exchange twin where the space offers one, are timed on the real
    shapes, with the non-persistent fallback and cuDNN through torch beside
    them, and the fastest is kept and cached. No persistent configuration at
    all (weights too large for the chip) leaves the fallback and cuDNN.
@@ -315,26 +316,51 @@ def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
     return ranked
 
 
-def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True) -> list[Ranked]:
+def family(config: KernelConfig) -> tuple[str, bool, bool]:
+    """A configuration's kernel family: its math (FFMA, 16-bit or TF32 mma)
+    and whether its step is fused. The cost model ranks within a family
+    better than across families: on the H100 it priced the 16-bit mma step
+    of an LSTM 64 at batch 8 at 0.19 µs and ranked five mma configurations
+    first, which measured 1.6-2.0 µs per step, against 0.66 for the FFMA
+    ones ranked below them (perf-notes §66)."""
+    return config.math, config.tf32, config.fused_step
+
+
+def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: bool = True) -> list[Ranked]:
     """The first ``k`` of ``ranked``'s barrier configurations that compile
-    without spilling, then (``twins``) the tagged-exchange twin of each that
-    ``ranked`` holds and that compiles, compiled in threads. A twin takes none of the
-    ``k`` places: the model prices the two within 1% of each other, while on
-    the H100 the twin measured from 26% faster to 40% slower per step at
-    batch 1 (perf-notes §51), so only timing both tells."""
+    without spilling, then (``families``) the first of every :func:`family`
+    those leave out that compiles, then (``twins``) the tagged-exchange twin
+    of each that ``ranked`` holds and that compiles, compiled in threads.
+    Neither takes any of the ``k`` places. A twin: the model prices the two
+    within 1% of each other, while on the H100 the twin measured from 26%
+    faster to 40% slower per step at batch 1 (perf-notes §51), so only
+    timing both tells."""
     own = [r for r in ranked if not r.config.tagged_exchange]
     # Keyed by the barrier configuration each is the twin of (cluster and single ones have none).
     tagged = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
               for r in ranked if twins and r.config.tagged_exchange}
-    kept: list[Ranked] = []
+    compiled: dict[int, bool] = {}  # by position in own
+
+    def compile_positions(positions: list[int]) -> None:
+        for i, ok in zip(positions, runtime.map_in_threads(compiles, [own[i].config for i in positions])):
+            compiled[i] = ok
+
     start = 0
-    while len(kept) < k and start < len(own):
+    while sum(compiled.values()) < k and start < len(own):
         # Twice what is missing per round: a few spill under some NVRTC versions.
-        batch = own[start : start + 2 * (k - len(kept))]
-        start += len(batch)
-        results = runtime.map_in_threads(compiles, [r.config for r in batch])
-        kept += [item for item, ok in zip(batch, results) if ok]
-    kept = kept[:k]
+        missing = k - sum(compiled.values())
+        compile_positions(list(range(start, min(start + 2 * missing, len(own)))))
+        start += 2 * missing
+    kept_at = [i for i in sorted(compiled) if compiled[i]][:k]
+    if families:
+        # The first two (one may spill) of each family the top k leaves out, compiled at once.
+        left = {family(r.config) for r in own} - {family(own[i].config) for i in kept_at}
+        firsts = {f: [i for i, r in enumerate(own) if family(r.config) == f and i not in compiled][:2] for f in left}
+        compile_positions([i for positions in firsts.values() for i in positions])
+        best = {f: min((i for i, r in enumerate(own) if family(r.config) == f and compiled.get(i)), default=None)
+                for f in left}
+        kept_at += sorted(i for i in best.values() if i is not None)
+    kept = [own[i] for i in kept_at]
     paired = [twin for r in kept if (twin := tagged.get((r.config, r.batch_slice)))]
     results = runtime.map_in_threads(compiles, [r.config for r in paired])
     return kept + [twin for twin, ok in zip(paired, results) if ok]
@@ -538,7 +564,7 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     model = cost.cost_model(progress=progress)
     ranked = ranked_configs(shape, bucket, model, steps, tf32=tf32)
     if not tune:
-        top = compile_top(ranked, 1, twins=False)  # untimed: the model's choice alone
+        top = compile_top(ranked, 1, twins=False, families=False)  # untimed: the model's choice alone
         if not top:
             return Plan(shape, bucket, "fallback", None, "model", _no_fit_reason(shape, facts))
         return Plan(shape, bucket, "persistent", top[0].config, "model",
@@ -552,7 +578,9 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     device = runtime.device_facts().index
     runtime.map_in_threads(lambda r: persistent.launched_config(r.config, bucket, r.batch_slice, device), top)
     ranks = sorted(top, key=ranked.index)  # the model's order, twins beside their own
-    timed_configs = f"model's top {sum(not r.config.tagged_exchange for r in top)}" + (
+    own = sum(not r.config.tagged_exchange for r in top)
+    timed_configs = f"model's top {min(k, own)}" + (
+        f", the first of {n} other kernel famil{'y' if n == 1 else 'ies'}" if (n := own - min(k, own)) else "") + (
         f" and {n} tagged twin(s)" if (n := sum(r.config.tagged_exchange for r in top)) else "")
     candidates = timing_candidates(shape, bucket, top, steps)
     measured = time_candidates(candidates, progress)
