@@ -511,7 +511,7 @@ def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it
     ranked = tuner.ranked_configs(small, 1, model)
     winner = ranked[1]
     families = {tuner.family(r.config) for r in ranked} - {tuner.family(r.config) for r in ranked[:5]}
-    assert families == {("ffma", False, True)}
+    assert families == {("ffma", False, True, 1)}
     chosen = tuner.plan(small, 1)
     assert chosen.config == winner.config and chosen.config.sync == "cluster"
     assert "fastest of the model's top 5, the first of 1 other kernel family (model rank 2)" in chosen.reason

@@ -316,14 +316,16 @@ def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
     return ranked
 
 
-def family(config: KernelConfig) -> tuple[str, bool, bool]:
-    """A configuration's kernel family: its math (FFMA, 16-bit or TF32 mma)
-    and whether its step is fused. The cost model ranks within a family
-    better than across families: on the H100 it priced the 16-bit mma step
-    of an LSTM 64 at batch 8 at 0.19 µs and ranked five mma configurations
-    first, which measured 1.6-2.0 µs per step, against 0.66 for the FFMA
-    ones ranked below them (perf-notes §66)."""
-    return config.math, config.tf32, config.fused_step
+def family(config: KernelConfig) -> tuple[str, bool, bool, int]:
+    """A configuration's kernel family: its math (FFMA, 16-bit or TF32 mma),
+    whether its step is fused, and an mma product's k split. The cost model
+    ranks within a family better than across families: on the H100 it priced
+    the 16-bit mma step of an LSTM 64 at batch 8 at 0.19 µs and ranked five
+    mma configurations first, which measured 1.6-2.0 µs per step, against
+    0.66 for the FFMA ones ranked below them; it prices an mma product at
+    almost nothing, so its order of k splits is arbitrary (GRU 1024 fp16 at
+    batch 20: k split 8 timed 0.516 ms, 4 0.645; perf-notes §66, §67)."""
+    return config.math, config.tf32, config.fused_step, config.k_split
 
 
 def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: bool = True) -> list[Ranked]:
