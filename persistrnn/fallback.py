@@ -45,7 +45,7 @@ import re
 from typing import Any
 
 from . import persistent, runtime
-from .checks import check_tensor
+from .checks import check_recurrence, check_tensor
 from .cells import CellSpec, get_cell, render_pointwise_functions
 from .errors import ArgumentError, ArgumentTypeError
 
@@ -300,31 +300,14 @@ def run_fallback(
     if w_hh.dim() != 2 or w_hh.shape[0] != G * w_hh.shape[1]:
         raise ArgumentError(f"w_hh: expected shape ({G} * H, H) for cell {spec.name}, got {tuple(w_hh.shape)}")
     dtype, H = w_hh.dtype, w_hh.shape[1]
-    if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
-        raise ArgumentError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
-                            f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
-    T, B = xw.shape[0], xw.shape[1]
-    if spec.has_cell_state and c0 is None:
-        raise ArgumentError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
-    if not spec.has_cell_state and c0 is not None:
-        raise ArgumentError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
     if not spec.has_cell_state and c_n is not None:
         raise ArgumentError(f"cell {spec.name} has no cell state: expected c_n=None, got a tensor")
-    check = check_tensor
-    check("xw", xw, (T, B, G * H), xw.device, torch.float32)
-    check("w_hh", w_hh, (G * H, H), xw.device, dtype)
-    check("b_hh", b_hh, (G * H,), xw.device, dtype)
-    check("h0", h0, (B, H), xw.device, dtype)
-    if spec.has_cell_state:
-        check("c0", c0, (B, H), xw.device, dtype)
-    if T < 1 or B < 1 or H < 1:
-        raise ArgumentError(f"expected at least one step, sequence and hidden unit, got xw of shape {tuple(xw.shape)} "
-                            f"and w_hh of shape {tuple(w_hh.shape)}")
+    T, B = check_recurrence(spec, xw, w_hh, b_hh, h0, c0, H, dtype)
     if B * G * H >= _INDEX_LIMIT:
         raise ArgumentError(f"expected batch * {G} * hidden below 2**31 (the kernels' int indices), got {B * G * H}")
     for name, given, shape in (("out", out, (T, B, H)), ("h_n", h_n, (B, H)), ("c_n", c_n, (B, H))):
         if given is not None:
-            check(name, given, shape, xw.device, dtype)
+            check_tensor(name, given, shape, xw.device, dtype)
 
     kernels = _kernels(spec, persistent.DTYPES[dtypes.index(dtype)], xw.device.index, B * H)
     out = torch.empty(T, B, H, dtype=dtype, device=xw.device) if out is None else out

@@ -364,3 +364,39 @@ def test_inside_a_callers_capture_the_loop_joins_the_callers_graph(cell):
     torch.cuda.synchronize()
     errors = _errors(spec, result, reference_forward(cell, t, x2, h2, c2))
     assert all(e <= tolerance("float32") for e in errors.values()), (seed, errors)
+
+
+@pytest.mark.parametrize("run", ["fallback", "persistent"])
+def test_both_paths_check_a_recurrence_with_the_same_rule(run):
+    """run_fallback and persistent.run_recurrence share checks.check_recurrence: the same errors, in the same
+    order, before either touches a GPU (CPU tensors reach the device check last)."""
+    from persistrnn import persistent
+
+    def call(cell, xw, w, b, h0, c0):
+        if run == "fallback":
+            return fallback.run_fallback(cell, xw, w, b, h0, c0)
+        return persistent.run_recurrence(persistent.KernelConfig(cell, 8, "single", 1), xw, w, b, h0, c0)
+
+    xw, w, b, h0, c0 = _cpu_layer()
+    with pytest.raises(ValueError, match=r"xw: expected a 3-D tensor \(T, B, 32\), got \(6, 32\)"):
+        call("lstm", xw.view(6, 32), w, b, h0, c0)
+    with pytest.raises(ValueError, match=r"lstm carries a cell state: expected c0 of shape \(2, 8\), got None"):
+        call("lstm", xw, w, b, h0, None)
+    gxw, gw, gb, gh0, _ = _cpu_layer("gru")
+    with pytest.raises(ValueError, match="gru has no cell state: expected c0=None, got a tensor"):
+        call("gru", gxw, gw, gb, gh0, gh0)
+    with pytest.raises(ValueError, match="xw: expected a CUDA tensor, got one on cpu"):
+        call("lstm", xw, w, b, h0, c0)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_check_recurrence_returns_steps_and_batch_of_a_well_formed_layer(monkeypatch, cell):
+    from functools import partial
+
+    from persistrnn import checks
+
+    monkeypatch.setattr(checks, "check_tensor", partial(checks.check_tensor, cuda=False))  # CPU tensors stand in
+    xw, w, b, h0, c0 = _cpu_layer(cell, H=8, B=2, T=3)
+    assert checks.check_recurrence(cells.get_cell(cell), xw, w, b, h0, c0, 8, w.dtype) == (3, 2)
+    with pytest.raises(ValueError, match=r"xw: expected shape \(3, 2, \d+\), got \(3, 2, \d+\)"):  # H is the one given
+        checks.check_recurrence(cells.get_cell(cell), xw, w, b, h0, c0, 9, w.dtype)

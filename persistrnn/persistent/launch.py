@@ -14,7 +14,7 @@ import functools
 from typing import Any
 
 from .. import runtime
-from ..checks import check_lengths, check_tensor
+from ..checks import check_lengths, check_recurrence, check_tensor
 from ..errors import ArgumentError, ConfigError
 from .config import KERNEL_NAME, MAX_SLICE_SEQUENCES, STEP_PROFILE_PHASES, KernelConfig
 from .source import compile_config
@@ -189,24 +189,9 @@ def run_recurrence(
         raise ConfigError(f"run_recurrence runs one recurrence; {config} has {config.instances} instances "
                           "(run_instances runs those)")
     spec = config.spec
-    H, G = config.hidden_size, spec.num_gates
-    if not isinstance(xw, torch.Tensor) or xw.dim() != 3:
-        raise ArgumentError(f"xw: expected a 3-D tensor (T, B, {G * H}), got "
-                            f"{tuple(xw.shape) if isinstance(xw, torch.Tensor) else type(xw).__name__}")
-    T, B = xw.shape[0], xw.shape[1]
+    H = config.hidden_size
     dtype = getattr(torch, config.dtype)
-    check_tensor("xw", xw, (T, B, G * H), xw.device, torch.float32)
-    check_tensor("w_hh", w_hh, (G * H, H), xw.device, dtype)
-    check_tensor("b_hh", b_hh, (G * H,), xw.device, dtype)
-    check_tensor("h0", h0, (B, H), xw.device, dtype)
-    if spec.has_cell_state:
-        if c0 is None:
-            raise ArgumentError(f"cell {spec.name} carries a cell state: expected c0 of shape {(B, H)}, got None")
-        check_tensor("c0", c0, (B, H), xw.device, dtype)
-    elif c0 is not None:
-        raise ArgumentError(f"cell {spec.name} has no cell state: expected c0=None, got a tensor")
-    if T < 1 or B < 1:
-        raise ArgumentError(f"expected at least one step and one sequence, got xw of shape {tuple(xw.shape)}")
+    T, B = check_recurrence(spec, xw, w_hh, b_hh, h0, c0, H, dtype)
 
     def destination(name: str, given: Any, shape: tuple[int, ...]) -> Any:
         if given is None:
