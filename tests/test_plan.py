@@ -661,3 +661,24 @@ def test_the_tuner_times_the_first_of_every_kernel_family_its_top_k_leaves_out(m
     assert top[k:] == sorted(expected, key=own.index)
     assert {tuner.family(r.config) for r in top} == {tuner.family(r.config) for r in own}
     assert tuner.compile_top(ranked, k, twins=False, families=False) == own[:k]
+
+
+
+def test_a_left_out_family_with_a_member_already_built_compiles_nothing_more(monkeypatch):
+    # The top k's compile round compiles twice what is missing: a left-out family's member built there (past the k
+    # kept) is that family's candidate, and none of its later members is compiled.
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    ranked = tuner.ranked_configs(tuner.ModelShape("lstm", 256, 256, dtype="bfloat16"), 8, model)
+    own = [r for r in ranked if not r.config.tagged_exchange]
+    k = 3
+    top_families = {tuner.family(r.config) for r in own[:k]}
+    over = [r for r in own[k:2 * k] if tuner.family(r.config) not in top_families]
+    assert over, "the case must build a left-out family's member in the first round"
+    tried = []
+    monkeypatch.setattr(tuner, "compiles", lambda c: tried.append(c) or True)
+    top = tuner.compile_top(ranked, k, twins=False)
+    for f in {tuner.family(r.config) for r in over}:
+        first = next(r for r in own if tuner.family(r.config) == f)
+        assert first in over and [r for r in top[k:] if tuner.family(r.config) == f] == [first]
+        assert [c for c in tried if tuner.family(c) == f] == [r.config for r in own[:2 * k]
+                                                              if tuner.family(r.config) == f]

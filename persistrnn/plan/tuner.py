@@ -355,13 +355,16 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
         start += 2 * missing
     kept_at = [i for i in sorted(compiled) if compiled[i]][:k]
     if families:
-        # The first two (one may spill) of each family the top k leaves out, compiled at once.
-        left = {family(r.config) for r in own} - {family(own[i].config) for i in kept_at}
-        firsts = {f: [i for i, r in enumerate(own) if family(r.config) == f and i not in compiled][:2] for f in left}
-        compile_positions([i for positions in firsts.values() for i in positions])
-        best = {f: min((i for i, r in enumerate(own) if family(r.config) == f and compiled.get(i)), default=None)
-                for f in left}
-        kept_at += sorted(i for i in best.values() if i is not None)
+        of = [family(r.config) for r in own]
+        left = set(of) - {of[i] for i in kept_at}
+        # A left-out family none of whose compiled members built: its first two untried (one may spill), at once.
+        built = {of[i] for i, ok in compiled.items() if ok}
+        compile_positions([i for f in left - built for i in [j for j, g in enumerate(of)
+                                                             if g == f and j not in compiled][:2]])
+        best: dict[tuple, int] = {}
+        for i in sorted(i for i, ok in compiled.items() if ok and of[i] in left):
+            best.setdefault(of[i], i)  # the family's best-ranked that built
+        kept_at += sorted(best.values())
     kept = [own[i] for i in kept_at]
     paired = [twin for r in kept if (twin := tagged.get((r.config, r.batch_slice)))]
     results = runtime.map_in_threads(compiles, [r.config for r in paired])
