@@ -1,0 +1,96 @@
+"""Where a whole forward's device time goes: each kernel, memcpy and memset
+of a CUDA-graph replay, with its duration and the gap before it, for the
+planned persistrnn module and for torch.nn (cuDNN) on the same case.
+
+    python scripts/forward_timeline.py lstm 64 1 --dtype float32 --steps 100
+    python scripts/forward_timeline.py gru 64 10 --dtype float16 --config sync=single,blocks=1
+
+The graph replays are timed with CUDA events (median of 20 after a warm-up)
+and then traced with torch.profiler (CUPTI) over a few replays; the trace's
+span of one replay is printed beside its events. ``--config`` replaces the
+planned persistent configuration's fields (as ``bench step-profile``).
+"""
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import persistrnn
+from persistrnn.bench.step_profile import parse_config_fields
+from persistrnn.bench.timing import time_cuda_ms, warm_up
+from persistrnn.runtime import capture_graph
+
+
+def events_of_replays(graph: torch.cuda.CUDAGraph, replays: int) -> list[list[tuple[str, float, float]]]:
+    """[(name, start µs, duration µs)] of the device events of each replay."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    found = sorted(((e.name, e.time_range.start, e.time_range.end - e.time_range.start)
+                    for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                   key=lambda e: e[1])
+    # Replays are separated by a synchronise: split where the gap exceeds 50 µs.
+    groups: list[list[tuple[str, float, float]]] = [[]]
+    for name, start, dur in found:
+        if groups[-1] and start - (groups[-1][-1][1] + groups[-1][-1][2]) > 50:
+            groups.append([])
+        groups[-1].append((name, start, dur))
+    return [g for g in groups if g]
+
+
+def report(label: str, fn, x: torch.Tensor) -> None:
+    graph = capture_graph(lambda: fn(x))
+    warm_up(graph.replay)
+    ms = time_cuda_ms(graph.replay, warmup=3, repeats=20)
+    replays = events_of_replays(graph, 5)
+    spans = [g[-1][1] + g[-1][2] - g[0][1] for g in replays]
+    print(f"\n{label}: graph replay {ms * 1000:.1f} µs (CUDA events, median of 20); "
+          f"traced span of a replay {statistics.median(spans):.1f} µs over {len(replays)} replays")
+    one = replays[len(replays) // 2]
+    end = one[0][1]
+    for name, start, dur in one:
+        print(f"  gap {start - end:6.1f}  dur {dur:8.1f}  {name[:110]}")
+        end = start + dur
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cell", choices=("lstm", "gru", "rnn"))
+    ap.add_argument("hidden", type=int)
+    ap.add_argument("batch", type=int)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--config", default=None, help="KernelConfig fields k=v,... replacing the planned persistent one's")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    ref = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}[args.cell](
+        args.hidden, args.hidden, args.layers).cuda().to(dtype).eval()
+    ours = persistrnn.from_torch(ref).eval()
+    x = torch.randn(args.steps, args.batch, args.hidden, device="cuda", dtype=dtype)
+    plan = ours.plan_for(args.batch)
+    if args.config:
+        if plan.config is None:
+            raise SystemExit(f"--config replaces a persistent plan's fields; the plan is {plan.path}")
+        forced = dataclasses.replace(plan, path="persistent", config=dataclasses.replace(
+            plan.config, **parse_config_fields(args.config)), reason="forced by --config")
+        ours.plan_for = lambda batch: forced
+        plan = forced
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(f"plan: {plan.path} {plan.config} slice={plan.batch_slice} ({plan.reason})")
+    for name, ms in sorted(plan.measured_ms.items(), key=lambda kv: kv[1]):
+        print(f"  tuner: {ms * 1000:7.1f} µs  {name}")
+    with torch.no_grad():
+        out, want = ours(x)[0], ref(x)[0]
+        print(f"max |ours - torch| = {(out.float() - want.float()).abs().max().item():.2e}")
+        report("persistrnn", ours, x)
+        report("torch.nn (cuDNN)", ref, x)
+
+
+if __name__ == "__main__":
+    main()
