@@ -78,7 +78,7 @@ def main() -> None:
         if plan.config is None:
             raise SystemExit(f"--config replaces a persistent plan's fields; the plan is {plan.path}")
         forced = dataclasses.replace(plan, path="persistent", config=dataclasses.replace(
-            plan.config, **parse_config_fields(args.config)), reason="forced by --config")
+            plan.config, **parse_config_fields(args.config)), reason="forced by --config", short_steps=0)
         ours.plan_for = lambda batch: forced
         plan = forced
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
