@@ -14,11 +14,13 @@ planned persistent configuration's fields (as ``bench step-profile``).
 import argparse
 import dataclasses
 import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import persistrnn
+from persistrnn import persistent
 from persistrnn.bench.step_profile import parse_config_fields
 from persistrnn.bench.timing import time_cuda_ms, warm_up
 from persistrnn.runtime import capture_graph
@@ -30,13 +32,14 @@ def events_of_replays(graph: torch.cuda.CUDAGraph, replays: int) -> list[list[tu
         for _ in range(replays):
             graph.replay()
             torch.cuda.synchronize()
+            time.sleep(1e-3)  # a gap between replays in the trace
     found = sorted(((e.name, e.time_range.start, e.time_range.end - e.time_range.start)
                     for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                    key=lambda e: e[1])
-    # Replays are separated by a synchronise: split where the gap exceeds 50 µs.
+    # Replays are a millisecond apart: split where the gap exceeds 500 µs.
     groups: list[list[tuple[str, float, float]]] = [[]]
     for name, start, dur in found:
-        if groups[-1] and start - (groups[-1][-1][1] + groups[-1][-1][2]) > 50:
+        if groups[-1] and start - (groups[-1][-1][1] + groups[-1][-1][2]) > 500:
             groups.append([])
         groups[-1].append((name, start, dur))
     return [g for g in groups if g]
@@ -65,7 +68,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--config", default=None, help="KernelConfig fields k=v,... replacing the planned persistent one's")
+    ap.add_argument("--config", default=None,
+                    help="KernelConfig fields k=v,... over the planned persistent configuration (or the default one)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -75,10 +79,11 @@ def main() -> None:
     x = torch.randn(args.steps, args.batch, args.hidden, device="cuda", dtype=dtype)
     plan = ours.plan_for(args.batch)
     if args.config:
-        if plan.config is None:
-            raise SystemExit(f"--config replaces a persistent plan's fields; the plan is {plan.path}")
+        base = plan.config or persistent.default_config(
+            args.cell, args.hidden, args.batch, dtype=args.dtype,
+            sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
         forced = dataclasses.replace(plan, path="persistent", config=dataclasses.replace(
-            plan.config, **parse_config_fields(args.config)), reason="forced by --config", short_steps=0)
+            base, **parse_config_fields(args.config)), batch_slice=None, reason="forced by --config", short_steps=0)
         ours.plan_for = lambda batch: forced
         plan = forced
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
