@@ -66,22 +66,29 @@ def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
     return layers
 
 
-def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor,
+def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,
              c0: torch.Tensor | None, *, num_layers: int, bidirectional: bool, has_biases: bool,
              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(output (T, B, D*H), h_n, c_n or None (L*D, B, H)) of the model on the
     plan's path: the persistent kernels, the fallback, or torch's own RNN
     function (cuDNN), from torch's flat weight list, time-major, inference.
+    ``h0`` None: zero states (``c0`` None too, for cells with a cell state),
+    which the persistent kernels start from without a tensor of zeros.
     ``lengths`` (int32, one per sequence; on the CPU it is checked there and
     copied without a synchronise) runs variable lengths, on the persistent
     path only."""
     if lengths is not None and chosen.path != "persistent":
         raise ArgumentError(f"variable lengths run on the persistent path, got a {chosen.path!r} plan")
+    has_c = get_cell(cell).has_cell_state
+    if h0 is None and chosen.path != "persistent":
+        directions = 2 if bidirectional else 1
+        h0 = x.new_zeros(num_layers * directions, x.shape[1], weights[1].shape[1])
+        c0 = torch.zeros_like(h0) if has_c else None
     if chosen.path == "cudnn":
         hx = (h0, c0) if c0 is not None else h0
         # torch's function for each cell the planner times cuDNN for has the cell's name
         result = getattr(torch._VF, cell)(x, hx, weights, has_biases, num_layers, 0.0, False, bidirectional, False)
-        return result[0], result[1], (result[2] if c0 is not None else None)
+        return result[0], result[1], (result[2] if has_c else None)
     layers = layer_params(weights, num_layers, 2 if bidirectional else 1, has_biases)
     if chosen.path == "persistent":
         return persistent.forward_model(chosen.config, layers, x.contiguous(), h0, c0, lengths=lengths,
@@ -128,9 +135,6 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     chosen = plan_for(B).for_steps(T)
 
     def run(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        if h0 is None:  # zeros made inside the capture: each replay writes them, no copy per call
-            h0 = x.new_zeros(states)
-            c0 = x.new_zeros(states) if has_c else None
         out, h_n, c_n = run_plan(chosen, shape.cell, weights, x, h0, c0, num_layers=shape.num_layers,
                                  bidirectional=shape.bidirectional, has_biases=has_biases)
         return (out, h_n, c_n) if has_c else (out, h_n)

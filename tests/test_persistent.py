@@ -474,6 +474,81 @@ def test_batch_slices_match_float64_reference(config, batch, batch_slice):
     check_against_reference(config, batch, 7, seed=seed, batch_slice=batch_slice)
 
 
+MODEL_CASES = [
+    # (config, layers, directions, batch, steps): the kernel adds b_ih to a plain GEMM's projections, and
+    # starts from zero states where none are given: one-stage cells, the reset-after GRU (b_in outside
+    # r * ...), the reset-before GRU's one-sync column product, the fused step, 16-bit mma, two launches
+    # per bidirectional layer and one, and a pipeline (whose later layers take b_ih with the layer before's h)
+    (KernelConfig("lstm", 64, "single", 1, 128, 2, 1, fused_step=True), 1, 1, 3, 9),
+    (KernelConfig("gru", 100, "single", 1, 256, 16, 2), 2, 1, 5, 7),
+    (KernelConfig("gru_reset_before", 64, "cluster", 4, 128, 8, 1, one_sync=True, prefetch_steps=4), 1, 1, 3, 7),
+    (KernelConfig("rnn_tanh", 33, "single", 1, 128, 4, 1), 1, 2, 6, 5),
+    (KernelConfig("gru", 128, "cluster", 2, instances=2, batch_tile=2), 1, 2, 4, 7),
+    (KernelConfig("lstm", 128, "cluster", 4, instances=2, pipeline=True), 2, 1, 2, 20),
+    (_mma("gru", 100, "cluster", 4, 256, 4, "float16"), 1, 1, 17, 7),
+    (KernelConfig("rnn_relu", 100, "cluster", 4, 128, 8, 4, dtype="bfloat16"), 1, 1, 9, 7),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, num_layers, directions, batch, steps", MODEL_CASES,
+                         ids=[f"{c}-L{l}-D{d}-B{b}-T{t}" for c, l, d, b, t in MODEL_CASES])
+@pytest.mark.parametrize("states", ["given", "zeros"])
+def test_forward_model_adds_b_ih_and_starts_from_zero_states(config, num_layers, directions, batch, steps, states):
+    import torch
+
+    from persistrnn import reference
+
+    seed = hash((str(config), num_layers, directions, batch, steps, states)) % 2**32
+    rng = np.random.default_rng(seed)
+    spec, H, dt = config.spec, config.hidden_size, getattr(torch, config.dtype)
+    layers = [[rounded_layer(config.cell, config.dtype, H if l == 0 else directions * H, H, 1, 1, rng)[0]
+               for _ in range(directions)] for l in range(num_layers)]
+
+    def draw(*shape):  # rounded to the layer's dtype; the reference runs on the rounded values
+        return torch.tensor(rng.standard_normal(shape) * 0.5, dtype=dt, device="cuda")
+
+    def f64(t):
+        return t.double().cpu().numpy()
+
+    x, h0, c0 = draw(steps, batch, H), draw(num_layers * directions, batch, H), draw(num_layers * directions, batch, H)
+    given = states == "given"
+    hx = ((f64(h0), f64(c0)) if spec.has_cell_state else f64(h0)) if given else None
+    ref_out, ref_state = reference.rnn_forward(config.cell, f64(x), [[{k: f64(v) for k, v in p.items()} for p in layer]
+                                                                     for layer in layers], num_layers=num_layers,
+                                               bidirectional=directions == 2, hx=hx)
+    with exact_torch():  # the input projection's GEMM in exact fp32, as the fp32 bound assumes
+        out, h_n, c_n = persistent.forward_model(config, layers, x, h0 if given else None,
+                                                 c0 if given and spec.has_cell_state else None)
+    ours, ref = {"output": out, "h_n": h_n}, {"output": ref_out}
+    if spec.has_cell_state:
+        ref["h_n"], ref["c_n"] = ref_state
+        ours["c_n"] = c_n
+    else:
+        ref["h_n"] = ref_state
+    assert_close_to_reference(ours, ref, None, dtype="tf32" if config.tf32 else config.dtype,
+                              context=f"{config}, {num_layers} layer(s) x {directions}, batch {batch}, {steps} steps, "
+                                      f"{states} states, seed {seed}")
+
+
+def test_forward_model_takes_both_states_or_neither():
+    import torch
+
+    with pytest.raises(ValueError, match="c0 without h0; expected both or neither"):
+        persistent.forward_model(KernelConfig("lstm", 8, "single", 1), [[{}]], torch.zeros(5, 2, 8), None,
+                                 torch.zeros(1, 2, 8))
+
+
+def test_input_projection_leaves_b_ih_to_the_kernel_where_not_given():
+    import torch
+
+    x, w, b = torch.randn(5, 3, 8), torch.randn(12, 8), torch.randn(12)
+    plain = persistent.input_projection(x, w)
+    assert plain.shape == (5, 3, 12) and torch.allclose(plain, (x @ w.t()))
+    assert torch.allclose(persistent.input_projection(x, w, b), x @ w.t() + b)
+    assert ("const float*", "xw_bias") in persistent.instance_fields(KernelConfig("lstm", 8, "single", 1))
+
+
 @pytest.mark.parametrize("lengths,message", [
     ([3, 0], r"every length in 1\.\.5 .*got lengths from 0 to 3"),
     ([6, 2], r"every length in 1\.\.5 .*got lengths from 2 to 6"),

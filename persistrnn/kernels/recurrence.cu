@@ -102,7 +102,7 @@ typedef PRNN_IO_T io_t;  // h0, c0, outputs and weights: the layer's dtype
 struct prnn_smem_layout {
     float* hbuf;    // [HBUFS][KPAD][BP]
     float* gates;   // [KS][G][U][BP]  recurrent products W_hh h, KS partials (b_hh is added pointwise)
-    float* bias;    // [G][U]          b_hh of this block's rows
+    float* bias;    // [G][U]          b_hh of this block's rows, then [G][U] b_ih's (PRNN_XW_BIAS)
     float* xw;      // [DEPTH+1][G][U][BP]  input projections, prefetched DEPTH steps ahead
     float* c;       // [U][BP]         cell state (cells that carry one)
     float* w;       // weights that do not fit in registers
@@ -114,6 +114,11 @@ struct prnn_smem_layout {
     float* w_ih;       // resident: [XROWS][I] W_ih's rows of this block's units (g*U + u), then b_ih's [XROWS]
 };
 
+// b_ih of this block's rows, added to xw (zeros where xw holds it); an
+// offset from L.bias rather than a pointer of its own, which would hold a
+// register through the step loop (a two-instance build spilled with one).
+#define PRNN_XW_BIAS (L.bias + PRNN_BIAS_FLOATS)
+
 #define PRNN_HBUF(e) (L.hbuf + (PRNN_HBUFS == 2 ? (e) & 1 : 0) * PRNN_KPAD * BP)  // exchange e's h
 
 __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
@@ -123,7 +128,7 @@ __device__ __forceinline__ prnn_smem_layout prnn_layout(float* base, int BP) {
     L.xw = L.gates + PRNN_KS * PRNN_G * PRNN_U * BP;
     L.c = L.xw + (PRNN_XW_DEPTH + 1) * PRNN_G * PRNN_U * BP;
     L.bias = L.c + (PRNN_HAS_C ? PRNN_U * BP : 0);
-    L.w = L.bias + PRNN_BIAS_FLOATS;
+    L.w = L.bias + 2 * PRNN_BIAS_FLOATS;
     L.part = L.w + PRNN_SHARED_W_FLOATS;
     L.rh = L.part + (PRNN_ONE_SYNC ? 2 * PRNN_NB * PRNN_PROWS * BP : 0);
     L.bias_next = L.rh + (PRNN_ONE_SYNC ? PRNN_KPAD * BP : 0);
@@ -631,12 +636,13 @@ __device__ __forceinline__ void prnn_push_columns_to_peers(const float* mine, pr
 #endif
 
 // Per instance i, as PRNN_INSTANCE_PARAMS lists them (suffix _i):
-//   xw      [T][ld][G*H] input projection incl. b_ih, fp32 (unused by a pipeline consumer)
+//   xw      [T][ld][G*H] input projection x W_ih^T, fp32 (unused by a pipeline consumer)
 //   w_hh    [G*H][H], b_hh [G*H]
-//   h0, c0  [ld][H] (c0: cells with a cell state)
+//   h0, c0  [ld][H] (c0: cells with a cell state; h0 null: both zeros)
 //   out     [T][ld][out_row], this instance's H columns (null: not written)
 //   h_n, c_n [ld][H]
 //   reverse 1: run positions T-1 .. 0
+//   xw_bias [G*H]: b_ih, added to xw (null: xw includes it)
 //   w_next  [G*H][H], b_next [G*H]: the next layer's W_ih, b_ih (pipeline; null for the last)
 //   saved_gates [T][ld][G*H], saved_c [T][ld][H]: fp32, what training's backward reads (PRNN_SAVE_GATES)
 // and for the launch:
@@ -760,6 +766,18 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
             prnn_cp_async_commit();             \
         }                                       \
     }
+    // The biases are read once per (gate, unit, column) in the pointwise
+    // phase; in registers they would cost every thread two registers per row.
+    // b_ih comes apart from xw (xw_bias) where the input projection is a
+    // plain GEMM: with the bias in its epilogue, cuBLASLt ran small layers'
+    // projections split-K, four launches and a memset (perf-notes §68).
+    // Loaded before the weights: after them, the extra loads made kernels at
+    // the register limit spill.
+    for (int i = tid; i < PRNN_G * PRNN_U; i += PRNN_THREADS) {
+        const int unit = blk * PRNN_U + i % PRNN_U, row = (i / PRNN_U) * PRNN_H + unit;
+        L.bias[i] = unit < PRNN_H ? prnn_to_float(b_hh[row]) : 0.0f;
+        PRNN_XW_BIAS[i] = unit < PRNN_H && xw_bias ? prnn_to_float(xw_bias[row]) : 0.0f;
+    }
 #if !PRNN_RESIDENT
     PRNN_PREFETCH_FIRST();  // a resident kernel's come with each tick
 #endif
@@ -830,19 +848,12 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
         prnn_group_product<PRNN_C_RPW, PRNN_CPT, PRNN_CPT>(
             wc, nullptr, h + blk * PRNN_U * BP, lane, BP, Bc, column_rows, [&](int r, int b, float v) {
                 const int row = wg + r * PRNN_NWG, u = row - blk * PRNN_U;
-                if (u >= 0 && u < PRNN_U) v += xs_r[u * BP + b] + L.bias[u];
+                if (u >= 0 && u < PRNN_U) v += xs_r[u * BP + b] + PRNN_XW_BIAS[u] + L.bias[u];
                 part[row * BP + b] = v;
             });
     };
     const int part_floats = PRNN_PROWS * BP;  // one block's partial sums
 #endif
-    // The bias is read once per (gate, unit, column) in the pointwise phase;
-    // in registers it would cost every thread a register per row.
-    for (int i = tid; i < PRNN_G * PRNN_U; i += PRNN_THREADS) {
-        const int unit = blk * PRNN_U + i % PRNN_U;
-        L.bias[i] = unit < PRNN_H ? prnn_to_float(b_hh[(i / PRNN_U) * PRNN_H + unit]) : 0.0f;
-    }
-
     // The h buffers start as zeros (the padding rows and columns stay zero);
     // exchange -1's (buffer 1, or the only one) then receives h0.
     for (int i = tid; i < PRNN_HBUFS * PRNN_KPAD * BP; i += PRNN_THREADS) L.hbuf[i] = 0.0f;
@@ -850,11 +861,15 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     for (int i = tid; i < 2 * PRNN_NB * part_floats + PRNN_KPAD * BP; i += PRNN_THREADS) L.part[i] = 0.0f;
 #endif
     __syncthreads();
-    // h0 into buffer 1 (exchange -1) and c0 into the cell state. A resident
-    // tick also zeroes columns B..Bc of h0, which hold an earlier tick's
-    // values: the product reads them (its results there are dropped).
+    // h0 into buffer 1 (exchange -1) and c0 into the cell state; a null h0
+    // means zero states, h and c (no fill launched before the kernel). A
+    // resident tick also zeroes columns B..Bc of h0, which hold an earlier
+    // tick's values: the product reads them (its results there are dropped).
     auto load_states = [&]() {
-        for (int i = tid; i < PRNN_H * (PRNN_RESIDENT ? Bc : B); i += PRNN_THREADS) {
+        // One null test for both states: a test of each pointer made a
+        // two-instance build spill. (The h buffers are zeros already.)
+        const bool given = h0 != nullptr;
+        if (given) for (int i = tid; i < PRNN_H * (PRNN_RESIDENT ? Bc : B); i += PRNN_THREADS) {
             const int b = i / PRNN_H, k = i % PRNN_H;
             const bool row = !PRNN_RESIDENT || b < B;  // (a constant unless resident: no select then)
             L.hbuf[(PRNN_HBUFS - 1) * PRNN_KPAD * BP + k * BP + b] =  // PRNN_HBUF(-1)
@@ -863,7 +878,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #if PRNN_HAS_C
         for (int i = tid; i < PRNN_U * B; i += PRNN_THREADS) {
             const int b = i % B, u = i / B, unit = blk * PRNN_U + u;
-            L.c[u * BP + b] = unit < PRNN_H ? prnn_to_float(c0[PRNN_STATE_IN(b) * PRNN_H + unit]) : 0.0f;
+            L.c[u * BP + b] = given && unit < PRNN_H ? prnn_to_float(c0[PRNN_STATE_IN(b) * PRNN_H + unit]) : 0.0f;
         }
 #endif
     };
@@ -1163,7 +1178,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                         float xg[PRNN_G], hg[PRNN_G];
 #pragma unroll
                         for (int g = 0; g < PRNN_G; ++g) {
-                            xg[g] = xs[(g * PRNN_U + wg) * BP + b];
+                            xg[g] = xs[(g * PRNN_U + wg) * BP + b] + PRNN_XW_BIAS[g * PRNN_U + wg];
                             hg[g] = L.bias[g * PRNN_U + wg] + sums[g][bb];
                         }
                         emit(wg, b, xg, hg);
@@ -1204,7 +1219,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 float xg[PRNN_G], hg[PRNN_G];
 #pragma unroll
                 for (int g = 0; g < PRNN_G; ++g) {
-                    xg[g] = xs[(g * PRNN_U + u) * BP + b];
+                    xg[g] = xs[(g * PRNN_U + u) * BP + b] + PRNN_XW_BIAS[g * PRNN_U + u];
                     hg[g] = L.bias[g * PRNN_U + u];
 #pragma unroll
                     for (int ks = 0; ks < PRNN_KS; ++ks) hg[g] += L.gates[((ks * PRNN_G + g) * PRNN_U + u) * BP + b];

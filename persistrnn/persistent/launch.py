@@ -28,8 +28,10 @@ class Instance:
     """One recurrence of a launch (see :func:`run_instances`).
 
     xw: (T, B, G*H) float32 input projections (None for a pipeline's later
-    layers, which get theirs from the layer before). w_hh (G*H, H), b_hh
-    (G*H,), h0, c0, h_n, c_n (B, H): the layer's dtype, contiguous. out:
+    layers, which get theirs from the layer before), with b_ih, or without
+    it where xw_bias (G*H,) is b_ih, which the kernel then adds. w_hh (G*H, H),
+    b_hh (G*H,), h0, c0, h_n, c_n (B, H): the layer's dtype, contiguous (h0
+    None: zero states, c0 then unused). out:
     (T, B, out_row), of which this instance writes columns
     [out_column, out_column + H); None writes no output. w_next, b_next: the
     next layer's W_ih (G*H, H) and b_ih (pipeline, all but the last).
@@ -52,6 +54,7 @@ class Instance:
     b_next: Any = None
     saved_gates: Any = None
     saved_c: Any = None
+    xw_bias: Any = None
 
 
 def _address(t: Any, offset: int = 0) -> Any:
@@ -132,7 +135,7 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
             c_n = i.c_n if i.c_n is not None else i.h_n
             args += [_address(i.xw, b0 * GH), _address(i.w_hh), _address(i.b_hh), _address(i.h0, b0 * H),
                      _address(c0, b0 * H), _address(i.out, b0 * out_row + i.out_column), _address(i.h_n, b0 * H),
-                     _address(c_n, b0 * H), int(i.reverse)]
+                     _address(c_n, b0 * H), int(i.reverse), _address(i.xw_bias)]
             if config.pipeline:
                 args += [_address(i.w_next), _address(i.b_next)]
             if config.save_gates:
@@ -275,20 +278,22 @@ def _prepared_launch(config: KernelConfig, device: int, per_slice: int,
     return kernel, kernel.config(config.blocks, config.threads, shared=shared, cooperative=True)
 
 
-def input_projection(x: Any, w_ih: Any, b_ih: Any) -> Any:
-    """``x @ W_ih^T + b_ih`` for every step at once: (T, B, I) -> (T, B, G*H) float32.
+def input_projection(x: Any, w_ih: Any, b_ih: Any = None) -> Any:
+    """``x @ W_ih^T (+ b_ih)`` for every step at once: (T, B, I) -> (T, B, G*H) float32.
 
     One GEMM through torch. A 16-bit layer's GEMM accumulates and returns
-    fp32, so the recurrence starts from unrounded projections.
+    fp32, so the recurrence starts from unrounded projections. Without
+    ``b_ih`` it is a plain GEMM, one launch, and the persistent kernel adds
+    the bias (:attr:`Instance.xw_bias`): with it, cuBLASLt's bias epilogue ran
+    small layers' projections split-K in four launches and a memset, and a
+    16-bit bias took two more launches (perf-notes §68).
     """
     import torch
 
     T, B, I = x.shape
     x2 = x.reshape(T * B, I)
-    if x.dtype == torch.float32:
-        xw = torch.addmm(b_ih, x2, w_ih.t())
-    else:
-        xw = torch.addmm(b_ih.float(), x2, w_ih.t(), out_dtype=torch.float32)
+    out_dtype = {} if x.dtype == torch.float32 else {"out_dtype": torch.float32}
+    xw = torch.mm(x2, w_ih.t(), **out_dtype) if b_ih is None else torch.addmm(b_ih, x2, w_ih.t(), **out_dtype)
     return xw.view(T, B, -1)
 
 
@@ -318,7 +323,8 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
 
     ``layers[l][d]`` holds the tensors ``w_ih``, ``w_hh``, ``b_ih``, ``b_hh``
     of layer l, direction d (1: reverse); ``x`` is (T, B, I); ``h0``, ``c0``
-    are (L*D, B, H); ``lengths`` and ``batch_slice`` as in :func:`run_instances`
+    are (L*D, B, H), or both None for zeros (the kernel starts from zeros:
+    no launch fills them); ``lengths`` and ``batch_slice`` as in :func:`run_instances`
     (``lengths`` may also be on the CPU: checked there, copied without a
     synchronise). Returns
     (output (T, B, D*H), h_n, c_n (L*D, B, H)).
@@ -341,16 +347,22 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
         check_lengths(lengths, T, B, x.device)
     H = config.hidden_size
     has_c = config.spec.has_cell_state
-    h0 = h0.contiguous()
-    c0 = c0.contiguous() if has_c else None
-    h_n = torch.empty_like(h0)
-    c_n = torch.empty_like(c0) if has_c else None
+    if h0 is None and c0 is not None:
+        raise ArgumentError("forward_model: c0 without h0; expected both or neither")
+    h0 = h0.contiguous() if h0 is not None else None
+    c0 = c0.contiguous() if has_c and h0 is not None else None
+    h_n = torch.empty(L * D, B, H, dtype=x.dtype, device=x.device)
+    c_n = torch.empty_like(h_n) if has_c else None
 
     def instance(l: int, d: int, xw: Any, out: Any) -> Instance:
         i = l * D + d
         p = layers[l][d]
-        return Instance(xw, p["w_hh"], p["b_hh"], h0[i], c0[i] if has_c else None, out, h_n[i],
-                        c_n[i] if has_c else None, reverse=d == 1, out_column=d * H)
+        # The first layer's projection is a plain GEMM and the kernel adds
+        # b_ih (a pipeline's later layers get theirs, b_ih included, from
+        # the layer before).
+        return Instance(xw, p["w_hh"], p["b_hh"], None if h0 is None else h0[i], None if c0 is None else c0[i], out,
+                        h_n[i], c_n[i] if has_c else None, reverse=d == 1, out_column=d * H,
+                        xw_bias=p["b_ih"] if xw is not None else None)
 
     if config.pipeline:
         if D != 1 or config.instances != L:
@@ -358,7 +370,7 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
                               f"layer(s) of {D} direction(s)")
         out = torch.empty(T, B, H, dtype=x.dtype, device=x.device)
         first = layers[0][0]
-        instances = [instance(l, 0, input_projection(x, first["w_ih"], first["b_ih"]) if l == 0 else None,
+        instances = [instance(l, 0, input_projection(x, first["w_ih"]) if l == 0 else None,
                               out if l == L - 1 else None) for l in range(L)]
         for l in range(L - 1):
             instances[l].w_next, instances[l].b_next = layers[l + 1][0]["w_ih"], layers[l + 1][0]["b_ih"]
@@ -369,7 +381,7 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
     layer_input = x
     for l in range(L):
         out = torch.empty(T, B, D * H, dtype=x.dtype, device=x.device)
-        group = [instance(l, d, input_projection(layer_input, layers[l][d]["w_ih"], layers[l][d]["b_ih"]), out)
+        group = [instance(l, d, input_projection(layer_input, layers[l][d]["w_ih"]), out)
                  for d in range(D)]
         last = l == L - 1
         if config.instances == D:

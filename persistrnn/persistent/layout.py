@@ -187,7 +187,7 @@ class KernelLayout:
 
     @property
     def bias_floats(self) -> int:
-        """b_hh of one block's rows, in shared memory (rounded to 16 bytes)."""
+        """One bias (b_hh, or b_ih) of one block's rows, in shared memory (rounded to 16 bytes)."""
         return -(-self.spec.num_gates * self.units_per_block // 4) * 4
 
     @property
@@ -214,7 +214,7 @@ class KernelLayout:
         if self.resident_input_size:  # each row's two state slots (int32), W_ih's rows and b_ih (recurrence.cu)
             rows = -(-g * u // RESIDENT_PROJECTION_ROWS) * RESIDENT_PROJECTION_ROWS
             floats += 2 * bp + rows * (self.resident_input_size + 1)
-        return 4 * (floats + self.bias_floats + self.shared_weight_floats)
+        return 4 * (floats + 2 * self.bias_floats + self.shared_weight_floats)  # b_hh and b_ih
 
     def exchange_floats(self, batch: int) -> int:
         """(grid) Floats of one launch's exchange buffer: two [KPAD][BP]

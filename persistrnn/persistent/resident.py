@@ -153,7 +153,7 @@ class ResidentLayer:
         with torch.cuda.stream(self.stream):
             own = runtime.scratch(self.device, 0, counters=self.config.counter_words)
             args = [np.uint64(0), _address(w_hh), _address(b_hh), _address(self.h_pool), _address(c_pool),
-                    np.uint64(0), _address(self.h_pool), _address(c_pool), 0,
+                    np.uint64(0), _address(self.h_pool), _address(c_pool), 0, np.uint64(0),
                     _address(w_ih), _address(b_ih), np.uint64(self.control.data_ptr()), np.int64(self.tick),
                     np.int64(generation), np.uint64(self.idle_ns), np.uint64(self.lifetime_ns),
                     np.uint64(0), np.uint64(own.counters), np.uint64(0), np.uint64(0), 1, self.rows, self.rows,

@@ -23,7 +23,8 @@ def instance_fields(config: KernelConfig) -> list[tuple[str, str]]:
     """(C type, name) of each per-instance kernel parameter, in order."""
     io = DEVICE_TYPES[config.dtype]
     fields = [("const float*", "xw"), (f"const {io}*", "w_hh"), (f"const {io}*", "b_hh"), (f"const {io}*", "h0"),
-              (f"const {io}*", "c0"), (f"{io}*", "out"), (f"{io}*", "h_n"), (f"{io}*", "c_n"), ("int", "reverse")]
+              (f"const {io}*", "c0"), (f"{io}*", "out"), (f"{io}*", "h_n"), (f"{io}*", "c_n"), ("int", "reverse"),
+              (f"const {io}*", "xw_bias")]
     if config.pipeline:
         fields += [(f"const {io}*", "w_next"), (f"const {io}*", "b_next")]
     if config.save_gates:
