@@ -487,6 +487,7 @@ MODEL_CASES = [
     (KernelConfig("lstm", 128, "cluster", 4, instances=2, pipeline=True), 2, 1, 2, 20),
     (_mma("gru", 100, "cluster", 4, 256, 4, "float16"), 1, 1, 17, 7),
     (KernelConfig("rnn_relu", 100, "cluster", 4, 128, 8, 4, dtype="bfloat16"), 1, 1, 9, 7),
+    (KernelConfig("gru", 64, "grid", 64, 32, 1, 2, tagged_exchange=True), 1, 1, 8, 20),
 ]
 
 
