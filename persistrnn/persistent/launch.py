@@ -349,13 +349,6 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
     has_c = config.spec.has_cell_state
     if h0 is None and c0 is not None:
         raise ArgumentError("forward_model: c0 without h0; expected both or neither")
-    if h0 is None and config.tagged_exchange:
-        # Measured (H100, LSTM 1024 batch 1, the same binary): 319 us per
-        # forward from a null h0 against 204 from a tensor of zeros; why a
-        # tagged exchange runs slower after a prologue without the state's
-        # loads is not known (perf-notes §68). Two fills cost ~2 us.
-        h0 = x.new_zeros(L * D, B, H)
-        c0 = torch.zeros_like(h0) if has_c else None
     h0 = h0.contiguous() if h0 is not None else None
     c0 = c0.contiguous() if has_c and h0 is not None else None
     h_n = torch.empty(L * D, B, H, dtype=x.dtype, device=x.device)
