@@ -441,7 +441,8 @@ def _measure_sync() -> dict[str, dict[str, float]]:
 
 
 def measure_calibration(progress: bool = True) -> Calibration:
-    """Run every micro-benchmark on the current GPU (a few seconds)."""
+    """Run every micro-benchmark on the current GPU (12 s on an H100, beside
+    the native replay's build on a process's first call; perf-notes §68)."""
     facts = runtime.device_facts()
     tables = _measure_micro(progress)
     tables.update(_measure_sync())
