@@ -770,7 +770,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // phase; in registers they would cost every thread two registers per row.
     // b_ih comes apart from xw (xw_bias) where the input projection is a
     // plain GEMM: with the bias in its epilogue, cuBLASLt ran small layers'
-    // projections split-K, four launches and a memset (perf-notes §68).
+    // projections split-K, a memset and three kernels (perf-notes §68).
     // Loaded before the weights: after them, the extra loads made kernels at
     // the register limit spill.
     for (int i = tid; i < PRNN_G * PRNN_U; i += PRNN_THREADS) {

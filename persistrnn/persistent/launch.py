@@ -285,7 +285,7 @@ def input_projection(x: Any, w_ih: Any, b_ih: Any = None) -> Any:
     fp32, so the recurrence starts from unrounded projections. Without
     ``b_ih`` it is a plain GEMM, one launch, and the persistent kernel adds
     the bias (:attr:`Instance.xw_bias`): with it, cuBLASLt's bias epilogue ran
-    small layers' projections split-K in four launches and a memset, and a
+    small layers' projections split-K, a memset and three kernels, and a
     16-bit bias took two more launches (perf-notes §68).
     """
     import torch
