@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_close_to_reference, exact_torch, random_layer, torch_peer
+from helpers import assert_close_to_reference, exact_torch, poison_outputs, random_layer, torch_peer
 
 from persistrnn import cells, persistent, reference, runtime
 from persistrnn.persistent import ConfigError, KernelConfig
@@ -204,18 +204,11 @@ def _compare(cell, dtype, result, ref, peer, context):
 
 
 def _check(config, cell, dtype, input_size, layers, directions, batch, steps, batch_slice=None):
-    import torch
 
     seed = hash((str(config), batch, steps, batch_slice)) % 2**32  # fresh per run; printed on failure
     torch_layers, x, h0, c0, ref = _model_case(cell, dtype, input_size, config.hidden_size, layers, directions, batch,
                                                steps, seed)
-    # Poison: NaN blocks of the outputs' sizes, freed, so that the caching
-    # allocator hands them back for the outputs; an element the kernel never
-    # writes stays NaN and fails the comparison.
-    H, D = config.hidden_size, directions
-    poison = [torch.full(shape, float("nan"), dtype=x.dtype, device="cuda")
-              for shape in ((steps, batch, D * H), h0.shape, h0.shape)]
-    del poison
+    poison_outputs([(steps, batch, directions * config.hidden_size), h0.shape, h0.shape], x.dtype)
     with exact_torch():
         result = persistent.forward_model(config, torch_layers, x, h0, c0, batch_slice=batch_slice)
     _compare(cell, dtype, result, ref, torch_peer(cell, torch_layers, x, h0, c0),

@@ -32,6 +32,7 @@ import json
 import math
 import re
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from .. import __version__, runtime
@@ -355,16 +356,17 @@ def bench_programs() -> list[tuple[int, int, int, int]]:
             + [(1, 1, 1, k) for k in MMA_CHUNKS])
 
 
-def compile_bench_programs(arch: str | None = None) -> dict[tuple[int, int, int, int], runtime.CompiledBinary]:
-    """Every micro-benchmark program, compiled in threads."""
+def compile_bench_programs(arch: str | None = None) -> dict[tuple[int, int, int, int], Future]:
+    """Every micro-benchmark program, compiling in threads in the order the
+    calibration times them: a program's future is done as soon as it is
+    built, so the first programs' timings run while the last ones compile."""
     programs = bench_programs()
-    return dict(zip(programs, runtime.map_in_threads(lambda p: bench_binary(p, arch=arch), programs)))
+    return dict(zip(programs, runtime.submit_in_threads(lambda p: bench_binary(p, arch=arch), programs)))
 
 
-def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
+def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress: bool) -> dict[str, dict[str, float]]:
     import torch
 
-    binaries = compile_bench_programs()
     dev = torch.device("cuda")
     max_threads = 128 * WARPS_PER_SCHEDULER[-1]
     sink = torch.empty(max_threads, device=dev)
@@ -373,7 +375,7 @@ def _measure_micro(progress: bool) -> dict[str, dict[str, float]]:
 
     def per_iteration_ns(program: tuple, kernel: str, threads: int, shared: int) -> float | None:
         """ns per iteration, or None where the block cannot run (registers or shared memory)."""
-        k = runtime.get_kernel(binaries[program], kernel)
+        k = runtime.get_kernel(compiling[program].result(), kernel)
         if (shared > runtime.device_facts().shared_per_block_optin or k.max_resident_blocks(threads, shared) < 1
                 or k.resources.uses_local_memory):  # a spilled bench would time local memory, not the product
             return None
@@ -444,8 +446,9 @@ def measure_calibration(progress: bool = True) -> Calibration:
     """Run every micro-benchmark on the current GPU (12 s on an H100, beside
     the native replay's build on a process's first call; perf-notes §68)."""
     facts = runtime.device_facts()
-    tables = _measure_micro(progress)
-    tables.update(_measure_sync())
+    compiling = compile_bench_programs()  # built while the sync floors and the first programs are timed
+    tables = _measure_sync()
+    tables.update(_measure_micro(compiling, progress))
     from cuda.core import Device
 
     clock_mhz = Device(facts.index).properties.clock_rate / 1e3

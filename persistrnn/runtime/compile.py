@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -28,7 +28,8 @@ from .cache import atomic_write, cache_dir, entry_name, key_lock
 from .device import device_facts, import_cuda_core
 
 __all__ = ["CompiledBinary", "KernelResources", "cache_key", "compile_source", "map_in_threads", "nvrtc_compiles",
-           "nvrtc_version", "parse_ptxas_report", "program_options", "read_source", "render_template", "sources_dir"]
+           "nvrtc_version", "parse_ptxas_report", "program_options", "read_source", "render_template", "sources_dir",
+           "submit_in_threads"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -295,8 +296,10 @@ def nvrtc_compiles() -> int:
     return _nvrtc_compiles
 
 
-def map_in_threads(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[R]:
-    """``[fn(x) for x in items]`` in threads: NVRTC releases the GIL, so
+def submit_in_threads(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[Future[R]]:
+    """``fn(x)`` for every item, started in threads in the items' order; a
+    future per item, done as soon as its own call is (so a caller can use the
+    first results while the last still run). NVRTC releases the GIL, so
     compilations run in parallel. cuda.core's lazily imported modules are
     imported here first, since concurrent first imports race."""
     from cuda.core import Program, ProgramOptions  # noqa: F401
@@ -304,8 +307,16 @@ def map_in_threads(fn: Callable[[T], R], items: Sequence[T], max_workers: int | 
     if not items:
         return []
     workers = max(1, min(len(items), max_workers or os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(fn, items))
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        return [pool.submit(fn, x) for x in items]
+    finally:
+        pool.shutdown(wait=False)  # the submitted calls still run; the threads end with them
+
+
+def map_in_threads(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[R]:
+    """``[fn(x) for x in items]`` in threads (:func:`submit_in_threads`)."""
+    return [f.result() for f in submit_in_threads(fn, items, max_workers)]
 
 
 def sources_dir() -> Path:
