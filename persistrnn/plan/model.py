@@ -50,6 +50,7 @@ MEASURE_ATTEMPTS = 5
 BENCH_CHUNKS = (4, 16)  # two chunk counts separate the per-chunk cost from the fixed part
 MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A fragments fit in registers)
 BENCH_ITERATIONS = 2000
+SYNC_STEPS = 4000  # steps of each sync floor's long run (the short one runs a tenth)
 CALIBRATION_FORMAT = 3
 
 
@@ -429,7 +430,7 @@ def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress:
 def _measure_sync() -> dict[str, dict[str, float]]:
     from . import floors  # in the library: calibrating needs nothing outside it
 
-    r = floors.Runner(floors.SyncConfig(steps=4000, repeats=3, warmup=1))
+    r = floors.Runner(floors.SyncConfig(steps=SYNC_STEPS, repeats=3, warmup=1))
     facts = runtime.device_facts()
     max_cluster = r.kernel("cluster_barrier").max_cluster_size(floors.BLOCK)
     stasync = floors.cluster_exchanges(r, max_cluster)["cluster_exchange_stasync"]
