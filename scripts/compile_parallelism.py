@@ -140,7 +140,8 @@ for cell, size, batch in (("LSTM", 256, 1), ("GRU", 512, 4), ("LSTM", 128, 8)):
     model = getattr(persistrnn, cell)(size, size).cuda()
     x = torch.randn(100, batch, size, device="cuda")
     started = time.perf_counter()
-    model(x)
+    with torch.no_grad():
+        model(x)
     torch.cuda.synchronize()
     print(f"first call of persistrnn.{cell}({size}, {size}) at batch {batch}: {time.perf_counter() - started:.2f} s"
           f" (plan: {model.plan_for(batch).path})")

@@ -49,8 +49,13 @@ BENCH_GROUPS = (2, 8, 32)
 MEASURE_ATTEMPTS = 5
 BENCH_CHUNKS = (4, 16)  # two chunk counts separate the per-chunk cost from the fixed part
 MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A fragments fit in registers)
-BENCH_ITERATIONS = 2000
-SYNC_STEPS = 4000  # steps of each sync floor's long run (the short one runs a tenth)
+# Loop lengths of the calibration's timings (each also runs a tenth as long,
+# and the difference is kept). Half of 2000 / 4000 measured as close to them
+# as two runs at 2000 / 4000 are to each other (entries within 7% at p90; the
+# cost model's top 5 of six shapes kept alike), in half the time: the
+# calibration 9.0 -> ~6 s on an H100 (perf-notes §69).
+BENCH_ITERATIONS = 1000
+SYNC_STEPS = 2000  # steps of each sync floor's long run (the short one runs a tenth)
 CALIBRATION_FORMAT = 3
 
 
@@ -444,8 +449,8 @@ def _measure_sync() -> dict[str, dict[str, float]]:
 
 
 def measure_calibration(progress: bool = True) -> Calibration:
-    """Run every micro-benchmark on the current GPU (12 s on an H100, beside
-    the native replay's build on a process's first call; perf-notes §68)."""
+    """Run every micro-benchmark on the current GPU (~6 s on an H100: the
+    programs compile in threads while the first ones are timed; perf-notes §69)."""
     facts = runtime.device_facts()
     compiling = compile_bench_programs()  # built while the sync floors and the first programs are timed
     tables = _measure_sync()
