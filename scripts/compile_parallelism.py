@@ -135,7 +135,10 @@ def main() -> None:
 
 
 FIRST_CALLS = """
-import time, torch, persistrnn
+import logging, os, time, torch, persistrnn
+if os.environ.get("FIRST_CALLS_LOG"):  # every compile and tuning step, ms since the process started
+    logging.basicConfig(format="  [%(relativeCreated)6.0f ms %(threadName)s] %(message)s")
+    logging.getLogger("persistrnn").setLevel(os.environ["FIRST_CALLS_LOG"])
 for cell, size, batch in (("LSTM", 256, 1), ("GRU", 512, 4), ("LSTM", 128, 8)):
     model = getattr(persistrnn, cell)(size, size).cuda()
     x = torch.randn(100, batch, size, device="cuda")
