@@ -82,7 +82,8 @@ def main() -> None:
         return
     _fresh_cache()
     started = time.perf_counter()
-    built = {p: f.result() for p, f in model.compile_bench_programs().items()}
+    sync, programs = model.compile_calibration()
+    built = {p: f.result() for p, f in programs.items()}
     print(f"calibration's compiles alone: {time.perf_counter() - started:.2f} s")
     runs = {}
     default = (model.BENCH_ITERATIONS, model.SYNC_STEPS)
@@ -90,7 +91,7 @@ def main() -> None:
                                             ("half the iterations", (default[0] // 2, default[1] // 2))):
         model.BENCH_ITERATIONS, model.SYNC_STEPS = iterations, sync_steps
         started = time.perf_counter()
-        tables = model._measure_sync()
+        tables = model._measure_sync(sync)
         sync = time.perf_counter() - started
         started = time.perf_counter()
         tables.update(model._measure_micro({p: _done(b) for p, b in built.items()}, progress=False))

@@ -422,7 +422,8 @@ def test_tune_picks_a_measured_candidate_and_explain_prints_it(isolated_cache, c
     assert p.source == "tuned" and p.path in tuner.PATHS
     finite = {k: v for k, v in p.measured_ms.items() if v == v}
     # the plan is the fastest timed candidate, by its label
-    assert min(finite, key=finite.get) == (tuner.config_label(p.config) if p.path == "persistent" else p.path)
+    assert min(finite, key=finite.get) == (tuner.config_label(p.config, p.batch_slice) if p.path == "persistent"
+                                           else p.path)
     shown = explain(lstm, 2)
     assert shown.source == "cache" and shown.path == p.path
     text = capsys.readouterr().out
@@ -682,3 +683,26 @@ def test_a_left_out_family_with_a_member_already_built_compiles_nothing_more(mon
         assert first in over and [r for r in top[k:] if tuner.family(r.config) == f] == [first]
         assert [c for c in tried if tuner.family(c) == f] == [r.config for r in own[:2 * k]
                                                               if tuner.family(r.config) == f]
+
+
+@pytest.mark.parametrize("shape, batch", [(tuner.ModelShape("lstm", 1024, 1024), 1),
+                                          (tuner.ModelShape("lstm", 256, 256, dtype="bfloat16"), 8),
+                                          (tuner.ModelShape("gru", 512, 512), 4)])
+def test_where_nothing_spills_the_tuner_compiles_its_candidates_in_one_round(monkeypatch, shape, batch):
+    # Each round of compiles is ~1 s of a fresh machine's host time: the top k, the first of every family they
+    # leave out and the twins of both go in one round, and the result is the one the rounds gave.
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    ranked = tuner.ranked_configs(shape, batch, model)
+    monkeypatch.setattr(tuner, "compiles", lambda c: True)
+    rounds = []
+    real = runtime.map_in_threads
+    monkeypatch.setattr(runtime, "map_in_threads", lambda fn, items: rounds.append(len(items)) or real(fn, items))
+    top = tuner.compile_top(ranked, 5)
+    assert len([n for n in rounds if n]) == 1 and rounds[0] >= len(top)
+    own = [r for r in ranked if not r.config.tagged_exchange]
+    kept = [r for r in top if not r.config.tagged_exchange]
+    assert kept[:5] == own[:5]
+    assert {tuner.family(r.config) for r in kept} == {tuner.family(r.config) for r in own}
+    twins = [t for r in kept for t in ranked if t.config.tagged_exchange and t.batch_slice == r.batch_slice
+             and dataclasses.replace(t.config, tagged_exchange=False) == r.config]
+    assert [r for r in top if r.config.tagged_exchange] == twins and (shape.hidden_size < 1024 or twins)

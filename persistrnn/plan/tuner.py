@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from .. import __version__, persistent, runtime
 from ..errors import ArgumentError, ArgumentTypeError, ConfigError, KernelLaunchError
@@ -341,21 +341,38 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
     # Keyed by the barrier configuration each is the twin of (cluster and single ones have none).
     tagged = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
               for r in ranked if twins and r.config.tagged_exchange}
+    of = [family(r.config) for r in own]
     compiled: dict[int, bool] = {}  # by position in own
+    twin_built: dict[int, bool] = {}  # by the position in own of the configuration it is the twin of
 
-    def compile_positions(positions: list[int]) -> None:
-        for i, ok in zip(positions, runtime.map_in_threads(compiles, [own[i].config for i in positions])):
-            compiled[i] = ok
+    def compile_positions(positions: list[int], twins_of: Iterable[int] = ()) -> None:
+        """Compiles the configurations at ``positions`` and the twins of those at ``twins_of``, all at once."""
+        positions = [i for i in positions if i not in compiled]
+        pairs = [i for i in twins_of if i not in twin_built and (own[i].config, own[i].batch_slice) in tagged]
+        configs = [own[i].config for i in positions] + [tagged[own[i].config, own[i].batch_slice].config
+                                                         for i in pairs]
+        results = runtime.map_in_threads(compiles, configs)
+        compiled.update(zip(positions, results))
+        twin_built.update(zip(pairs, results[len(positions):]))
 
-    start = 0
-    while sum(compiled.values()) < k and start < len(own):
-        # Twice what is missing per round: a few spill under some NVRTC versions.
-        missing = k - sum(compiled.values())
+    def built_before(limit: int) -> list[int]:
+        return [i for i in range(min(limit, len(own))) if compiled.get(i)]
+
+    # One round of compiles where nothing spills (on a fresh machine each
+    # round is ~1 s of this host's time): twice k (a few spill under some
+    # NVRTC versions), the first two of every family those leave out, and
+    # the twins of the first k and of each such family's first.
+    start = 2 * k
+    head = list(range(min(start, len(own))))
+    firsts = [[j for j, g in enumerate(of) if g == f][:2] for f in dict.fromkeys(of)
+              if families and f not in {of[j] for j in head}]
+    compile_positions(head + [i for two in firsts for i in two], head[:k] + [two[0] for two in firsts])
+    while len(built_before(start)) < k and start < len(own):
+        missing = k - len(built_before(start))
         compile_positions(list(range(start, min(start + 2 * missing, len(own)))))
         start += 2 * missing
-    kept_at = [i for i in sorted(compiled) if compiled[i]][:k]
+    kept_at = built_before(start)[:k]
     if families:
-        of = [family(r.config) for r in own]
         left = set(of) - {of[i] for i in kept_at}
         # A left-out family none of whose compiled members built: its first two untried (one may spill), at once.
         built = {of[i] for i, ok in compiled.items() if ok}
@@ -365,10 +382,9 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
         for i in sorted(i for i, ok in compiled.items() if ok and of[i] in left):
             best.setdefault(of[i], i)  # the family's best-ranked that built
         kept_at += sorted(best.values())
-    kept = [own[i] for i in kept_at]
-    paired = [twin for r in kept if (twin := tagged.get((r.config, r.batch_slice)))]
-    results = runtime.map_in_threads(compiles, [r.config for r in paired])
-    return kept + [twin for twin, ok in zip(paired, results) if ok]
+    compile_positions([], kept_at)  # twins of what spills moved into the kept set (none where nothing spilled)
+    return [own[i] for i in kept_at] + [tagged[own[i].config, own[i].batch_slice] for i in kept_at
+                                         if twin_built.get(i)]
 
 
 def compiles(config: KernelConfig) -> bool:
