@@ -460,8 +460,14 @@ def _measure_sync(compiling: Future) -> dict[str, dict[str, float]]:
 def measure_calibration(progress: bool = True) -> Calibration:
     """Run every micro-benchmark on the current GPU (~6 s on an H100: the
     programs compile in threads while the first ones are timed; perf-notes §69)."""
+    import torch
+
     facts = runtime.device_facts()
     sync, programs = compile_calibration()
+    # Steady clocks before the first timing (an idle H100 sits at 345 MHz):
+    # a GEMM loop while the first binaries compile.
+    square = torch.rand(2048, 2048, device="cuda")
+    runtime.warm_up(functools.partial(torch.mm, square, square))
     tables = _measure_sync(sync)
     tables.update(_measure_micro(programs, progress))
     from cuda.core import Device
