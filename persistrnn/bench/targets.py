@@ -356,9 +356,11 @@ def evaluate(results: list[dict[str, Any]]) -> list[dict[str, str]]:
                      "cause": "Tuning compiles and times the model's top 5 configurations (and their builds for whole "
                               "slices), the fallback and cuDNN; the first tuned call of a process on a machine without "
                               "a calibration cache also runs the cost model's micro-benchmarks (once per device). "
-                              "Measured on a fresh H100 machine (perf-notes §68): the first call of a process, 14.2 s, "
-                              "was 12.1 s of calibration (beside the native replay's 10.6 s C++ build in its thread) "
-                              "and 1.7 s of tuning; the next new shapes took 2.0-3.0 s."
+                              "On a fresh H100 machine (perf-notes §69) the first call of a process took 10.4-11.2 s: "
+                              "0.5-0.8 s before the planner, 6.5-7.1 s of calibration (its 27 programs' compiles, ~6 s "
+                              "of this host with the timings overlapped, beside the native replay's 12 s C++ build in "
+                              "its thread), 0.4-0.5 s of ranking and 2.8-2.9 s of tuning; the next new shapes took "
+                              "2.6-3.8 s."
                               if first[0] == "missed" else "",
                      "source": ", ".join(dict.fromkeys(r.get("suite", "?") for r in results if _first_call_rows(r)))})
     return rows
