@@ -235,6 +235,30 @@ def test_calibration_path_is_keyed_by_device_sm_count_and_version(isolated_cache
     assert cost.calibration_path(dataclasses.replace(H100, sm_count=114)) != a
 
 
+def test_the_calibration_compiles_every_program_once_heaviest_first():
+    programs = cost.bench_programs()
+    assert len(set(programs)) == len(programs) == len(cost.BENCH_TILES) * len(cost.BENCH_GROUPS) * len(
+        cost.BENCH_CHUNKS) + len(cost.MMA_CHUNKS)
+    ffma = [p for p in programs if p[0] == 0]
+    assert ffma[0][1:] == (max(cost.BENCH_TILES), cost.BENCH_GROUPS[0], max(cost.BENCH_CHUNKS))
+    assert [p[1] * p[3] for p in ffma] == sorted((p[1] * p[3] for p in ffma), reverse=True)
+
+
+def test_the_calibration_times_a_program_pair_as_soon_as_both_are_built():
+    import threading
+    from concurrent.futures import Future
+
+    a1, a2, b1, b2 = (Future() for _ in range(4))
+    b1.set_result(1)
+    a1.set_result(2)
+    b2.set_result(3)
+    order = cost.as_built({"a": [a1, a2], "b": [b1, b2]})
+    assert next(order) == "b"  # a waits for its second program
+    threading.Timer(0.05, a2.set_result, (4,)).start()
+    assert next(order) == "a" and a2.done()
+    assert list(order) == []
+
+
 @pytest.mark.parametrize("program", cost.bench_programs())
 def test_micro_benchmarks_compile_for_sm90_without_local_memory(program):
     binary = cost.bench_binary(program, arch="sm_90")

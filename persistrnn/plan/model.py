@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
+from typing import Hashable, Iterator, TypeVar
 
 from .. import __version__, runtime
 from ..errors import ArgumentError, CalibrationError
@@ -358,17 +360,20 @@ def bench_binary(program: tuple[int, int, int, int], arch: str | None = None) ->
 
 
 def bench_programs() -> list[tuple[int, int, int, int]]:
-    """(mma, tile, group, chunks) of every micro-benchmark program."""
-    return ([(0, t, g, k) for t in BENCH_TILES for g in BENCH_GROUPS for k in BENCH_CHUNKS]
-            + [(1, 1, 1, k) for k in MMA_CHUNKS])
+    """(mma, tile, group, chunks) of every micro-benchmark program, the
+    heaviest to compile first (ptxas's time grows with the unrolled product:
+    16 column chunks of tile 8 took ~6x as long as 4 chunks of tile 1), so
+    that the last to finish compiling is a light one."""
+    ffma = [(0, t, g, k) for t in BENCH_TILES for g in BENCH_GROUPS for k in BENCH_CHUNKS]
+    return sorted(ffma, key=lambda p: -p[1] * p[3]) + [(1, 1, 1, k) for k in MMA_CHUNKS]
 
 
 def compile_calibration(arch: str | None = None) -> tuple[Future, dict[tuple[int, int, int, int], Future]]:
     """The sync floors' binary, then every micro-benchmark program, compiling
-    in threads in the order the calibration uses them. Each future is done as
-    soon as its own binary is built, so the timings start while the last
-    programs compile: the compiles (~6 s of a fresh H100 machine's host) are
-    the calibration's longest part (perf-notes §69)."""
+    in threads. Each future is done as soon as its own binary is built, and
+    the calibration times each program as it is built: the compiles (~6 s of
+    a fresh H100 machine's host) are the calibration's longest part
+    (perf-notes §69)."""
     from . import floors
 
     programs = bench_programs()
@@ -376,6 +381,21 @@ def compile_calibration(arch: str | None = None) -> tuple[Future, dict[tuple[int
     builds += [functools.partial(bench_binary, p, arch=arch) for p in programs]
     futures = runtime.submit_in_threads(lambda build: build(), builds)
     return futures[0], dict(zip(programs, futures[1:]))
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def as_built(groups: dict[K, list[Future]]) -> Iterator[K]:
+    """The keys of ``groups``, each as soon as all its futures are done."""
+    pending = dict(groups)
+    while pending:
+        done = [key for key, futures in pending.items() if all(f.done() for f in futures)]
+        if not done:
+            wait([f for futures in pending.values() for f in futures if not f.done()], return_when=FIRST_COMPLETED)
+        for key in done:
+            del pending[key]
+            yield key
 
 
 def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress: bool) -> dict[str, dict[str, float]]:
@@ -414,18 +434,18 @@ def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress:
         return max((t_hi - t_lo) / ((hi - lo) * per), 1e-3)
 
     product, mma, pointwise, barrier = {}, {}, {}, {}
-    jobs = [(t, g, r, sh, w) for t in BENCH_TILES for g in BENCH_GROUPS for r in BENCH_ROWS for sh in (0, 1)
-            for w in WARPS_PER_SCHEDULER]
-    for tile, group, rows, shared, w in track(jobs, progress, "calibrating the FFMA product"):
-        threads = 128 * w
-        name = f"prnn_product_bench_R{rows}_{'shared' if shared else 'reg'}"
-        times = {k: per_iteration_ns((0, tile, group, k), name, threads,
-                                     4 * (k * group * tile + threads // group * rows * tile
-                                          + (k * rows * threads if shared else 0)))
-                 for k in BENCH_CHUNKS}
-        if None not in times.values():
-            for k, ns in times.items():
-                product[_key(w, rows, tile, group, shared, k)] = ns
+    pairs = {(t, g): [compiling[0, t, g, k] for k in BENCH_CHUNKS] for t in BENCH_TILES for g in BENCH_GROUPS}
+    for tile, group in track(as_built(pairs), progress, "calibrating the FFMA product", total=len(pairs)):
+        for rows, shared, w in itertools.product(BENCH_ROWS, (0, 1), WARPS_PER_SCHEDULER):
+            threads = 128 * w
+            name = f"prnn_product_bench_R{rows}_{'shared' if shared else 'reg'}"
+            times = {k: per_iteration_ns((0, tile, group, k), name, threads,
+                                         4 * (k * group * tile + threads // group * rows * tile
+                                              + (k * rows * threads if shared else 0)))
+                     for k in BENCH_CHUNKS}
+            if None not in times.values():
+                for k, ns in times.items():
+                    product[_key(w, rows, tile, group, shared, k)] = ns
     for m in BENCH_ROWS:
         for w in WARPS_PER_SCHEDULER:
             per_op = mma_per_op({k: per_iteration_ns((1, 1, 1, k), f"prnn_mma_bench_M{m}", 128 * w,

@@ -18,9 +18,11 @@ turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -138,6 +140,13 @@ def _build_cached() -> None:
 
     import torch
 
+    if sys.platform.startswith("linux"):
+        # This thread and the compiler it starts (a child inherits the
+        # thread's nice value) at the lowest priority: on a first call the
+        # build runs beside the calibration's and the tuner's NVRTC compiles,
+        # which the call waits for and the build's 12 s of CPU would slow.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     path = _path
     try:
         with key_lock(path):
