@@ -92,11 +92,11 @@ def main() -> None:
         model.BENCH_ITERATIONS, model.SYNC_STEPS = iterations, sync_steps
         started = time.perf_counter()
         tables = model._measure_sync(sync)
-        sync = time.perf_counter() - started
+        sync_s = time.perf_counter() - started
         started = time.perf_counter()
         tables.update(model._measure_micro({p: _done(b) for p, b in built.items()}, progress=False))
         print(f"from built binaries, {label} ({iterations} bench iterations, {sync_steps} sync steps): "
-              f"sync floors {sync:.2f} s, micro-benchmarks {time.perf_counter() - started:.2f} s")
+              f"sync floors {sync_s:.2f} s, micro-benchmarks {time.perf_counter() - started:.2f} s")
         runs[label] = tables
     model.BENCH_ITERATIONS, model.SYNC_STEPS = args.iterations or default[0], args.sync_steps or default[1]
     _fresh_cache()
@@ -140,6 +140,7 @@ import logging, os, time, torch, persistrnn
 if os.environ.get("FIRST_CALLS_LOG"):  # every compile and tuning step, ms since the process started
     logging.basicConfig(format="  [%(relativeCreated)6.0f ms %(threadName)s] %(message)s")
     logging.getLogger("persistrnn").setLevel(os.environ["FIRST_CALLS_LOG"])
+print("persistrnn from", os.path.dirname(persistrnn.__file__))
 for cell, size, batch in (("LSTM", 256, 1), ("GRU", 512, 4), ("LSTM", 128, 8)):
     model = getattr(persistrnn, cell)(size, size).cuda()
     x = torch.randn(100, batch, size, device="cuda")
