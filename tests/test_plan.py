@@ -530,8 +530,8 @@ def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it
         r.config, tagged_exchange=False) in {o.config for o in own}], key=ranked.index).index(winner) + 1
     assert f"fastest of the model's top 5 and {twins} tagged twin(s) (model rank {rank})" in chosen.reason
     assert len(chosen.measured_ms) == 5 + twins + 2
-    # A layer whose candidates are clusters has no twins: the model's top 5, and the first of each kernel family
-    # they leave out (here the fused step's).
+    # A layer whose candidates are clusters has no twins: the model's top 5, and the first FAMILY_MEMBERS of each
+    # kernel family they leave out (here the fused step's).
     small = tuner.ModelShape("lstm", 256, 256)
     ranked = tuner.ranked_configs(small, 1, model)
     winner = ranked[1]
@@ -539,8 +539,10 @@ def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it
     assert families == {("ffma", False, True, 1)}
     chosen = tuner.plan(small, 1)
     assert chosen.config == winner.config and chosen.config.sync == "cluster"
-    assert "fastest of the model's top 5, the first of 1 other kernel family (model rank 2)" in chosen.reason
-    assert len(chosen.measured_ms) == 5 + 1 + 2
+    members = tuner.FAMILY_MEMBERS
+    assert (f"fastest of the model's top 5, {members} configurations of 1 other kernel family (model rank 2)"
+            in chosen.reason)
+    assert len(chosen.measured_ms) == 5 + members + 2
 
 
 def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():
@@ -651,7 +653,8 @@ def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(mon
     monkeypatch.setattr(tuner, "time_candidates", lambda cs, progress=False: {
         c.label: (short_ms if c.run == 1 else long_ms).get(c.label, 0.014 if c.run == 1 else 0.109) for c in cs})
     chosen = tuner.plan(tuner.ModelShape("lstm", 256, 256), 1)
-    assert chosen.path == "persistent" and lengths == [(6, 100), (1, 1)]  # top 5, a fused one; the choice at one step
+    timed = 5 + tuner.FAMILY_MEMBERS  # top 5, the fused family's first; then the choice at one step
+    assert chosen.path == "persistent" and lengths == [(timed, 100), (1, 1)]
     assert (chosen.short_path, chosen.short_steps) == ("cudnn", 2)
     assert chosen.short_measured_ms == {chosen.label: 0.014, **short_ms}
     assert tuner.load_plan(tuner.cache_key(H100, chosen.shape, 1)).for_steps(2).path == "cudnn"
@@ -659,7 +662,7 @@ def test_tuning_times_a_persistent_choice_at_one_step_beside_the_other_paths(mon
     long_ms["cudnn"] = 0.05
     lengths.clear()
     chosen = tuner.plan(tuner.ModelShape("lstm", 256, 256), 1, refresh=True)
-    assert chosen.path == "cudnn" and lengths == [(6, 100)] and chosen.short_path is None
+    assert chosen.path == "cudnn" and lengths == [(timed, 100)] and chosen.short_path is None
 
 
 def test_pin_plan_refuses_what_is_not_a_plan():
@@ -668,7 +671,7 @@ def test_pin_plan_refuses_what_is_not_a_plan():
 
 
 @pytest.mark.parametrize("dtype, batch", [("bfloat16", 8), ("float16", 16), ("float32", 1)])
-def test_the_tuner_times_the_first_of_every_kernel_family_its_top_k_leaves_out(monkeypatch, dtype, batch):
+def test_the_tuner_times_the_first_members_of_every_kernel_family_its_top_k_leaves_out(monkeypatch, dtype, batch):
     model = cost.CostModel(CALIBRATIONS[-1], H100)
     ranked = tuner.ranked_configs(tuner.ModelShape("lstm", 256, 256, dtype=dtype), batch, model)
     own = [r for r in ranked if not r.config.tagged_exchange]
@@ -677,21 +680,25 @@ def test_the_tuner_times_the_first_of_every_kernel_family_its_top_k_leaves_out(m
             if f not in {tuner.family(r.config) for r in own[:k]}]
     assert left, "the case must leave a family out of its top k"
     by_family = {f: [r for r in own if tuner.family(r.config) == f] for f in left}
-    spilled = by_family[left[0]][0].config  # the first of a left-out family spills: its next one stands in
+    spilled = by_family[left[0]][0].config  # the first of a left-out family spills: the next ones stand in
     monkeypatch.setattr(tuner, "compiles", lambda c: c != spilled)
     top = tuner.compile_top(ranked, k, twins=False)
-    assert top[:k] == own[:k]
-    expected = [rs[1] if rs[0].config == spilled else rs[0] for rs in by_family.values() if len(rs) > 1
-                or rs[0].config != spilled]
-    assert top[k:] == sorted(expected, key=own.index)
+    assert top[:k] == own[:k] and spilled not in {r.config for r in top}
+    for f, members in by_family.items():
+        built = [r for r in members if r.config != spilled]
+        got = [r for r in top[k:] if tuner.family(r.config) == f]
+        # The first FAMILY_MEMBERS compiled, less the one that spilled (no round more for it).
+        assert got == built[:tuner.FAMILY_MEMBERS - (members[0].config == spilled)] and got
+    assert top[k:] == sorted(top[k:], key=own.index)
     assert {tuner.family(r.config) for r in top} == {tuner.family(r.config) for r in own}
     assert tuner.compile_top(ranked, k, twins=False, families=False) == own[:k]
 
 
 
 def test_a_left_out_family_with_a_member_already_built_compiles_nothing_more(monkeypatch):
-    # The top k's compile round compiles twice what is missing: a left-out family's member built there (past the k
-    # kept) is that family's candidate, and none of its later members is compiled.
+    # The top k's compile round compiles twice what is missing: a left-out family's members built there (past the k
+    # kept) are that family's candidates, beside its first FAMILY_MEMBERS, and none of its later members is
+    # compiled.
     model = cost.CostModel(CALIBRATIONS[-1], H100)
     ranked = tuner.ranked_configs(tuner.ModelShape("lstm", 256, 256, dtype="bfloat16"), 8, model)
     own = [r for r in ranked if not r.config.tagged_exchange]
@@ -703,18 +710,20 @@ def test_a_left_out_family_with_a_member_already_built_compiles_nothing_more(mon
     monkeypatch.setattr(tuner, "compiles", lambda c: tried.append(c) or True)
     top = tuner.compile_top(ranked, k, twins=False)
     for f in {tuner.family(r.config) for r in over}:
-        first = next(r for r in own if tuner.family(r.config) == f)
-        assert first in over and [r for r in top[k:] if tuner.family(r.config) == f] == [first]
-        assert [c for c in tried if tuner.family(c) == f] == [r.config for r in own[:2 * k]
-                                                              if tuner.family(r.config) == f]
+        members = [r for r in own if tuner.family(r.config) == f]
+        assert members[0] in over
+        assert [r for r in top[k:] if tuner.family(r.config) == f] == members[:tuner.FAMILY_MEMBERS]
+        compiled = [r.config for r in own if tuner.family(r.config) == f
+                    and (r in own[:2 * k] or r in members[:tuner.FAMILY_MEMBERS])]
+        assert [c for c in tried if tuner.family(c) == f] == compiled
 
 
 @pytest.mark.parametrize("shape, batch", [(tuner.ModelShape("lstm", 1024, 1024), 1),
                                           (tuner.ModelShape("lstm", 256, 256, dtype="bfloat16"), 8),
                                           (tuner.ModelShape("gru", 512, 512), 4)])
 def test_where_nothing_spills_the_tuner_compiles_its_candidates_in_one_round(monkeypatch, shape, batch):
-    # Each round of compiles is ~1 s of a fresh machine's host time: the top k, the first of every family they
-    # leave out and the twins of both go in one round, and the result is the one the rounds gave.
+    # Each round of compiles is ~1 s of a fresh machine's host time: the top k, the first members of every family
+    # they leave out and the twins of both go in one round.
     model = cost.CostModel(CALIBRATIONS[-1], H100)
     ranked = tuner.ranked_configs(shape, batch, model)
     monkeypatch.setattr(tuner, "compiles", lambda c: True)

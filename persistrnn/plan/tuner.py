@@ -10,7 +10,7 @@ with a :class:`Plan`:
    the cost model (:mod:`.model`). Without tuning, the top-ranked
    configuration that compiles without spilling is the plan.
 3. With tuning, the top ``k`` that compile (in threads), the best-ranked
-   one of each kernel family the top ``k`` leaves out (:func:`family`),
+   two of each kernel family the top ``k`` leaves out (:func:`family`),
    each with its tagged-exchange twin where the space offers one, are timed on the real
    shapes, with the non-persistent fallback and cuDNN through torch beside
    them, and the fastest is kept and cached. No persistent configuration at
@@ -45,6 +45,12 @@ the configuration says); fallback: the non-persistent path
 (:mod:`persistrnn.fallback`); cudnn: torch's own module."""
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
+# Members of each kernel family the top k leaves out that are timed beside
+# it. Within a family the model's first two can lie within 1% (LSTM 256 at
+# batch 1: the fused clusters of 16 x 128 and 8 x 256 threads, predicted 0.699
+# and 0.701 µs per step, measured 0.089 and 0.100 ms per forward), so which
+# one a machine's calibration ranks first is a coin flip (perf-notes §69).
+FAMILY_MEMBERS = 2
 DEFAULT_STEPS = 100
 SHORT_STEPS = 1
 """The short sequence length the tuner also times a persistent choice at,
@@ -330,8 +336,9 @@ def family(config: KernelConfig) -> tuple[str, bool, bool, int]:
 
 def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: bool = True) -> list[Ranked]:
     """The first ``k`` of ``ranked``'s barrier configurations that compile
-    without spilling, then (``families``) the first of every :func:`family`
-    those leave out that compiles, then (``twins``) the tagged-exchange twin
+    without spilling, then (``families``) those of the first
+    :data:`FAMILY_MEMBERS` of every :func:`family` those leave out that
+    compile, then (``twins``) the tagged-exchange twin
     of each that ``ranked`` holds and that compiles, compiled in threads.
     Neither takes any of the ``k`` places. A twin: the model prices the two
     within 1% of each other, while on the H100 the twin measured from 26%
@@ -360,13 +367,13 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
 
     # One round of compiles where nothing spills (on a fresh machine each
     # round is ~1 s of this host's time): twice k (a few spill under some
-    # NVRTC versions), the first two of every family those leave out, and
-    # the twins of the first k and of each such family's first.
+    # NVRTC versions), the first FAMILY_MEMBERS of every family the first k
+    # leave out, and the twins of all those that can be timed.
     start = 2 * k
     head = list(range(min(start, len(own))))
-    firsts = [[j for j, g in enumerate(of) if g == f][:2] for f in dict.fromkeys(of)
-              if families and f not in {of[j] for j in head}]
-    compile_positions(head + [i for two in firsts for i in two], head[:k] + [two[0] for two in firsts])
+    members = [i for f in dict.fromkeys(of) if families and f not in {of[j] for j in head[:k]}
+               for i in [j for j, g in enumerate(of) if g == f][:FAMILY_MEMBERS]]
+    compile_positions(sorted(set(head + members)), head[:k] + members)
     while len(built_before(start)) < k and start < len(own):
         missing = k - len(built_before(start))
         compile_positions(list(range(start, min(start + 2 * missing, len(own)))))
@@ -378,10 +385,12 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
         built = {of[i] for i, ok in compiled.items() if ok}
         compile_positions([i for f in left - built for i in [j for j, g in enumerate(of)
                                                              if g == f and j not in compiled][:2]])
-        best: dict[tuple, int] = {}
+        best: dict[tuple, list[int]] = {}
         for i in sorted(i for i, ok in compiled.items() if ok and of[i] in left):
-            best.setdefault(of[i], i)  # the family's best-ranked that built
-        kept_at += sorted(best.values())
+            members = best.setdefault(of[i], [])  # the family's best-ranked that built
+            if len(members) < FAMILY_MEMBERS:
+                members.append(i)
+        kept_at += sorted(i for members in best.values() for i in members)
     compile_positions([], kept_at)  # twins of what spills moved into the kept set (none where nothing spilled)
     return [own[i] for i in kept_at] + [tagged[own[i].config, own[i].batch_slice] for i in kept_at
                                          if twin_built.get(i)]
@@ -600,8 +609,11 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     runtime.map_in_threads(lambda r: persistent.launched_config(r.config, bucket, r.batch_slice, device), top)
     ranks = sorted(top, key=ranked.index)  # the model's order, twins beside their own
     own = sum(not r.config.tagged_exchange for r in top)
+    others = [r for r in top if not r.config.tagged_exchange][min(k, own):]
+    families_left = len({family(r.config) for r in others})
     timed_configs = f"model's top {min(k, own)}" + (
-        f", the first of {n} other kernel famil{'y' if n == 1 else 'ies'}" if (n := own - min(k, own)) else "") + (
+        f", {len(others)} configuration{'s' if len(others) > 1 else ''} of {families_left} other kernel "
+        f"famil{'y' if families_left == 1 else 'ies'}" if others else "") + (
         f" and {n} tagged twin(s)" if (n := sum(r.config.tagged_exchange for r in top)) else "")
     candidates = timing_candidates(shape, bucket, top, steps)
     measured = time_candidates(candidates, progress)
