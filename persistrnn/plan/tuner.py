@@ -19,6 +19,7 @@ with a :class:`Plan`:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -45,12 +46,14 @@ the configuration says); fallback: the non-persistent path
 (:mod:`persistrnn.fallback`); cudnn: torch's own module."""
 CUDNN_CELLS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 DEFAULT_K = 5
-# Members of each kernel family the top k leaves out that are timed beside
-# it. Within a family the model's first two can lie within 1% (LSTM 256 at
-# batch 1: the fused clusters of 16 x 128 and 8 x 256 threads, predicted 0.699
-# and 0.701 µs per step, measured 0.089 and 0.100 ms per forward), so which
-# one a machine's calibration ranks first is a coin flip (perf-notes §69).
+# Configurations of each kernel family timed at most, and how close to the
+# family's best-ranked a second one's prediction must be to be timed too:
+# within a family the model's first two can lie within 1% (LSTM 256 at batch
+# 1: the fused clusters of 16 x 128 and 8 x 256 threads, predicted 0.699 and
+# 0.701 µs per step, measured 0.089 and 0.100 ms per forward), so which one a
+# machine's calibration ranks first is a coin flip (perf-notes §69).
 FAMILY_MEMBERS = 2
+FAMILY_TIE = 0.02
 DEFAULT_STEPS = 100
 SHORT_STEPS = 1
 """The short sequence length the tuner also times a persistent choice at,
@@ -336,9 +339,10 @@ def family(config: KernelConfig) -> tuple[str, bool, bool, int]:
 
 def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: bool = True) -> list[Ranked]:
     """The first ``k`` of ``ranked``'s barrier configurations that compile
-    without spilling, then (``families``) those of the first
-    :data:`FAMILY_MEMBERS` of every :func:`family` those leave out that
-    compile, then (``twins``) the tagged-exchange twin
+    without spilling, then (``families``) the best-ranked of every
+    :func:`family` that compiles, and the next ones whose predictions tie
+    with it (:data:`FAMILY_TIE`), up to :data:`FAMILY_MEMBERS` of each with
+    the top ``k`` counted, then (``twins``) the tagged-exchange twin
     of each that ``ranked`` holds and that compiles, compiled in threads.
     Neither takes any of the ``k`` places. A twin: the model prices the two
     within 1% of each other, while on the H100 the twin measured from 26%
@@ -349,6 +353,13 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
     tagged = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
               for r in ranked if twins and r.config.tagged_exchange}
     of = [family(r.config) for r in own]
+    best_us: dict[tuple, float] = {}
+    for r, f in zip(own, of):
+        best_us.setdefault(f, r.us)
+
+    def ties(i: int) -> bool:
+        """Whether the model predicts ``own[i]`` within FAMILY_TIE of its family's best-ranked."""
+        return own[i].us <= best_us[of[i]] * (1 + FAMILY_TIE)
     compiled: dict[int, bool] = {}  # by position in own
     twin_built: dict[int, bool] = {}  # by the position in own of the configuration it is the twin of
 
@@ -367,30 +378,29 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
 
     # One round of compiles where nothing spills (on a fresh machine each
     # round is ~1 s of this host's time): twice k (a few spill under some
-    # NVRTC versions), the first FAMILY_MEMBERS of every family the first k
-    # leave out, and the twins of all those that can be timed.
+    # NVRTC versions), every family's best-ranked and the next that ties
+    # with it, and the twins of all those that can be timed.
     start = 2 * k
     head = list(range(min(start, len(own))))
-    members = [i for f in dict.fromkeys(of) if families and f not in {of[j] for j in head[:k]}
-               for i in [j for j, g in enumerate(of) if g == f][:FAMILY_MEMBERS]]
-    compile_positions(sorted(set(head + members)), head[:k] + members)
+    firsts = [i for f in dict.fromkeys(of) if families
+              for n, i in enumerate([j for j, g in enumerate(of) if g == f][:FAMILY_MEMBERS]) if n == 0 or ties(i)]
+    compile_positions(sorted(set(head + firsts)), sorted(set(head[:k] + firsts)))
     while len(built_before(start)) < k and start < len(own):
         missing = k - len(built_before(start))
         compile_positions(list(range(start, min(start + 2 * missing, len(own)))))
         start += 2 * missing
     kept_at = built_before(start)[:k]
     if families:
-        left = set(of) - {of[i] for i in kept_at}
-        # A left-out family none of whose compiled members built: its first two untried (one may spill), at once.
+        timed = collections.Counter(of[i] for i in kept_at)
+        # A family none of whose compiled members built: its first two untried (one may spill), at once.
         built = {of[i] for i, ok in compiled.items() if ok}
-        compile_positions([i for f in left - built for i in [j for j, g in enumerate(of)
-                                                             if g == f and j not in compiled][:2]])
-        best: dict[tuple, list[int]] = {}
-        for i in sorted(i for i, ok in compiled.items() if ok and of[i] in left):
-            members = best.setdefault(of[i], [])  # the family's best-ranked that built
-            if len(members) < FAMILY_MEMBERS:
-                members.append(i)
-        kept_at += sorted(i for members in best.values() for i in members)
+        compile_positions([i for f in set(of) - built for i in [j for j, g in enumerate(of)
+                                                                if g == f and j not in compiled][:2]])
+        for i in sorted(i for i, ok in compiled.items() if ok and i not in kept_at):
+            # A family's best-ranked that built, and up to FAMILY_MEMBERS with those that tie with it.
+            if not timed[of[i]] or (timed[of[i]] < FAMILY_MEMBERS and ties(i)):
+                timed[of[i]] += 1
+                kept_at.append(i)
     compile_positions([], kept_at)  # twins of what spills moved into the kept set (none where nothing spilled)
     return [own[i] for i in kept_at] + [tagged[own[i].config, own[i].batch_slice] for i in kept_at
                                          if twin_built.get(i)]
@@ -609,11 +619,8 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
     runtime.map_in_threads(lambda r: persistent.launched_config(r.config, bucket, r.batch_slice, device), top)
     ranks = sorted(top, key=ranked.index)  # the model's order, twins beside their own
     own = sum(not r.config.tagged_exchange for r in top)
-    others = [r for r in top if not r.config.tagged_exchange][min(k, own):]
-    families_left = len({family(r.config) for r in others})
     timed_configs = f"model's top {min(k, own)}" + (
-        f", {len(others)} configuration{'s' if len(others) > 1 else ''} of {families_left} other kernel "
-        f"famil{'y' if families_left == 1 else 'ies'}" if others else "") + (
+        f", {n} more of its kernel families" if (n := own - min(k, own)) else "") + (
         f" and {n} tagged twin(s)" if (n := sum(r.config.tagged_exchange for r in top)) else "")
     candidates = timing_candidates(shape, bucket, top, steps)
     measured = time_candidates(candidates, progress)
