@@ -189,6 +189,10 @@ class KernelConfig(KernelLayout):
 
     def __post_init__(self) -> None:
         spec = get_cell(self.cell)
+        # Kept on the instance (not a field): the planner's ranking reads it
+        # ~40 times per configuration, and looking it up again took ~10% of
+        # a ranking (perf-notes §69).
+        object.__setattr__(self, "_spec", spec)
         for name in ("hidden_size", "blocks", "threads", "group_size", "batch_tile", "prefetch_steps", "k_split",
                      "instances"):
             value = getattr(self, name)

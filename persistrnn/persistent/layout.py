@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ..cells import CellSpec, get_cell
+from ..cells import CellSpec
 
 RESIDENT_PROJECTION_ROWS = 4
 """Projection rows a warp of a resident kernel sums at once (independent
@@ -46,9 +46,11 @@ class KernelLayout:
     lengths: bool
     resident_input_size: int
 
+    _spec: CellSpec  # the cell's spec, set once by KernelConfig.__post_init__
+
     @property
     def spec(self) -> CellSpec:
-        return get_cell(self.cell)
+        return self._spec
 
     @property
     def units_per_block(self) -> int:
@@ -236,8 +238,8 @@ class KernelLayout:
 
     def max_batch(self, shared_limit: int) -> int:
         """Most sequences one launch holds within ``shared_limit`` bytes per block (0: none)."""
-        per_column = self.shared_bytes(self.batch_align) - self.shared_bytes(0)
         fixed = self.shared_bytes(0)
+        per_column = self.shared_bytes(self.batch_align) - fixed
         if fixed + per_column > shared_limit:
             return 0
         return (shared_limit - fixed) // per_column * self.batch_align
