@@ -6,7 +6,8 @@ For every case of the chosen suites (grnn-table and real-models by default;
 1. the plan every module call runs (:func:`persistrnn.plan.cached_plan`'s:
    the tuning cache's, or tuned now);
 2. the candidates the tuner times for that model (the cost model's top
-   ``k`` that compile, the first two of each kernel family they leave out,
+   ``k`` that compile, the first of each kernel family they leave out and
+   a family's second where the model ties them,
    tagged twins, the fallback, cuDNN), plus the plan's own choice if
    it is not among them, each re-timed at the case's exact batch (the tuner
    times the batch bucket's top) at steady clocks: the GPU warmed up, then

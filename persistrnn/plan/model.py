@@ -56,7 +56,7 @@ MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A frag
 # and the difference is kept). Half of 2000 / 4000 measured as close to them
 # as two runs at 2000 / 4000 are to each other (entries within 7% at p90; the
 # cost model's top 5 of six shapes kept alike), in half the time: the
-# calibration 9.0 -> ~6 s on an H100 (perf-notes §69).
+# calibration 9.0 -> 6.5-7.1 s on an H100 (perf-notes §69).
 BENCH_ITERATIONS = 1000
 SYNC_STEPS = 2000  # steps of each sync floor's long run (the short one runs a tenth)
 CALIBRATION_FORMAT = 3
@@ -478,7 +478,7 @@ def _measure_sync(compiling: Future) -> dict[str, dict[str, float]]:
 
 
 def measure_calibration(progress: bool = True) -> Calibration:
-    """Run every micro-benchmark on the current GPU (~6 s on an H100: the
+    """Run every micro-benchmark on the current GPU (~7 s on an H100: the
     programs compile in threads while the first ones are timed; perf-notes §69)."""
     import torch
 

@@ -10,7 +10,8 @@ with a :class:`Plan`:
    the cost model (:mod:`.model`). Without tuning, the top-ranked
    configuration that compiles without spilling is the plan.
 3. With tuning, the top ``k`` that compile (in threads), the best-ranked
-   two of each kernel family the top ``k`` leaves out (:func:`family`),
+   of each kernel family the top ``k`` leaves out (:func:`family`), and a
+   family's second where the model's predictions tie them,
    each with its tagged-exchange twin where the space offers one, are timed on the real
    shapes, with the non-persistent fallback and cuDNN through torch beside
    them, and the fastest is kept and cached. No persistent configuration at
