@@ -424,7 +424,8 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device:
     if chosen.path == "persistent":
         candidates = [(chosen.config, chosen.batch_slice)]
     else:  # the cost model's top persistent choice: at LSTM 1024 batch 32 the default measured 4.9 ms
-        ranked = tuner.compile_top(tuner.ranked_configs(shape, space.batch_bucket(batch), cost.cost_model()), 1,
+        bucket = space.batch_bucket(batch)
+        ranked = tuner.compile_top(tuner.ranked_configs(shape, bucket, cost.cost_model(batch=bucket)), 1,
                                    twins=False, families=False)
         candidates = [(r.config, r.batch_slice) for r in ranked]
     try:

@@ -71,7 +71,7 @@ def synthetic_cost_model(request, monkeypatch, _tuning_dir):
 
     made = {}
 
-    def calibration(*, progress=True, refresh=False):
+    def calibration(*, progress=True, refresh=False, tiles=None):
         facts = runtime.device_facts()  # read on use: the fixture itself never touches the GPU
         key = (facts.name, facts.sm_count)
         if key not in made:

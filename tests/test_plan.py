@@ -259,6 +259,87 @@ def test_the_calibration_times_a_program_pair_as_soon_as_both_are_built():
     assert list(order) == []
 
 
+def _with_tiles(cal, tiles):
+    """``cal`` as if only the FFMA products at ``tiles`` had been measured."""
+    return dataclasses.replace(cal, product={k: v for k, v in cal.product.items() if int(k.split(",")[2]) in tiles})
+
+
+@pytest.mark.parametrize("batch,tiles", [(1, {1}), (2, {1, 2}), (3, {1, 2, 4}), (8, {1, 2, 4, 8}), (64, {1, 2, 4, 8})])
+def test_a_plan_at_a_batch_is_calibrated_for_the_tiles_its_space_offers(batch, tiles):
+    assert cost.tiles_for(batch) == tiles
+    offered = {cost.product_tile(c) for c in space.pruned_space("lstm", 256, batch, "float32", H100)}
+    assert offered == tiles
+    assert cost.tiles_for(None) == set(cost.BENCH_TILES)
+
+
+def test_a_calibration_of_some_tiles_compiles_only_their_product_programs():
+    some = cost.bench_programs({1, 4}, whole=False)
+    assert {p[1] for p in some} == {1, 4} and all(p[0] == 0 for p in some)
+    assert len(some) == 2 * len(cost.BENCH_GROUPS) * len(cost.BENCH_CHUNKS)
+    whole = cost.bench_programs({1, 4})
+    assert whole[:len(some)] == some and {p for p in whole if p[0] == 1} == {(1, 1, 1, k) for k in cost.MMA_CHUNKS}
+    with pytest.raises(ValueError, match="tiles"):
+        cost.calibration(progress=False, tiles={3})
+
+
+def test_ranking_calibrates_the_tiles_it_needs_once_and_inside_a_capture_ranks_what_it_can_price(monkeypatch):
+    full = synthetic_calibration()
+    asked = []
+
+    def calibration(*, progress=True, refresh=False, tiles=None):
+        asked.append(set(tiles))
+        return _with_tiles(full, set(tiles))
+
+    monkeypatch.setattr(cost, "calibration", calibration)
+    shape = tuner.ModelShape("lstm", 256, 256)
+    model = cost.CostModel(_with_tiles(full, {1}), H100)
+    assert tuner.ranked_configs(shape, 1, model) and asked == []
+    ranked = tuner.ranked_configs(shape, 8, model)
+    assert asked == [{1, 2, 4, 8}] and model.cal.tiles == {1, 2, 4, 8}
+    everything = tuner.ranked_configs(shape, 8, cost.CostModel(full, H100))
+    assert [(r.config, r.batch_slice, r.us) for r in ranked] == [(r.config, r.batch_slice, r.us) for r in everything]
+    tuner.ranked_configs(shape, 8, model)
+    assert len(asked) == 1  # measured once
+    # The mma configurations (batch tile 8) are priced by their own table: tile 1 prices every one at batch 1.
+    bf16 = tuner.ModelShape("gru_reset_before", 256, 256, 2, dtype="bfloat16")
+    ranked = tuner.ranked_configs(bf16, 1, cost.CostModel(_with_tiles(full, {1}), H100))
+    assert len(asked) == 1 and {r.config.batch_tile for r in ranked} == {1, persistent.MMA_BATCH}
+    monkeypatch.setattr(cost, "_capturing", lambda: True)
+    captured = tuner.ranked_configs(shape, 8, cost.CostModel(_with_tiles(full, {1}), H100))
+    assert len(asked) == 1 and captured
+    assert {cost.product_tile(r.config) for r in captured} == {1}
+
+
+def test_a_stored_calibration_is_extended_by_the_tiles_it_lacks_keeping_what_another_process_stored(
+        isolated_cache, monkeypatch):
+    monkeypatch.setattr(runtime, "device_facts", lambda: H100)
+    full = synthetic_calibration(H100.name, H100.sm_count)
+    path = cost.calibration_path(H100)
+    measured = []
+
+    def measure(progress=True, tiles=cost.BENCH_TILES):
+        measured.append(("whole", set(tiles)))
+        return _with_tiles(full, set(tiles))
+
+    def extend(cal, tiles, progress=True):
+        measured.append(("extend", set(tiles)))
+        runtime.atomic_write(path, _with_tiles(full, {1, 8}).to_json())  # another process, meanwhile
+        return dataclasses.replace(cal, product={**cal.product, **_with_tiles(full, set(tiles)).product})
+
+    monkeypatch.setattr(cost, "measure_calibration", measure)
+    monkeypatch.setattr(cost, "extend_calibration", extend)
+    first = cost.calibration(progress=False, tiles={1})
+    assert measured == [("whole", {1})] and first.tiles == {1} and cost.load_calibration(path) == first
+    assert cost.calibration(progress=False, tiles={1}) == first and len(measured) == 1
+    second = cost.calibration(progress=False, tiles={1, 2})
+    assert measured[-1] == ("extend", {2}) and second.tiles == {1, 2, 8}
+    assert cost.load_calibration(path) == second == _with_tiles(full, {1, 2, 8})
+    assert cost.calibration(progress=False, tiles={8}) == second and len(measured) == 2
+    monkeypatch.setattr(runtime, "device_facts", lambda: dataclasses.replace(H100, name="NVIDIA H200"))
+    cost.calibration(progress=False, tiles={1})  # another device: its own calibration
+    assert measured[-1] == ("whole", {1})
+
+
 @pytest.mark.parametrize("program", cost.bench_programs())
 def test_micro_benchmarks_compile_for_sm90_without_local_memory(program):
     binary = cost.bench_binary(program, arch="sm_90")
@@ -383,14 +464,19 @@ def test_cli_tune_without_a_gpu_says_so():
 
 @pytest.mark.gpu
 @pytest.mark.real_calibration  # the one GPU test that runs the micro-benchmarks: it tests them
-def test_calibration_is_cached_per_device(isolated_cache):
-    first = cost.calibration(progress=False)
+def test_calibration_is_cached_per_device_and_extended_by_tile(isolated_cache):
+    first = cost.calibration(progress=False, tiles={1})
     path = cost.calibration_path(runtime.device_facts())
     assert path.exists()
-    assert cost.load_calibration(path) == first
+    assert cost.load_calibration(path) == first and first.tiles == {1}
     assert first.sm_count == runtime.device_facts().sm_count
     assert all(v > 0 for v in first.product.values()) and first.clock_mhz > 0
-    assert all(v > 0 for v in first.cluster_exchange.values())
+    assert all(v > 0 for v in first.cluster_exchange.values()) and first.mma and first.pointwise and first.barrier
+    extended = cost.calibration(progress=False, tiles={1, 2})
+    assert extended.tiles == {1, 2} and cost.load_calibration(path) == extended
+    assert dataclasses.replace(extended, product=first.product) == first  # only tile 2's products were added
+    assert all(v > 0 for v in extended.product.values())
+    assert cost.calibration(progress=False, tiles={2}) == extended
 
 
 _REUSE_SCRIPT = """
@@ -505,7 +591,7 @@ def offline_tuning(monkeypatch, tmp_path):
     monkeypatch.setenv("PERSISTRNN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime, "device_facts", lambda: H100)
     model = cost.CostModel(CALIBRATIONS[-1], H100)
-    monkeypatch.setattr(cost, "cost_model", lambda progress=False: model)
+    monkeypatch.setattr(cost, "cost_model", lambda progress=False, batch=None: model)
     monkeypatch.setattr(tuner, "compiles", lambda config: True)
     monkeypatch.setattr(persistent, "launched_config", lambda config, batch, batch_slice, device: config)
     return model

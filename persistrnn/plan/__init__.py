@@ -42,8 +42,8 @@ def explain(model: Any, batch: int, *, top: int = 5, file: TextIO | None = None)
     shape = _shape(model)
     chosen = plan(shape, batch, tune=False)
     print(chosen.describe(), file=out)
-    cm = cost.cost_model(progress=False)
     bucket = space.batch_bucket(batch)
+    cm = cost.cost_model(progress=False, batch=bucket)
     ranked = ranked_configs(shape, bucket, cm, tf32=tf32_allowed(shape))
     if ranked:
         print(f"  cost model, top {min(top, len(ranked))} of {len(ranked)} candidates "

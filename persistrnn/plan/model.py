@@ -22,7 +22,10 @@ The cost of one time step, in µs, is the sum of terms that cannot overlap
   count plus its broadcast of h through L2 by floats.
 
 Calibration runs once per device and is cached on disk, keyed by device name,
-SM count and package version (:func:`calibration`).
+SM count and package version (:func:`calibration`). The FFMA products are
+measured by batch tile as plans first need them: a plan at batch 1 ranks
+tile 1 only, and the calibration's compiles of the other tiles (~80% of its
+programs' compile time) wait for a plan at a larger batch (perf-notes §70).
 """
 
 from __future__ import annotations
@@ -33,16 +36,18 @@ import itertools
 import json
 import math
 import re
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
-from typing import Hashable, Iterator, TypeVar
+from typing import Hashable, Iterable, Iterator, TypeVar
 
 from .. import __version__, runtime
 from ..errors import ArgumentError, CalibrationError
 from ..log import logger
 from ..progress import track
 from ..persistent import KernelConfig, WARP
+from .space import next_power_of_two
 
 SCHEDULERS_PER_SM = 4  # warp schedulers (SM sub-partitions) of every SM since Volta; no device query returns it
 WARPS_PER_SCHEDULER = (1, 2, 4, 8)  # blocks of 128-1024 threads
@@ -103,6 +108,26 @@ class Calibration:
         if set(data) != fields:
             raise ArgumentError(f"calibration fields differ: expected {sorted(fields)}, got {sorted(data)}")
         return cls(**data)
+
+    @property
+    def tiles(self) -> frozenset[int]:
+        """The batch tiles whose FFMA products are measured."""
+        return frozenset(int(key.split(",")[2]) for key in self.product)
+
+
+def tiles_for(batch: int | None) -> frozenset[int]:
+    """The bench tiles the FFMA configurations of a plan at ``batch`` use (the
+    space's rule: tile 1, and the tiles up to the batch's next power of two);
+    None: every bench tile."""
+    if batch is None:
+        return frozenset(BENCH_TILES)
+    return frozenset(t for t in BENCH_TILES if t == 1 or t <= next_power_of_two(batch))
+
+
+def product_tile(config: KernelConfig) -> int | None:
+    """The batch tile whose FFMA products price ``config``; None for the mma
+    path, priced by its own table (one sync and pipelines are FFMA only)."""
+    return config.batch_tile if config.math == "ffma" else None
 
 
 def _key(*values: int) -> str:
@@ -197,6 +222,22 @@ class CostModel:
         self.cal = calibration
         self.facts = facts
         self._cache: dict[tuple, float] = {}
+        self._tiles = calibration.tiles
+
+    def cover(self, configs: Iterable[KernelConfig], *, progress: bool = False) -> None:
+        """Calibrate the batch tiles ``configs`` need that this model's
+        calibration lacks (measured now, once per device). Inside a CUDA-graph
+        capture nothing can be timed: the configurations this model cannot
+        price stay unpriced (:meth:`prices`)."""
+        missing = {product_tile(c) for c in configs} - {None} - self._tiles
+        if missing and not _capturing():
+            self.cal = calibration(progress=progress, tiles=missing | self._tiles)
+            self._tiles = self.cal.tiles
+
+    def prices(self, config: KernelConfig) -> bool:
+        """Whether the calibration holds every entry ``config``'s cost reads."""
+        tile = product_tile(config)
+        return tile is None or tile in self._tiles
 
     # ---- fitted terms --------------------------------------------------------
 
@@ -359,28 +400,32 @@ def bench_binary(program: tuple[int, int, int, int], arch: str | None = None) ->
                                            "PRNN_KCH": chunks, "PRNN_THREADS": "((int)blockDim.x)"})
 
 
-def bench_programs() -> list[tuple[int, int, int, int]]:
-    """(mma, tile, group, chunks) of every micro-benchmark program, the
-    heaviest to compile first (ptxas's time grows with the unrolled product:
-    16 column chunks of tile 8 took ~6x as long as 4 chunks of tile 1), so
-    that the last to finish compiling is a light one."""
-    ffma = [(0, t, g, k) for t in BENCH_TILES for g in BENCH_GROUPS for k in BENCH_CHUNKS]
-    return sorted(ffma, key=lambda p: -p[1] * p[3]) + [(1, 1, 1, k) for k in MMA_CHUNKS]
+def bench_programs(tiles: Iterable[int] = BENCH_TILES, whole: bool = True) -> list[tuple[int, int, int, int]]:
+    """(mma, tile, group, chunks) of the micro-benchmark programs of the
+    FFMA products at ``tiles``, and where ``whole``, the mma, barrier and
+    pointwise ones; the heaviest to compile first (ptxas's time grows with
+    the unrolled product: 16 column chunks of tile 8 took ~6x as long as 4
+    chunks of tile 1), so that the last to finish compiling is a light one."""
+    ffma = [(0, t, g, k) for t in sorted(tiles) for g in BENCH_GROUPS for k in BENCH_CHUNKS]
+    return sorted(ffma, key=lambda p: -p[1] * p[3]) + ([(1, 1, 1, k) for k in MMA_CHUNKS] if whole else [])
 
 
-def compile_calibration(arch: str | None = None) -> tuple[Future, dict[tuple[int, int, int, int], Future]]:
-    """The sync floors' binary, then every micro-benchmark program, compiling
-    in threads. Each future is done as soon as its own binary is built, and
-    the calibration times each program as it is built: the compiles (~6 s of
-    a fresh H100 machine's host) are the calibration's longest part
-    (perf-notes §69)."""
+def compile_calibration(arch: str | None = None, tiles: Iterable[int] = BENCH_TILES,
+                        whole: bool = True) -> tuple[Future | None, dict[tuple[int, int, int, int], Future]]:
+    """Where ``whole``, the sync floors' binary; then the micro-benchmark
+    programs of :func:`bench_programs`, compiling in threads. Each future is
+    done as soon as its own binary is built, and the calibration times each
+    program as it is built: the compiles (~6 s of a fresh H100 machine's host
+    for every tile) are the calibration's longest part (perf-notes §69)."""
     from . import floors
 
-    programs = bench_programs()
-    builds = [functools.partial(floors.sync_binary, arch)]
+    programs = bench_programs(tiles, whole)
+    builds = [functools.partial(floors.sync_binary, arch)] if whole else []
     builds += [functools.partial(bench_binary, p, arch=arch) for p in programs]
     futures = runtime.submit_in_threads(lambda build: build(), builds)
-    return futures[0], dict(zip(programs, futures[1:]))
+    if whole:
+        return futures[0], dict(zip(programs, futures[1:]))
+    return None, dict(zip(programs, futures))
 
 
 K = TypeVar("K", bound=Hashable)
@@ -398,7 +443,10 @@ def as_built(groups: dict[K, list[Future]]) -> Iterator[K]:
             yield key
 
 
-def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress: bool) -> dict[str, dict[str, float]]:
+def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress: bool,
+                   tiles: Iterable[int] = BENCH_TILES, whole: bool = True) -> dict[str, dict[str, float]]:
+    """The FFMA products at ``tiles``; where ``whole``, the mma, pointwise and
+    barrier tables too."""
     import torch
 
     dev = torch.device("cuda")
@@ -434,7 +482,7 @@ def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress:
         return max((t_hi - t_lo) / ((hi - lo) * per), 1e-3)
 
     product, mma, pointwise, barrier = {}, {}, {}, {}
-    pairs = {(t, g): [compiling[0, t, g, k] for k in BENCH_CHUNKS] for t in BENCH_TILES for g in BENCH_GROUPS}
+    pairs = {(t, g): [compiling[0, t, g, k] for k in BENCH_CHUNKS] for t in sorted(tiles) for g in BENCH_GROUPS}
     for tile, group in track(as_built(pairs), progress, "calibrating the FFMA product", total=len(pairs)):
         for rows, shared, w in itertools.product(BENCH_ROWS, (0, 1), WARPS_PER_SCHEDULER):
             threads = 128 * w
@@ -446,6 +494,8 @@ def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress:
             if None not in times.values():
                 for k, ns in times.items():
                     product[_key(w, rows, tile, group, shared, k)] = ns
+    if not whole:
+        return {"product": product}
     for m in BENCH_ROWS:
         for w in WARPS_PER_SCHEDULER:
             per_op = mma_per_op({k: per_iteration_ns((1, 1, 1, k), f"prnn_mma_bench_M{m}", 128 * w,
@@ -477,23 +527,37 @@ def _measure_sync(compiling: Future) -> dict[str, dict[str, float]]:
     }
 
 
-def measure_calibration(progress: bool = True) -> Calibration:
-    """Run every micro-benchmark on the current GPU (~7 s on an H100: the
-    programs compile in threads while the first ones are timed; perf-notes §69)."""
+def _measure(tiles: Iterable[int], whole: bool, progress: bool) -> dict[str, dict[str, float]]:
     import torch
 
-    facts = runtime.device_facts()
-    sync, programs = compile_calibration()
+    tiles = sorted(tiles)
+    sync, programs = compile_calibration(tiles=tiles, whole=whole)
     # Steady clocks before the first timing (an idle H100 sits at 345 MHz):
     # a GEMM loop while the first binaries compile.
     square = torch.rand(2048, 2048, device="cuda")
     runtime.warm_up(functools.partial(torch.mm, square, square))
-    tables = _measure_sync(sync)
-    tables.update(_measure_micro(programs, progress))
+    tables = _measure_sync(sync) if whole else {}
+    tables.update(_measure_micro(programs, progress, tiles, whole))
+    return tables
+
+
+def measure_calibration(progress: bool = True, tiles: Iterable[int] = BENCH_TILES) -> Calibration:
+    """Run the micro-benchmarks on the current GPU: the sync floors, the mma,
+    pointwise and barrier tables, and the FFMA products at ``tiles`` (~7 s on
+    an H100 for every tile: the programs compile in threads while the first
+    ones are timed; perf-notes §69)."""
     from cuda.core import Device
 
+    facts = runtime.device_facts()
+    tables = _measure(tiles, True, progress)
     clock_mhz = Device(facts.index).properties.clock_rate / 1e3
     return Calibration(device=facts.name, sm_count=facts.sm_count, version=__version__, clock_mhz=clock_mhz, **tables)
+
+
+def extend_calibration(cal: Calibration, tiles: Iterable[int], progress: bool = True) -> Calibration:
+    """``cal`` with the FFMA products at ``tiles`` measured now."""
+    measured = _measure(tiles, False, progress)["product"]
+    return dataclasses.replace(cal, product={**cal.product, **measured})
 
 
 def calibration_path(facts: runtime.DeviceFacts) -> Path:
@@ -509,22 +573,59 @@ def load_calibration(path: Path) -> Calibration | None:
         return None
 
 
-def calibration(*, progress: bool = True, refresh: bool = False) -> Calibration:
-    """This device's calibration: from the disk cache, or measured now and stored."""
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_CALIBRATING = threading.Lock()  # one thread of a process measures; the others wait for its tables
+
+
+def _stored(path: Path, facts: runtime.DeviceFacts) -> Calibration | None:
+    cal = load_calibration(path)
+    return cal if cal is not None and cal.device == facts.name and cal.sm_count == facts.sm_count else None
+
+
+def calibration(*, progress: bool = True, refresh: bool = False, tiles: Iterable[int] | None = None) -> Calibration:
+    """This device's calibration, holding at least the FFMA products at batch
+    ``tiles`` (None: every bench tile): from the disk cache, extended by the
+    tiles it lacks, or measured now; stored either way."""
+    wanted = tiles_for(None) if tiles is None else frozenset(tiles)
+    if not wanted <= tiles_for(None):
+        raise ArgumentError(f"tiles: expected a subset of {sorted(BENCH_TILES)}, got {sorted(wanted)}")
     facts = runtime.device_facts()
     path = calibration_path(facts)
-    cached = None if refresh else load_calibration(path)
-    if cached is not None and cached.device == facts.name and cached.sm_count == facts.sm_count:
-        return cached
-    logger.info("calibrating the cost model on %s (micro-benchmarks, once per device; stored in %s)",
-                facts.name, path)
-    started = time.perf_counter()
-    fresh = measure_calibration(progress)
-    runtime.atomic_write(path, fresh.to_json())
-    logger.info("calibrated %s in %.1f s", facts.name, time.perf_counter() - started)
+    capturing = _capturing()
+    with _CALIBRATING:
+        cached = None if refresh else _stored(path, facts)
+        # Inside a capture a partial calibration serves: the ranking leaves out what it cannot price.
+        if cached is not None and (wanted <= cached.tiles or capturing):
+            return cached
+        if capturing:
+            raise CalibrationError(f"{facts.name} has no calibration yet, and nothing can be timed inside a "
+                                   "CUDA-graph capture: call the module once before capturing")
+        started = time.perf_counter()
+        if cached is None:
+            logger.info("calibrating the cost model on %s for batch tiles %s (micro-benchmarks, once per device; "
+                        "stored in %s)", facts.name, sorted(wanted), path)
+            fresh = measure_calibration(progress, wanted)
+        else:
+            logger.info("calibrating the cost model's FFMA products at batch tiles %s on %s (once per device)",
+                        sorted(wanted - cached.tiles), facts.name)
+            fresh = extend_calibration(cached, wanted - cached.tiles, progress)
+        # Another process may have stored tiles meanwhile: keep its products of the tiles this one lacks.
+        other = None if refresh else _stored(path, facts)
+        if other is not None:
+            kept = {k: v for k, v in other.product.items() if int(k.split(",")[2]) not in fresh.tiles}
+            fresh = dataclasses.replace(fresh, product={**fresh.product, **kept})
+        runtime.atomic_write(path, fresh.to_json())
+        logger.info("calibrated %s in %.1f s", facts.name, time.perf_counter() - started)
     return fresh
 
 
-def cost_model(*, progress: bool = True) -> CostModel:
-    """The cost model of the current device (calibrating it on first use)."""
-    return CostModel(calibration(progress=progress), runtime.device_facts())
+def cost_model(*, progress: bool = True, batch: int | None = None) -> CostModel:
+    """The cost model of the current device, calibrated (on first use) for
+    plans at ``batch`` (None: every batch). :meth:`CostModel.cover` measures
+    what a ranking needs beyond that."""
+    return CostModel(calibration(progress=progress, tiles=tiles_for(batch)), runtime.device_facts())

@@ -311,10 +311,13 @@ def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
     forward of ``steps`` steps first. A slice size below the bucket is a
     candidate only where all its slices fit the SMs at once (single and
     cluster sync: grid sync runs one slice per launch). ``tf32``: TF32
-    configurations of an fp32 model are candidates too."""
+    configurations of an fp32 model are candidates too. ``model`` is first
+    calibrated for the batch tiles the space needs (:meth:`CostModel.cover`)."""
     pruned = [c for layout in layouts(shape)
               for c in space.pruned_space(shape.cell, shape.hidden_size, bucket, shape.dtype, model.facts, **layout,
                                           tf32=tf32)]
+    model.cover(pruned)
+    pruned = [c for c in pruned if model.prices(c)]
     ranked: list[Ranked] = []
     for batch_slice in slice_sizes(bucket):
         slices = 1 if batch_slice is None else -(-bucket // batch_slice)
@@ -602,7 +605,7 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
         if cached is not None:
             return cached
     started = time.perf_counter()
-    model = cost.cost_model(progress=progress)
+    model = cost.cost_model(progress=progress, batch=bucket)
     ranked = ranked_configs(shape, bucket, model, steps, tf32=tf32)
     if not tune:
         top = compile_top(ranked, 1, twins=False, families=False)  # untimed: the model's choice alone
