@@ -272,6 +272,22 @@ def test_a_plan_at_a_batch_is_calibrated_for_the_tiles_its_space_offers(batch, t
     assert cost.tiles_for(None) == set(cost.BENCH_TILES)
 
 
+def test_programs_compiled_ahead_are_the_calibration_s_own_futures(monkeypatch):
+    built = []
+    monkeypatch.setattr(cost, "_AHEAD", {})
+    monkeypatch.setattr(cost, "bench_binary", lambda program, arch=None: built.append(program) or program)
+    cost.compile_ahead({2}, arch="sm_90")
+    programs = cost.bench_programs({2}, whole=False)
+    ahead = {p: cost._AHEAD[p, "sm_90"] for p in programs}
+    assert [f.result(timeout=30) for f in ahead.values()] == programs and sorted(built) == sorted(programs)
+    cost.compile_ahead({2}, arch="sm_90")  # once per process
+    assert len(built) == len(programs)
+    sync, compiling = cost.compile_calibration("sm_90", tiles={1, 2}, whole=False)
+    assert sync is None and all(compiling[p] is f for p, f in ahead.items())
+    assert {p: f.result(timeout=30) for p, f in compiling.items()} == {p: p for p in cost.bench_programs({1, 2}, False)}
+    assert sorted(built) == sorted(cost.bench_programs({1, 2}, whole=False))  # tile 2's not built again
+
+
 def test_a_calibration_of_some_tiles_compiles_only_their_product_programs():
     some = cost.bench_programs({1, 4}, whole=False)
     assert {p[1] for p in some} == {1, 4} and all(p[0] == 0 for p in some)
@@ -326,15 +342,20 @@ def test_a_stored_calibration_is_extended_by_the_tiles_it_lacks_keeping_what_ano
         runtime.atomic_write(path, _with_tiles(full, {1, 8}).to_json())  # another process, meanwhile
         return dataclasses.replace(cal, product={**cal.product, **_with_tiles(full, set(tiles)).product})
 
+    ahead = []
     monkeypatch.setattr(cost, "measure_calibration", measure)
     monkeypatch.setattr(cost, "extend_calibration", extend)
+    monkeypatch.setattr(cost, "compile_ahead", lambda tiles: ahead.append(set(tiles)))
     first = cost.calibration(progress=False, tiles={1})
     assert measured == [("whole", {1})] and first.tiles == {1} and cost.load_calibration(path) == first
+    assert ahead == [{2, 4, 8}]  # the tiles it lacks compile in the background
     assert cost.calibration(progress=False, tiles={1}) == first and len(measured) == 1
     second = cost.calibration(progress=False, tiles={1, 2})
-    assert measured[-1] == ("extend", {2}) and second.tiles == {1, 2, 8}
+    assert measured[-1] == ("extend", {2}) and second.tiles == {1, 2, 8} and ahead[-1] == {4}
     assert cost.load_calibration(path) == second == _with_tiles(full, {1, 2, 8})
     assert cost.calibration(progress=False, tiles={8}) == second and len(measured) == 2
+    cost.calibration(progress=False, tiles={4})
+    assert measured[-1] == ("extend", {4}) and len(ahead) == 4  # complete: nothing more ahead
     monkeypatch.setattr(runtime, "device_facts", lambda: dataclasses.replace(H100, name="NVIDIA H200"))
     cost.calibration(progress=False, tiles={1})  # another device: its own calibration
     assert measured[-1] == ("whole", {1})

@@ -420,12 +420,31 @@ def compile_calibration(arch: str | None = None, tiles: Iterable[int] = BENCH_TI
     from . import floors
 
     programs = bench_programs(tiles, whole)
+    ahead = {p: _AHEAD[p, arch] for p in programs if (p, arch) in _AHEAD}
+    rest = [p for p in programs if p not in ahead]
     builds = [functools.partial(floors.sync_binary, arch)] if whole else []
-    builds += [functools.partial(bench_binary, p, arch=arch) for p in programs]
+    builds += [functools.partial(bench_binary, p, arch=arch) for p in rest]
     futures = runtime.submit_in_threads(lambda build: build(), builds)
-    if whole:
-        return futures[0], dict(zip(programs, futures[1:]))
-    return None, dict(zip(programs, futures))
+    sync = futures.pop(0) if whole else None
+    return sync, {**ahead, **dict(zip(rest, futures))}
+
+
+# (program, arch) -> the future of its binary, compiled ahead of need
+_AHEAD: dict[tuple[tuple[int, int, int, int], str | None], Future] = {}
+_AHEAD_LOCK = threading.Lock()
+
+
+def compile_ahead(tiles: Iterable[int], arch: str | None = None) -> None:
+    """Compile the FFMA programs of ``tiles`` into the disk cache in the
+    background (:func:`runtime.submit_in_background`), once per process: a
+    later plan that needs those tiles then times them without waiting for
+    ptxas (tile 8's programs alone took ~5 s of an H100 machine's host;
+    perf-notes §70)."""
+    with _AHEAD_LOCK:
+        programs = [p for p in bench_programs(tiles, whole=False) if (p, arch) not in _AHEAD]
+        if programs:
+            futures = runtime.submit_in_background(functools.partial(bench_binary, arch=arch), programs)
+            _AHEAD.update(zip(((p, arch) for p in programs), futures))
 
 
 K = TypeVar("K", bound=Hashable)
@@ -590,7 +609,15 @@ def _stored(path: Path, facts: runtime.DeviceFacts) -> Calibration | None:
 def calibration(*, progress: bool = True, refresh: bool = False, tiles: Iterable[int] | None = None) -> Calibration:
     """This device's calibration, holding at least the FFMA products at batch
     ``tiles`` (None: every bench tile): from the disk cache, extended by the
-    tiles it lacks, or measured now; stored either way."""
+    tiles it lacks, or measured now; stored either way. The programs of the
+    tiles it still lacks then compile in the background (:func:`compile_ahead`)."""
+    found = _calibration(progress, refresh, tiles)
+    if rest := tiles_for(None) - found.tiles:
+        compile_ahead(rest)
+    return found
+
+
+def _calibration(progress: bool, refresh: bool, tiles: Iterable[int] | None) -> Calibration:
     wanted = tiles_for(None) if tiles is None else frozenset(tiles)
     if not wanted <= tiles_for(None):
         raise ArgumentError(f"tiles: expected a subset of {sorted(BENCH_TILES)}, got {sorted(wanted)}")

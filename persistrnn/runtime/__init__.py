@@ -8,9 +8,9 @@ in the submodules is importable from here.
 
 from ..errors import CompileError, GPUUnavailableError, KernelLaunchError, KernelTimeoutError
 from .cache import CACHE_ENV, atomic_write, cache_dir, digest, entry_name, key_lock
-from .compile import (CompiledBinary, KernelResources, cache_key, compile_source, map_in_threads, nvrtc_compiles,
-                      nvrtc_version, parse_ptxas_report, program_options, read_source, render_template, sources_dir,
-                      submit_in_threads)
+from .compile import (CompiledBinary, KernelResources, cache_key, compile_source, lower_thread_priority,
+                      map_in_threads, nvrtc_compiles, nvrtc_version, parse_ptxas_report, program_options, read_source,
+                      render_template, sources_dir, submit_in_background, submit_in_threads)
 from .device import (DeviceFacts, cudnn_rnn_precision, cudnn_rnn_settings, device_facts, facts_of, matmul_allows_tf32,
                      matmul_precision, require_gpu)
 from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, capture, capture_graph, copy_tensors, own_stream,
@@ -28,13 +28,14 @@ __all__ = [
     "LoadedKernel", "Scratch", "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
     "compile_source", "copy_tensors", "cudnn_rnn_precision", "cudnn_rnn_settings",
     "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
-    "inject_failure", "kernel_args", "key_lock", "launch", "map_in_threads", "matmul_allows_tf32",
-    "matmul_precision", "native", "nvrtc_compiles", "nvrtc_version",
+    "inject_failure", "kernel_args", "key_lock", "launch", "lower_thread_priority", "map_in_threads",
+    "matmul_allows_tf32", "matmul_precision", "native", "nvrtc_compiles", "nvrtc_version",
     "own_stream", "release_stream",
     "parse_ptxas_report", "per_iteration_us", "program_options", "raise_failure_code", "raise_reported_failure",
     "read_source",
     "render_template",
-    "report_word", "require_gpu", "scratch", "set_wait_timeout", "sources_dir", "submit_in_threads", "time_cuda_ms",
+    "report_word", "require_gpu", "scratch", "set_wait_timeout", "sources_dir", "submit_in_background",
+    "submit_in_threads", "time_cuda_ms",
     "to_device_async",
     "wait_timeout_ns",
     "warm_up",

@@ -8,6 +8,7 @@ sm_90 on a CPU-only machine and checks the resource report.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,8 +30,8 @@ from .cache import atomic_write, cache_dir, entry_name, key_lock
 from .device import device_facts, import_cuda_core
 
 __all__ = ["CompiledBinary", "KernelResources", "cache_key", "compile_source", "map_in_threads", "nvrtc_compiles",
-           "nvrtc_version", "parse_ptxas_report", "program_options", "read_source", "render_template", "sources_dir",
-           "submit_in_threads"]
+           "lower_thread_priority", "nvrtc_version", "parse_ptxas_report", "program_options", "read_source",
+           "render_template", "sources_dir", "submit_in_background", "submit_in_threads"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -317,6 +319,44 @@ def submit_in_threads(fn: Callable[[T], R], items: Sequence[T], max_workers: int
 def map_in_threads(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[R]:
     """``[fn(x) for x in items]`` in threads (:func:`submit_in_threads`)."""
     return [f.result() for f in submit_in_threads(fn, items, max_workers)]
+
+
+def lower_thread_priority() -> None:
+    """Run the calling thread, and every process it starts (a child inherits
+    the thread's nice value), at the lowest priority (Linux; elsewhere
+    nothing): work no call waits for then leaves the CPU to work one does."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def submit_in_background(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[Future[R]]:
+    """``fn(x)`` for every item, started in the items' order in daemon threads
+    at the lowest priority (:func:`lower_thread_priority`); a future per item.
+    Unlike :func:`submit_in_threads`, the process does not wait for them when
+    it exits (a compile cut short leaves no cache entry: entries are written
+    whole, then renamed)."""
+    from cuda.core import Program, ProgramOptions  # noqa: F401  (concurrent first imports race)
+
+    pending = collections.deque((x, Future()) for x in items)
+    futures = [future for _, future in pending]
+
+    def work() -> None:
+        lower_thread_priority()
+        while True:
+            try:
+                x, future = pending.popleft()
+            except IndexError:
+                return
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(fn(x))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    for _ in range(max(1, min(len(futures), max_workers or os.cpu_count() or 1))):
+        threading.Thread(target=work, name="persistrnn-background", daemon=True).start()
+    return futures
 
 
 def sources_dir() -> Path:

@@ -18,11 +18,9 @@ turns it off.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any, Sequence
 from ..errors import CompileError
 from ..log import logger
 from .cache import cache_dir, digest, entry_name, key_lock
+from .compile import lower_thread_priority
 
 __all__ = ["NATIVE_ENV", "SOURCE", "add_entry", "available", "bind", "build", "launch_state_changed", "library_path",
            "replay", "report_word_created", "retire", "unbind_all"]
@@ -140,13 +139,11 @@ def _build_cached() -> None:
 
     import torch
 
-    if sys.platform.startswith("linux"):
-        # This thread and the compiler it starts (a child inherits the
-        # thread's nice value) at the lowest priority: on a first call the
-        # build runs beside the calibration's and the tuner's NVRTC compiles,
-        # which the call waits for and the build's 12 s of CPU would slow.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    # This thread and the compiler it starts at the lowest priority: on a
+    # first call the build runs beside the calibration's and the tuner's
+    # NVRTC compiles, which the call waits for and the build's 12 s of CPU
+    # would slow.
+    lower_thread_priority()
     path = _path
     try:
         with key_lock(path):
