@@ -1,6 +1,8 @@
 """Where a whole forward's device time goes: each kernel, memcpy and memset
 of a CUDA-graph replay, with its duration and the gap before it, for the
-planned persistrnn module and for torch.nn (cuDNN) on the same case.
+planned persistrnn module and for torch.nn (cuDNN) on the same case; with
+``--eager``, of the persistrnn module's eager call too (its own captured
+call, with the copies in and out).
 
     python scripts/forward_timeline.py lstm 64 1 --dtype float32 --steps 100
     python scripts/forward_timeline.py gru 64 10 --dtype float16 --config sync=single,blocks=1
@@ -26,11 +28,11 @@ from persistrnn.bench.timing import time_cuda_ms, warm_up
 from persistrnn.runtime import capture_graph
 
 
-def events_of_replays(graph: torch.cuda.CUDAGraph, replays: int) -> list[list[tuple[str, float, float]]]:
-    """[(name, start µs, duration µs)] of the device events of each replay."""
+def events_of_replays(run, replays: int) -> list[list[tuple[str, float, float]]]:
+    """[(name, start µs, duration µs)] of the device events of each ``run()``."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graph.replay()
+            run()
             torch.cuda.synchronize()
             time.sleep(1e-3)  # a gap between replays in the trace
     found = sorted(((e.name, e.time_range.start, e.time_range.end - e.time_range.start)
@@ -45,14 +47,17 @@ def events_of_replays(graph: torch.cuda.CUDAGraph, replays: int) -> list[list[tu
     return [g for g in groups if g]
 
 
-def report(label: str, fn, x: torch.Tensor) -> None:
-    graph = capture_graph(lambda: fn(x))
-    warm_up(graph.replay)
-    ms = time_cuda_ms(graph.replay, warmup=3, repeats=20)
-    replays = events_of_replays(graph, 5)
+def report(label: str, fn, x: torch.Tensor, eager: bool = False) -> None:
+    if eager:
+        run, how = (lambda: fn(x)), "eager call"
+    else:
+        run, how = capture_graph(lambda: fn(x)).replay, "graph replay"
+    warm_up(run)
+    ms = time_cuda_ms(run, warmup=3, repeats=20)
+    replays = events_of_replays(run, 5)
     spans = [g[-1][1] + g[-1][2] - g[0][1] for g in replays]
-    print(f"\n{label}: graph replay {ms * 1000:.1f} µs (CUDA events, median of 20); "
-          f"traced span of a replay {statistics.median(spans):.1f} µs over {len(replays)} replays")
+    print(f"\n{label}: {how} {ms * 1000:.1f} µs (CUDA events, median of 20); "
+          f"traced span of one {statistics.median(spans):.1f} µs over {len(replays)}")
     one = replays[len(replays) // 2]
     end = one[0][1]
     for name, start, dur in one:
@@ -70,6 +75,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--config", default=None,
                     help="KernelConfig fields k=v,... over the planned persistent configuration (or the default one)")
+    ap.add_argument("--eager", action="store_true", help="trace the persistrnn module's eager call too")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -90,10 +96,13 @@ def main() -> None:
     print(f"plan: {plan.path} {plan.config} slice={plan.batch_slice} ({plan.reason})")
     for name, ms in sorted(plan.measured_ms.items(), key=lambda kv: kv[1]):
         print(f"  tuner: {ms * 1000:7.1f} µs  {name}")
+    persistrnn.runtime.native.available(wait=True)  # eager calls through the native replay, as the suites time them
     with torch.no_grad():
         out, want = ours(x)[0], ref(x)[0]
         print(f"max |ours - torch| = {(out.float() - want.float()).abs().max().item():.2e}")
         report("persistrnn", ours, x)
+        if args.eager:
+            report("persistrnn", ours, x, eager=True)
         report("torch.nn (cuDNN)", ref, x)
 
 
