@@ -97,8 +97,8 @@ def _demo() -> int:
     print(f"{facts.name}, {facts.sm_count} SMs; torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print(f"model: LSTM({FEATURES}, {HIDDEN}, num_layers={LAYERS}) -> Linear({HIDDEN}, {CLASSES}) per step, "
           f"{STEPS} steps, fp32, eval; torch.nn beside persistrnn.convert(model)")
-    print("The first call of a new shape plans it (the first on a new GPU also calibrates, ~20 s); both are "
-          "cached on disk.\n")
+    print("The first call of a new shape plans it, a few seconds (the first on a new GPU also calibrates the cost "
+          "model); both are cached on disk.\n")
     for batch in BATCHES:
         x = torch.randn(STEPS, batch, FEATURES, device="cuda")
         with torch.no_grad():

@@ -355,14 +355,12 @@ def evaluate(results: list[dict[str, Any]]) -> list[dict[str, str]]:
                      "issue": KERNEL, "case": "every case", "measured": first[1], "status": first[0],
                      "cause": "Tuning compiles and times the model's top 5 configurations (and their builds for whole "
                               "slices), the fallback and cuDNN; the first tuned call of a process on a machine without "
-                              "a calibration cache also runs the cost model's micro-benchmarks (once per device). "
-                              "On fresh H100 machines (perf-notes §69) the first call of a process took 10.4-11.2 s "
-                              "at 8e1552f (10.8-11.2 s after two more changes, on a machine where e00d3d2 took "
-                              "11.5-12.7 s; 10.25 s at e902af3 on another): "
-                              "0.5-0.8 s before the planner, 6.5-7.1 s of calibration (its 27 programs' compiles, ~6 s "
-                              "of this host with the timings overlapped, beside the native replay's 12 s C++ build in "
-                              "its thread), 0.4-0.5 s of ranking and 2.8-2.9 s of tuning; the next new shapes took "
-                              "2.6-3.8 s."
+                              "a calibration cache also runs the cost model's micro-benchmarks for its batch's tiles "
+                              "(once per device), and a later first call at a larger batch those of its tiles. On "
+                              "fresh H100 machines (perf-notes §70) the first call of a process took 7.1-8.6 s at "
+                              "0a0ab52 (10.3-11.1 s before the calibration by tile): 3.1-4.0 s of calibration (tile 1, "
+                              "the sync floors and the mma, pointwise and barrier tables), ~0.5 s of ranking and ~3 s "
+                              "of tuning; the next new shapes took 4.4-5.1 s, 1.2-1.5 s of it their tiles' timings."
                               if first[0] == "missed" else "",
                      "source": ", ".join(dict.fromkeys(r.get("suite", "?") for r in results if _first_call_rows(r)))})
     return rows
