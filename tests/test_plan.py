@@ -851,3 +851,20 @@ def test_where_nothing_spills_the_tuner_compiles_its_candidates_in_one_round(mon
     twins = [t for r in kept for t in ranked if t.config.tagged_exchange and t.batch_slice == r.batch_slice
              and dataclasses.replace(t.config, tagged_exchange=False) == r.config]
     assert [r for r in top if r.config.tagged_exchange] == twins and (shape.hidden_size < 1024 or twins)
+
+
+def test_a_micro_benchmark_loop_too_short_to_time_runs_again_longer(monkeypatch):
+    asked = []
+
+    def per_iteration_us(run, iterations, warmup=2, repeats=5):
+        asked.append(iterations)
+        return {1000: -0.001, 4000: 0.004, 16000: 0.0041}.get(iterations, 0.0)  # µs per iteration
+
+    monkeypatch.setattr(runtime, "per_iteration_us", per_iteration_us)
+    assert cost.loop_ns(lambda n: None, "k") == pytest.approx(4.1)  # 4000 x 4 ns: 14 µs, under MIN_LOOP_US
+    assert asked == [1000, 4000, 16000]
+    asked.clear()
+    monkeypatch.setattr(runtime, "per_iteration_us", lambda *a, **k: asked.append(a[1]) or 0.0)
+    with pytest.raises(cost.CalibrationError, match="k: 5 timings, up to 256000 iterations"):
+        cost.loop_ns(lambda n: None, "k")
+    assert asked == [1000 * 4 ** i for i in range(cost.MEASURE_ATTEMPTS)]

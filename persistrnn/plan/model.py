@@ -40,7 +40,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
-from typing import Hashable, Iterable, Iterator, TypeVar
+from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
 from .. import __version__, runtime
 from ..errors import ArgumentError, CalibrationError
@@ -63,6 +63,7 @@ MMA_CHUNKS = (1, 3)  # k tiles of the mma bench (8 m-tiles x 3 k tiles of A frag
 # cost model's top 5 of six shapes kept alike), in half the time: the
 # calibration 9.0 -> 6.5-7.1 s on an H100 (perf-notes §69).
 BENCH_ITERATIONS = 1000
+MIN_LOOP_US = 20.0  # what a timed loop's iterations must add over its short run's, to stand out of a launch's jitter
 SYNC_STEPS = 2000  # steps of each sync floor's long run (the short one runs a tenth)
 CALIBRATION_FORMAT = 3
 
@@ -462,6 +463,26 @@ def as_built(groups: dict[K, list[Future]]) -> Iterator[K]:
             yield key
 
 
+def loop_ns(run: Callable[[int], None], kernel: str) -> float:
+    """ns per iteration of the loop ``run(n)`` launches (n iterations).
+
+    A difference of two timings of one launch each, which a launch's jitter
+    (a few µs) or a clock that ramps up between them (an idle H100 sat at
+    345 MHz) can swamp: a loop whose iterations add less than MIN_LOOP_US
+    (or nothing) is measured again, 4x as long. At 1000 iterations the mma
+    bench's one m-tile added ~10 µs and gave no positive difference five
+    times in a row on a fresh H100 (perf-notes §70)."""
+    iterations = BENCH_ITERATIONS
+    for _ in range(MEASURE_ATTEMPTS):
+        ns = 1e3 * runtime.per_iteration_us(run, iterations, warmup=1, repeats=5)
+        if ns * (iterations - iterations // 10) >= MIN_LOOP_US * 1e3:
+            return ns
+        iterations *= 4
+    raise CalibrationError(f"{kernel}: {MEASURE_ATTEMPTS} timings, up to {iterations // 4} iterations, gave no time "
+                           "per iteration above a launch's jitter (the GPU's clock kept changing); calibrate again "
+                           "on an idle GPU")
+
+
 def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress: bool,
                    tiles: Iterable[int] = BENCH_TILES, whole: bool = True) -> dict[str, dict[str, float]]:
     """The FFMA products at ``tiles``; where ``whole``, the mma, pointwise and
@@ -481,17 +502,8 @@ def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress:
                 or k.resources.uses_local_memory):  # a spilled bench would time local memory, not the product
             return None
         config = k.config(1, threads, shared=shared)
-        # A difference of two timings: a clock that ramps up between them
-        # (an idle H100 sat at 345 MHz) can leave it <= 0. Measure again.
-        for _ in range(MEASURE_ATTEMPTS):
-            def run(n: int) -> None:
-                runtime.launch(k, config, *runtime.kernel_args(inputs, sink, n))
 
-            ns = 1e3 * runtime.per_iteration_us(run, BENCH_ITERATIONS, warmup=1, repeats=5)
-            if ns > 0:
-                return ns
-        raise CalibrationError(f"{kernel}: {MEASURE_ATTEMPTS} timings in a row gave no positive time per iteration "
-                           "(the GPU's clock kept changing); calibrate again on an idle GPU")
+        return loop_ns(lambda n: runtime.launch(k, config, *runtime.kernel_args(inputs, sink, n)), kernel)
 
     def mma_per_op(times: dict[int, float | None], per: int) -> float | None:
         """ns per mma from times at two k-tile counts (``per`` m tiles each)."""
