@@ -800,10 +800,27 @@ def test_the_tuner_times_the_first_members_of_every_kernel_family_its_top_k_leav
         # stand-in has no such second: no round more is compiled for it), at most FAMILY_MEMBERS.
         assert got == built[:len(got)] and 1 <= len(got) <= tuner.FAMILY_MEMBERS
         assert all(r.us <= members[0].us * (1 + tuner.FAMILY_TIE) for r in got[1:])
+        if f[0] == "mma":  # one of an mma family: the model prices its products at ~0
+            assert len(got) == 1
     assert top[k:] == sorted(top[k:], key=own.index)
     assert {tuner.family(r.config) for r in top} == {tuner.family(r.config) for r in own}
     assert tuner.compile_top(ranked, k, twins=False, families=False) == own[:k]
 
+
+
+def test_an_mma_family_s_tied_second_is_not_timed_where_an_ffma_family_s_is(monkeypatch):
+    model = cost.CostModel(CALIBRATIONS[-1], H100)
+    ranked = tuner.ranked_configs(tuner.ModelShape("lstm", 1024, 1024, dtype="bfloat16"), 1, model)
+    own = [r for r in ranked if not r.config.tagged_exchange]
+    monkeypatch.setattr(tuner, "compiles", lambda c: True)
+    top = tuner.compile_top(ranked, 1, twins=False)
+    by_family = {}
+    for r in own:
+        by_family.setdefault(tuner.family(r.config), []).append(r)
+    tied = {f: m for f, m in by_family.items() if len(m) > 1 and m[1].us <= m[0].us * (1 + tuner.FAMILY_TIE)}
+    assert {f[0] for f in tied} == {"ffma", "mma"}, "the case must have ties of both kinds"
+    for f, members in tied.items():
+        assert [r for r in top if tuner.family(r.config) == f] == members[:2 if f[0] == "ffma" else 1]
 
 
 def test_a_left_out_family_with_a_member_already_built_compiles_nothing_more(monkeypatch):
@@ -822,7 +839,8 @@ def test_a_left_out_family_with_a_member_already_built_compiles_nothing_more(mon
     top = tuner.compile_top(ranked, k, twins=False)
     for f in {tuner.family(r.config) for r in over}:
         members = [r for r in own if tuner.family(r.config) == f]
-        ties = [r for r in members[1:tuner.FAMILY_MEMBERS] if r.us <= members[0].us * (1 + tuner.FAMILY_TIE)]
+        ties = [r for r in members[1:tuner.FAMILY_MEMBERS]
+                if r.config.math == "ffma" and r.us <= members[0].us * (1 + tuner.FAMILY_TIE)]
         assert members[0] in over
         assert [r for r in top[k:] if tuner.family(r.config) == f] == [members[0]] + ties
         compiled = [r.config for r in own if tuner.family(r.config) == f

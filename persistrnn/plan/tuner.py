@@ -52,7 +52,11 @@ DEFAULT_K = 5
 # within a family the model's first two can lie within 1% (LSTM 256 at batch
 # 1: the fused clusters of 16 x 128 and 8 x 256 threads, predicted 0.699 and
 # 0.701 µs per step, measured 0.089 and 0.100 ms per forward), so which one a
-# machine's calibration ranks first is a coin flip (perf-notes §69).
+# machine's calibration ranks first is a coin flip (perf-notes §69). FFMA
+# families only: the model prices every mma product at ~0 (perf-notes §67),
+# so all of a mma family tie, and their second members (with their tagged
+# twins) took 16-bit LSTM 1024 at batch 1 from 8.9 to 10.3-10.6 s of tuning
+# without a plan that measured faster (perf-notes §71).
 FAMILY_MEMBERS = 2
 FAMILY_TIE = 0.02
 DEFAULT_STEPS = 100
@@ -362,8 +366,8 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
         best_us.setdefault(f, r.us)
 
     def ties(i: int) -> bool:
-        """Whether the model predicts ``own[i]`` within FAMILY_TIE of its family's best-ranked."""
-        return own[i].us <= best_us[of[i]] * (1 + FAMILY_TIE)
+        """Whether the model predicts ``own[i]``, of an FFMA family, within FAMILY_TIE of its family's best-ranked."""
+        return own[i].config.math == "ffma" and own[i].us <= best_us[of[i]] * (1 + FAMILY_TIE)
     compiled: dict[int, bool] = {}  # by position in own
     twin_built: dict[int, bool] = {}  # by the position in own of the configuration it is the twin of
 
