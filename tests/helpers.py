@@ -216,16 +216,6 @@ TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "R
 """The cells torch has a CUDA kernel for (cuDNN), by torch module name."""
 
 
-def poison_outputs(shapes, dtype):
-    """NaN blocks of the outputs' sizes, allocated and freed, so that the
-    caching allocator hands them back for the outputs a call makes itself:
-    an element the kernel never writes stays NaN and fails the comparison."""
-    import torch
-
-    poison = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape in shapes]
-    del poison
-
-
 def exact_torch():
     """A context in which torch's fp32 CUDA math is exact fp32 (no TF32 in
     cuDNN or in matmuls): the peer of the tolerance rule, and the setting the
@@ -284,7 +274,17 @@ def torch_peer(cell, layers, x, h0, c0=None, *, lengths=None):
     return out, h_n, c_n
 
 
-# ---- a synthetic calibration of the cost model --------------------------------
+# ---- running calls: poisoned outputs, threads on streams of their own ----------
+
+
+def poison_outputs(shapes, dtype):
+    """NaN blocks of the outputs' sizes, allocated and freed, so that the
+    caching allocator hands them back for the outputs a call makes itself:
+    an element the kernel never writes stays NaN and fails the comparison."""
+    import torch
+
+    poison = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape in shapes]
+    del poison
 
 
 def on_own_streams(threads, work):
@@ -316,6 +316,9 @@ def on_own_streams(threads, work):
     if errors:
         raise AssertionError(f"thread {errors[0][0]} failed") from errors[0][1]
     return results
+
+
+# ---- a synthetic calibration of the cost model --------------------------------
 
 
 def synthetic_calibration(device="synthetic", sm_count=132, version="0"):

@@ -4,6 +4,7 @@ report, and the disk cache (keys, atomic writes, corrupt entries, locking)."""
 import json
 import multiprocessing
 import os
+import sys
 
 import pytest
 
@@ -268,3 +269,25 @@ def test_an_unwritable_cache_costs_the_entries_only(tmp_path, monkeypatch, caplo
     assert runtime.atomic_write(blocker / "cache" / "entry.json", "{}") is False
     assert runtime.atomic_write(tmp_path / "ok" / "entry.json", "{}") is True
     assert (tmp_path / "ok" / "entry.json").read_text() == "{}"
+
+
+def test_work_in_the_background_runs_in_order_in_daemon_threads_at_the_lowest_priority():
+    import threading
+
+    seen = []
+
+    def work(x):
+        if x == 3:
+            raise ValueError("three")
+        me = threading.current_thread()
+        seen.append((x, me.daemon, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                     if sys.platform.startswith("linux") else 19))
+        return x * 10
+
+    futures = runtime.submit_in_background(work, [1, 2, 3, 4], max_workers=1)
+    assert [f.result(timeout=30) for f in (futures[0], futures[1], futures[3])] == [10, 20, 40]
+    with pytest.raises(ValueError, match="three"):
+        futures[2].result(timeout=30)
+    assert [x for x, _, _ in seen] == [1, 2, 4]  # one worker: the items' order
+    assert all(daemon and nice == 19 for _, daemon, nice in seen)
+    assert runtime.submit_in_background(work, []) == []

@@ -113,7 +113,12 @@ class Calibration:
     @property
     def tiles(self) -> frozenset[int]:
         """The batch tiles whose FFMA products are measured."""
-        return frozenset(int(key.split(",")[2]) for key in self.product)
+        return frozenset(_tile_of(key) for key in self.product)
+
+
+def _tile_of(product_key: str) -> int:
+    """The batch tile of a key of :attr:`Calibration.product` ("w,rows,tile,...")."""
+    return int(product_key.split(",")[2])
 
 
 def tiles_for(batch: int | None) -> frozenset[int]:
@@ -502,7 +507,6 @@ def _measure_micro(compiling: dict[tuple[int, int, int, int], Future], progress:
                 or k.resources.uses_local_memory):  # a spilled bench would time local memory, not the product
             return None
         config = k.config(1, threads, shared=shared)
-
         return loop_ns(lambda n: runtime.launch(k, config, *runtime.kernel_args(inputs, sink, n)), kernel)
 
     def mma_per_op(times: dict[int, float | None], per: int) -> float | None:
@@ -656,7 +660,7 @@ def _calibration(progress: bool, refresh: bool, tiles: Iterable[int] | None) -> 
         # Another process may have stored tiles meanwhile: keep its products of the tiles this one lacks.
         other = None if refresh else _stored(path, facts)
         if other is not None:
-            kept = {k: v for k, v in other.product.items() if int(k.split(",")[2]) not in fresh.tiles}
+            kept = {k: v for k, v in other.product.items() if _tile_of(k) not in fresh.tiles}
             fresh = dataclasses.replace(fresh, product={**fresh.product, **kept})
         runtime.atomic_write(path, fresh.to_json())
         logger.info("calibrated %s in %.1f s", facts.name, time.perf_counter() - started)

@@ -29,8 +29,8 @@ from ..errors import ArgumentError, ArgumentTypeError, CompileError
 from .cache import atomic_write, cache_dir, entry_name, key_lock
 from .device import device_facts, import_cuda_core
 
-__all__ = ["CompiledBinary", "KernelResources", "cache_key", "compile_source", "map_in_threads", "nvrtc_compiles",
-           "lower_thread_priority", "nvrtc_version", "parse_ptxas_report", "program_options", "read_source",
+__all__ = ["CompiledBinary", "KernelResources", "cache_key", "compile_source", "lower_thread_priority",
+           "map_in_threads", "nvrtc_compiles", "nvrtc_version", "parse_ptxas_report", "program_options", "read_source",
            "render_template", "sources_dir", "submit_in_background", "submit_in_threads"]
 
 T = TypeVar("T")
@@ -348,7 +348,8 @@ def submit_in_background(fn: Callable[[T], R], items: Sequence[T], max_workers: 
                 x, future = pending.popleft()
             except IndexError:
                 return
-            future.set_running_or_notify_cancel()
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled before it started
             try:
                 future.set_result(fn(x))
             except Exception as exc:
