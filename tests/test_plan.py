@@ -342,20 +342,15 @@ def test_a_stored_calibration_is_extended_by_the_tiles_it_lacks_keeping_what_ano
         runtime.atomic_write(path, _with_tiles(full, {1, 8}).to_json())  # another process, meanwhile
         return dataclasses.replace(cal, product={**cal.product, **_with_tiles(full, set(tiles)).product})
 
-    ahead = []
     monkeypatch.setattr(cost, "measure_calibration", measure)
     monkeypatch.setattr(cost, "extend_calibration", extend)
-    monkeypatch.setattr(cost, "compile_ahead", lambda tiles: ahead.append(set(tiles)))
     first = cost.calibration(progress=False, tiles={1})
     assert measured == [("whole", {1})] and first.tiles == {1} and cost.load_calibration(path) == first
-    assert ahead == [{2, 4, 8}]  # the tiles it lacks compile in the background
     assert cost.calibration(progress=False, tiles={1}) == first and len(measured) == 1
     second = cost.calibration(progress=False, tiles={1, 2})
-    assert measured[-1] == ("extend", {2}) and second.tiles == {1, 2, 8} and ahead[-1] == {4}
+    assert measured[-1] == ("extend", {2}) and second.tiles == {1, 2, 8}
     assert cost.load_calibration(path) == second == _with_tiles(full, {1, 2, 8})
     assert cost.calibration(progress=False, tiles={8}) == second and len(measured) == 2
-    cost.calibration(progress=False, tiles={4})
-    assert measured[-1] == ("extend", {4}) and len(ahead) == 4  # complete: nothing more ahead
     monkeypatch.setattr(runtime, "device_facts", lambda: dataclasses.replace(H100, name="NVIDIA H200"))
     cost.calibration(progress=False, tiles={1})  # another device: its own calibration
     assert measured[-1] == ("whole", {1})
@@ -652,6 +647,22 @@ def test_tuning_keeps_the_fastest_of_the_top_k_and_their_twins_and_says_where_it
     members = 1 + (fused[1].us <= fused[0].us * (1 + tuner.FAMILY_TIE))  # the second where the model ties them
     assert f"fastest of the model's top 5, {members} more of its kernel families (model rank 2)" in chosen.reason
     assert len(chosen.measured_ms) == 5 + members + 2
+
+
+def test_a_tuned_plan_then_compiles_the_calibration_s_missing_tiles_in_the_background(monkeypatch, offline_tuning):
+    model = cost.CostModel(_with_tiles(offline_tuning.cal, {1}), H100)
+    monkeypatch.setattr(cost, "cost_model", lambda progress=False, batch=None: model)
+    monkeypatch.setattr(tuner, "timing_candidates", lambda shape, batch, top, steps: [
+        tuner.Candidate(tuner.candidate_label(r), "persistent", r, None) for r in top])
+    monkeypatch.setattr(tuner, "time_candidates", lambda candidates, progress=False: {
+        c.label: 0.1 for c in candidates})
+    ahead = []
+    monkeypatch.setattr(cost, "compile_ahead", lambda tiles: ahead.append(set(tiles)))
+    tuner.plan(tuner.ModelShape("lstm", 256, 256), 1)
+    assert ahead == [{2, 4, 8}]  # after the tuning, not beside it
+    monkeypatch.setattr(cost, "cost_model", lambda progress=False, batch=None: offline_tuning)
+    tuner.plan(tuner.ModelShape("lstm", 256, 256), 2)
+    assert len(ahead) == 1  # a whole calibration: nothing to compile ahead
 
 
 def test_the_space_offers_the_fused_step_where_a_work_group_owns_a_unit():

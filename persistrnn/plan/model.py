@@ -625,15 +625,7 @@ def _stored(path: Path, facts: runtime.DeviceFacts) -> Calibration | None:
 def calibration(*, progress: bool = True, refresh: bool = False, tiles: Iterable[int] | None = None) -> Calibration:
     """This device's calibration, holding at least the FFMA products at batch
     ``tiles`` (None: every bench tile): from the disk cache, extended by the
-    tiles it lacks, or measured now; stored either way. The programs of the
-    tiles it still lacks then compile in the background (:func:`compile_ahead`)."""
-    found = _calibration(progress, refresh, tiles)
-    if rest := tiles_for(None) - found.tiles:
-        compile_ahead(rest)
-    return found
-
-
-def _calibration(progress: bool, refresh: bool, tiles: Iterable[int] | None) -> Calibration:
+    tiles it lacks, or measured now; stored either way."""
     wanted = tiles_for(None) if tiles is None else frozenset(tiles)
     if not wanted <= tiles_for(None):
         raise ArgumentError(f"tiles: expected a subset of {sorted(BENCH_TILES)}, got {sorted(wanted)}")

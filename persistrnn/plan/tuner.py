@@ -652,6 +652,11 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
                   short_path=short_path, short_steps=short_steps, short_measured_ms=short_measured)
     store_plan(key, result)
     logger.info("tuned %s at batch %d in %.1f s: %s", shape, batch, result.tuning_seconds, result.describe())
+    # The calibration's programs a later plan at a larger batch needs, compiled
+    # now in the background: started during the tuning, they slowed it by
+    # 0.6 s or more beside its own compiles (perf-notes §70).
+    if rest := cost.tiles_for(None) - model.cal.tiles:
+        cost.compile_ahead(rest)
     return result
 
 
