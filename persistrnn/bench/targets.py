@@ -357,10 +357,11 @@ def evaluate(results: list[dict[str, Any]]) -> list[dict[str, str]]:
                               "slices), the fallback and cuDNN; the first tuned call of a process on a machine without "
                               "a calibration cache also runs the cost model's micro-benchmarks for its batch's tiles "
                               "(once per device), and a later first call at a larger batch those of its tiles. On "
-                              "fresh H100 machines (perf-notes §70) the first call of a process took 7.1-8.6 s at "
-                              "0a0ab52 (10.3-11.1 s before the calibration by tile): 3.1-4.0 s of calibration (tile 1, "
-                              "the sync floors and the mma, pointwise and barrier tables), ~0.5 s of ranking and ~3 s "
-                              "of tuning; the next new shapes took 4.4-5.1 s, 1.2-1.5 s of it their tiles' timings."
+                              "fresh H100 machines (perf-notes §70) the first call of a process took 7.1-9.1 s "
+                              "(10.3-12.7 s before the calibration by tile): 3.1-4.5 s of calibration (tile 1, the "
+                              "sync floors and the mma, pointwise and barrier tables), ~0.5 s of ranking and 3-5 s of "
+                              "tuning; the next new shapes took 4.4-8.1 s, of it their tiles' timings (1.2-1.5 s) or "
+                              "the end of their compiles ahead."
                               if first[0] == "missed" else "",
                      "source": ", ".join(dict.fromkeys(r.get("suite", "?") for r in results if _first_call_rows(r)))})
     return rows
