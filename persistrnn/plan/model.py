@@ -75,7 +75,8 @@ class Calibration:
 
     clock_mhz: the SM clock the device reports (for the FMA issue bound)
     product: "w,rows,tile,group,shared,chunks" -> ns per product of ``chunks``
-        column chunks per lane (the two chunk counts of :data:`BENCH_CHUNKS`)
+        column chunks per lane (the two chunk counts of :data:`BENCH_CHUNKS`),
+        for the batch tiles measured so far (:attr:`tiles`)
     mma: "w,m_tiles" -> ns per mma per warp
     pointwise: "w" -> ns per pointwise pass (one LSTM element per thread)
     barrier: "w" -> ns per __syncthreads
@@ -230,14 +231,14 @@ class CostModel:
         self._cache: dict[tuple, float] = {}
         self._tiles = calibration.tiles
 
-    def cover(self, configs: Iterable[KernelConfig], *, progress: bool = False) -> None:
+    def cover(self, configs: Iterable[KernelConfig]) -> None:
         """Calibrate the batch tiles ``configs`` need that this model's
         calibration lacks (measured now, once per device). Inside a CUDA-graph
         capture nothing can be timed: the configurations this model cannot
         price stay unpriced (:meth:`prices`)."""
         missing = {product_tile(c) for c in configs} - {None} - self._tiles
         if missing and not _capturing():
-            self.cal = calibration(progress=progress, tiles=missing | self._tiles)
+            self.cal = calibration(progress=False, tiles=missing | self._tiles)
             self._tiles = self.cal.tiles
 
     def prices(self, config: KernelConfig) -> bool:
