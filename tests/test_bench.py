@@ -629,11 +629,12 @@ def test_compile_cases_and_arguments(capsys):
 
 
 def _compile_case(key, eager, default, reduce_overhead, torch_eager, torch_compiled, *, failed=None):
-    rows = [Row(compiled.EAGER, ms=eager, rel_error=3e-7, plan="persistent"),
-            Row(compiled.COMPILED, ms=default, rel_error=3e-7, first_call_s=4.0),
+    rows = [compiled.CompileRow(compiled.EAGER, ms=eager, rel_error=3e-7, plan="persistent", host_us=31.4),
+            compiled.CompileRow(compiled.COMPILED, ms=default, rel_error=3e-7, first_call_s=4.0, host_us=118.6),
             Row(compiled.REDUCE_OVERHEAD, ms=reduce_overhead, rel_error=3e-7, first_call_s=6.0),
             Row(compiled.TORCH, ms=torch_eager, rel_error=1e-3),
-            Row(compiled.TORCH_COMPILED, ms=torch_compiled, rel_error=1e-6, note="2 graph break(s)")]
+            Row(compiled.TORCH_COMPILED, ms=torch_compiled, rel_error=1e-6, note="2 graph break(s)"),
+            compiled.CompileRow(compiled.COMPILE_FLOOR, host_us=63.2)]
     if failed:
         rows[1] = Row(compiled.COMPILED, "failed", rel_error=1.3, first_call_s=4.0,
                       note="output differs from float64 (rel. error 1.3e+00): not timed")
@@ -664,9 +665,10 @@ def test_compile_table_gives_ratios_to_eager(tmp_path, capsys):
     table = compiled.format_table(COMPILE_RESULT)
     first = _line(table, "| 2-layer LSTM 128 | 50 | 1 |")
     assert first[3:] == ["persistent", "0.0930", "0.1000", "1.08×", "0.0600", "0.65×", "0.2800", "0.2000", "0.36×",
-                         "1.0e-03", "4.0 / 6.0"]
+                         "1.0e-03", "4.0 / 6.0", "31 / 119 / 63"]
     gru = _line(table, "| GRU 256 |")
     assert gru[5:7] == ["failed", "—"] and gru[10:12] == ["0.2500", "—"]
+    assert gru[-1] == "31 / — / 63"  # a failed variant has no host time
     assert "persistrnn compiled: failed (output differs from float64" in table
     assert "torch.nn compiled: ok (2 graph break(s))" in table
     saved = tmp_path / "compile.json"
@@ -674,6 +676,7 @@ def test_compile_table_gives_ratios_to_eager(tmp_path, capsys):
     assert compiled.main(["--from-json", str(saved), "--markdown", str(tmp_path / "c.md")]) == 0
     md = (tmp_path / "c.md").read_text()
     assert md.startswith("# torch.compile") and "allow_rnn" in md and "**met**" in md
+    assert "Host µs per call: 100 calls back to back" in md
 
 
 def test_targets_cli_judges_host_and_compile_runs_beside_the_comparisons(tmp_path, capsys):
@@ -723,6 +726,8 @@ def test_compile_suite_runs_the_issue_case_end_to_end(tmp_path):
         assert rows[provider]["status"] == "ok" and rows[provider]["ms"] > 0, rows[provider]
         assert rows[provider]["rel_error"] <= compiled.CHECK_TOLERANCE
     assert rows[compiled.TORCH_COMPILED]["status"] == "not run"
+    for provider in (*compiled.HOST_TIMED, compiled.COMPILE_FLOOR):
+        assert rows[provider]["status"] == "ok" and rows[provider]["host_us"] > 0, rows[provider]
     assert "torch.compile (default mode)" in Path(f"{out}.md").read_text()
 
 

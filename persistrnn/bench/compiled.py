@@ -14,6 +14,13 @@ five ways:
   (graph breaks allowed: how dynamo treats torch's RNN modules is torch's
   business, and the row notes how many there were).
 
+Beside the times, the host time per call (back to back, no wait for the
+GPU) of the eager and compiled persistrnn module, and of ``torch.compile``'s
+default mode around one pointwise op (``x + 1`` on the same input): what a
+compiled call costs the host before any work of ours, on this machine and in
+this process. Where the compiled module's host time exceeds the eager call's
+device time, the compiled call is host-bound (perf-notes §60, §72).
+
 Dynamo traces RNN modules only with ``torch._dynamo.config.allow_rnn``
 (persistrnn modules are ``torch.nn.RNNBase`` subclasses), so every call runs
 with it set, as the operator tests do. Every compiled variant is compiled
@@ -39,7 +46,7 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from . import compare, targets
+from . import compare, host, targets
 from .compare import Case, Row
 from .environment import add_result_arguments, run_or_load
 
@@ -52,7 +59,10 @@ CASES = {
 
 EAGER, COMPILED, REDUCE_OVERHEAD = "persistrnn", "persistrnn compiled", "persistrnn compiled (reduce-overhead)"
 TORCH, TORCH_COMPILED = "torch.nn", "torch.nn compiled"
-PROVIDERS = (EAGER, COMPILED, REDUCE_OVERHEAD, TORCH, TORCH_COMPILED)
+COMPILE_FLOOR = "torch.compile of x + 1"
+PROVIDERS = (EAGER, COMPILED, REDUCE_OVERHEAD, TORCH, TORCH_COMPILED, COMPILE_FLOOR)
+HOST_TIMED = (EAGER, COMPILED)
+"""The variants whose host time per call is measured too."""
 
 CHECK_TOLERANCE = 1e-2
 """Largest relative error against float64 a variant may have and be timed.
@@ -66,7 +76,15 @@ class Settings:
     repeats: int = 5
     warmup: int = 3
     buffers: int = 4
+    host_calls: int = 100  # calls per host timing (back to back, no wait for the GPU), median of ``repeats``
     torch_compile: bool = True  # compile torch.nn too (inductor unrolls the recurrence: tens of seconds)
+
+
+@dataclasses.dataclass
+class CompileRow(Row):
+    """A variant on one case; ``host_us``: host µs per call (:data:`HOST_TIMED` and :data:`COMPILE_FLOOR`)."""
+
+    host_us: float | None = None
 
 
 def _counters() -> tuple[int, int]:
@@ -101,7 +119,7 @@ def _variant(label: str, make: Callable[[], Any], inputs: list[Any], want: Any, 
     if breaks:
         notes.append(f"{breaks} graph break(s)")
     if max(errors) > CHECK_TOLERANCE:
-        return Row(label, "failed", rel_error=max(errors), first_call_s=first_s,
+        return CompileRow(label, "failed", rel_error=max(errors), first_call_s=first_s,
                    note="; ".join([f"output differs from float64 (rel. error {max(errors):.1e}): not timed"] + notes))
     k = iter(range(10**9))
 
@@ -111,10 +129,25 @@ def _variant(label: str, make: Callable[[], Any], inputs: list[Any], want: Any, 
 
     runtime.warm_up(many)
     ms = time_cuda_ms(many, warmup=1, repeats=s.repeats) / s.calls
+    host_us = host.host_us(model, inputs, s.host_calls, s.repeats) if label in HOST_TIMED else None
     # The first call's time is the compile time for a compiled variant; an
     # eager one's (planning, capturing) belongs to the other suites.
-    return Row(label, ms=ms, rel_error=max(errors), first_call_s=first_s if label in (COMPILED, REDUCE_OVERHEAD)
-               else None, note="; ".join(notes), **extra)
+    return CompileRow(label, ms=ms, rel_error=max(errors), first_call_s=first_s if label in (COMPILED, REDUCE_OVERHEAD)
+                      else None, note="; ".join(notes), host_us=host_us, **extra)
+
+
+def _compile_floor(inputs: list[Any], s: Settings) -> CompileRow:
+    """Host µs per call of ``torch.compile(lambda x: x + 1)`` (default mode)
+    on the case's inputs: torch.compile's own per-call path around one
+    kernel, which a compiled module's call pays before any work of ours."""
+    import torch
+
+    torch._dynamo.reset()
+    plus_one = torch.compile(lambda x: x + 1, fullgraph=True)
+    error = max((plus_one(x) - (x + 1)).abs().max().item() for x in inputs)
+    if error:
+        return CompileRow(COMPILE_FLOOR, "failed", note=f"x + 1 differs from eager by {error:.1e}: not timed")
+    return CompileRow(COMPILE_FLOOR, host_us=host.host_us(plus_one, inputs, s.host_calls, s.repeats))
 
 
 def run_case(case: Case, s: Settings) -> dict[str, Any]:
@@ -134,7 +167,7 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
     ]
     if s.torch_compile:
         variants.append((TORCH_COMPILED, lambda: torch.compile(theirs), {}))
-    rows = []
+    rows: list[Row] = []
     with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
         for label, make, extra in variants:
             # A compile failure's first line names the cause (an operator rule, a graph break): keep it whole.
@@ -142,6 +175,7 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
                 label, make, inputs, want, s, **extra), limit=600))
     if not s.torch_compile:
         rows.append(Row(TORCH_COMPILED, "not run", note="--no-torch-compile"))
+    rows.append(compare._guard(COMPILE_FLOOR, lambda: _compile_floor(inputs, s), limit=600))
     torch._dynamo.reset()
     return {**dataclasses.asdict(case), "rows": [dataclasses.asdict(r) for r in rows]}
 
@@ -177,6 +211,10 @@ def _ms(row: dict[str, Any] | None) -> str:
     return "—" if row["ms"] is None else f"{row['ms']:.4f}"
 
 
+def _host_us(row: dict[str, Any] | None) -> str:
+    return "—" if row is None or row.get("host_us") is None else f"{row['host_us']:.0f}"
+
+
 def _over(rows: dict[str, dict[str, Any]], label: str, base: str = EAGER) -> str:
     a, b = rows.get(label), rows.get(base)
     if not a or not b or a.get("ms") is None or b.get("ms") is None or a["status"] != "ok" or b["status"] != "ok":
@@ -188,18 +226,21 @@ def format_table(result: dict[str, Any]) -> str:
     """One line per case: ms per call of each variant, and compiled over eager persistrnn."""
     lines = ["| model | T | batch | plan | persistrnn eager ms | compiled ms | compiled / eager | reduce-overhead ms "
              "| reduce-overhead / eager | torch.nn eager ms | torch.nn compiled ms | compiled / torch.nn eager "
-             "| largest rel. error | compile s (default, reduce-overhead) |",
-             "|" + "---|" * 14]
+             "| largest rel. error | compile s (default, reduce-overhead) | host µs per call: eager / compiled "
+             "/ compiled x + 1 |",
+             "|" + "---|" * 15]
     for case in result["cases"]:
         rows = compare.providers(case)
         errors = [r["rel_error"] for r in rows.values() if r.get("rel_error") is not None]
         compile_s = " / ".join("—" if rows.get(p, {}).get("first_call_s") is None
                                else f"{rows[p]['first_call_s']:.1f}" for p in (COMPILED, REDUCE_OVERHEAD))
         plan = rows.get(EAGER, {}).get("plan") or "—"
+        host_us = " / ".join(_host_us(rows.get(p)) for p in (*HOST_TIMED, COMPILE_FLOOR))
         lines.append(f"| {case['model']} | {case['steps']} | {case['batch']} | {plan} | {_ms(rows.get(EAGER))} "
                      f"| {_ms(rows.get(COMPILED))} | {_over(rows, COMPILED)} | {_ms(rows.get(REDUCE_OVERHEAD))} "
                      f"| {_over(rows, REDUCE_OVERHEAD)} | {_ms(rows.get(TORCH))} | {_ms(rows.get(TORCH_COMPILED))} "
-                     f"| {_over(rows, COMPILED, TORCH)} | {compare._sci(max(errors, default=None))} | {compile_s} |")
+                     f"| {_over(rows, COMPILED, TORCH)} | {compare._sci(max(errors, default=None))} | {compile_s} "
+                     f"| {host_us} |")
     notes = sorted({f"{c['model']} batch {c['batch']}, {r['provider']}: {r['status']}" + (f" ({r['note']})" if r["note"]
                                                                                          else "")
                     for c in result["cases"] for r in c["rows"] if r["status"] != "ok" or r["note"]})
@@ -218,6 +259,10 @@ def markdown(result: dict[str, Any]) -> str:
               f"{s['repeats']} timings after {s['warmup']} warm-up calls and a warm-up to steady clocks, inputs "
               f"rotated among {s['buffers']} buffers; under torch.no_grad() with "
               "torch._dynamo.config.allow_rnn; every output checked against float64 before timing.")
+    if "host_calls" in s:
+        method += (f" Host µs per call: {s['host_calls']} calls back to back from an idle GPU, the median of "
+                   f"{s['repeats']}; `compiled x + 1` is torch.compile (default mode) of one pointwise op on the "
+                   "same input, torch.compile's own per-call path.")
     tf32 = result.get("torch_settings")
     if tf32:
         method += (f" torch's settings: TF32 {'allowed' if tf32['cudnn_allow_tf32'] else 'off'} in cuDNN, "

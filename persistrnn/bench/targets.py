@@ -210,15 +210,12 @@ TARGETS = (
                                labels=("compiled", "eager")),
                       Relation(("persistrnn compiled", "ms"), ("torch.nn", "ms"),
                                labels=("compiled", "torch.nn eager"))),
-           cause="torch.compile's own per-call path (Dynamo's frame hook and guards, AOT-autograd's runtime "
-                 "wrappers, inductor's size asserts: ~45-60 µs on the H100's host) on top of the operator (~10 µs "
-                 "of C++ since the copy nodes, plus ~9 µs of argument parsing): a compiled call takes 70-150 µs of "
-                 "host time against 85-110 µs of device time, so it is host-bound or near it, and which side wins "
-                 "changes with the process's state and the machine instance (the three cases measured "
-                 "1.52/1.00/1.00x at a8e1149, 1.00/1.00/1.14x at 2b9a40e, and 1.74/1.41/1.08x at 8d6c289, whose "
-                 "compiled calls ran host-bound at 0.12-0.15 ms, where the instance before took 70-78 µs of host "
-                 "time per compiled call) "
-                 "(perf-notes §20, §59, §60).",
+           cause="The compiled call is host-bound: torch.compile's own per-call path (Dynamo's frame and guards, "
+                 "AOT-autograd's runtime wrapper, inductor's size asserts) costs ~63 µs of the H100's host around "
+                 "one pointwise kernel (`compiled x + 1` in the suite's host columns), and the compiled module "
+                 "88-117 µs at the host's faster moments and 134-193 µs at its slower ones (its speed moves ~2x "
+                 "from second to second), against 72-90 µs of device time for an eager call that stays "
+                 "device-bound (perf-notes §20, §60, §72).",
            suites=("compile",), name_model=True),
 )
 
