@@ -319,7 +319,8 @@ class _Persistent:
         ``pack_padded_sequence`` copy one time step at a time (the backward of
         the latter measured 2.6 ms of host time per call at T=100 on the
         H100's host), and the sorted order needs nothing from the device, so
-        nothing here synchronises."""
+        nothing here synchronises. A batch whose sequences all run every step
+        is its packed data as it stands, and runs as a padded call."""
         data, batch_sizes = packed.data, packed.batch_sizes
         if data.dim() != 2:  # torch's check and message
             raise InputShapeError(f"input must have 2 dimensions, got {data.dim()}")
@@ -335,9 +336,17 @@ class _Persistent:
         chosen = None if trains else self.plan_for(batch).for_steps(steps)
         if chosen is not None and chosen.path != "persistent":
             return self._torch_forward(packed, hx)
-        positions, lengths = _packed_positions(batch_sizes, data.device)
-        # (T * B, I) zeros, each packed row at its (step, sorted column): time-major
-        x = data.new_zeros(steps * batch, data.shape[1]).index_copy(0, positions, data).view(steps, batch, -1)
+        if int(batch_sizes[-1]) == batch:
+            # Every sequence runs all T steps (a batch of one, or of equal lengths): the packed rows are the
+            # padded input itself, time-major in the sorted order, and the call runs without lengths, i.e.
+            # from the captured graphs of a padded call (a call with lengths runs its launches as they come:
+            # 4.2-4.4x a padded step's time at LSTM 256 batch 1 in training, perf-notes §73).
+            positions, lengths = None, None
+            x = data.reshape(steps, batch, data.shape[1])
+        else:
+            positions, lengths = _packed_positions(batch_sizes, data.device)
+            # (T * B, I) zeros, each packed row at its (step, sorted column): time-major
+            x = data.new_zeros(steps * batch, data.shape[1]).index_copy(0, positions, data).view(steps, batch, -1)
         runtime.raise_reported_failure(x.device.index)
         pairs = self.spec.has_cell_state
         if states is None:
@@ -347,13 +356,16 @@ class _Persistent:
         h0, c0 = _permuted(h0, packed.sorted_indices), _permuted(c0, packed.sorted_indices)
         if trains:
             out, h_n, c_n = training.run_module(self, x, h0, c0, lengths=lengths)
+        elif lengths is None:
+            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias, self.plan_for)
         else:
             out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
                                          num_layers=self.num_layers, bidirectional=self.bidirectional,
                                          has_biases=self.bias,
                                          lengths=lengths.to(torch.int32))  # on the host: no synchronise
         h_n, c_n = _permuted(h_n, packed.unsorted_indices), _permuted(c_n, packed.unsorted_indices)
-        packed_out = PackedSequence(out.reshape(steps * batch, -1).index_select(0, positions), batch_sizes,
+        rows = out.reshape(steps * batch, -1)
+        packed_out = PackedSequence(rows if positions is None else rows.index_select(0, positions), batch_sizes,
                                     packed.sorted_indices, packed.unsorted_indices)
         return packed_out, ((h_n, c_n) if pairs else h_n)
 
