@@ -1,9 +1,10 @@
 """Where a training step's host time goes, padded and on a PackedSequence,
 ours beside cuDNN (LSTM, T=100; 256 units at batch 8 unless --hidden and
 --batch say otherwise): ms per step, then torch.profiler tables (self and
-total CPU time per op) of 10 steps each.
+total CPU time per op) of 10 steps each; with --cprofile, the padded step's
+Python functions by own time (cProfile over 50 steps) instead.
 
-    PYTHONPATH=. python scripts/profile_training_host.py
+    PYTHONPATH=. python scripts/profile_training_host.py [--cprofile]
 """
 import argparse
 import time
@@ -22,6 +23,7 @@ torch.manual_seed(0)
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--cprofile", action="store_true")
 args = parser.parse_args()
 H, B, T = args.hidden, args.batch, 100
 ours = persistrnn.LSTM(H, H).cuda()
@@ -50,6 +52,20 @@ for name, module, packed in (("ours padded", ours, False), ("ours packed", ours,
     torch.cuda.synchronize()
     print(f"{name}: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms per step", flush=True)
 
+
+if args.cprofile:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        step(ours, False)
+    prof.disable()
+    torch.cuda.synchronize()
+    print("==== ours padded, 50 steps under cProfile: by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(45)
+    raise SystemExit(0)
 
 for name, module, packed in (("ours padded", ours, False), ("ours packed", ours, True), ("cudnn packed", theirs, True)):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
