@@ -445,12 +445,13 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device:
     return None
 
 
-def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,
+def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,
             num_layers: int, bidirectional: bool, has_biases: bool, dropout_masks: list[torch.Tensor],
             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                           list[torch.Tensor]]:
     """The training forward (the operator's implementation): (out (T, B, D*H),
-    h_n, c_n (empty without a cell state), the saved list).
+    h_n, c_n (empty without a cell state), the saved list). ``h0`` None:
+    zero initial states (``c0`` None too), made inside the captured graph.
     ``dropout_masks``: none, or one (T, B, D*H) per layer but the last, which
     multiplies that layer's output before the next layer reads it (0 or
     1 / (1 - p): :func:`dropout_masks`). ``lengths``: None, or a CPU
@@ -466,6 +467,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights:
     layers = ops.layer_params(weights, num_layers, directions, has_biases)
     steps, batch = x.shape[0], x.shape[1]
     hidden = layers[0][0]["w_hh"].shape[1]
+    if h0 is None and c0 is not None:
+        raise ArgumentError("persistrnn::train_forward: c0 without h0; pass both initial states, or neither for zeros")
     _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
     lengths = _lengths_on_device(lengths, steps, batch, x)
     launch = None
@@ -500,8 +503,7 @@ def _forward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has_
     hidden = layers[0][0]["w_hh"].shape[1]
     compute = _compute_dtype(x.dtype)
     step_runs = _step_runs(lengths, steps, compute)
-    h0 = h0.contiguous()
-    c0 = c0.contiguous() if spec.has_cell_state else None
+    h0, c0 = _initial_states(spec, h0, c0, x, num_layers * directions, hidden)
     h_n, c_n = torch.empty_like(h0), (torch.empty_like(c0) if c0 is not None else x.new_empty(0))
     kept, outputs = [], []
     layer_input = x.contiguous()
@@ -535,15 +537,16 @@ def _forward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has_
     return layer_input, h_n, c_n, kept + outputs
 
 
-def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, x: torch.Tensor, h0: torch.Tensor,
-             c0: torch.Tensor | None, weights: list[torch.Tensor], out: torch.Tensor, saved: list[torch.Tensor],
-             cell: str, num_layers: int, bidirectional: bool, has_biases: bool, dropout_masks: list[torch.Tensor],
-             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                           list[torch.Tensor]]:
+def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, x: torch.Tensor,
+             h0: torch.Tensor | None, c0: torch.Tensor | None, weights: list[torch.Tensor], out: torch.Tensor,
+             saved: list[torch.Tensor], cell: str, num_layers: int, bidirectional: bool, has_biases: bool,
+             dropout_masks: list[torch.Tensor], lengths: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The training backward (the operator's implementation): from the
     gradients of (out, h_n, c_n) and what the forward kept, (dx, dh0, dc0
     (empty without a cell state), the gradient of every weight, in the
-    weights' order and dtypes). With ``lengths`` (the forward's), the
+    weights' order and dtypes; ``h0`` None: the forward's zero states, whose
+    gradient is computed all the same). With ``lengths`` (the forward's), the
     gradient of ``out`` past a sequence's length is not read: those outputs
     are zeros whatever the weights."""
     spec = get_cell(cell)
@@ -583,6 +586,7 @@ def _backward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has
     outputs = saved[num_layers * directions * per:] + [out]
     per_weight = 4 if has_biases else 2
     d_weights: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
+    h0, c0 = _initial_states(spec, h0, c0, x, num_layers * directions, hidden)
     dh0 = torch.empty(h0.shape, dtype=compute, device=h0.device)
     dc0 = torch.empty(c0.shape, dtype=compute, device=c0.device) if spec.has_cell_state else None
     step_runs = _step_runs(lengths, x.shape[0], compute)
@@ -643,6 +647,18 @@ ReLU RNN 1152 saves at T=1000, batch 4; perf-notes §45); past the bound the
 launches run as they come, and only what autograd keeps stays."""
 
 
+def _initial_states(spec: CellSpec, h0: torch.Tensor | None, c0: torch.Tensor | None, x: torch.Tensor, count: int,
+                    hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h0, c0 or None) contiguous, zeros (``count``, B, H) where ``h0`` is
+    None: inside a capture, a fill in the graph rather than a launch of the
+    caller's on every step (two tensor ops of ~40 µs of host time each on the
+    H100's host, perf-notes §73)."""
+    if h0 is None:
+        h0 = x.new_zeros(count, x.shape[1], hidden)
+        return h0, (torch.zeros_like(h0) if spec.has_cell_state else None)
+    return h0.contiguous(), (c0.contiguous() if spec.has_cell_state else None)
+
+
 def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int) -> bool:
     """Whether :func:`forward` and :func:`backward` replay a captured graph: on
     CUDA, outside a caller's capture, for a batch without lengths (a packed
@@ -652,14 +668,15 @@ def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_byt
             and not torch.cuda.is_current_stream_capturing())
 
 
-def _operator_key(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],
+def _operator_key(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, weights: list[torch.Tensor],
                   dropout_masks: list[torch.Tensor]) -> tuple:
     """What a captured training operator fixes beside the model: shapes and
     dtypes, the masks' count, the launch and GEMM settings, and the weights'
     addresses where the graph reads them in place (:func:`_reads_in_place`;
     every other tensor's address and value is not in it: the graph reads
     copies). The addresses come last, None where the weights are copied."""
-    return (x.shape, x.dtype, h0.shape, c0 is None, tuple((w.shape, w.dtype) for w in weights), len(dropout_masks),
+    return (x.shape, x.dtype, None if h0 is None else h0.shape, c0 is None,
+            tuple((w.shape, w.dtype) for w in weights), len(dropout_masks),
             ops.launch_settings(),
             tuple(w.data_ptr() for w in weights) if _reads_in_place(weights) else None)
 
@@ -762,10 +779,6 @@ def run_module(module: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.
     of them to ``x``'s dtype (autocast), ``lengths`` (B,) on the CPU for a
     padded batch of sequences (:func:`forward`). Returns (out, h_n, c_n or
     None), differentiable."""
-    has_c = get_cell(module.cell).has_cell_state
-    if h0 is None:
-        h0 = x.new_zeros(module.num_layers * (2 if module.bidirectional else 1), x.shape[1], module.hidden_size)
-        c0 = torch.zeros_like(h0) if has_c else None
     masks = dropout_masks(module.dropout if module.training else 0.0, module.num_layers,
                           (x.shape[0], x.shape[1], (2 if module.bidirectional else 1) * module.hidden_size), x)
     weights = list(module._flat_weights if weights is None else weights)
@@ -830,10 +843,10 @@ def _check_masks(masks: list[torch.Tensor], num_layers: int, shape: tuple[int, i
 # Defined with torch.library's low-level registration, as persistrnn::forward
 # is (persistrnn/ops.py says why); that module defines the namespace.
 _LIBRARY = torch.library.Library("persistrnn", "FRAGMENT")
-_LIBRARY.define("train_forward(Tensor x, Tensor h0, Tensor? c0, Tensor[] weights, str cell, int num_layers, "
+_LIBRARY.define("train_forward(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, str cell, int num_layers, "
                 "bool bidirectional, bool has_biases, Tensor[] dropout_masks, Tensor? lengths) "
                 "-> (Tensor, Tensor, Tensor, Tensor[])")
-_LIBRARY.define("train_backward(Tensor d_out, Tensor dh_n, Tensor? dc_n, Tensor x, Tensor h0, Tensor? c0, "
+_LIBRARY.define("train_backward(Tensor d_out, Tensor dh_n, Tensor? dc_n, Tensor x, Tensor? h0, Tensor? c0, "
                 "Tensor[] weights, Tensor out, Tensor[] saved, str cell, int num_layers, bool bidirectional, "
                 "bool has_biases, Tensor[] dropout_masks, Tensor? lengths) -> (Tensor, Tensor, Tensor, Tensor[])")
 
@@ -864,15 +877,17 @@ def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, dropout_m
     compute = _compute_dtype(x.dtype)
     saved = [x.new_empty(shape, dtype=compute if in_compute else x.dtype)
              for shape, in_compute in saved_shapes(spec, x.shape[0], x.shape[1], hidden, num_layers, directions)]
-    c_n = torch.empty_like(h0) if spec.has_cell_state else x.new_empty(0)
-    return x.new_empty(x.shape[0], x.shape[1], directions * hidden), torch.empty_like(h0), c_n, saved
+    h_n = x.new_empty(num_layers * directions, x.shape[1], hidden) if h0 is None else torch.empty_like(h0)
+    c_n = torch.empty_like(h_n) if spec.has_cell_state else x.new_empty(0)
+    return x.new_empty(x.shape[0], x.shape[1], directions * hidden), h_n, c_n, saved
 
 
 @torch.library.register_fake("persistrnn::train_backward")
 def _(d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, cell, num_layers, bidirectional, has_biases, dropout_masks,
       lengths):
-    dc0 = torch.empty_like(c0) if c0 is not None else x.new_empty(0)
-    return torch.empty_like(x), torch.empty_like(h0), dc0, [torch.empty_like(w) for w in weights]
+    dh0 = dh_n.new_empty(dh_n.shape) if h0 is None else torch.empty_like(h0)
+    dc0 = torch.empty_like(dh0) if get_cell(cell).has_cell_state else x.new_empty(0)
+    return torch.empty_like(x), dh0, dc0, [torch.empty_like(w) for w in weights]
 
 
 class _TrainingStep(torch.autograd.Function):
@@ -885,13 +900,15 @@ class _TrainingStep(torch.autograd.Function):
     included, without a graph break."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, lengths: torch.Tensor | None,
-                options: tuple, weight_count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None,
+                lengths: torch.Tensor | None, options: tuple, weight_count: int,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weights, masks = list(tensors[:weight_count]), list(tensors[weight_count:])
         out, h_n, c_n, saved = torch.ops.persistrnn.train_forward(x, h0, c0, weights, *options, masks, lengths)
-        ctx.options, ctx.layout = options, (weight_count, len(saved), c0 is not None)
+        has_c = get_cell(options[0]).has_cell_state
+        ctx.options, ctx.layout = options, (weight_count, len(saved), has_c)
         ctx.save_for_backward(x, h0, c0, out, lengths, *weights, *saved, *masks)
-        if c0 is None:
+        if not has_c:
             ctx.mark_non_differentiable(c_n)  # empty: the cell has no cell state
         return out, h_n, c_n
 
@@ -911,19 +928,22 @@ class _TrainingStep(torch.autograd.Function):
         else:  # a plain backward: past the autograd wrapper, whose Python costs tens of µs a step
             with torch._C._AutoDispatchBelowAutograd():
                 dx, dh0, dc0, d_weights = torch.ops.persistrnn.train_backward(*args)
-        return (dx, dh0, dc0 if has_c else None, None, None, None, *d_weights, *[None] * len(masks))
+        # zero initial states (h0 None) were made by the operators: no gradient leaves for them
+        return (dx, dh0 if h0 is not None else None, dc0 if c0 is not None else None, None, None, None,
+                *d_weights, *[None] * len(masks))
 
 
-def train_step(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,
-               num_layers: int, bidirectional: bool, has_biases: bool, dropout_masks: list[torch.Tensor],
+def train_step(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, weights: list[torch.Tensor],
+               cell: str, num_layers: int, bidirectional: bool, has_biases: bool, dropout_masks: list[torch.Tensor],
                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The training forward, differentiable: (out (T, B, D*H), h_n, c_n or
-    None), arguments as ``torch.ops.persistrnn.train_forward``'s (:func:`forward`);
+    None), arguments as ``torch.ops.persistrnn.train_forward``'s (:func:`forward`;
+    ``h0`` None for zero initial states);
     ``loss.backward()`` runs ``torch.ops.persistrnn.train_backward``. The
     operators themselves carry no autograd: this is the way in."""
     out, h_n, c_n = _TrainingStep.apply(x, h0, c0, lengths, (cell, num_layers, bidirectional, has_biases),
                                         len(weights), *weights, *dropout_masks)
-    return out, h_n, (c_n if c0 is not None else None)
+    return out, h_n, (c_n if get_cell(cell).has_cell_state else None)
 
 
 def _no_double_backward(ctx: Any, *grads: Any) -> tuple:

@@ -17,7 +17,7 @@ import torch
 from helpers import assert_close_to_reference, exact_torch, on_own_streams
 
 from persistrnn import adjoint, cells, persistent, reference, runtime, training
-from persistrnn.errors import UnsupportedError
+from persistrnn.errors import ArgumentError, UnsupportedError
 from persistrnn.nn import torch_forward
 from persistrnn.training import TORCH_FUNCTIONS
 from persistrnn.training import _time_training_steps as time_training_steps  # before the fixture replaces it
@@ -718,6 +718,47 @@ def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, 
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert [key[0] for key in keys] == ["train_forward", "train_forward", "train_backward"]
     assert keys[0] == keys[1]
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_relu"])
+@pytest.mark.parametrize("captured", [False, True])
+def test_no_initial_states_trains_as_zeros_made_by_the_operators(cell, captured, monkeypatch):
+    # h0 (and c0) None: the operators make the zero states themselves (inside
+    # the captured graph where it captures), and the outputs and every
+    # gradient equal those of a call given zeros, bit for bit.
+    options = (2, True, True)
+    x, h0, c0, weights = random_model(cell, 3, 5, *options, steps=4, batch=3, seed=4)
+    zeros = torch.zeros_like(h0, requires_grad=True)
+    zero_c = torch.zeros_like(c0, requires_grad=True) if c0 is not None else None
+    if captured:
+        monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes: True)
+        monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
+        monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(
+            call=lambda key, make, device, *args: make()(*args)))
+    want = ours(cell, x, zeros, zero_c, weights, *options)
+    got = ours(cell, x, None, None, weights, *options)
+    assert (got[2] is None) == (want[2] is None) == (cell != "lstm")
+    for a, b in zip(got, want):
+        assert a is None or torch.equal(a, b)
+    want_grads = torch.autograd.grad(loss_of(want), [x, *weights])
+    got_grads = torch.autograd.grad(loss_of(got), [x, *weights])
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    with pytest.raises(ArgumentError, match="c0 without h0"):
+        torch.ops.persistrnn.train_forward(x, None, torch.zeros_like(h0), weights, cell, *options, [], None)
+
+
+def test_torch_compile_traces_a_step_without_initial_states():
+    x, _, _, weights = random_model("lstm", 3, 5, 1, False, True, steps=3, batch=2, seed=6)
+
+    def step(x, *weights):
+        out, h_n, c_n = training.train_step(x, None, None, list(weights), "lstm", 1, False, True, [])
+        return out.square().sum() + h_n.sum() + c_n.sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, *weights), [x, *weights])
+    want = torch.autograd.grad(step(x, *weights), [x, *weights])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("cell,num_layers,bidirectional", [("lstm", 2, True), ("gru_reset_before", 3, False)])
