@@ -339,8 +339,8 @@ class _Persistent:
         if int(batch_sizes[-1]) == batch:
             # Every sequence runs all T steps (a batch of one, or of equal lengths): the packed rows are the
             # padded input itself, time-major in the sorted order, and the call runs without lengths, i.e.
-            # from the captured graphs of a padded call (a call with lengths runs its launches as they come:
-            # 4.2-4.4x a padded step's time at LSTM 256 batch 1 in training, perf-notes §73).
+            # from the captured graphs of a padded call (a call with lengths runs its launches as they come: a
+            # packed LSTM 256 batch-1 training step measured 5.5 ms that way, 3.2-3.4 ms as a padded call, §73).
             positions, lengths = None, None
             x = data.reshape(steps, batch, data.shape[1])
         else:
