@@ -282,17 +282,25 @@ class _Persistent:
                                             self._plan_for_dtype(x.dtype))
         elif self._needs_grad(input):
             out, h_n, c_n = training.run_module(self, x, h0, c0)
-        elif self._plans_by_cache() and runtime.native.available():  # the operator: replayed from C++
-            out, h_n, c_n = torch.ops.persistrnn.forward(x, h0, c0, self._flat_weights, self.cell, self.num_layers,
-                                                         self.bidirectional, self.bias)
         else:
-            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias, self.plan_for)
+            out, h_n, c_n = self._inference_forward(x, h0, c0)
         if unbatched:
             out, h_n = out.squeeze(1), h_n.squeeze(1)
             c_n = c_n.squeeze(1) if pairs else None
         elif self.batch_first:
             out = out.transpose(0, 1)
         return out, ((h_n, c_n) if pairs else h_n)
+
+    def _inference_forward(self, x: torch.Tensor, h0: torch.Tensor | None,
+                           c0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(out, h_n, c_n or None) of a CUDA call without gradients, ``x``
+        (T, B, I): the operator, replayed from C++ where the plan cache's plans
+        serve and the native replay loads; otherwise :func:`ops.forward`."""
+        if self._plans_by_cache() and runtime.native.available():
+            out, h_n, c_n = torch.ops.persistrnn.forward(x, h0, c0, self._flat_weights, self.cell, self.num_layers,
+                                                         self.bidirectional, self.bias)
+            return out, h_n, (c_n if self.spec.has_cell_state else None)  # the operator's c_n: empty there
+        return ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias, self.plan_for)
 
     def _autocast_inputs(self, input: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any]:
         """torch's RNNs under CUDA autocast run (and return) fp16 when cuDNN is
@@ -349,15 +357,13 @@ class _Persistent:
             x = data.new_zeros(steps * batch, data.shape[1]).index_copy(0, positions, data).view(steps, batch, -1)
         runtime.raise_reported_failure(x.device.index)
         pairs = self.spec.has_cell_state
-        if states is None:
-            zeros = x.new_zeros(self.num_layers * (2 if self.bidirectional else 1), batch, self.hidden_size)
-            states = (zeros, zeros) if pairs else zeros
-        h0, c0 = states if pairs else (states, None)
+        # None: zero states, which every path below starts from without a tensor of zeros
+        h0, c0 = (states if pairs else (states, None)) if states is not None else (None, None)
         h0, c0 = _permuted(h0, packed.sorted_indices), _permuted(c0, packed.sorted_indices)
         if trains:
             out, h_n, c_n = training.run_module(self, x, h0, c0, lengths=lengths)
         elif lengths is None:
-            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias, self.plan_for)
+            out, h_n, c_n = self._inference_forward(x, h0, c0)
         else:
             out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
                                          num_layers=self.num_layers, bidirectional=self.bidirectional,

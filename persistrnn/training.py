@@ -467,8 +467,10 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
     layers = ops.layer_params(weights, num_layers, directions, has_biases)
     steps, batch = x.shape[0], x.shape[1]
     hidden = layers[0][0]["w_hh"].shape[1]
-    if h0 is None and c0 is not None:
-        raise ArgumentError("persistrnn::train_forward: c0 without h0; pass both initial states, or neither for zeros")
+    if h0 is None and c0 is not None or spec.has_cell_state and h0 is not None and c0 is None:
+        raise ArgumentError(f"persistrnn::train_forward: expected h0 and c0 both (a {cell} keeps a cell state), h0 "
+                            f"alone, or neither for zeros; got h0 {'None' if h0 is None else tuple(h0.shape)} and "
+                            f"c0 {'None' if c0 is None else tuple(c0.shape)}")
     _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
     lengths = _lengths_on_device(lengths, steps, batch, x)
     launch = None

@@ -562,6 +562,13 @@ def test_gpu_packed_sequences_run_the_kernels_and_match_float64(untuned, kind, k
     assert torch.equal(out.batch_sizes, packed.batch_sizes) and torch.equal(out.sorted_indices, packed.sorted_indices)
     # sequences that all run every step are a padded call, replayed from its captured graph
     assert len(persistrnn.ops.GRAPHS) == (min(lengths) == max(lengths))
+    with torch.no_grad():  # no hx: the zero states the kernels start from, as given zeros
+        zero = torch.zeros_like(h0)
+        bare, bare_state = model(packed)
+        given, given_state = model(packed, (zero, zero) if kind == "LSTM" else zero)
+    for a, b in zip((bare.data, *(bare_state if kind == "LSTM" else (bare_state,))),
+                    (given.data, *(given_state if kind == "LSTM" else (given_state,)))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     # float64 reference: the same module on the CPU (the canonical GRU's own torch path takes padded input)
     ref = copy.deepcopy(model).to("cpu", torch.float64)
     padded, _ = pad_packed_sequence(out, batch_first=model.batch_first)

@@ -743,8 +743,11 @@ def test_no_initial_states_trains_as_zeros_made_by_the_operators(cell, captured,
     want_grads = torch.autograd.grad(loss_of(want), [x, *weights])
     got_grads = torch.autograd.grad(loss_of(got), [x, *weights])
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
-    with pytest.raises(ArgumentError, match="c0 without h0"):
+    with pytest.raises(ArgumentError, match=r"expected h0 and c0 both .* got h0 None and c0 \(4, 3, 5\)"):
         torch.ops.persistrnn.train_forward(x, None, torch.zeros_like(h0), weights, cell, *options, [], None)
+    if cell == "lstm":
+        with pytest.raises(ArgumentError, match=r"got h0 \(4, 3, 5\) and c0 None"):
+            torch.ops.persistrnn.train_forward(x, h0, None, weights, cell, *options, [], None)
 
 
 def test_torch_compile_traces_a_step_without_initial_states():
