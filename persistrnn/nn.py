@@ -347,8 +347,9 @@ class _Persistent:
         if int(batch_sizes[-1]) == batch:
             # Every sequence runs all T steps (a batch of one, or of equal lengths): the packed rows are the
             # padded input itself, time-major in the sorted order, and the call runs without lengths, i.e.
-            # from the captured graphs of a padded call (a call with lengths runs its launches as they come: a
-            # packed LSTM 256 batch-1 training step measured 5.5 ms that way, 3.2-3.4 ms as a padded call, §73).
+            # from the captured graphs of a padded call from the first (a call with lengths captures once its
+            # padded shape repeats: a packed LSTM 256 batch-1 training step measured 5.5 ms uncaptured,
+            # 3.2-3.4 ms as a padded call, §73).
             positions, lengths = None, None
             x = data.reshape(steps, batch, data.shape[1])
         else:
@@ -364,11 +365,9 @@ class _Persistent:
             out, h_n, c_n = training.run_module(self, x, h0, c0, lengths=lengths)
         elif lengths is None:
             out, h_n, c_n = self._inference_forward(x, h0, c0)
-        else:
-            out, h_n, c_n = ops.run_plan(chosen, self.cell, self._flat_weights, x, h0, c0,
-                                         num_layers=self.num_layers, bidirectional=self.bidirectional,
-                                         has_biases=self.bias,
-                                         lengths=lengths.to(torch.int32))  # on the host: no synchronise
+        else:  # lengths on the host: checked there, copied without a synchronise
+            out, h_n, c_n = ops.forward(self._shape(x.dtype), self._flat_weights, x, h0, c0, self.bias,
+                                        self.plan_for, lengths=lengths)
         h_n, c_n = _permuted(h_n, packed.unsorted_indices), _permuted(c_n, packed.unsorted_indices)
         rows = out.reshape(steps * batch, -1)
         packed_out = PackedSequence(rows if positions is None else rows.index_select(0, positions), batch_sizes,

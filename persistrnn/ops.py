@@ -31,12 +31,20 @@ import torch
 
 from . import fallback, persistent, runtime
 from .cells import get_cell
-from .errors import ArgumentError
+from .checks import check_lengths
+from .errors import ArgumentError, ArgumentTypeError
 from .runtime import native
 
 GRAPHS = runtime.GraphCache(capacity=64)
 """Captured forwards of every module and operator call, one per (model, input
 shape, weights' addresses, plan, stream); each holds its own buffers."""
+
+PADDED_LENGTHS = runtime.RecentShapes(window=32, fits=16)
+"""The recent padded shapes of calls with lengths (packed batches), whose
+padded length (the longest sequence) may change from call to call: such a
+call is captured, its lengths an input of the graph, once its shape repeats
+while the recent ones would share :data:`GRAPHS` with the padded calls'
+(:class:`persistrnn.runtime.RecentShapes`)."""
 
 
 def layer_params(weights: list[torch.Tensor], num_layers: int, directions: int,
@@ -113,13 +121,18 @@ def launch_settings() -> tuple:
 
 def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.Tensor | None,
             c0: torch.Tensor | None, has_biases: bool, plan_for: Any = None, *,
-            on_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            on_replay: Any = None, lengths: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A model's forward on CUDA (inference): ``shape`` a
     :class:`persistrnn.plan.ModelShape`, torch's flat weight list, ``x``
     (T, B, I) time-major, ``h0``/``c0`` (L*D, B, H) or None for zeros.
     ``plan_for(batch)`` gives the plan (default: the plan cache's), whose
     :meth:`~persistrnn.plan.Plan.for_steps` says what a call of T steps runs.
     ``on_replay(instance)`` runs after a replay of a captured forward.
+    ``lengths``: None, or a CPU integer tensor (B,) of each sequence's steps
+    (1 to T, checked on the host), run on the plan's persistent path as
+    :func:`run_plan` runs them; captured once the padded shape repeats
+    (:data:`PADDED_LENGTHS`), its launches as they come before.
     Returns fresh (output (T, B, D*H), h_n, c_n or None)."""
     runtime.raise_reported_failure(x.device.index)
     has_c = get_cell(shape.cell).has_cell_state
@@ -133,22 +146,39 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
 
         plan_for = functools.partial(cached_plan, shape)
     chosen = plan_for(B).for_steps(T)
+    replays = not torch.cuda.is_current_stream_capturing()  # inside a caller's capture its graph takes our launches
+    if lengths is not None:
+        lengths = _int32(lengths)
+        check_lengths(lengths, T, B, torch.device("cpu"))  # on the host: the copy below needs no synchronise
+        lengths = runtime.to_device_async(lengths, x.device)
+        if replays:
+            PADDED_LENGTHS.note((shape, x.shape, x.device))
+            replays = PADDED_LENGTHS.repeats((shape, x.shape, x.device))
 
-    def run(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def run(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None,
+            lengths: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         out, h_n, c_n = run_plan(chosen, shape.cell, weights, x, h0, c0, num_layers=shape.num_layers,
-                                 bidirectional=shape.bidirectional, has_biases=has_biases)
+                                 bidirectional=shape.bidirectional, has_biases=has_biases, lengths=lengths)
         return (out, h_n, c_n) if has_c else (out, h_n)
 
-    if torch.cuda.is_current_stream_capturing():  # the caller's graph takes our launches
-        result = run(x, h0, c0)
+    if not replays:
+        result = run(x, h0, c0, lengths)
     else:
-        key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, launch_settings(),
+        key = (shape, has_biases, chosen.launch, x.shape, x.dtype, h0 is None, lengths is None, launch_settings(),
                tuple(w.data_ptr() for w in weights))  # graphs read the weights where they live
         def capture() -> Any:
-            return runtime.CapturedCall(run, (x, h0, c0), spread_copies=_device_bound(chosen, T), copy_nodes=True)
+            return runtime.CapturedCall(run, (x, h0, c0, lengths), spread_copies=_device_bound(chosen, T),
+                                        copy_nodes=True)
 
-        result = GRAPHS.call(key, capture, x.device.index, x, h0, c0, on_replay=on_replay)
+        result = GRAPHS.call(key, capture, x.device.index, x, h0, c0, lengths, on_replay=on_replay)
     return result[0], result[1], (result[2] if has_c else None)
+
+
+def _int32(lengths: torch.Tensor) -> torch.Tensor:
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype not in (torch.int64, torch.int32):
+        got = lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__
+        raise ArgumentTypeError(f"lengths: expected a torch.int64 or torch.int32 tensor, got {got}")
+    return lengths.to(torch.int32).contiguous()
 
 
 def _device_bound(chosen: Any, steps: int) -> bool:

@@ -53,9 +53,11 @@ one block per SM, :mod:`persistrnn.training_kernel` runs the whole step loop
 in one launch instead.
 
 On CUDA both operators replay a graph captured per shape and stream
-(:data:`OPERATOR_GRAPHS`), so no step costs Python, except for a batch with
-lengths: its padded length changes from batch to batch, so it runs its
-launches as they come (a capture per length would cost more than it saves).
+(:data:`OPERATOR_GRAPHS`), so no step costs Python. A batch with lengths
+is captured too, with its lengths an input of the graph, once its padded
+shape repeats (:data:`PADDED_LENGTHS`): a packed batch's padded length may
+change from batch to batch, and a capture per length would cost more than it
+saves.
 
 Lengths (a padded batch of sequences, as a ``PackedSequence`` runs): the
 forward kernel's ``lengths`` variant, and the backward generated from
@@ -479,18 +481,22 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
         launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index,
                                  lengths is not None)
     options = (spec, num_layers, bidirectional, has_biases, launch)
-    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions)):
+    shape = _padded_shape(cell, num_layers, bidirectional, hidden, x)
+    if lengths is not None:
+        PADDED_LENGTHS.note(shape)
+    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions), shape):
         return _forward_launches(*options, x, h0, c0, weights, dropout_masks, lengths)
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
-        x, h0, c0, *rest = flat
-        out, h_n, c_n, saved = _forward_launches(*options, x, h0, c0, rest[:len(weights)], rest[len(weights):], None)
+        x, h0, c0, lengths, *rest = flat
+        out, h_n, c_n, saved = _forward_launches(*options, x, h0, c0, rest[:len(weights)], rest[len(weights):],
+                                                 lengths)
         return [out, h_n, c_n, *saved]
 
-    key = ("train_forward", *options, *_operator_key(x, h0, c0, weights, dropout_masks))
-    flat = (x, h0, c0, *weights, *dropout_masks)
+    key = ("train_forward", *options, lengths is None, *_operator_key(x, h0, c0, weights, dropout_masks))
+    flat = (x, h0, c0, lengths, *weights, *dropout_masks)
     results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
-        run, flat, [True] * 3 + [key[-1] is None] * len(weights) + [True] * len(dropout_masks)), x.device.index, *flat)
+        run, flat, [True] * 4 + [key[-1] is None] * len(weights) + [True] * len(dropout_masks)), x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -554,22 +560,24 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     spec = get_cell(cell)
     lengths = _lengths_on_device(lengths, x.shape[0], x.shape[1], x)
     options = (spec, num_layers, bidirectional, has_biases)
-    if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved)):
+    shape = _padded_shape(cell, num_layers, bidirectional, weights[1].shape[1], x)
+    if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved), shape):
         return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
                                   lengths)
     counts = (len(weights), len(saved))
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
-        d_out, dh_n, dc_n, x, h0, c0, out, *rest = flat
+        d_out, dh_n, dc_n, x, h0, c0, out, lengths, *rest = flat
         weights, saved, masks = rest[:counts[0]], rest[counts[0]:sum(counts)], rest[sum(counts):]
         dx, dh0, dc0, d_weights = _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved,
-                                                     masks, None)
+                                                     masks, lengths)
         return [dx, dh0, dc0, *d_weights]
 
-    key = ("train_backward", *options, dc_n is None, len(saved), *_operator_key(x, h0, c0, weights, dropout_masks))
-    flat = (d_out, dh_n, dc_n, x, h0, c0, out, *weights, *saved, *dropout_masks)
+    key = ("train_backward", *options, dc_n is None, len(saved), lengths is None,
+           *_operator_key(x, h0, c0, weights, dropout_masks))
+    flat = (d_out, dh_n, dc_n, x, h0, c0, out, lengths, *weights, *saved, *dropout_masks)
     results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
-        run, flat, [True] * 7 + [key[-1] is None] * len(weights) + [True] * (len(saved) + len(dropout_masks))),
+        run, flat, [True] * 8 + [key[-1] is None] * len(weights) + [True] * (len(saved) + len(dropout_masks))),
         x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
@@ -661,13 +669,26 @@ def _initial_states(spec: CellSpec, h0: torch.Tensor | None, c0: torch.Tensor | 
     return h0.contiguous(), (c0.contiguous() if spec.has_cell_state else None)
 
 
-def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int) -> bool:
+PADDED_LENGTHS = runtime.RecentShapes(window=16, fits=OPERATOR_GRAPHS.capacity // 2)
+"""The recent padded shapes of batches with lengths (packed batches), whose
+padded length (the longest sequence) may change from batch to batch: such a
+batch's step is captured once its shape repeats and the recent shapes' forward
+and backward graphs fit :data:`OPERATOR_GRAPHS` (:class:`persistrnn.runtime.RecentShapes`),
+so a loader that buckets by length replays graphs and one that draws every
+length anew runs its launches as they come, not a capture per step."""
+
+
+def _padded_shape(cell: str, num_layers: int, bidirectional: bool, hidden: int, x: torch.Tensor) -> tuple:
+    return cell, num_layers, bidirectional, hidden, tuple(x.shape), x.dtype, x.device
+
+
+def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int, shape: tuple) -> bool:
     """Whether :func:`forward` and :func:`backward` replay a captured graph: on
-    CUDA, outside a caller's capture, for a batch without lengths (a packed
-    batch's padded length changes from batch to batch, and each length would
-    be a capture) whose saved activations are at most :data:`GRAPH_SAVED_BYTES`."""
-    return (x.is_cuda and lengths is None and saved_bytes <= GRAPH_SAVED_BYTES
-            and not torch.cuda.is_current_stream_capturing())
+    CUDA, outside a caller's capture, for a batch whose saved activations are
+    at most :data:`GRAPH_SAVED_BYTES`, without lengths or with a padded
+    ``shape`` that :data:`PADDED_LENGTHS` says repeats."""
+    return (x.is_cuda and saved_bytes <= GRAPH_SAVED_BYTES and not torch.cuda.is_current_stream_capturing()
+            and (lengths is None or PADDED_LENGTHS.repeats(shape)))
 
 
 def _operator_key(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, weights: list[torch.Tensor],

@@ -551,6 +551,7 @@ def test_gpu_packed_sequences_run_the_kernels_and_match_float64(untuned, kind, k
     torch.manual_seed(9)
     model = getattr(persistrnn, kind)(6, 40, **kw).cuda().eval()
     monkeypatch.setattr(persistrnn.ops, "GRAPHS", persistrnn.runtime.GraphCache(capacity=64))  # empty
+    monkeypatch.setattr(persistrnn.ops, "PADDED_LENGTHS", persistrnn.runtime.RecentShapes(window=32, fits=16))
     seqs = [torch.randn(n, 6, device="cuda") for n in lengths]
     packed = pack_sequence(seqs, enforce_sorted=False)
     D = 2 if model.bidirectional else 1
@@ -562,6 +563,26 @@ def test_gpu_packed_sequences_run_the_kernels_and_match_float64(untuned, kind, k
     assert torch.equal(out.batch_sizes, packed.batch_sizes) and torch.equal(out.sorted_indices, packed.sorted_indices)
     # sequences that all run every step are a padded call, replayed from its captured graph
     assert len(persistrnn.ops.GRAPHS) == (min(lengths) == max(lengths))
+
+    def flat(result):
+        out, state = result
+        return [out.data, *(state if isinstance(state, tuple) else (state,))]
+
+    # Again: with lengths, the padded shape has repeated, so the call replays a forward captured with the
+    # lengths as its input; bit for bit the launches' answer, for these lengths and for others.
+    with torch.no_grad():
+        again = model(packed, hx)
+    assert len(persistrnn.ops.GRAPHS) == 1
+    assert all(torch.equal(a, b) for a, b in zip(flat(again), flat((out, state)), strict=True))
+    if min(lengths) < max(lengths):
+        other = pack_sequence([torch.randn(n, 6, device="cuda") for n in [8, 2, 6, 8, 4]], enforce_sorted=False)
+        with torch.no_grad():
+            replayed = model(other, hx)
+        assert len(persistrnn.ops.GRAPHS) == 1
+        monkeypatch.setattr(persistrnn.ops, "PADDED_LENGTHS", persistrnn.runtime.RecentShapes(window=32, fits=16))
+        with torch.no_grad():
+            launched = model(other, hx)  # a shape seen once: its launches
+        assert all(torch.equal(a, b) for a, b in zip(flat(replayed), flat(launched), strict=True))
     with torch.no_grad():  # no hx: the zero states the kernels start from, as given zeros
         zero = torch.zeros_like(h0)
         bare, bare_state = model(packed)

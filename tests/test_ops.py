@@ -324,3 +324,55 @@ def test_gpu_a_short_sequence_runs_its_plans_short_path_in_a_call_a_stream_and_a
                                                                      enforce_sorted=False))
             check(torch.nn.utils.rnn.pad_packed_sequence(out)[0].cpu(),
                   torch.nn.utils.rnn.pad_packed_sequence(want)[0], f"packed {lengths}")
+
+
+def test_a_call_with_lengths_is_captured_once_its_padded_shape_repeats(monkeypatch):
+    """``ops.forward`` with lengths (a packed batch), on the CPU with the
+    graph cache, the plan and the launches emulated: the lengths are checked
+    on the host and reach the launches; the first call of a padded shape
+    runs its launches, a repeat replays a graph captured with the lengths as
+    its input (its own key beside the call without lengths), and a shape
+    among more recent ones than fit the cache is not captured."""
+    from persistrnn import runtime
+    from persistrnn.plan import ModelShape
+
+    launched, replayed = [], []
+
+    def run_plan(chosen, cell, weights, x, h0, c0, *, lengths, **options):
+        launched.append(lengths)
+        return x, x, None
+
+    class Graphs:
+        def call(self, key, make, device, *args, on_replay=None):
+            replayed.append((key, args[3]))
+            return list(args[:2])
+
+    shape = ModelShape("gru", 3, 4, 1, "float32", False)
+    plan = type("Plan", (), {"for_steps": lambda self, steps: type("Chosen", (), {"launch": None})()})()
+    monkeypatch.setattr(ops, "run_plan", run_plan)
+    monkeypatch.setattr(ops, "GRAPHS", Graphs())
+    monkeypatch.setattr(ops, "PADDED_LENGTHS", runtime.RecentShapes(window=4, fits=2))
+    monkeypatch.setattr(runtime, "raise_reported_failure", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "to_device_async", lambda tensor, device: tensor)
+    x = type("X", (), {"shape": (5, 2, 3), "device": type("D", (), {"index": 0})(), "dtype": torch.float32})()
+    weights = [torch.zeros(12, 3), torch.zeros(12, 4)]
+
+    def call(lengths, steps=5):
+        x.shape = (steps, 2, 3)
+        return ops.forward(shape, weights, x, None, None, True, lambda batch: plan, lengths=lengths)
+
+    call(torch.tensor([5, 2]))
+    assert len(launched) == 1 and launched[0].dtype == torch.int32 and not replayed  # seen once: launched
+    call(torch.tensor([3, 5], dtype=torch.int32))
+    assert len(launched) == 1 and torch.equal(replayed[-1][1], torch.tensor([3, 5], dtype=torch.int32))
+    call(None)
+    assert replayed[-1][1] is None and replayed[-1][0] != replayed[-2][0]  # without lengths: a key of its own
+    call(torch.tensor([4, 1]), steps=4)
+    call(torch.tensor([3, 1]), steps=3)  # three padded shapes among the last four calls: none captured
+    call(torch.tensor([5, 1]))
+    assert len(launched) == 4 and len(replayed) == 2
+    with pytest.raises(ValueError, match=r"lengths: expected every length in 1\.\.5 .* got lengths from 0 to 5"):
+        call(torch.tensor([5, 0]))
+    with pytest.raises(TypeError, match="lengths: expected a torch.int64 or torch.int32 tensor, got torch.float32"):
+        call(torch.tensor([5.0, 1.0]))

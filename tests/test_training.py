@@ -692,32 +692,38 @@ class CopyingCall:
 
 @pytest.mark.parametrize("cell,num_layers,bidirectional,has_biases", [("lstm", 2, True, True), ("gru", 1, False, False),
                                                                        ("gru_reset_before", 2, False, True)])
-def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, bidirectional, has_biases,
+@pytest.mark.parametrize("lengths", [None, torch.tensor([5, 2, 4])])
+def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, bidirectional, has_biases, lengths,
                                                               monkeypatch):
     # The operators' replay path with the graph emulated (CopyingCall): the
     # forward's outputs and saved list and the backward's gradients come
     # back in order, bit for bit those of the plain launches, one capture per
-    # operator and key.
+    # operator and key; with lengths, an input of the graph like the others.
     options = (num_layers, bidirectional, has_biases)
-    x, h0, c0, weights = random_model(cell, 3, 4, *options, steps=5, batch=2, seed=9)
+    x, h0, c0, weights = random_model(cell, 3, 4, *options, steps=5, batch=3, seed=9)
+
+    def ours(*args):
+        return ours_with_lengths(*args, lengths)
+
     want = gradients(ours, cell, x, h0, c0, weights, *options)
-    want_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)
+    want_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], lengths)
     keys = []
 
     def call(key, make, device, *call_args):
         keys.append(key)
         return make()(*call_args)
 
-    monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes: lengths is None)
+    monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape: True)
     monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
     monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(call=call))
-    got_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)
+    got_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], lengths)
     for a, b in zip([*got_forward[:3], *got_forward[3]], [*want_forward[:3], *want_forward[3]], strict=True):
         assert torch.equal(a, b)
     got = gradients(ours, cell, x, h0, c0, weights, *options)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert [key[0] for key in keys] == ["train_forward", "train_forward", "train_backward"]
     assert keys[0] == keys[1]
+    assert all((key[6] if key[0] == "train_forward" else key[7]) == (lengths is None) for key in keys)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_relu"])
@@ -731,7 +737,7 @@ def test_no_initial_states_trains_as_zeros_made_by_the_operators(cell, captured,
     zeros = torch.zeros_like(h0, requires_grad=True)
     zero_c = torch.zeros_like(c0, requires_grad=True) if c0 is not None else None
     if captured:
-        monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes: True)
+        monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape: True)
         monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
         monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(
             call=lambda key, make, device, *args: make()(*args)))
@@ -779,10 +785,35 @@ def test_steps_whose_saved_activations_pass_the_bound_are_not_captured(monkeypat
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     on_gpu = types.SimpleNamespace(is_cuda=True)
     bound = training.GRAPH_SAVED_BYTES
-    assert training._captures_operators(on_gpu, None, bound)
-    assert not training._captures_operators(on_gpu, None, bound + 1)
-    assert not training._captures_operators(on_gpu, torch.ones(2), 1)  # lengths: never
-    assert not training._captures_operators(types.SimpleNamespace(is_cuda=False), None, 1)
+    monkeypatch.setattr(training, "PADDED_LENGTHS", runtime.RecentShapes(window=4, fits=2))
+    assert training._captures_operators(on_gpu, None, bound, "a")
+    assert not training._captures_operators(on_gpu, None, bound + 1, "a")
+    assert not training._captures_operators(types.SimpleNamespace(is_cuda=False), None, 1, "a")
+    # With lengths: once the padded shape repeats among the recent ones
+    lengths = torch.ones(2)
+    training.PADDED_LENGTHS.note("a")
+    assert not training._captures_operators(on_gpu, lengths, 1, "a")
+    training.PADDED_LENGTHS.note("a")
+    assert training._captures_operators(on_gpu, lengths, 1, "a")
+    assert not training._captures_operators(on_gpu, lengths, bound + 1, "a")
+
+
+def test_recent_shapes_capture_what_repeats_while_it_fits_the_cache():
+    recent = runtime.RecentShapes(window=5, fits=2)
+    recent.note(100)
+    assert not recent.repeats(100)  # seen once: a one-off length is not worth a capture
+    recent.note(100)
+    assert recent.repeats(100) and not recent.repeats(90)
+    for length in (90, 90):
+        recent.note(length)
+    assert recent.repeats(100) and recent.repeats(90)  # two shapes: both fit
+    recent.note(80)
+    assert not recent.repeats(100) and not recent.repeats(90)  # three among the last five: they would evict each other
+    for length in (90, 90, 90, 90):
+        recent.note(length)
+    assert recent.repeats(90) and not recent.repeats(100) and not recent.repeats(80)  # out of the window
+    recent.clear()
+    assert not recent.repeats(90)
 
 
 def test_operator_key_holds_what_the_capture_fixes():
@@ -1054,13 +1085,16 @@ def test_gpu_module_training_on_a_packed_sequence_gives_float64_gradients(kind, 
     # the packed output, the final states and every gradient against the
     # float64 reference run on each sequence alone (no lengths in it).
     # Sequences that all run every step train as a padded batch: from the
-    # captured operators.
+    # captured operators. With lengths the first step runs its launches, and
+    # the second, its padded shape repeated, replays captured operators:
+    # bit for bit the first's gradients.
     import persistrnn
 
     torch.manual_seed(8)
     model = getattr(persistrnn, kind)(16, 65, **{"num_layers": 2, "bidirectional": True, **kw}).cuda().train()
     model.training_kernels = True
     monkeypatch.setattr(training, "OPERATOR_GRAPHS", runtime.GraphCache(capacity=8))  # empty: what this call captures
+    monkeypatch.setattr(training, "PADDED_LENGTHS", runtime.RecentShapes(window=16, fits=4))  # no shape seen yet
     steps, batch = 9, len(lengths)
     lengths = torch.tensor(lengths)
     x = torch.randn(batch, steps, 16, device="cuda", requires_grad=True)  # batch-first: one layout for both
@@ -1086,6 +1120,16 @@ def test_gpu_module_training_on_a_packed_sequence_gives_float64_gradients(kind, 
     names = ["x"] + list(model._flat_weights_names)
     assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32",
                               context=f"packed {kind} {kw}")
+    first = [g.clone() for g in got]
+    for t in (x, *model._flat_weights):
+        t.grad = None
+    out, state = model(packed)
+    h_n = state[0] if model.cell == "lstm" else state
+    padded = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=model.batch_first, total_length=steps)[0]
+    loss_of(((padded if model.batch_first else padded.transpose(0, 1)).double(), h_n.double())).backward()
+    assert len(training.OPERATOR_GRAPHS) == 2
+    again = [x.grad] + [w.grad for w in model._flat_weights]
+    assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
 
 
 @pytest.mark.gpu
@@ -1140,32 +1184,40 @@ def test_on_own_streams_runs_every_thread_on_its_own_stream_and_names_a_failure(
 @pytest.mark.gpu
 @pytest.mark.parametrize("cell,dtype", [("lstm", torch.float32), ("gru_reset_before", torch.float32),
                                         ("rnn_tanh", torch.bfloat16)])
-def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype, monkeypatch):
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype, with_lengths, monkeypatch):
     # A training step (forward and backward) replayed from the operators'
     # graphs against the same step launched op by op; then, with every
     # graph's outputs poisoned, a step on fresh inputs: an element a replay
     # does not write, or writes from the capture's inputs, shows.
     # The parameters are read in place (their addresses in the key): the
     # second step updates them in place, as an optimiser does, and must
-    # replay the same two graphs and see the new values.
+    # replay the same two graphs and see the new values. With lengths (new
+    # ones each step, the padded length kept), the first step of the shape
+    # runs uncaptured and the next ones replay: the lengths are the graph's input.
     options = (2, True, True)
     training.OPERATOR_GRAPHS.clear()
+    monkeypatch.setattr(training, "PADDED_LENGTHS", runtime.RecentShapes(window=16, fits=4))
     weights = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=dtype, device="cuda", seed=1)[3]
 
     def step(seed):
         x, h0, c0, values = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=dtype, device="cuda",
                                          seed=seed)
+        lengths = random_lengths(9, 3, torch.Generator().manual_seed(seed)) if with_lengths else None
         with torch.no_grad():
             for w, value in zip(weights, values, strict=True):
                 w.copy_(value)
-        forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], None)
-        return [*forward[:3], *forward[3], *gradients(ours, cell, x, h0, c0, weights, *options)]
+        forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], lengths)
+        return [*forward[:3], *forward[3], *gradients(ours_with_lengths, cell, x, h0, c0, weights, *options, lengths)]
 
     def plain(seed):
         with monkeypatch.context() as m:
-            m.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes: False)
+            m.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape: False)
             return step(seed)
 
+    if with_lengths:
+        step(0)
+        assert len(training.OPERATOR_GRAPHS) == 0  # a padded shape seen once
     assert all(torch.equal(a, b) for a, b in zip(step(1), plain(1), strict=True))
     assert len(training.OPERATOR_GRAPHS) == 2  # one forward and one backward, on this stream
     for entry in training.OPERATOR_GRAPHS._entries.values():

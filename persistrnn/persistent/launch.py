@@ -326,7 +326,8 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
     are (L*D, B, H), or both None for zeros (the kernel starts from zeros:
     no launch fills them); ``lengths`` and ``batch_slice`` as in :func:`run_instances`
     (``lengths`` may also be on the CPU: checked there, copied without a
-    synchronise). Returns
+    synchronise; on the device they are checked with ``check``, which
+    synchronises, and are the caller's to check without it). Returns
     (output (T, B, D*H), h_n, c_n (L*D, B, H)).
 
     A pipeline configuration runs all layers in one launch; one with two
@@ -343,7 +344,7 @@ def forward_model(config: KernelConfig, layers: list[list[dict[str, Any]]], x: A
         # device, the check reads the extremes back: it waits for the stream).
         check_lengths(lengths, T, B, lengths.device)
         lengths = runtime.to_device_async(lengths, x.device)
-    elif lengths is not None:
+    elif lengths is not None and check:
         check_lengths(lengths, T, B, x.device)
     H = config.hidden_size
     has_c = config.spec.has_cell_state

@@ -13,8 +13,8 @@ from .compile import (CompiledBinary, KernelResources, cache_key, compile_source
                       render_template, sources_dir, submit_in_background, submit_in_threads)
 from .device import (DeviceFacts, cudnn_rnn_precision, cudnn_rnn_settings, device_facts, facts_of, matmul_allows_tf32,
                      matmul_precision, require_gpu)
-from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, capture, capture_graph, copy_tensors, own_stream,
-                     release_stream)
+from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, RecentShapes, capture, capture_graph, copy_tensors,
+                     own_stream, release_stream)
 from . import native
 from .launch import (HOST_SPIN_S, WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
                      inject_failure, kernel_args, launch, raise_failure_code, raise_reported_failure, report_word,
@@ -25,7 +25,8 @@ __all__ = [
     "CACHE_ENV", "DEVICE_BOUND_US", "HOST_SPIN_S", "WAIT_TIMEOUT_ENV", "CapturedCall", "CompileError",
     "CompiledBinary", "DeviceFacts",
     "GPUUnavailableError", "GraphCache", "KernelLaunchError", "KernelResources", "KernelTimeoutError",
-    "LoadedKernel", "Scratch", "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
+    "LoadedKernel", "RecentShapes", "Scratch",
+    "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
     "compile_source", "copy_tensors", "cudnn_rnn_precision", "cudnn_rnn_settings",
     "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
     "inject_failure", "kernel_args", "key_lock", "launch", "lower_thread_priority", "map_in_threads",

@@ -30,7 +30,8 @@ from typing import Any, Callable, Sequence
 
 from . import native
 
-__all__ = ["CapturedCall", "GraphCache", "capture", "capture_graph", "copy_tensors", "own_stream", "release_stream"]
+__all__ = ["CapturedCall", "GraphCache", "RecentShapes", "capture", "capture_graph", "copy_tensors", "own_stream",
+           "release_stream"]
 
 _CAPTURE_LOCK = threading.RLock()  # held by a capture, and by a wait on a stream that a capture might use
 _FREE_STREAMS: dict[int, list[Any]] = {}
@@ -342,3 +343,35 @@ class GraphCache:
             entries, self._entries = list(self._entries.items()), collections.OrderedDict()
         for (_, _, stream), entry in entries:
             entry.retire(stream)
+
+
+class RecentShapes:
+    """Which calls of a shape that may change from call to call are worth a
+    capture: a packed batch's padded length is its longest sequence, which a
+    loader that buckets by length repeats and one that does not draws anew
+    each batch. A capture costs about two uncaptured calls (a warm-up and the
+    capture itself), so a shape is captured once it came at least twice among
+    the last ``window`` calls, and only while those calls had at most
+    ``fits`` distinct shapes: the graphs of more would evict each other in a
+    :class:`GraphCache` before their replays paid for them.
+
+    ``note(shape)`` records a call; ``repeats(shape)`` says whether to capture it.
+    """
+
+    def __init__(self, window: int, fits: int) -> None:
+        self.fits = fits
+        self._recent: collections.deque[Any] = collections.deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def note(self, shape: Any) -> None:
+        with self._lock:
+            self._recent.append(shape)
+
+    def repeats(self, shape: Any) -> bool:
+        with self._lock:
+            recent = list(self._recent)
+        return recent.count(shape) >= 2 and len(set(recent)) <= self.fits
+
+    def clear(self) -> None:
+        with self._lock:
+            self._recent.clear()

@@ -1,0 +1,100 @@
+"""Packed batches of unequal lengths: persistrnn's call captured (the padded
+shape repeated) against its launches as they come (the policy told to
+capture nothing), beside cuDNN's call on the same PackedSequence, in one
+process, the three interleaved round by round. Inference (no gradients) and
+a training step (pack, forward, backward of the packed output's squares,
+the pack's backward included, as `bench training --inputs packed` times
+it). ms per call from CUDA events around back-to-back calls, median of the
+rounds, after a warm-up to steady clocks.
+
+    PYTHONPATH=. python scripts/profile_packed.py [--hidden 256] [--layers 1] [--steps 100] [--batch 8 32]
+"""
+import argparse
+import statistics
+
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import persistrnn
+from persistrnn import ops, runtime, training
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--hidden", type=int, default=256)
+parser.add_argument("--layers", type=int, default=1)
+parser.add_argument("--steps", type=int, default=100)
+parser.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+parser.add_argument("--calls", type=int, default=20)
+parser.add_argument("--rounds", type=int, default=5)
+parser.add_argument("--modes", nargs="+", choices=("inference", "training"), default=["inference", "training"])
+args = parser.parse_args()
+# The training operators at every shape ("ours" means them), those where the module would measure cuDNN
+# faster and train on it included.
+training.cudnn_trains_faster = lambda module, x: False
+POLICIES = {"captured": (ops.PADDED_LENGTHS, training.PADDED_LENGTHS),
+            "launched": (runtime.RecentShapes(window=1, fits=0), runtime.RecentShapes(window=1, fits=0))}
+
+
+def use(policy):
+    ops.PADDED_LENGTHS, training.PADDED_LENGTHS = POLICIES[policy]
+
+
+def time_ms(fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / args.calls
+
+
+H, T = args.hidden, args.steps
+
+
+def run_case(mode, B):
+    torch.manual_seed(B)
+    ours = persistrnn.LSTM(H, H, num_layers=args.layers).cuda()
+    theirs = torch.nn.LSTM(H, H, num_layers=args.layers).cuda()
+    theirs.load_state_dict(ours.state_dict())
+    ours.training_kernels = True
+    x = torch.randn(T, B, H, device="cuda", requires_grad=mode == "training")
+    lengths = torch.randint(T // 2, T + 1, (B,), generator=torch.Generator().manual_seed(B))
+    lengths[0] = T
+
+    def call(module):
+        if mode == "inference":
+            with torch.no_grad():
+                module(pack_padded_sequence(x, lengths, enforce_sorted=False))
+            return
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        out, _ = module(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        out.data.square().sum().backward()
+
+    def ours_with(policy):
+        def run():
+            use(policy)
+            call(ours)
+        return run
+
+    variants = {"ours captured": ours_with("captured"), "ours launched": ours_with("launched"),
+                "cudnn": lambda: call(theirs)}
+    runtime.warm_up(variants["ours captured"])
+    for fn in variants.values():
+        for _ in range(3):
+            fn()
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, fn in variants.items():
+            times[name].append(time_ms(fn))
+    use("captured")
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"{mode} batch {B}: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in medians.items())
+          + f"; captured / launched {medians['ours captured'] / medians['ours launched']:.2f}, "
+          f"cuDNN / captured {medians['cudnn'] / medians['ours captured']:.2f}", flush=True)
+
+
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, LSTM {H} x{args.layers}, T={T}", flush=True)
+for mode in args.modes:
+    for B in args.batch:
+        run_case(mode, B)
