@@ -26,6 +26,7 @@ parser.add_argument("--batch", type=int, nargs="+", default=[8, 32])
 parser.add_argument("--calls", type=int, default=20)
 parser.add_argument("--rounds", type=int, default=5)
 parser.add_argument("--modes", nargs="+", choices=("inference", "training"), default=["inference", "training"])
+parser.add_argument("--profile", action="store_true", help="torch.profiler tables of each variant's calls too")
 args = parser.parse_args()
 # The training operators at every shape ("ours" means them), those where the module would measure cuDNN
 # faster and train on it included.
@@ -61,15 +62,16 @@ def run_case(mode, B):
     lengths = torch.randint(T // 2, T + 1, (B,), generator=torch.Generator().manual_seed(B))
     lengths[0] = T
 
-    def call(module):
+    def call(module, packed=True):
+        inputs = pack_padded_sequence(x, lengths, enforce_sorted=False) if packed else x
         if mode == "inference":
             with torch.no_grad():
-                module(pack_padded_sequence(x, lengths, enforce_sorted=False))
+                module(inputs)
             return
         module.zero_grad(set_to_none=True)
         x.grad = None
-        out, _ = module(pack_padded_sequence(x, lengths, enforce_sorted=False))
-        out.data.square().sum().backward()
+        out, _ = module(inputs)
+        (out.data if packed else out).square().sum().backward()
 
     def ours_with(policy):
         def run():
@@ -78,7 +80,8 @@ def run_case(mode, B):
         return run
 
     variants = {"ours captured": ours_with("captured"), "ours launched": ours_with("launched"),
-                "cudnn": lambda: call(theirs)}
+                "cudnn": lambda: call(theirs), "ours padded": lambda: call(ours, packed=False),
+                "cudnn padded": lambda: call(theirs, packed=False)}
     runtime.warm_up(variants["ours captured"])
     for fn in variants.values():
         for _ in range(3):
@@ -88,6 +91,20 @@ def run_case(mode, B):
         for name, fn in variants.items():
             times[name].append(time_ms(fn))
     use("captured")
+    if mode == "inference":
+        print(f"plan at batch {B}: {ours.plan_for(B).for_steps(T)}", flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in variants.items():
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"---- {mode} batch {B}, {name}, 5 calls", flush=True)
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     print(f"{mode} batch {B}: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in medians.items())
           + f"; captured / launched {medians['ours captured'] / medians['ours launched']:.2f}, "

@@ -1123,7 +1123,8 @@ def test_gpu_module_training_on_a_packed_sequence_gives_float64_gradients(kind, 
     first = [g.clone() for g in got]
     for t in (x, *model._flat_weights):
         t.grad = None
-    out, state = model(packed)
+    out, state = model(torch.nn.utils.rnn.pack_sequence([x[b, :n] for b, n in enumerate(lengths.tolist())],
+                                                       enforce_sorted=False))
     h_n = state[0] if model.cell == "lstm" else state
     padded = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=model.batch_first, total_length=steps)[0]
     loss_of(((padded if model.batch_first else padded.transpose(0, 1)).double(), h_n.double())).backward()
@@ -1193,8 +1194,9 @@ def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype
     # The parameters are read in place (their addresses in the key): the
     # second step updates them in place, as an optimiser does, and must
     # replay the same two graphs and see the new values. With lengths (new
-    # ones each step, the padded length kept), the first step of the shape
-    # runs uncaptured and the next ones replay: the lengths are the graph's input.
+    # ones each step, the padded length kept), a warm-up step's forwards note
+    # the padded shape twice, and from then on the steps replay: the lengths
+    # are the graph's input.
     options = (2, True, True)
     training.OPERATOR_GRAPHS.clear()
     monkeypatch.setattr(training, "PADDED_LENGTHS", runtime.RecentShapes(window=16, fits=4))
@@ -1217,7 +1219,6 @@ def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype
 
     if with_lengths:
         step(0)
-        assert len(training.OPERATOR_GRAPHS) == 0  # a padded shape seen once
     assert all(torch.equal(a, b) for a, b in zip(step(1), plain(1), strict=True))
     assert len(training.OPERATOR_GRAPHS) == 2  # one forward and one backward, on this stream
     for entry in training.OPERATOR_GRAPHS._entries.values():
