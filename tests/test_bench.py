@@ -967,3 +967,40 @@ def test_a_run_names_its_commit_and_marks_files_that_differ_from_it(tmp_path, mo
     assert commit(tmp_path) == f"{head} with uncommitted changes"
     monkeypatch.setenv("PERSISTRNN_COMMIT", "abc123")
     assert commit(tmp_path) == "abc123"
+
+
+def test_training_timings_interleave_the_sides_round_by_round(monkeypatch):
+    # Each round times every side in turn, inside its own settings, so that
+    # the host's swings fall on every side alike; the medians come back by name.
+    import contextlib
+
+    import torch
+
+    from persistrnn.bench import training
+
+    order, clock = [], iter(range(1, 1000))
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = next(clock)
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def settings(name):
+        @contextlib.contextmanager
+        def entered():
+            order.append(f"enter {name}")
+            yield
+        return entered
+
+    runs = {name: (lambda name=name: order.append(name), settings(name)) for name in ("ours", "cudnn")}
+    got = training._time_interleaved(runs, calls=2, repeats=3)
+    assert order == ["enter ours", "ours", "ours", "enter cudnn", "cudnn", "cudnn"] * 3
+    assert got == {"ours": 0.5, "cudnn": 0.5}  # one clock tick between the events, over 2 calls

@@ -4,8 +4,9 @@ For a cell (LSTM by default; ``--cell rnn_relu --hidden 1152`` is the
 Persistent RNNs paper's Figure 3) at each hidden size and batch (T = 100,
 input = hidden, fp32), in one process: a persistrnn module and torch's module
 of that cell with the same weights, each timed for forward + backward of ``(output ** 2).sum()`` with
-CUDA events around ``calls`` steps back to back (median of ``repeats``,
-after a warm-up to steady clocks). torch runs cuDNN's training path with its
+CUDA events around ``calls`` steps back to back (median of ``repeats``
+rounds, the three timings interleaved in each round, after a warm-up to
+steady clocks). torch runs cuDNN's training path with its
 own settings (TF32 allowed in cuDNN, torch's default) and without TF32
 ("exact"). Before timing, the input gradient of each is compared with
 float64 autograd of torch's CPU module. "ours" is the persistrnn module with
@@ -33,7 +34,9 @@ blocks released on both sides).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -81,19 +84,25 @@ def _step(module: Any, x: Any, lengths: Any = None):
     return run
 
 
-def _time_ms(run: Any, calls: int, repeats: int) -> float:
+def _time_interleaved(runs: dict[str, tuple[Any, Any]], calls: int, repeats: int) -> dict[str, float]:
+    """{name: ms per call}, the median of ``repeats`` rounds; each round
+    times every ``(run, settings)`` of ``runs`` in turn, ``calls`` calls
+    back to back inside ``settings()``, so that the host's and the GPU's
+    swings from second to second fall on every side alike."""
     import torch
 
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+        for name, (run, settings) in runs.items():
+            with settings():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    run()
+                end.record()
+                torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _input_grad_error(module: Any, x: Any, want: Any, lengths: Any) -> float:
@@ -125,13 +134,15 @@ def run_case(hidden: int, batch: int, calls: int, repeats: int, inputs: str = "p
     if reason is not None and not training.cudnn_trains_faster(ours, x):  # anything else would time torch as ours
         raise RuntimeError(f"persistrnn's {cell} would train on torch's implementation here ({reason})")
     row["ours_grad_error"] = _input_grad_error(ours, x, x64.grad, lengths)
+    with runtime.cudnn_rnn_settings(enabled=True, tf32=False):
+        row["cudnn_exact_grad_error"] = _input_grad_error(theirs, x, x64.grad, lengths)
     runtime.warm_up(_step(ours, x, lengths))
-    row["ours_ms"] = _time_ms(_step(ours, x, lengths), calls, repeats)
-    for label, tf32 in (("cudnn_ms", True), ("cudnn_exact_ms", False)):
-        with runtime.cudnn_rnn_settings(enabled=True, tf32=tf32):
-            if not tf32:
-                row["cudnn_exact_grad_error"] = _input_grad_error(theirs, x, x64.grad, lengths)
-            row[label] = _time_ms(_step(theirs, x, lengths), calls, repeats)
+    row.update(_time_interleaved({
+        "ours_ms": (_step(ours, x, lengths), contextlib.nullcontext),
+        "cudnn_ms": (_step(theirs, x, lengths), functools.partial(runtime.cudnn_rnn_settings, enabled=True, tf32=True)),
+        "cudnn_exact_ms": (_step(theirs, x, lengths),
+                           functools.partial(runtime.cudnn_rnn_settings, enabled=True, tf32=False)),
+    }, calls, repeats))
     row["speedup"] = min(row["cudnn_ms"], row["cudnn_exact_ms"]) / row["ours_ms"]
     return row
 
@@ -204,8 +215,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# A training step beside cuDNN's (`python -m persistrnn bench training`)", "",
              describe(result["environment"]),
              f"- Method: {cells or 'LSTM'}, T={STEPS}, input = hidden; forward + backward of (output²).sum(), "
-             f"CUDA events around {result['calls']} steps back to back, median of {result['repeats']}, after a "
-             "warm-up to steady clocks. cuDNN with TF32 allowed (torch's default) and without (alike in 16-bit). "
+             f"CUDA events around {result['calls']} steps back to back, median of {result['repeats']} rounds "
+             "(ours and cuDNN's two settings interleaved in each round), after a warm-up to steady clocks. cuDNN with TF32 allowed (torch's default) and without (alike in 16-bit). "
              "Gradient error: the "
              "input gradient against float64 autograd of torch's CPU module. Inputs packed: a PackedSequence "
              "(unsorted) of lengths drawn uniformly from T/2..T (the first T), the loss over its data. Runs: "
