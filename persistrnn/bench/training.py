@@ -216,7 +216,8 @@ def markdown(result: dict[str, Any]) -> str:
              describe(result["environment"]),
              f"- Method: {cells or 'LSTM'}, T={STEPS}, input = hidden; forward + backward of (output²).sum(), "
              f"CUDA events around {result['calls']} steps back to back, median of {result['repeats']} rounds "
-             "(ours and cuDNN's two settings interleaved in each round), after a warm-up to steady clocks. cuDNN with TF32 allowed (torch's default) and without (alike in 16-bit). "
+             "(ours and cuDNN's two settings interleaved in each round), after a warm-up to steady clocks. "
+             "cuDNN with TF32 allowed (torch's default) and without (alike in 16-bit). "
              "Gradient error: the "
              "input gradient against float64 autograd of torch's CPU module. Inputs packed: a PackedSequence "
              "(unsorted) of lengths drawn uniformly from T/2..T (the first T), the loss over its data. Runs: "
