@@ -1,0 +1,36 @@
+"""Which kernel configuration a training forward runs (``training.training_config``)
+beside what the inference plan at that shape timed: per case, the plan's path,
+its persistent candidates' device ms (CUDA-graph replays of a 100-step
+inference forward, from the plan's own timing), and the training choice's
+label and, where the plan timed it, its ms.
+
+    PYTHONPATH=. python scripts/training_configs.py [--cases lstm:1024:8:float32 ...]
+"""
+import argparse
+import math
+
+import torch
+
+from persistrnn import plan as planner
+from persistrnn import training
+from persistrnn.plan import tuner
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--cases", nargs="+", default=[
+    "lstm:256:32:float32", "lstm:1024:1:float32", "lstm:1024:8:float32", "lstm:1024:32:float32",
+    "rnn_relu:1152:4:float32", "rnn_relu:1152:16:float32", "lstm:1024:16:bfloat16"])
+args = parser.parse_args()
+device = torch.cuda.current_device()
+for case in args.cases:
+    cell, hidden, batch, dtype = case.split(":")
+    hidden, batch = int(hidden), int(batch)
+    chosen = planner.cached_plan(planner.ModelShape(cell, hidden, hidden, 1, dtype), batch)
+    persistent = sorted((ms, label) for label, ms in chosen.measured_ms.items()
+                        if label.startswith("persistent") and not math.isnan(ms))
+    launch = training.training_config(cell, hidden, batch, dtype, device)
+    label = tuner.config_label(*launch) if launch else None  # the label leaves save_gates out
+    print(f"{case}: plan {chosen.path} ({chosen.label}, {chosen.measured_ms.get(chosen.label, float('nan')):.3f} ms); "
+          f"cuDNN {chosen.measured_ms.get('cudnn', float('nan')):.3f} ms", flush=True)
+    print(f"  training forward runs: {label} (plan's timing: {chosen.measured_ms.get(label, 'not timed')})")
+    for ms, timed in persistent[:6]:
+        print(f"  timed {ms:.3f} ms  {timed}")
