@@ -48,9 +48,6 @@ def step(module, packed):
 if args.copy_nodes_ab:
     import statistics
 
-    from persistrnn.runtime import native
-
-    print(f"native replay: {native.available(wait=True)}", flush=True)  # built and loaded before any capture
     bounds, times = {"copy nodes": training.GRAPH_COPY_NODES_BYTES, "copy launches": 0}, {}
     for _ in range(7):
         for name, bound in bounds.items():
