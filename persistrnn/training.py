@@ -484,8 +484,7 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
     shape = _padded_shape(cell, num_layers, bidirectional, hidden, x)
     if lengths is not None:
         PADDED_LENGTHS.note(shape)
-    saved = saved_bytes(spec, x, hidden, num_layers, directions)
-    if not _captures_operators(x, lengths, saved, shape):
+    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions), shape):
         return _forward_launches(*options, x, h0, c0, weights, dropout_masks, lengths)
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -497,8 +496,7 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
     key = ("train_forward", *options, lengths is None, *_operator_key(x, h0, c0, weights, dropout_masks))
     flat = (x, h0, c0, lengths, *weights, *dropout_masks)
     results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
-        run, flat, [True] * 4 + [key[-1] is None] * len(weights) + [True] * len(dropout_masks),
-        copy_nodes=saved <= GRAPH_COPY_NODES_BYTES), x.device.index, *flat)
+        run, flat, [True] * 4 + [key[-1] is None] * len(weights) + [True] * len(dropout_masks)), x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -563,8 +561,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     lengths = _lengths_on_device(lengths, x.shape[0], x.shape[1], x)
     options = (spec, num_layers, bidirectional, has_biases)
     shape = _padded_shape(cell, num_layers, bidirectional, weights[1].shape[1], x)
-    saved_total = sum(t.numel() * t.element_size() for t in saved)
-    if not _captures_operators(x, lengths, saved_total, shape):
+    if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved), shape):
         return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
                                   lengths)
     counts = (len(weights), len(saved))
@@ -580,8 +577,8 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
            *_operator_key(x, h0, c0, weights, dropout_masks))
     flat = (d_out, dh_n, dc_n, x, h0, c0, out, lengths, *weights, *saved, *dropout_masks)
     results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
-        run, flat, [True] * 8 + [key[-1] is None] * len(weights) + [True] * (len(saved) + len(dropout_masks)),
-        copy_nodes=saved_total <= GRAPH_COPY_NODES_BYTES), x.device.index, *flat)
+        run, flat, [True] * 8 + [key[-1] is None] * len(weights) + [True] * (len(saved) + len(dropout_masks))),
+        x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -670,18 +667,6 @@ def _initial_states(spec: CellSpec, h0: torch.Tensor | None, c0: torch.Tensor | 
         h0 = x.new_zeros(count, x.shape[1], hidden)
         return h0, (torch.zeros_like(h0) if spec.has_cell_state else None)
     return h0.contiguous(), (c0.contiguous() if spec.has_cell_state else None)
-
-
-GRAPH_COPY_NODES_BYTES = 8 << 20
-"""A captured training step whose forward saves at most this copies its
-inputs in and its outputs out as nodes of its own graph, which the native
-replay points at the caller's tensors (:class:`persistrnn.runtime.CapturedCall`'s
-``copy_nodes``): one launch per replay instead of a copy launch per tensor,
-~15 tensors each way between a forward and its backward, where a small step
-is bound by the host's issue time (perf-notes §75). The copy nodes copy
-from and to stand-ins of every copied tensor, which double the graph's
-static buffers: past the bound, where a step is device-bound and its saved
-activations large, the copies stay launches around the replay."""
 
 
 PADDED_LENGTHS = runtime.RecentShapes(window=16, fits=OPERATOR_GRAPHS.capacity // 2)

@@ -25,9 +25,6 @@ parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--cprofile", action="store_true")
 parser.add_argument("--times-only", action="store_true", help="the ms per step only, no profiles")
-parser.add_argument("--copy-nodes-ab", action="store_true",
-                    help="only ours padded, its captured steps' copies as graph nodes and as launches alternated "
-                         "(training.GRAPH_COPY_NODES_BYTES as it is, and 0), 7 rounds of 20 steps, medians")
 args = parser.parse_args()
 H, B, T = args.hidden, args.batch, 100
 ours = persistrnn.LSTM(H, H).cuda()
@@ -44,27 +41,6 @@ def step(module, packed):
     out, _ = module(pack_padded_sequence(x, lengths, enforce_sorted=False) if packed else x)
     (out.data if packed else out).square().sum().backward()
 
-
-if args.copy_nodes_ab:
-    import statistics
-
-    bounds, times = {"copy nodes": training.GRAPH_COPY_NODES_BYTES, "copy launches": 0}, {}
-    for _ in range(7):
-        for name, bound in bounds.items():
-            training.GRAPH_COPY_NODES_BYTES = bound
-            training.OPERATOR_GRAPHS.clear()  # captured anew under the bound
-            for _ in range(5):
-                step(ours, False)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(20):
-                step(ours, False)
-            torch.cuda.synchronize()
-            times.setdefault(name, []).append((time.perf_counter() - t) / 20 * 1e3)
-    for name, ms in times.items():
-        print(f"ours padded, {name}: {statistics.median(ms):.3f} ms per step (rounds: "
-              + " ".join(f"{m:.3f}" for m in ms) + ")", flush=True)
-    raise SystemExit(0)
 
 for name, module, packed in (("ours padded", ours, False), ("ours packed", ours, True),
                              ("cudnn padded", theirs, False), ("cudnn packed", theirs, True)):
