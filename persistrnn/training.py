@@ -191,6 +191,17 @@ def step_backward(spec: CellSpec, xg: torch.Tensor, gates: torch.Tensor, h: torc
 # ---- one direction of one layer ----------------------------------------------
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``a @ b`` (2-D, the backward's fp32 operands). For a 16-bit model
+    (``dtype`` float16 or bfloat16) on CUDA, the operands are rounded to it
+    and the product runs on its tensor cores with fp32 accumulation and
+    output, as cuDNN's 16-bit backward runs its GEMMs: in fp32 they were a
+    third of bf16 LSTM 1024's training step at batch 16 (perf-notes §76)."""
+    if dtype in (torch.float16, torch.bfloat16) and a.is_cuda:
+        return torch.mm(a.to(dtype), b.to(dtype), out_dtype=torch.float32)
+    return a @ b
+
+
 def _positions(steps: int, reverse: bool) -> range:
     return range(steps - 1, -1, -1) if reverse else range(steps)
 
@@ -242,8 +253,8 @@ def direction_forward(spec: CellSpec, xw: torch.Tensor, w_hh: torch.Tensor, b_hh
 def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs: torch.Tensor | None,
                        out: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, w_hh: torch.Tensor,
                        d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None, reverse: bool,
-                       step_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor, Any]:
+                       step_runs: torch.Tensor | None = None, gemm_dtype: torch.dtype | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """The backward recurrence of one layer's direction, all in one dtype.
 
     ``xw``, ``gates``, ``cs`` as the forward kept them, ``out`` (T, B, H) its
@@ -251,7 +262,9 @@ def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs
     ``step_runs`` (T, B), for a cell with lengths
     (:func:`persistrnn.cells.with_lengths`): 1 where a row's sequence runs the
     position, 0 past its length (where ``out`` is zero and ``d_out`` is not
-    read). Returns (d xw, d gates (T, B, G*H), dW_hh, dh0, dc0 or None).
+    read). ``gemm_dtype``: a 16-bit model's dtype, in which the dW_hh GEMM
+    runs (:func:`_product`). Returns (d xw, d gates (T, B, G*H), dW_hh, dh0,
+    dc0 or None).
 
     The step loop (on CUDA in fp32
     :func:`persistrnn.training_kernel.persistent_steps` where the layer fits
@@ -278,7 +291,7 @@ def direction_backward(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, cs
                             stage_operands, step_runs)
     operands = [h_prev if name == "h" else stage_operands[s - 1] for s, name in enumerate(spec.stage_operands)]
     flat = d_gates.reshape(-1, d_gates.shape[2])
-    d_w_hh = torch.cat([flat[:, _stage_rows(spec, s, hidden)].T @ operand.reshape(-1, hidden)
+    d_w_hh = torch.cat([_product(flat[:, _stage_rows(spec, s, hidden)].T, operand.reshape(-1, hidden), gemm_dtype)
                         for s, operand in enumerate(operands)])
     return d_xw, d_gates, d_w_hh, dh, dc
 
@@ -616,17 +629,17 @@ def _backward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has
             d_xw, d_gates, d_w_hh, dh0[i], dc = direction_backward(
                 spec, xw, gates, cs, outputs[layer][:, :, columns].to(compute), h0[i].to(compute),
                 c0[i].to(compute) if cs is not None else None, p["w_hh"].to(compute), d_layer_out[:, :, columns],
-                dh_n[i].to(compute), dc_n[i].to(compute) if cs is not None else None, d == 1, step_runs)
+                dh_n[i].to(compute), dc_n[i].to(compute) if cs is not None else None, d == 1, step_runs, x.dtype)
             if dc0 is not None:
                 dc0[i] = dc
             flat = d_xw.reshape(-1, d_xw.shape[2])
-            grads = [flat.T @ layer_input.reshape(flat.shape[0], -1), d_w_hh]
+            grads = [_product(flat.T, layer_input.reshape(flat.shape[0], -1), x.dtype), d_w_hh]
             if has_biases:
                 grads += [flat.sum(0), d_gates.reshape(flat.shape).sum(0)]
             for k, grad in enumerate(grads):
                 index = i * per_weight + k
                 d_weights[index] = grad.to(weights[index].dtype)
-            through = (flat @ p["w_ih"].to(compute)).view(layer_input.shape)
+            through = _product(flat, p["w_ih"].to(compute), x.dtype).view(layer_input.shape)
             d_layer_input = through if d_layer_input is None else d_layer_input + through
         d_layer_out = d_layer_input * dropout_masks[layer - 1].to(compute) if dropout_masks and layer else \
             d_layer_input

@@ -1334,3 +1334,25 @@ def test_a_backward_thread_never_waits_for_a_timing(monkeypatch):
     assert timings == [] and not training._TRAINING_CHOICES
     assert training.cudnn_trains_faster(module, on_gpu) is True  # the lock is free: it times, even there
     assert timings == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_backward_gemms_run_in_the_operands_dtype_on_the_cpu(dtype):
+    # Off CUDA (and for fp32 and float64 models everywhere) a product is the plain one.
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(6, 9, generator=gen), torch.randn(9, 4, generator=gen)
+    assert torch.equal(training._product(a, b, dtype), a @ b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_a_16_bit_models_backward_gemms_round_the_operands_and_accumulate_in_fp32(dtype):
+    # The operands rounded to the model's dtype, the sum in fp32: within fp32
+    # rounding of the float64 product of the rounded operands, and fp32 out.
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    a = torch.randn(800, 1024, device="cuda", generator=gen).T  # a transposed operand, as d_xw.T
+    b = torch.randn(800, 257, device="cuda", generator=gen)
+    got = training._product(a, b, dtype)
+    want = a.to(dtype).double() @ b.to(dtype).double()
+    assert got.dtype == torch.float32 and got.shape == (1024, 257)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
