@@ -1,5 +1,6 @@
 """Where a training step's time goes: persistrnn's training operators beside
-cuDNN (torch.nn.LSTM), LSTM, T=100, input = hidden, fp32.
+cuDNN (torch.nn's module of the cell), LSTM unless ``--cell`` says otherwise, T=100, input = hidden, fp32
+unless ``--dtype`` says otherwise.
 
 Per hidden size and batch, each piece is timed three ways (median of
 ``--repeats`` after a warm-up to steady clocks): host ms, perf_counter around
@@ -112,33 +113,40 @@ def profile_step(step, path):
     prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
 
 
-def profile_case(hidden, batch, repeats, out_dir):
+MODULES = {"lstm": ("LSTM", {}), "gru": ("GRU", {}), "rnn_tanh": ("RNN", {}),
+           "rnn_relu": ("RNN", {"nonlinearity": "relu"})}
+
+
+def profile_case(hidden, batch, repeats, out_dir, cell="lstm", dtype=torch.float32):
     torch.manual_seed(hidden + batch)
-    theirs = torch.nn.LSTM(hidden, hidden).cuda()
-    ours = persistrnn.LSTM(hidden, hidden).cuda().train()
+    kind, options = MODULES[cell]
+    theirs = getattr(torch.nn, kind)(hidden, hidden, **options).to("cuda", dtype)
+    ours = getattr(persistrnn, kind)(hidden, hidden, **options).to("cuda", dtype).train()
     ours.load_state_dict(theirs.state_dict())
     ours.training_kernels = True
-    x = torch.randn(STEPS, batch, hidden, device="cuda", requires_grad=True)
+    x = torch.randn(STEPS, batch, hidden, device="cuda", dtype=dtype, requires_grad=True)
     # This profiles the training operators at every shape, those where the
     # module would measure cuDNN faster and train on it included.
     training.cudnn_trains_faster = lambda module, x: False
     reason = ours._torch_reason(x, warn=False, trains=True)
     if reason is not None:
-        raise RuntimeError(f"persistrnn.LSTM would train on torch's implementation here ({reason})")
-    spec = cells.get_cell("lstm")
-    args = direction_arguments(hidden, batch)
+        raise RuntimeError(f"persistrnn's {kind} would train on torch's implementation here ({reason})")
     mine, cudnn = TrainingStep(ours, x), TrainingStep(theirs, x)
     runtime.warm_up(mine.step)
     pieces = {
         "ours step": (mine.step, mine.clear),
         "ours forward": (mine.forward, mine.clear),
         "ours backward": (mine.backward, lambda: (mine.clear(), mine.forward())),
-        "step loop, launched": (fused_steps_call(spec, args), lambda: None),
-        "direction": (lambda: training.direction_backward(spec, *args, False), lambda: None),
+    }
+    if cell == "lstm" and dtype == torch.float32:  # one fp32 LSTM direction's backward alone
+        spec, args = cells.get_cell("lstm"), direction_arguments(hidden, batch)
+        pieces["step loop, launched"] = (fused_steps_call(spec, args), lambda: None)
+        pieces["direction"] = (lambda: training.direction_backward(spec, *args, False), lambda: None)
+    pieces.update({
         "cuDNN step": (cudnn.step, cudnn.clear),
         "cuDNN forward": (cudnn.forward, cudnn.clear),
         "cuDNN backward": (cudnn.backward, lambda: (cudnn.clear(), cudnn.forward())),
-    }
+    })
     rows = []
     for name, (run, setup) in pieces.items():
         for _ in range(3):  # first calls: compiles, captures, cuBLAS handles
@@ -147,7 +155,7 @@ def profile_case(hidden, batch, repeats, out_dir):
         host, events, device = timings(run, setup, repeats)
         per_step = f"{host * 1e3 / STEPS:.1f}" if name.startswith("step loop") else ""
         rows.append((hidden, batch, name, host, events, device, per_step))
-    profile_step(mine, out_dir / f"training_step_H{hidden}_B{batch}.txt")
+    profile_step(mine, out_dir / f"training_step_{cell}_H{hidden}_B{batch}.txt")
     return rows
 
 
@@ -156,12 +164,14 @@ def main():
     ap.add_argument("--hidden", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--cell", choices=sorted(MODULES), default="lstm")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--out", type=Path, required=True, help="directory for the torch.profiler summaries and traces")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [row for hidden in args.hidden for batch in args.batch
-            for row in profile_case(hidden, batch, args.repeats, args.out)]
-    print(f"LSTM, T={STEPS}, input = hidden, fp32; medians of {args.repeats}. host: issuing it; events: as issued; "
+            for row in profile_case(hidden, batch, args.repeats, args.out, args.cell, getattr(torch, args.dtype))]
+    print(f"{args.cell}, T={STEPS}, input = hidden, {args.dtype}; medians of {args.repeats}. host: issuing it; events: as issued; "
           "device: queued behind a GPU sleep. Profiles under", args.out)
     print("| H | batch | piece | host ms | events ms | device ms | host µs per step |")
     print("|---|---|---|---|---|---|---|")
