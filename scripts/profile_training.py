@@ -1,6 +1,6 @@
 """Where a training step's time goes: persistrnn's training operators beside
-cuDNN (torch.nn's module of the cell), LSTM unless ``--cell`` says otherwise, T=100, input = hidden, fp32
-unless ``--dtype`` says otherwise.
+cuDNN (torch.nn's module of the cell), LSTM unless ``--cell`` says
+otherwise, T=100, input = hidden, fp32 unless ``--dtype`` says otherwise.
 
 Per hidden size and batch, each piece is timed three ways (median of
 ``--repeats`` after a warm-up to steady clocks): host ms, perf_counter around
@@ -171,8 +171,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [row for hidden in args.hidden for batch in args.batch
             for row in profile_case(hidden, batch, args.repeats, args.out, args.cell, getattr(torch, args.dtype))]
-    print(f"{args.cell}, T={STEPS}, input = hidden, {args.dtype}; medians of {args.repeats}. host: issuing it; events: as issued; "
-          "device: queued behind a GPU sleep. Profiles under", args.out)
+    print(f"{args.cell}, T={STEPS}, input = hidden, {args.dtype}; medians of {args.repeats}. host: issuing it; "
+          "events: as issued; device: queued behind a GPU sleep. Profiles under", args.out)
     print("| H | batch | piece | host ms | events ms | device ms | host µs per step |")
     print("|---|---|---|---|---|---|---|")
     for hidden, batch, name, host, events, device, per_step in rows:
