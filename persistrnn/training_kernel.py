@@ -66,6 +66,11 @@ launches overtook the grid where it exchanged 8.3 MB (RNN 1152, batch ~10)
 to 13 MB (LSTM 1024, batch ~25) per stage and step. Past this the layer
 keeps the per-step launches."""
 MAX_BATCH_TILE = 8
+TAGGED_MAX_BATCH = 4
+"""A grid's exchange is tagged words up to this batch: each partial goes to
+L2 with its exchange's tag in one 64-bit word and each owner waits for the
+words themselves (kernels/common.cuh), with no release and no counter
+barrier, at twice the bytes of the plain exchange (perf-notes §78)."""
 """Batch rows per thread of the product: each row's d gates are a broadcast
 load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
 
@@ -78,17 +83,22 @@ counter barrier), for layers a cluster's shared memory does not hold."""
 
 @dataclasses.dataclass(frozen=True)
 class BackwardKernelConfig:
-    """One compiled variant: the cell, hidden size, block count, the product's batch tile and the sync mode."""
+    """One compiled variant: the cell, hidden size, block count, the
+    product's batch tile, the sync mode, and (a grid) whether its exchange
+    is tagged words (:data:`TAGGED_MAX_BATCH`)."""
 
     spec: CellSpec
     hidden: int
     blocks: int
     batch_tile: int
     sync: str = "cluster"
+    tagged: bool = False
 
     def __post_init__(self) -> None:
         if self.sync not in SYNC_MODES:
             raise ArgumentError(f"sync: expected one of {SYNC_MODES}, got {self.sync!r}")
+        if self.tagged and self.sync != "grid":
+            raise ArgumentError(f"tagged: a grid's exchange only, got sync {self.sync!r}")
 
     @property
     def units(self) -> int:
@@ -161,9 +171,11 @@ class BackwardKernelConfig:
         return 4 * (self.rows + (self.recv_slots + 2 * self.planes + state) * self.units)
 
     def exchange_floats(self, batch: int) -> int:
-        """The grid's exchange buffer in global memory (0 in a cluster): two
-        parities of every block's partials, [owner][b][block][unit, padded to 4]."""
-        return 2 * self.blocks * batch * self.blocks * self.unit_stride if self.sync == "grid" else 0
+        """The grid's exchange buffer in global memory, in 4-byte words (0 in
+        a cluster): two parities of every block's partials, [owner][b][block][unit,
+        padded to 4], each partial a float or (tagged) a float and its tag."""
+        words = 2 * self.blocks * batch * self.blocks * self.unit_stride if self.sync == "grid" else 0
+        return 2 * words if self.tagged else words
 
     @property
     def unit_stride(self) -> int:
@@ -197,7 +209,7 @@ def _configs(spec: CellSpec, hidden: int, batch: int, cluster_limit: int,
     if min(grid_limit, hidden) <= cluster.blocks:
         return (cluster,)
     units = -(-hidden // grid_limit)
-    return cluster, BackwardKernelConfig(spec, hidden, -(-hidden // units), tile, "grid")
+    return cluster, BackwardKernelConfig(spec, hidden, -(-hidden // units), tile, "grid", batch <= TAGGED_MAX_BATCH)
 
 
 def plan(cell: str | CellSpec, hidden: int, batch: int, shared_limit: int,
@@ -263,11 +275,12 @@ def _step_source(config: BackwardKernelConfig) -> str:
     stage's product and one barrier."""
     program, spec = step_backward_program(config.spec), config.spec
     exchanges = spec.num_stages
+    leave = "prnn_cp_async_wait<0>(); /* no copy lands after the block left */ return;"
     lines = []
     for walk, block in enumerate(program.blocks):
         j = block.block
         if walk == 0:  # dh_t: the last exchange of the step before, or dL/dh_n
-            pass_ = f"if (prnn_i > 0) prnn_gather((prnn_i * {exchanges} - 1) & 1);"
+            pass_ = f"if (prnn_i > 0 && !prnn_gather(prnn_i * {exchanges} - 1)) {{ {leave} }}"
             gather = ["const float prnn_dh_now = prnn_i == 0 ? prnn_dh_last[prnn_b * PRNN_H + prnn_u0 + prnn_j]",
                       f"                                      : prnn_gathered_dh((prnn_i * {exchanges} - 1) & 1, "
                       "prnn_e);",
@@ -277,7 +290,7 @@ def _step_source(config: BackwardKernelConfig) -> str:
             plane = program.carried.index(spec.stage_operands[before.block])
             into = f"prnn_carry_planes[{plane} * prnn_elements + prnn_e]"
             summed = f"prnn_gathered((prnn_i * {exchanges} + {walk - 1}) & 1, prnn_e)"
-            pass_ = f"prnn_gather((prnn_i * {exchanges} + {walk - 1}) & 1);"
+            pass_ = f"if (!prnn_gather(prnn_i * {exchanges} + {walk - 1})) {{ {leave} }}"
             gather = [f"{into} = {into + ' + ' if before.accumulate else ''}{summed};",
                       "[[maybe_unused]] const float* prnn_dh = nullptr;"]
         first, end = config.stage_rows[j]
@@ -316,11 +329,8 @@ def _step_source(config: BackwardKernelConfig) -> str:
             lines.append("if (prnn_i + 1 < prnn_steps) prnn_stage_position(prnn_position(prnn_i + 1), "
                          "(prnn_i & 1) ^ 1);")
         lines += ["__syncthreads();  // the block's d gates are in shared memory",
-                  f"prnn_product({first}, {end}, (prnn_i * {exchanges} + {walk}) & 1);",
-                  f"if (!prnn_exchanged(prnn_i * {exchanges} + {walk})) {{",
-                  "    prnn_cp_async_wait<0>();  // no copy lands after the block left",
-                  "    return;",
-                  "}"]
+                  f"prnn_product({first}, {end}, prnn_i * {exchanges} + {walk});",
+                  f"if (!prnn_exchanged(prnn_i * {exchanges} + {walk})) {{ {leave} }}"]
     return textwrap.indent("\n".join(lines), " " * 8)
 
 
@@ -329,7 +339,7 @@ def kernel_source(config: BackwardKernelConfig) -> str:
     cell's generated backward statements (:mod:`persistrnn.adjoint`), one
     statement block and one product per stage in each step."""
     defines = {"PRNN_G": config.spec.num_gates, "PRNN_H": config.hidden, "PRNN_BLOCKS": config.blocks,
-               "PRNN_GRID": int(config.sync == "grid"),
+               "PRNN_GRID": int(config.sync == "grid"), "PRNN_TAGGED": int(config.tagged),
                "PRNN_UNITS": config.units, "PRNN_ROWS": config.rows, "PRNN_W_STRIDE": config.w_stride,
                "PRNN_THREADS": THREADS, "PRNN_BATCH_TILE": config.batch_tile,
                "PRNN_CELL_STATE": int(config.spec.has_cell_state), "PRNN_DIRECT_DH": int(config.direct_dh),
@@ -345,7 +355,7 @@ def kernel_source(config: BackwardKernelConfig) -> str:
 def compile_kernel(config: BackwardKernelConfig, arch: str | None = None) -> runtime.CompiledBinary:
     """NVRTC-compile (disk-cached) ``config``'s kernel; ``arch=None`` is the current device's."""
     cell = re.sub(r"[^A-Za-z0-9_.-]", "_", config.spec.name)
-    blocks = f"c{config.blocks}" if config.sync == "cluster" else f"g{config.blocks}"
+    blocks = f"c{config.blocks}" if config.sync == "cluster" else f"g{config.blocks}" + ("_tagged" * config.tagged)
     name = f"step_backward_persistent_{cell}_h{config.hidden}_{blocks}_t{config.batch_tile}"
     return runtime.compile_source(name, kernel_source(config), arch=arch)
 
@@ -432,11 +442,13 @@ def persistent_steps(spec: CellSpec, xw: torch.Tensor, gates: torch.Tensor, h_pr
     check_tensor("stage_operands", stage_operands, (spec.num_stages - 1, steps, batch, hidden), xw.device,
                  torch.float32)
     # A grid's own counter and status word (zeroed), and its exchange buffer:
-    # every slot is written before it is read, so it needs no zeros.
+    # every slot is written before it is read, so it needs no zeros, but for
+    # tagged words, whose tags from another launch must not match.
     grid: tuple[Any, ...] = (no_tensor,) * 5
     if config.sync == "grid":
         own = runtime.scratch(xw.device, counters=1)
-        exchange = torch.empty(config.exchange_floats(batch), dtype=torch.float32, device=xw.device)
+        exchange = (torch.zeros if config.tagged else torch.empty)(config.exchange_floats(batch), dtype=torch.float32,
+                                                                   device=xw.device)
         grid = (exchange, np.uint64(own.counters), np.uint64(own.status),
                 np.uint64(runtime.report_word(xw.device.index)), np.uint64(runtime.wait_timeout_ns()))
     args = runtime.kernel_args(xw, gates, h_prev, cell_state[0], w_hh, d_out, dh_n, cell_state[1],

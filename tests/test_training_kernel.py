@@ -13,7 +13,7 @@ import torch
 from test_training import direction_inputs, run_steps
 
 from persistrnn import cells, training, training_kernel
-from persistrnn.errors import ConfigError, UnsupportedError
+from persistrnn.errors import ArgumentError, ConfigError, UnsupportedError
 
 CELL_NAMES = tuple(cells.CELLS)
 H100_SHARED = 232448  # the H100's opt-in shared memory per block (227 KB): the size rule's numbers on the CPU
@@ -29,7 +29,7 @@ MAX_ERROR = 1e-5
 # H=37 at batch 3: partial blocks (16 blocks of 3 units, the last ones idle)
 # and one partial batch tile; H=256 at batch 32: the widest tile, the most
 # registers. On a grid (a cluster's shared memory does not hold the layer):
-# H=1024 at batch 1 and 16 (the widest tile), and H=1100 at batch 5, its last block short of units.
+# H=1024 at batch 1 (tagged words) and 16 (the widest tile), and H=1100 at batch 5, its last block short of units.
 @pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("hidden,batch", [(37, 3), (256, 32), (1024, 1), (1024, 16), (1100, 5)])
 @pytest.mark.parametrize("cell", CELL_NAMES)
@@ -63,10 +63,10 @@ def test_the_reset_before_gru_exchanges_d_r_h_before_its_first_stage():
     config = training_kernel.plan("gru_reset_before", 37, 3, H100_SHARED)
     assert config.stage_rows == ((0, 8), (8, 12)) and config.gate_row0 == (0, 3, 8) and config.carry_planes == 1
     source = training_kernel.kernel_source(config)
-    order = [source.index(text) for text in ("// statement block 1", "prnn_product(8, 12, (prnn_i * 2 + 0) & 1);",
+    order = [source.index(text) for text in ("// statement block 1", "prnn_product(8, 12, prnn_i * 2 + 0);",
                                              "// statement block 0",
                                              "prnn_carry_planes[0 * prnn_elements + prnn_e] = prnn_gathered(",
-                                             "prnn_product(0, 8, (prnn_i * 2 + 1) & 1);")]
+                                             "prnn_product(0, 8, prnn_i * 2 + 1);")]
     assert order == sorted(order)
 
 
@@ -101,9 +101,15 @@ def test_a_layer_a_cluster_does_not_hold_runs_on_a_grid(cell, hidden):
     assert config.blocks * config.units >= hidden
     assert config.shared_bytes(1) <= H100_SHARED
     # The exchange stays in global memory ([parity][owner][b][block][unit]):
-    # per element one shared float, not two per block, and the gather's lane sums.
+    # per element one shared float, not two per block, and the gather's lane
+    # sums. Up to TAGGED_MAX_BATCH its words carry their exchange's tag: twice the bytes.
     stride = -(-config.units // 4) * 4  # the units padded to float4s
-    assert config.recv_slots == 1 and config.exchange_floats(3) == 2 * config.blocks * 3 * config.blocks * stride
+    assert config.tagged and config.recv_slots == 1
+    assert config.exchange_floats(3) == 2 * 2 * config.blocks * 3 * config.blocks * stride
+    plain = training_kernel.plan(cell, hidden, training_kernel.TAGGED_MAX_BATCH + 1, H100_SHARED, grid_limit=H100_SMS)
+    assert not plain.tagged and plain.exchange_floats(3) == 2 * plain.blocks * 3 * plain.blocks * stride
+    with pytest.raises(ArgumentError, match="tagged: a grid's exchange only, got sync 'cluster'"):
+        training_kernel.BackwardKernelConfig(config.spec, hidden, 16, 1, "cluster", True)
     assert config.shared_bytes(3) == config.slice_bytes() + 3 * config.batch_row_bytes() + 16 * training_kernel.THREADS
     with pytest.raises(ConfigError, match="a cluster of 16 blocks"):  # without a grid, it is refused
         training_kernel.plan(cell, hidden, 1, H100_SHARED)
@@ -216,15 +222,37 @@ def test_gpu_persistent_steps_equal_the_float64_torch_op_steps(cell, steps, batc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [100, 1000])  # a cluster, a grid
+@pytest.mark.parametrize("hidden,batch", [(100, 5), (1000, 5), (1000, 3)])  # a cluster, a grid, tagged words
 @pytest.mark.parametrize("cell", CELL_NAMES)
-def test_gpu_persistent_steps_are_bit_identical_run_to_run(cell, hidden):
-    inputs = direction_inputs(cell, steps=9, batch=5, hidden=hidden, seed=3)
+def test_gpu_persistent_steps_are_bit_identical_run_to_run(cell, hidden, batch):
+    inputs = direction_inputs(cell, steps=9, batch=batch, hidden=hidden, seed=3)
     first = run_steps(training_kernel.persistent_steps, cell, inputs, True, device="cuda", dtype=torch.float32)
     second = run_steps(training_kernel.persistent_steps, cell, inputs, True, device="cuda", dtype=torch.float32)
     for name, value in first.items():
         assert (value is None) == (second[name] is None), name
         assert value is None or torch.equal(value, second[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [False, True])
+@pytest.mark.parametrize("cell", CELL_NAMES)
+def test_gpu_the_tagged_exchange_gives_the_barriers_results_bit_for_bit(cell, lengths, monkeypatch):
+    # The same partials summed in the same order, whichever way they travel:
+    # tagged words (each owner waits for the words) and the counter barrier.
+    inputs = direction_inputs(cell, steps=6, batch=3, hidden=1000, seed=8, lengths=lengths)
+    results = {}
+    for tagged in (True, False):
+        monkeypatch.setattr(training_kernel, "TAGGED_MAX_BATCH", 3 if tagged else 0)
+        training_kernel._prepared.cache_clear()
+        config = training_kernel._prepared(cells.with_lengths(cell) if lengths else cells.get_cell(cell), 1000, 3,
+                                           torch.cuda.current_device())[0]
+        assert config.sync == "grid" and config.tagged == tagged
+        results[tagged] = run_steps(training_kernel.persistent_steps, cell, inputs, False, device="cuda",
+                                    dtype=torch.float32)
+    training_kernel._prepared.cache_clear()
+    for name, value in results[True].items():
+        assert (value is None) == (results[False][name] is None), name
+        assert value is None or torch.equal(value, results[False][name]), name
 
 
 @pytest.mark.parametrize("cell", [f"{name}+clip=0.5" for name in CELL_NAMES])

@@ -164,6 +164,40 @@ __device__ __forceinline__ bool prnn_wait_counter(const prnn_u32* counter, prnn_
     return v >= target;
 }
 
+// Tagged words (NCCL's LL protocol): a float and its exchange's tag in one
+// 64-bit word, stored and loaded single-copy atomic at GPU scope, so a
+// reader that sees the tag has the value, with no release and no barrier.
+// The buffer starts zeroed each launch and tags start at 1. Used by the
+// forward's and the backward's grid exchanges in one L2 round trip.
+__device__ __forceinline__ void prnn_st_tagged(prnn_u64* p, float v, prnn_u32 tag) {
+    const prnn_u64 word = ((prnn_u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ prnn_u64 prnn_ld_tagged(const prnn_u64* p) {
+    prnn_u64 v;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Poll *p until its tag is `tag` (the word into *word). The bound restarts
+// with each word, so it measures a lack of progress. False when it runs out
+// (the status word set) or another block failed; the thread reports.
+__device__ __forceinline__ bool prnn_wait_tagged(const prnn_u64* p, prnn_u32 tag, const prnn_watch& w, prnn_u64* word) {
+    prnn_stall_clock clock;
+    clock.restart();
+    while ((prnn_u32)((*word = prnn_ld_tagged(p)) >> 32) != tag) {
+        if (clock.tick()) {
+            if (clock.expired(w.timeout_ns)) prnn_fail(w.status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
+            if (prnn_failed(w.status)) {
+                prnn_report(w);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 // A float another block stored during this launch: through L2 only (.cg),
 // never from a stale L1 line.
 __device__ __forceinline__ float prnn_ld_cg_f32(const float* p) {

@@ -378,36 +378,7 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
 // it is slower than the copy's float4s, so the planner offers it only for
 // exchanges of up to PRNN_READ_BATCH words per thread. Two buffers by
 // parity: a block writes exchange e + 2 over e only after reading every
-// block's e + 1, which each wrote after reading e.
-__device__ __forceinline__ void prnn_st_tagged(prnn_u64* p, float v, prnn_u32 tag) {
-    const prnn_u64 word = ((prnn_u64)tag << 32) | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
-}
-
-__device__ __forceinline__ prnn_u64 prnn_ld_tagged(const prnn_u64* p) {
-    prnn_u64 v;
-    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// Poll *p until its tag is `tag` (the word into *word). The bound restarts
-// with each word, so it measures a lack of progress. False when it runs out
-// (the status word set) or another block failed; the thread reports.
-__device__ __forceinline__ bool prnn_wait_tagged(const prnn_u64* p, prnn_u32 tag, const prnn_watch& w, prnn_u64* word) {
-    prnn_stall_clock clock;
-    clock.restart();
-    while ((prnn_u32)((*word = prnn_ld_tagged(p)) >> 32) != tag) {
-        if (clock.tick()) {
-            if (clock.expired(w.timeout_ns)) prnn_fail(w.status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
-            if (prnn_failed(w.status)) {
-                prnn_report(w);
-                return false;
-            }
-        }
-    }
-    return true;
-}
-
+// block's e + 1, which each wrote after reading e. (The words: common.cuh.)
 // Exchange `tag`'s h, every unit and the slice's B columns, from the tagged
 // words at src into dst (both [KPAD][BP]), this thread's pairs of `walk`.
 // PRNN_READ_BATCH loads go out before any is checked, as the copy's do.

@@ -115,6 +115,17 @@ __device__ __forceinline__ void prnn_st_cluster_f32(prnn_u32 addr, float value) 
 #if PRNN_GRID
 #define PRNN_RECV_SLOTS 1
 #define PRNN_UNIT_QUADS ((PRNN_UNITS + 3) / 4)  // the exchange's units per block and row, in float4s
+// A tagged exchange (PRNN_TAGGED) stores each partial with its exchange's tag
+// in one 64-bit word (common.cuh) and each owner waits for the words
+// themselves: no release, no counter barrier. Its buffer starts zeroed each
+// launch. Two parities suffice: a block stores exchange k + 2 over k only
+// after gathering every block's k + 1, which each stored after gathering k.
+#if PRNN_TAGGED
+typedef prnn_u64 prnn_exchange_word;
+#define PRNN_TAGGED_SOURCES 4  // blocks whose words a gather lane loads before it checks any
+#else
+typedef float prnn_exchange_word;
+#endif
 #else
 #define PRNN_RECV_SLOTS (2 * PRNN_BLOCKS)
 #endif
@@ -220,19 +231,58 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     // power of two), so that every thread has its loads in flight at once.
     int prnn_lanes = 32;
     while (prnn_lanes > 1 && prnn_batch * PRNN_UNIT_QUADS * prnn_lanes > PRNN_THREADS) prnn_lanes >>= 1;
-    // Every owned element's partials of exchange parity prnn_parity, summed
-    // into prnn_recv: lane l of quad (b, q) adds the blocks l, l + lanes, ...
-    // in order (consecutive threads read consecutive quads, then blocks:
+    // Every owned element's partials of exchange prnn_k, summed into
+    // prnn_recv: lane l of quad (b, q) adds the blocks l, l + lanes, ... in
+    // order (consecutive threads read consecutive quads, then blocks:
     // coalesced), then one thread per element adds its lanes in order. A
-    // fixed order: the sums are deterministic.
-    auto prnn_gather = [&](int prnn_parity) {
-        const float* prnn_mine = prnn_exchange + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_run;
+    // fixed order: the sums are deterministic. False in every thread when a
+    // thread's wait for a tagged word gave up (the status word holds why).
+    auto prnn_gather = [&](int prnn_k) {
+        const prnn_exchange_word* prnn_mine =
+            reinterpret_cast<const prnn_exchange_word*>(prnn_exchange) + ((prnn_k & 1) * PRNN_BLOCKS + prnn_rank) * prnn_run;
+        bool prnn_ok = true;
         for (int prnn_t = threadIdx.x; prnn_t < prnn_batch * PRNN_UNIT_QUADS * prnn_lanes; prnn_t += PRNN_THREADS) {
             const int prnn_q = prnn_t % PRNN_UNIT_QUADS, prnn_lane = prnn_t / PRNN_UNIT_QUADS % prnn_lanes;
             const int prnn_b = prnn_t / (PRNN_UNIT_QUADS * prnn_lanes);
             float4 prnn_sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (4 * prnn_q < prnn_owned) {  // padding past the owned units is never written, and never used
-                const float* prnn_from = prnn_mine + ((size_t)prnn_b * PRNN_BLOCKS * PRNN_UNIT_QUADS + prnn_q) * 4;
+                const prnn_exchange_word* prnn_from =
+                    prnn_mine + ((size_t)prnn_b * PRNN_BLOCKS * PRNN_UNIT_QUADS + prnn_q) * 4;
+#if PRNN_TAGGED
+                // PRNN_TAGGED_SOURCES blocks' four words each go out before any is checked.
+                const prnn_u32 prnn_tag = (prnn_u32)prnn_k + 1u;
+                for (int prnn_src0 = prnn_lane; prnn_src0 < PRNN_BLOCKS && prnn_ok;
+                     prnn_src0 += PRNN_TAGGED_SOURCES * prnn_lanes) {
+                    prnn_u64 prnn_word[PRNN_TAGGED_SOURCES][4];
+#pragma unroll
+                    for (int prnn_s = 0; prnn_s < PRNN_TAGGED_SOURCES; ++prnn_s) {
+                        const int prnn_src = prnn_src0 + prnn_s * prnn_lanes;
+                        if (prnn_src < PRNN_BLOCKS)
+#pragma unroll
+                            for (int prnn_u = 0; prnn_u < 4; ++prnn_u)
+                                prnn_word[prnn_s][prnn_u] = prnn_ld_tagged(prnn_from + prnn_src * 4 * PRNN_UNIT_QUADS + prnn_u);
+                    }
+#pragma unroll
+                    for (int prnn_s = 0; prnn_s < PRNN_TAGGED_SOURCES; ++prnn_s) {
+                        const int prnn_src = prnn_src0 + prnn_s * prnn_lanes;
+                        if (prnn_src >= PRNN_BLOCKS || !prnn_ok) break;
+                        float prnn_v[4];
+#pragma unroll
+                        for (int prnn_u = 0; prnn_u < 4; ++prnn_u) {
+                            prnn_u64& prnn_w = prnn_word[prnn_s][prnn_u];
+                            if ((prnn_u32)(prnn_w >> 32) != prnn_tag &&
+                                !prnn_wait_tagged(prnn_from + prnn_src * 4 * PRNN_UNIT_QUADS + prnn_u, prnn_tag,
+                                                  prnn_watch_, &prnn_w))
+                                prnn_ok = false;
+                            prnn_v[prnn_u] = __uint_as_float((prnn_u32)prnn_w);
+                        }
+                        prnn_sum.x += prnn_v[0];
+                        prnn_sum.y += prnn_v[1];
+                        prnn_sum.z += prnn_v[2];
+                        prnn_sum.w += prnn_v[3];
+                    }
+                }
+#else
 #pragma unroll 16
                 for (int prnn_src = prnn_lane; prnn_src < PRNN_BLOCKS; prnn_src += prnn_lanes) {
                     const float4 prnn_v = prnn_ld_cg_v4(prnn_from + prnn_src * 4 * PRNN_UNIT_QUADS);
@@ -241,10 +291,11 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                     prnn_sum.z += prnn_v.z;
                     prnn_sum.w += prnn_v.w;
                 }
+#endif
             }
             prnn_lane_sums[prnn_t] = prnn_sum;  // [b][lane][q]
         }
-        __syncthreads();
+        if (!__syncthreads_and(prnn_ok)) return false;
         for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
             const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
             const float* prnn_from = reinterpret_cast<const float*>(
@@ -256,10 +307,15 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
             prnn_recv[prnn_e] = prnn_sum;
         }
         __syncthreads();
+        return true;
     };
     auto prnn_gathered = [&](int, int prnn_e) { return prnn_recv[prnn_e]; };
     // Arrive at exchange prnn_k's barrier and wait for every block; false
-    // (the status word holds why) when the wait gave up.
+    // (the status word holds why) when the wait gave up. Tagged words need
+    // neither: each reader waits for the words themselves (prnn_gather).
+#if PRNN_TAGGED
+    auto prnn_exchanged = [](int) { return true; };
+#else
     auto prnn_exchanged = [&](int prnn_k) {
         prnn_grid_arrive(prnn_counters);
         bool prnn_arrived = true;
@@ -269,8 +325,9 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                                              PRNN_STATUS_GRID_BARRIER_TIMEOUT, &prnn_seen);
         return __syncthreads_and(prnn_arrived) != 0;
     };
+#endif
 #else
-    auto prnn_gather = [](int) {};  // each owner sums its slots where it reads them
+    auto prnn_gather = [](int) { return true; };  // each owner sums its slots where it reads them
     // The cluster's partial products of exchange parity prnn_parity for
     // element prnn_e, summed in block order.
     auto prnn_gathered = [&](int prnn_parity, int prnn_e) {
@@ -292,20 +349,21 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
 
     // The block's partial product of the rows [prnn_r0, prnn_r1) (one stage;
     // prnn_r0 and the count multiples of 4) into every owner's slot of
-    // parity prnn_parity: one column and PRNN_BATCH_TILE batch rows per
-    // item, a float4 of the column's weights and a float4 of each row's d
-    // gates (the same address across the warp: a broadcast) per 4 rows.
-    auto prnn_product = [&](int prnn_r0, int prnn_r1, int prnn_parity) {
+    // exchange prnn_k (parity prnn_k & 1): one column and PRNN_BATCH_TILE
+    // batch rows per item, a float4 of the column's weights and a float4 of
+    // each row's d gates (the same address across the warp: a broadcast) per 4 rows.
+    auto prnn_product = [&](int prnn_r0, int prnn_r1, int prnn_k) {
         const int prnn_items = (prnn_batch + PRNN_BATCH_TILE - 1) / PRNN_BATCH_TILE * PRNN_H;
 #if PRNN_GRID
         // [owner][b][this block][j] of this parity (see the gather)
-        float* prnn_slot = prnn_exchange + prnn_parity * PRNN_BLOCKS * prnn_run + prnn_rank * 4 * PRNN_UNIT_QUADS;
+        prnn_exchange_word* prnn_slot = reinterpret_cast<prnn_exchange_word*>(prnn_exchange) +
+                                        (prnn_k & 1) * PRNN_BLOCKS * prnn_run + prnn_rank * 4 * PRNN_UNIT_QUADS;
 #else
-        const prnn_u32 prnn_slot = prnn_smem_addr(prnn_recv + (prnn_parity * PRNN_BLOCKS + prnn_rank) * prnn_elements);
+        const prnn_u32 prnn_slot = prnn_smem_addr(prnn_recv + ((prnn_k & 1) * PRNN_BLOCKS + prnn_rank) * prnn_elements);
 #endif
         for (int prnn_item = threadIdx.x; prnn_item < prnn_items; prnn_item += PRNN_THREADS) {
-            const int prnn_k = prnn_item % PRNN_H, prnn_b0 = prnn_item / PRNN_H * PRNN_BATCH_TILE;
-            const float* prnn_column = prnn_w + prnn_k * PRNN_W_STRIDE;
+            const int prnn_col = prnn_item % PRNN_H, prnn_b0 = prnn_item / PRNN_H * PRNN_BATCH_TILE;
+            const float* prnn_column = prnn_w + prnn_col * PRNN_W_STRIDE;
             const float* prnn_rows[PRNN_BATCH_TILE];
             float prnn_acc[PRNN_BATCH_TILE];
 #pragma unroll
@@ -327,14 +385,20 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                 }
             }
 #if PRNN_GRID
-            float* prnn_to = prnn_slot + (size_t)(prnn_k / PRNN_UNITS) * prnn_run + prnn_k % PRNN_UNITS;
+            prnn_exchange_word* prnn_to = prnn_slot + (size_t)(prnn_col / PRNN_UNITS) * prnn_run + prnn_col % PRNN_UNITS;
 #pragma unroll
             for (int prnn_t = 0; prnn_t < PRNN_BATCH_TILE; ++prnn_t) {
                 const int prnn_b = prnn_b0 + prnn_t;
+#if PRNN_TAGGED
+                if (prnn_b < prnn_batch)
+                    prnn_st_tagged(prnn_to + prnn_b * PRNN_BLOCKS * 4 * PRNN_UNIT_QUADS, prnn_acc[prnn_t],
+                                   (prnn_u32)prnn_k + 1u);
+#else
                 if (prnn_b < prnn_batch) prnn_to[prnn_b * PRNN_BLOCKS * 4 * PRNN_UNIT_QUADS] = prnn_acc[prnn_t];
+#endif
             }
 #else
-            const int prnn_owner = prnn_k / PRNN_UNITS, prnn_j = prnn_k % PRNN_UNITS;
+            const int prnn_owner = prnn_col / PRNN_UNITS, prnn_j = prnn_col % PRNN_UNITS;
 #pragma unroll
             for (int prnn_t = 0; prnn_t < PRNN_BATCH_TILE; ++prnn_t) {
                 const int prnn_b = prnn_b0 + prnn_t;
@@ -369,12 +433,12 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
     }
 
     // The last exchange's parity: PRNN_EXCHANGES per step.
-    const int prnn_last = (prnn_steps * PRNN_EXCHANGES - 1) & 1;
-    prnn_gather(prnn_last);
+    const int prnn_last = prnn_steps * PRNN_EXCHANGES - 1;
+    if (!prnn_gather(prnn_last)) return;
     for (int prnn_e = threadIdx.x; prnn_e < prnn_elements; prnn_e += PRNN_THREADS) {
         const int prnn_b = prnn_e / PRNN_UNITS, prnn_j = prnn_e % PRNN_UNITS;
         if (prnn_j >= prnn_owned) continue;
-        prnn_dh_first[prnn_b * PRNN_H + prnn_u0 + prnn_j] = prnn_gathered_dh(prnn_last, prnn_e);
+        prnn_dh_first[prnn_b * PRNN_H + prnn_u0 + prnn_j] = prnn_gathered_dh(prnn_last & 1, prnn_e);
         if (PRNN_CELL_STATE) prnn_dc_first[prnn_b * PRNN_H + prnn_u0 + prnn_j] = prnn_dc_state[prnn_e];
     }
 }
