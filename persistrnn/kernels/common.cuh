@@ -180,21 +180,25 @@ __device__ __forceinline__ prnn_u64 prnn_ld_tagged(const prnn_u64* p) {
     return v;
 }
 
+// A polling wait's check, on each poll: false once the wait must give up
+// (no progress for the watch's timeout, which fails the launch with `code`,
+// or another block's failure), reported; true while it may go on.
+__device__ __forceinline__ bool prnn_wait_goes_on(prnn_stall_clock& clock, const prnn_watch& w, int code) {
+    if (!clock.tick()) return true;
+    if (clock.expired(w.timeout_ns)) prnn_fail(w.status, code);
+    if (!prnn_failed(w.status)) return true;
+    prnn_report(w);
+    return false;
+}
+
 // Poll *p until its tag is `tag` (the word into *word). The bound restarts
 // with each word, so it measures a lack of progress. False when it runs out
 // (the status word set) or another block failed; the thread reports.
 __device__ __forceinline__ bool prnn_wait_tagged(const prnn_u64* p, prnn_u32 tag, const prnn_watch& w, prnn_u64* word) {
     prnn_stall_clock clock;
     clock.restart();
-    while ((prnn_u32)((*word = prnn_ld_tagged(p)) >> 32) != tag) {
-        if (clock.tick()) {
-            if (clock.expired(w.timeout_ns)) prnn_fail(w.status, PRNN_STATUS_GRID_BARRIER_TIMEOUT);
-            if (prnn_failed(w.status)) {
-                prnn_report(w);
-                return false;
-            }
-        }
-    }
+    while ((prnn_u32)((*word = prnn_ld_tagged(p)) >> 32) != tag)
+        if (!prnn_wait_goes_on(clock, w, PRNN_STATUS_GRID_BARRIER_TIMEOUT)) return false;
     return true;
 }
 

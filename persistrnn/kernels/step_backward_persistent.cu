@@ -249,37 +249,58 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS, 1)
                 const prnn_exchange_word* prnn_from =
                     prnn_mine + ((size_t)prnn_b * PRNN_BLOCKS * PRNN_UNIT_QUADS + prnn_q) * 4;
 #if PRNN_TAGGED
-                // PRNN_TAGGED_SOURCES blocks' four words each go out before any is checked.
+                // PRNN_TAGGED_SOURCES blocks' words go out at once; every word
+                // whose tag is not there yet is loaded again, all at once,
+                // until none is missing (one L2 round trip per round, not one
+                // per word). Units past the owned ones are never stored: they
+                // count as arrived zeros.
                 const prnn_u32 prnn_tag = (prnn_u32)prnn_k + 1u;
+                const int prnn_valid = min(4, prnn_owned - 4 * prnn_q);
                 for (int prnn_src0 = prnn_lane; prnn_src0 < PRNN_BLOCKS && prnn_ok;
                      prnn_src0 += PRNN_TAGGED_SOURCES * prnn_lanes) {
                     prnn_u64 prnn_word[PRNN_TAGGED_SOURCES][4];
+                    auto prnn_load = [&](bool prnn_first) {
+                        int prnn_missing = 0;
 #pragma unroll
-                    for (int prnn_s = 0; prnn_s < PRNN_TAGGED_SOURCES; ++prnn_s) {
-                        const int prnn_src = prnn_src0 + prnn_s * prnn_lanes;
-                        if (prnn_src < PRNN_BLOCKS)
+                        for (int prnn_s = 0; prnn_s < PRNN_TAGGED_SOURCES; ++prnn_s) {
+                            const int prnn_src = prnn_src0 + prnn_s * prnn_lanes;
+#pragma unroll
+                            for (int prnn_u = 0; prnn_u < 4; ++prnn_u) {
+                                prnn_u64& prnn_w = prnn_word[prnn_s][prnn_u];
+                                if (prnn_first && (prnn_src >= PRNN_BLOCKS || prnn_u >= prnn_valid))
+                                    prnn_w = (prnn_u64)prnn_tag << 32;  // nothing to wait for: a zero
+                                else if (prnn_first || (prnn_u32)(prnn_w >> 32) != prnn_tag)
+                                    prnn_w = prnn_ld_tagged(prnn_from + prnn_src * 4 * PRNN_UNIT_QUADS + prnn_u);
+                            }
+                        }
+#pragma unroll
+                        for (int prnn_s = 0; prnn_s < PRNN_TAGGED_SOURCES; ++prnn_s)
 #pragma unroll
                             for (int prnn_u = 0; prnn_u < 4; ++prnn_u)
-                                prnn_word[prnn_s][prnn_u] = prnn_ld_tagged(prnn_from + prnn_src * 4 * PRNN_UNIT_QUADS + prnn_u);
+                                prnn_missing += (prnn_u32)(prnn_word[prnn_s][prnn_u] >> 32) != prnn_tag;
+                        return prnn_missing;
+                    };
+                    int prnn_missing = prnn_load(true);
+                    if (prnn_missing) {  // bounded as every wait: no word arriving for the timeout fails the launch
+                        prnn_stall_clock prnn_clock;
+                        prnn_clock.restart();
+                        while (prnn_missing) {
+                            const int prnn_left = prnn_load(false);
+                            if (prnn_left < prnn_missing) prnn_clock.stalled = 0;  // words arrived: progress
+                            prnn_missing = prnn_left;
+                            if (prnn_missing &&
+                                !prnn_wait_goes_on(prnn_clock, prnn_watch_, PRNN_STATUS_GRID_BARRIER_TIMEOUT)) {
+                                prnn_ok = false;
+                                break;
+                            }
+                        }
                     }
 #pragma unroll
                     for (int prnn_s = 0; prnn_s < PRNN_TAGGED_SOURCES; ++prnn_s) {
-                        const int prnn_src = prnn_src0 + prnn_s * prnn_lanes;
-                        if (prnn_src >= PRNN_BLOCKS || !prnn_ok) break;
-                        float prnn_v[4];
-#pragma unroll
-                        for (int prnn_u = 0; prnn_u < 4; ++prnn_u) {
-                            prnn_u64& prnn_w = prnn_word[prnn_s][prnn_u];
-                            if ((prnn_u32)(prnn_w >> 32) != prnn_tag &&
-                                !prnn_wait_tagged(prnn_from + prnn_src * 4 * PRNN_UNIT_QUADS + prnn_u, prnn_tag,
-                                                  prnn_watch_, &prnn_w))
-                                prnn_ok = false;
-                            prnn_v[prnn_u] = __uint_as_float((prnn_u32)prnn_w);
-                        }
-                        prnn_sum.x += prnn_v[0];
-                        prnn_sum.y += prnn_v[1];
-                        prnn_sum.z += prnn_v[2];
-                        prnn_sum.w += prnn_v[3];
+                        prnn_sum.x += __uint_as_float((prnn_u32)prnn_word[prnn_s][0]);
+                        prnn_sum.y += __uint_as_float((prnn_u32)prnn_word[prnn_s][1]);
+                        prnn_sum.z += __uint_as_float((prnn_u32)prnn_word[prnn_s][2]);
+                        prnn_sum.w += __uint_as_float((prnn_u32)prnn_word[prnn_s][3]);
                     }
                 }
 #else
