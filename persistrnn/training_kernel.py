@@ -66,11 +66,16 @@ launches overtook the grid where it exchanged 8.3 MB (RNN 1152, batch ~10)
 to 13 MB (LSTM 1024, batch ~25) per stage and step. Past this the layer
 keeps the per-step launches."""
 MAX_BATCH_TILE = 8
-TAGGED_MAX_BATCH = 4
+TAGGED_MAX_BATCH = 2
 """A grid's exchange is tagged words up to this batch: each partial goes to
 L2 with its exchange's tag in one 64-bit word and each owner waits for the
 words themselves (kernels/common.cuh), with no release and no counter
-barrier, at twice the bytes of the plain exchange (perf-notes §78)."""
+barrier, at twice the bytes of the plain exchange. Measured on the H100 (one
+direction, T=100, µs per step, tagged against the barrier): batch 1 3.33
+against 4.37 (LSTM 1024), 2.48 against 3.41 (ReLU RNN 1152); batch 2 4.60
+against 4.87 and 3.95 against 3.94; batch 4 6.89 against 5.84 (LSTM 1024)
+and 5.35 against 3.96 (ReLU RNN 1024): its words outgrow one round of loads
+(perf-notes §78)."""
 """Batch rows per thread of the product: each row's d gates are a broadcast
 load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
 
