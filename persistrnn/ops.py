@@ -148,9 +148,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     chosen = plan_for(B).for_steps(T)
     replays = not torch.cuda.is_current_stream_capturing()  # inside a caller's capture its graph takes our launches
     if lengths is not None:
-        lengths = _int32(lengths)
-        check_lengths(lengths, T, B, torch.device("cpu"))  # on the host: the copy below needs no synchronise
-        lengths = runtime.to_device_async(lengths, x.device)
+        lengths = lengths_on_device(lengths, T, B, x.device)
         if replays:
             PADDED_LENGTHS.note((shape, x.shape, x.device))
             replays = PADDED_LENGTHS.repeats((shape, x.shape, x.device))
@@ -174,11 +172,20 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
     return result[0], result[1], (result[2] if has_c else None)
 
 
-def _int32(lengths: torch.Tensor) -> torch.Tensor:
+def lengths_on_device(lengths: torch.Tensor, steps: int, batch: int, device: torch.device) -> torch.Tensor:
+    """``lengths`` checked on the host (a CPU integer tensor (B,), every
+    length in 1..T, as torch's ``pack_padded_sequence`` takes them: no
+    device synchronisation), as int32 on ``device``: the inference forward's
+    and the training operators' one check."""
     if not isinstance(lengths, torch.Tensor) or lengths.dtype not in (torch.int64, torch.int32):
         got = lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__
         raise ArgumentTypeError(f"lengths: expected a torch.int64 or torch.int32 tensor, got {got}")
-    return lengths.to(torch.int32).contiguous()
+    if lengths.device.type != "cpu":
+        raise ArgumentError(f"lengths: expected a CPU tensor (as torch.nn.utils.rnn.pack_padded_sequence takes "
+                            f"them), got one on {lengths.device}")
+    lengths = lengths.to(torch.int32).contiguous()
+    check_lengths(lengths, steps, batch, lengths.device)  # the shape and the range, as the kernels' launches check
+    return runtime.to_device_async(lengths, device)
 
 
 def _device_bound(chosen: Any, steps: int) -> bool:

@@ -82,7 +82,6 @@ import torch
 from . import adjoint, ops, persistent, runtime, training_kernel
 from .adjoint import HARDTANH_GRAD, RELU_GRAD, BlockBackward, render_python, step_backward_program
 from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
-from .checks import check_lengths
 from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
 from .log import logger
 
@@ -487,7 +486,7 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
                             f"alone, or neither for zeros; got h0 {'None' if h0 is None else tuple(h0.shape)} and "
                             f"c0 {'None' if c0 is None else tuple(c0.shape)}")
     _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
-    lengths = _lengths_on_device(lengths, steps, batch, x)
+    lengths = None if lengths is None else ops.lengths_on_device(lengths, steps, batch, x.device)
     launch = None
     if x.is_cuda:
         runtime.raise_reported_failure(x.device.index)
@@ -571,7 +570,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     gradient of ``out`` past a sequence's length is not read: those outputs
     are zeros whatever the weights."""
     spec = get_cell(cell)
-    lengths = _lengths_on_device(lengths, x.shape[0], x.shape[1], x)
+    lengths = None if lengths is None else ops.lengths_on_device(lengths, x.shape[0], x.shape[1], x.device)
     options = (spec, num_layers, bidirectional, has_biases)
     shape = _padded_shape(cell, num_layers, bidirectional, weights[1].shape[1], x)
     if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved), shape):
@@ -832,24 +831,6 @@ def dropout_masks(p: float, num_layers: int, shape: tuple[int, int, int], like: 
         return []
     ones = torch.ones(shape, dtype=like.dtype, device=like.device)
     return [torch.nn.functional.dropout(ones, p, training=True) for _ in range(num_layers - 1)]
-
-
-def _lengths_on_device(lengths: torch.Tensor | None, steps: int, batch: int,
-                       x: torch.Tensor) -> torch.Tensor | None:
-    """``lengths`` checked on the host (a CPU integer tensor (B,), every length
-    in 1..T, as torch's ``pack_padded_sequence`` takes them: no device
-    synchronisation), as int32 on ``x``'s device; None without lengths."""
-    if lengths is None:
-        return None
-    if not isinstance(lengths, torch.Tensor) or lengths.dtype not in (torch.int64, torch.int32):
-        got = lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__
-        raise ArgumentTypeError(f"lengths: expected a torch.int64 or torch.int32 tensor, got {got}")
-    if lengths.device.type != "cpu":
-        raise ArgumentError(f"lengths: expected a CPU tensor (as torch.nn.utils.rnn.pack_padded_sequence takes "
-                            f"them), got one on {lengths.device}")
-    lengths = lengths.to(torch.int32).contiguous()
-    check_lengths(lengths, steps, batch, lengths.device)  # the shape and the range, as the kernels' launches check
-    return runtime.to_device_async(lengths, x.device)
 
 
 def _step_runs(lengths: torch.Tensor | None, steps: int, dtype: torch.dtype) -> torch.Tensor | None:
