@@ -191,6 +191,17 @@ __device__ __forceinline__ bool prnn_wait_goes_on(prnn_stall_clock& clock, const
     return false;
 }
 
+// Poll *p until its tag is `tag` (the word into *word). The bound restarts
+// with each word, so it measures a lack of progress. False when it runs out
+// (the status word set) or another block failed; the thread reports.
+__device__ __forceinline__ bool prnn_wait_tagged(const prnn_u64* p, prnn_u32 tag, const prnn_watch& w, prnn_u64* word) {
+    prnn_stall_clock clock;
+    clock.restart();
+    while ((prnn_u32)((*word = prnn_ld_tagged(p)) >> 32) != tag)
+        if (!prnn_wait_goes_on(clock, w, PRNN_STATUS_GRID_BARRIER_TIMEOUT)) return false;
+    return true;
+}
+
 // A float another block stored during this launch: through L2 only (.cg),
 // never from a stale L1 line.
 __device__ __forceinline__ float prnn_ld_cg_f32(const float* p) {

@@ -381,10 +381,7 @@ __device__ __forceinline__ void prnn_copy_from_l2(float4* dst, const float4* src
 // block's e + 1, which each wrote after reading e. (The words: common.cuh.)
 // Exchange `tag`'s h, every unit and the slice's B columns, from the tagged
 // words at src into dst (both [KPAD][BP]), this thread's pairs of `walk`.
-// PRNN_READ_BATCH loads go out before any is checked, as the copy's do, and
-// every word whose tag has not arrived is loaded again, all of them at once,
-// until none is missing: one L2 round trip per round, where waiting word by
-// word cost a reader that came early one round trip per word (perf-notes §79).
+// PRNN_READ_BATCH loads go out before any is checked, as the copy's do.
 // False if a wait failed.
 __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src, prnn_u32 tag, int B, int BP,
                                                  prnn_walk walk, const prnn_watch& w) {
@@ -403,34 +400,10 @@ __device__ __forceinline__ bool prnn_read_tagged(float* dst, const prnn_u64* src
                 ++k;
             }
         }
-        bool missing[PRNN_READ_BATCH];
-        int count = 0;
-#pragma unroll
-        for (int c = 0; c < PRNN_READ_BATCH; ++c) {
-            missing[c] = at[c] >= 0 && (prnn_u32)(word[c] >> 32) != tag;
-            count += missing[c];
-        }
-        if (count) {
-            prnn_stall_clock clock;
-            clock.restart();
-            while (count) {
-#pragma unroll
-                for (int c = 0; c < PRNN_READ_BATCH; ++c)
-                    if (missing[c]) word[c] = prnn_ld_tagged(src + at[c]);
-                int left = 0;
-#pragma unroll
-                for (int c = 0; c < PRNN_READ_BATCH; ++c) {
-                    missing[c] = missing[c] && (prnn_u32)(word[c] >> 32) != tag;
-                    left += missing[c];
-                }
-                if (left < count) clock.stalled = 0;  // words arrived: progress
-                count = left;
-                if (count && !prnn_wait_goes_on(clock, w, PRNN_STATUS_GRID_BARRIER_TIMEOUT)) return false;
-            }
-        }
 #pragma unroll
         for (int c = 0; c < PRNN_READ_BATCH; ++c) {
             if (at[c] < 0) break;
+            if ((prnn_u32)(word[c] >> 32) != tag && !prnn_wait_tagged(src + at[c], tag, w, &word[c])) return false;
             dst[at[c]] = __uint_as_float((prnn_u32)word[c]);
         }
     }
