@@ -493,8 +493,9 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
         launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index,
                                  lengths is not None)
     options = (spec, num_layers, bidirectional, has_biases, launch)
-    shape = _padded_shape(cell, num_layers, bidirectional, hidden, x)
+    shape = None  # a padded batch's shape needs no policy: only one with lengths is noted and asked about
     if lengths is not None:
+        shape = _padded_shape(cell, num_layers, bidirectional, hidden, x)
         PADDED_LENGTHS.note(shape)
     if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions), shape):
         return _forward_launches(*options, x, h0, c0, weights, dropout_masks, lengths)
@@ -572,7 +573,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     spec = get_cell(cell)
     lengths = None if lengths is None else ops.lengths_on_device(lengths, x.shape[0], x.shape[1], x.device)
     options = (spec, num_layers, bidirectional, has_biases)
-    shape = _padded_shape(cell, num_layers, bidirectional, weights[1].shape[1], x)
+    shape = None if lengths is None else _padded_shape(cell, num_layers, bidirectional, weights[1].shape[1], x)
     if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved), shape):
         return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
                                   lengths)
@@ -694,11 +695,11 @@ def _padded_shape(cell: str, num_layers: int, bidirectional: bool, hidden: int, 
     return cell, num_layers, bidirectional, hidden, tuple(x.shape), x.dtype, x.device
 
 
-def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int, shape: tuple) -> bool:
+def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int, shape: tuple | None) -> bool:
     """Whether :func:`forward` and :func:`backward` replay a captured graph: on
     CUDA, outside a caller's capture, for a batch whose saved activations are
     at most :data:`GRAPH_SAVED_BYTES`, without lengths or with a padded
-    ``shape`` that :data:`PADDED_LENGTHS` says repeats."""
+    ``shape`` (given with lengths only) that :data:`PADDED_LENGTHS` says repeats."""
     return (x.is_cuda and saved_bytes <= GRAPH_SAVED_BYTES and not torch.cuda.is_current_stream_capturing()
             and (lengths is None or PADDED_LENGTHS.repeats(shape)))
 

@@ -49,8 +49,8 @@ from .cells import CellSpec, get_cell
 from .checks import check_tensor
 from .errors import ArgumentError, ConfigError, KernelLaunchError, UnsupportedError
 
-__all__ = ["GRID_EXCHANGE_BYTES", "KERNEL_NAME", "MAX_BATCH_TILE", "MAX_CLUSTER", "SYNC_MODES", "THREADS",
-           "BackwardKernelConfig", "compile_kernel", "fits", "kernel_source", "persistent_steps", "plan"]
+__all__ = ["GRID_EXCHANGE_BYTES", "KERNEL_NAME", "MAX_BATCH_TILE", "MAX_CLUSTER", "SYNC_MODES", "TAGGED_MAX_BATCH",
+           "THREADS", "BackwardKernelConfig", "compile_kernel", "fits", "kernel_source", "persistent_steps", "plan"]
 
 KERNEL_NAME = "prnn_step_backward_persistent"
 THREADS = 256  # per block: one thread per (batch row, owned unit) in the statements, per (column, batch tile) after
@@ -66,6 +66,8 @@ launches overtook the grid where it exchanged 8.3 MB (RNN 1152, batch ~10)
 to 13 MB (LSTM 1024, batch ~25) per stage and step. Past this the layer
 keeps the per-step launches."""
 MAX_BATCH_TILE = 8
+"""Batch rows per thread of the product: each row's d gates are a broadcast
+load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
 TAGGED_MAX_BATCH = 2
 """A grid's exchange is tagged words up to this batch: each partial goes to
 L2 with its exchange's tag in one 64-bit word and each owner waits for the
@@ -76,8 +78,6 @@ against 4.37 (LSTM 1024), 2.48 against 3.41 (ReLU RNN 1152); batch 2 4.60
 against 4.87 and 3.95 against 3.94; batch 4 6.89 against 5.84 (LSTM 1024)
 and 5.35 against 3.96 (ReLU RNN 1024): its words outgrow one round of loads
 (perf-notes §78)."""
-"""Batch rows per thread of the product: each row's d gates are a broadcast
-load per 4 weights, so the 4 weights of a column load once for up to 8 rows."""
 
 
 SYNC_MODES = ("cluster", "grid")

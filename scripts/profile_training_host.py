@@ -21,13 +21,13 @@ from persistrnn.runtime import native
 # module would measure cuDNN faster and train on it included.
 training.cudnn_trains_faster = lambda module, x: False
 torch.manual_seed(0)
-native.available(wait=True)  # the captured steps replay from C++ from the first, as in the benchmarks
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--cprofile", action="store_true")
 parser.add_argument("--times-only", action="store_true", help="the ms per step only, no profiles")
 args = parser.parse_args()
+native.available(wait=True)  # the captured steps replay from C++ from the first, as in the benchmarks
 H, B, T = args.hidden, args.batch, 100
 ours = persistrnn.LSTM(H, H).cuda()
 ours.training_kernels = True
