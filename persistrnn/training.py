@@ -418,7 +418,6 @@ def _saved_bytes(spec: CellSpec, steps: int, batch: int, hidden: int, num_layers
                for shape, in_compute in saved_shapes(spec, steps, batch, hidden, num_layers, directions))
 
 
-@functools.lru_cache(maxsize=256)
 def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device: int,
                     lengths: bool = False) -> tuple[persistent.KernelConfig, int | None] | None:
     """(the kernel configuration a training forward runs, compiled with
@@ -429,17 +428,31 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device:
     persistent: at batch 32 the default configuration in one slice measured
     4.8 ms for the forward of LSTM 256 (T=100), 16x the planned inference
     forward. Where the plan runs cuDNN or the fallback, the cost model's top
-    persistent choice; the default configuration where neither compiles."""
+    persistent choice; the default configuration where neither compiles.
+    Where torch's fp32 matmul precision allows TF32 (``"high"``), an fp32
+    layer's plan may be a TF32 configuration, as an inference call's; the
+    setting is part of the cache key, so that a configuration chosen while
+    TF32 was allowed never runs once it is not."""
+    from .plan import ModelShape, tuner
+
+    shape = ModelShape(cell, hidden_size, hidden_size, 1, dtype)
+    return _training_config(shape, batch, device, lengths, tuner.tf32_allowed(shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _training_config(shape: Any, batch: int, device: int, lengths: bool,
+                     tf32: bool) -> tuple[persistent.KernelConfig, int | None] | None:
+    """:func:`training_config`, once per (shape, batch, device, lengths, TF32 allowed)."""
     from . import plan as planner
     from .plan import model as cost, space, tuner
 
-    shape = planner.ModelShape(cell, hidden_size, hidden_size, 1, dtype)
+    cell, hidden_size, dtype = shape.cell, shape.hidden_size, shape.dtype
     chosen = planner.cached_plan(shape, batch)
     if chosen.path == "persistent":
         candidates = [(chosen.config, chosen.batch_slice)]
     else:  # the cost model's top persistent choice: at LSTM 1024 batch 32 the default measured 4.9 ms
         bucket = space.batch_bucket(batch)
-        ranked = tuner.compile_top(tuner.ranked_configs(shape, bucket, cost.cost_model(batch=bucket)), 1,
+        ranked = tuner.compile_top(tuner.ranked_configs(shape, bucket, cost.cost_model(batch=bucket), tf32=tf32), 1,
                                    twins=False, families=False)
         candidates = [(r.config, r.batch_slice) for r in ranked]
     try:
@@ -739,8 +752,9 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
     """Whether ``module``'s training step on ``x`` (T, B, I, time-major) runs
     torch's implementation (cuDNN) because it measured faster than the
     training operators: timed once per (model, dtype, B, T rounded up to a
-    power of two, device) on first use, both steps (forward and backward of
-    the output's sum) on random inputs with the module's weights, in 5
+    power of two, device, cuDNN RNNs' and torch's matmul fp32 precisions)
+    on first use, both steps (forward and backward of the output's sum) on
+    random inputs with the module's weights, in 5
     interleaved rounds after a warm-up to steady clocks, and logged at INFO.
     Never where determinism is asked for (``torch.use_deterministic_algorithms``:
     cuDNN's RNN gradients are not bit-reproducible), where cuDNN is off or
@@ -752,8 +766,10 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
             or torch.cuda.is_current_stream_capturing()):
         return False
     steps, batch = x.shape[0], x.shape[1]
+    # Each side's speed depends on its fp32 precision: cuDNN's RNNs' own, and the matmuls' for ours (TF32 plans).
     key = (module.cell, module.input_size, module.hidden_size, module.num_layers, bool(module.bidirectional),
-           bool(module.bias), x.dtype, batch, 1 << (steps - 1).bit_length(), x.device.index)
+           bool(module.bias), x.dtype, batch, 1 << (steps - 1).bit_length(), x.device.index,
+           runtime.cudnn_rnn_precision(), runtime.matmul_allows_tf32())
     choice = _TRAINING_CHOICES.get(key)
     if choice is not None:
         return choice

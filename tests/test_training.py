@@ -1356,3 +1356,77 @@ def test_gpu_a_16_bit_models_backward_gemms_round_the_operands_and_accumulate_in
     want = a.to(dtype).double() @ b.to(dtype).double()
     assert got.dtype == torch.float32 and got.shape == (1024, 257)
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+# ---- TF32 training where torch's fp32 matmul precision allows it ----------------------
+
+
+def _plan_by_tf32(monkeypatch, tf32_config, fp32_config):
+    """The plan cache answers ``tf32_config`` while torch allows TF32 and
+    ``fp32_config`` otherwise (as the tuner keys its plans); the training
+    configurations chosen earlier are forgotten before and after."""
+    from persistrnn import plan as planner
+    from persistrnn.plan import tuner
+
+    def cached_plan(shape, batch):
+        config = tf32_config if tuner.tf32_allowed(shape) else fp32_config
+        return types.SimpleNamespace(path="persistent", config=config, batch_slice=None)
+
+    monkeypatch.setattr(planner, "cached_plan", cached_plan)
+    training._training_config.cache_clear()
+    return training._training_config.cache_clear
+
+
+def _tf32_config(cell, hidden=100):
+    return persistent.KernelConfig(cell, hidden, "cluster", 4, 256, group_size=32, batch_tile=8, dtype="float32",
+                                   math="mma", k_split=4)
+
+
+def test_a_training_configuration_chosen_while_tf32_was_allowed_never_runs_once_it_is_not(monkeypatch):
+    forget = _plan_by_tf32(monkeypatch, _tf32_config("lstm"), persistent.KernelConfig("lstm", 100, "cluster", 4))
+    monkeypatch.setattr(persistent, "batch_per_launch", lambda config, device: 8)  # no GPU to compile for here
+    monkeypatch.setattr(runtime, "device_facts", lambda: types.SimpleNamespace(sm_count=132))
+    try:
+        with runtime.matmul_precision("high"):
+            allowed, _ = training.training_config("lstm", 100, 5, "float32", 0)
+        exact, _ = training.training_config("lstm", 100, 5, "float32", 0)
+        with runtime.matmul_precision("high"):
+            again, _ = training.training_config("lstm", 100, 5, "float32", 0)
+    finally:
+        forget()
+    assert allowed.tf32 and allowed.save_gates and not exact.tf32 and exact.save_gates and again == allowed
+
+
+TF32_TRAINING_CELLS = ["lstm", "gru", "gru_reset_before", "rnn_relu"]
+
+
+@pytest.mark.parametrize("cell", TF32_TRAINING_CELLS)
+def test_the_tf32_training_forwards_compile_for_sm90_without_local_memory(cell):
+    config = dataclasses.replace(_tf32_config(cell), save_gates=True)
+    assert config.tf32
+    binary = persistent.compile_config(config, arch="sm_90")
+    assert not binary.kernel_resources(persistent.KERNEL_NAME).uses_local_memory
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", TF32_TRAINING_CELLS)
+def test_gpu_a_tf32_training_forward_gives_float64_gradients_within_tf32_bounds(cell, monkeypatch):
+    # torch's fp32 matmul precision "high": the forward runs its TF32 plan (saving
+    # its gates for the exact FFMA backward kernel), and the GEMMs run TF32.
+    forget = _plan_by_tf32(monkeypatch, _tf32_config(cell), None)
+    x, h0, c0, weights = random_model(cell, 16, 100, 1, False, True, steps=9, batch=5, dtype=torch.float32,
+                                      device="cuda", seed=21)
+    tensors = [x, h0, c0, *weights]
+    try:
+        with runtime.matmul_precision("high"):
+            config, _ = training.training_config(cell, 100, 5, "float32", x.device.index)
+            assert config.tf32 and config.save_gates
+            result = ours(cell, x, h0, c0, weights, 1, False, True)
+            got = torch.autograd.grad(loss_of(tuple(None if t is None else t.double() for t in result)),
+                                      [t for t in tensors if t is not None])
+    finally:
+        forget()
+    case = {"cell": cell, "num_layers": 1, "bidirectional": False, "has_biases": True}
+    _, want = _f64_gradients(reference_autograd, case, tensors)
+    names = ["x", "h0"] + (["c0"] if c0 is not None else []) + [f"weight{i}" for i in range(len(weights))]
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), None, dtype="tf32", context=cell)

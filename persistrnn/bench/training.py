@@ -21,6 +21,12 @@ does: per step and sequence, the forward's products 2·G·H·(I+H) (G gates),
 and twice that for the backward (the data gradients and the weight
 gradients), so 6·G·H·(I+H)·T·B per training step.
 
+``--matmul-precision high`` runs every row under torch's fp32 matmul
+precision "high", where persistrnn's fp32 training forward may run a TF32
+configuration (its plan, as an inference call's) and the backward's GEMMs
+run TF32 through cuBLAS; the persistent backward kernel stays exact fp32.
+cuDNN's two settings are its RNNs' own and do not change with it.
+
 ``--memory`` reports, at T=1000, batch 4, what a forward in training mode
 keeps for the backward (``torch.cuda.memory_allocated`` after a forward,
 less before it and less the tensors it returns; the second such call, so
@@ -207,6 +213,13 @@ def activation_memory(cell: str, hidden: int, steps: int, batch: int, dtype: str
     return row
 
 
+def _precision_note(precision: str) -> str:
+    if precision == "highest":
+        return ""
+    return (f" torch's fp32 matmul precision: '{precision}' (TF32 allowed): ours may run a TF32 forward "
+            "configuration, and its backward's GEMMs run TF32; its backward kernel stays exact fp32.")
+
+
 def markdown(result: dict[str, Any]) -> str:
     from .environment import describe
 
@@ -223,7 +236,8 @@ def markdown(result: dict[str, Any]) -> str:
              "(unsorted) of lengths drawn uniformly from T/2..T (the first T), the loss over its data. Runs: "
              "what the module trains on at that shape (persistrnn's operators, or cuDNN where that measured faster; "
              "`training.cudnn_trains_faster`). Useful TFLOP/s: 6·G·H·(I+H)·T·B per step (G gates) over the time, "
-             "cuDNN's at its faster setting.", "",
+             "cuDNN's at its faster setting."
+             + _precision_note(result.get("settings", {}).get("matmul_precision", "highest")), "",
              "| cell | dtype | inputs | H | batch | runs | ours ms | cuDNN ms (TF32 / exact) | "
              "speed-up vs cuDNN's faster | useful TFLOP/s (ours / cuDNN) | ours grad error | cuDNN exact grad error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -297,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--inputs", nargs="+", choices=("padded", "packed"), default=["padded"],
                    help="a padded tensor, and/or a PackedSequence of random lengths")
+    p.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
+                   help="torch's fp32 matmul precision for every row ('high': TF32 in ours' fp32 forward and GEMMs)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--memory", action="store_true",
@@ -311,14 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         result = json.loads(args.from_json.read_text())
     else:
-        from ..runtime import require_gpu
+        from ..runtime import matmul_precision, require_gpu
 
         require_gpu()
-        result = {"environment": environment(), "calls": args.calls, "repeats": args.repeats,
-                  "rows": [run_case(h, b, args.calls, args.repeats, inputs, args.cell, args.dtype)
-                           for inputs in args.inputs for h in args.hidden for b in args.batch],
-                  "memory": [activation_memory(args.cell, h, *MEMORY_SHAPE, args.dtype) for h in args.hidden]
-                  if args.memory else []}
+        with matmul_precision(args.matmul_precision):
+            result = {"environment": environment(), "calls": args.calls, "repeats": args.repeats,
+                      "settings": {"matmul_precision": args.matmul_precision},
+                      "rows": [run_case(h, b, args.calls, args.repeats, inputs, args.cell, args.dtype)
+                               for inputs in args.inputs for h in args.hidden for b in args.batch],
+                      "memory": [activation_memory(args.cell, h, *MEMORY_SHAPE, args.dtype) for h in args.hidden]
+                      if args.memory else []}
     text = markdown(result)
     if args.plot:
         text += "\n" + plot(result, args.plot) + "\n"
