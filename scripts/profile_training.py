@@ -166,12 +166,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cell", choices=sorted(MODULES), default="lstm")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
+                    help="torch's fp32 matmul precision ('high': TF32 in ours' fp32 forward and GEMMs)")
     ap.add_argument("--out", type=Path, required=True, help="directory for the torch.profiler summaries and traces")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [row for hidden in args.hidden for batch in args.batch
-            for row in profile_case(hidden, batch, args.repeats, args.out, args.cell, getattr(torch, args.dtype))]
-    print(f"{args.cell}, T={STEPS}, input = hidden, {args.dtype}; medians of {args.repeats}. host: issuing it; "
+    with runtime.matmul_precision(args.matmul_precision):
+        rows = [row for hidden in args.hidden for batch in args.batch
+                for row in profile_case(hidden, batch, args.repeats, args.out, args.cell, getattr(torch, args.dtype))]
+    print(f"{args.cell}, T={STEPS}, input = hidden, {args.dtype}, fp32 matmul precision {args.matmul_precision}; "
+          f"medians of {args.repeats}. host: issuing it; "
           "events: as issued; device: queued behind a GPU sleep. Profiles under", args.out)
     print("| H | batch | piece | host ms | events ms | device ms | host µs per step |")
     print("|---|---|---|---|---|---|---|")

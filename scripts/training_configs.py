@@ -12,15 +12,18 @@ import math
 import torch
 
 from persistrnn import plan as planner
-from persistrnn import training
+from persistrnn import runtime, training
 from persistrnn.plan import tuner
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--cases", nargs="+", default=[
     "lstm:256:32:float32", "lstm:1024:1:float32", "lstm:1024:8:float32", "lstm:1024:32:float32",
     "rnn_relu:1152:4:float32", "rnn_relu:1152:16:float32", "lstm:1024:16:bfloat16"])
+parser.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
+                    help="torch's fp32 matmul precision ('high': TF32 plans for fp32 layers)")
 args = parser.parse_args()
 device = torch.cuda.current_device()
+runtime.matmul_precision(args.matmul_precision).__enter__()  # for the whole run
 for case in args.cases:
     cell, hidden, batch, dtype = case.split(":")
     hidden, batch = int(hidden), int(batch)
