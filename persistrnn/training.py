@@ -510,7 +510,8 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
     if lengths is not None:
         shape = _padded_shape(cell, num_layers, bidirectional, hidden, x)
         PADDED_LENGTHS.note(shape)
-    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions), shape):
+    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions), shape,
+                               GRAPH_SAVED_BYTES):
         return _forward_launches(*options, x, h0, c0, weights, dropout_masks, lengths)
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -586,8 +587,12 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     spec = get_cell(cell)
     lengths = None if lengths is None else ops.lengths_on_device(lengths, x.shape[0], x.shape[1], x.device)
     options = (spec, num_layers, bidirectional, has_biases)
-    shape = None if lengths is None else _padded_shape(cell, num_layers, bidirectional, weights[1].shape[1], x)
-    if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved), shape):
+    hidden = weights[1].shape[1]
+    shape = None if lengths is None else _padded_shape(cell, num_layers, bidirectional, hidden, x)
+    limit = GRAPH_SAVED_BYTES
+    if x.is_cuda and not training_kernel.fits(spec, hidden, x.shape[1], x.device.index):
+        limit = STEP_LOOP_GRAPH_SAVED_BYTES
+    if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved), shape, limit):
         return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
                                   lengths)
     counts = (len(weights), len(saved))
@@ -682,6 +687,18 @@ the activations and the pools of what they compute: 344 MiB for the 35 MiB a
 ReLU RNN 1152 saves at T=1000, batch 4; perf-notes §45); past the bound the
 launches run as they come, and only what autograd keeps stays."""
 
+STEP_LOOP_GRAPH_SAVED_BYTES = 256 << 20
+"""The bound of :data:`GRAPH_SAVED_BYTES` for a backward whose layers do not
+fit the persistent backward kernel (:func:`training_kernel.fits`) and so
+step from the host, two launches per step (:func:`_fused_steps`): there the
+launches, not the GPU, set the time. At LSTM 1024, batch 32, T=100 (118 MB
+saved) the uncaptured backward took 9.6 ms of the host's time for 2.0 ms of
+the GPU's (perf-notes §81). Only the backward is captured past
+:data:`GRAPH_SAVED_BYTES`: its graph holds static copies of what it reads
+(the saved list, x, out and d_out) and the pool of what it computes, about
+three times the saved bytes; the forward, one launch per layer and
+direction, stays uncaptured."""
+
 
 def _initial_states(spec: CellSpec, h0: torch.Tensor | None, c0: torch.Tensor | None, x: torch.Tensor, count: int,
                     hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -708,12 +725,15 @@ def _padded_shape(cell: str, num_layers: int, bidirectional: bool, hidden: int, 
     return cell, num_layers, bidirectional, hidden, tuple(x.shape), x.dtype, x.device
 
 
-def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int, shape: tuple | None) -> bool:
+def _captures_operators(x: torch.Tensor, lengths: torch.Tensor | None, saved_bytes: int, shape: tuple | None,
+                        limit: int) -> bool:
     """Whether :func:`forward` and :func:`backward` replay a captured graph: on
     CUDA, outside a caller's capture, for a batch whose saved activations are
-    at most :data:`GRAPH_SAVED_BYTES`, without lengths or with a padded
-    ``shape`` (given with lengths only) that :data:`PADDED_LENGTHS` says repeats."""
-    return (x.is_cuda and saved_bytes <= GRAPH_SAVED_BYTES and not torch.cuda.is_current_stream_capturing()
+    at most ``limit`` bytes (:data:`GRAPH_SAVED_BYTES`, or for a backward
+    that steps from the host :data:`STEP_LOOP_GRAPH_SAVED_BYTES`), without
+    lengths or with a padded ``shape`` (given with lengths only) that
+    :data:`PADDED_LENGTHS` says repeats."""
+    return (x.is_cuda and saved_bytes <= limit and not torch.cuda.is_current_stream_capturing()
             and (lengths is None or PADDED_LENGTHS.repeats(shape)))
 
 

@@ -713,7 +713,7 @@ def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, 
         keys.append(key)
         return make()(*call_args)
 
-    monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape: True)
+    monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape, limit: True)
     monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
     monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(call=call))
     got_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], lengths)
@@ -737,7 +737,7 @@ def test_no_initial_states_trains_as_zeros_made_by_the_operators(cell, captured,
     zeros = torch.zeros_like(h0, requires_grad=True)
     zero_c = torch.zeros_like(c0, requires_grad=True) if c0 is not None else None
     if captured:
-        monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape: True)
+        monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape, limit: True)
         monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
         monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(
             call=lambda key, make, device, *args: make()(*args)))
@@ -786,16 +786,19 @@ def test_steps_whose_saved_activations_pass_the_bound_are_not_captured(monkeypat
     on_gpu = types.SimpleNamespace(is_cuda=True)
     bound = training.GRAPH_SAVED_BYTES
     monkeypatch.setattr(training, "PADDED_LENGTHS", runtime.RecentShapes(window=4, fits=2))
-    assert training._captures_operators(on_gpu, None, bound, "a")
-    assert not training._captures_operators(on_gpu, None, bound + 1, "a")
-    assert not training._captures_operators(types.SimpleNamespace(is_cuda=False), None, 1, "a")
+    assert training._captures_operators(on_gpu, None, bound, "a", bound)
+    assert not training._captures_operators(on_gpu, None, bound + 1, "a", bound)
+    assert not training._captures_operators(types.SimpleNamespace(is_cuda=False), None, 1, "a", bound)
     # With lengths: once the padded shape repeats among the recent ones
     lengths = torch.ones(2)
     training.PADDED_LENGTHS.note("a")
-    assert not training._captures_operators(on_gpu, lengths, 1, "a")
+    assert not training._captures_operators(on_gpu, lengths, 1, "a", bound)
     training.PADDED_LENGTHS.note("a")
-    assert training._captures_operators(on_gpu, lengths, 1, "a")
-    assert not training._captures_operators(on_gpu, lengths, bound + 1, "a")
+    assert training._captures_operators(on_gpu, lengths, 1, "a", bound)
+    assert not training._captures_operators(on_gpu, lengths, bound + 1, "a", bound)
+    # A backward that steps from the host has a bound of its own, the larger
+    assert training.STEP_LOOP_GRAPH_SAVED_BYTES > bound
+    assert training._captures_operators(on_gpu, None, bound + 1, "a", training.STEP_LOOP_GRAPH_SAVED_BYTES)
 
 
 def test_recent_shapes_capture_what_repeats_while_it_fits_the_cache():
@@ -1214,7 +1217,7 @@ def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype
 
     def plain(seed):
         with monkeypatch.context() as m:
-            m.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape: False)
+            m.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape, limit: False)
             return step(seed)
 
     if with_lengths:
@@ -1226,6 +1229,40 @@ def test_gpu_captured_operators_equal_the_plain_launches_bit_for_bit(cell, dtype
             output.fill_(float("nan"))
     assert all(torch.equal(a, b) for a, b in zip(step(2), plain(2), strict=True))
     assert len(training.OPERATOR_GRAPHS) == 2  # the same graphs replayed, reading the updated parameters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru_reset_before"])
+def test_gpu_a_backward_that_steps_from_the_host_is_captured_past_the_bound_of_the_others(cell, monkeypatch):
+    # Where a layer does not fit the persistent backward kernel, its backward
+    # launches kernels a step from the host; it is captured up to
+    # STEP_LOOP_GRAPH_SAVED_BYTES, past GRAPH_SAVED_BYTES (one byte here, so
+    # that the forward runs its launches), and equals the same launches
+    # uncaptured bit for bit, also replayed a second time on fresh inputs.
+    from persistrnn import training_kernel
+
+    options = (2, True, True)
+    monkeypatch.setattr(training_kernel, "fits", lambda *args: False)
+    monkeypatch.setattr(training, "GRAPH_SAVED_BYTES", 1)
+    training.OPERATOR_GRAPHS.clear()
+
+    def step(seed):
+        x, h0, c0, weights = random_model(cell, 16, 100, *options, steps=9, batch=3, device="cuda", seed=seed)
+        return gradients(ours, cell, x, h0, c0, weights, *options)
+
+    def plain(seed):
+        with monkeypatch.context() as m:
+            m.setattr(training, "STEP_LOOP_GRAPH_SAVED_BYTES", 1)
+            return step(seed)
+
+    assert all(torch.equal(a, b) for a, b in zip(step(1), plain(1), strict=True))
+    assert [key[0][0] for key in training.OPERATOR_GRAPHS._entries] == ["train_backward"]
+    for entry in training.OPERATOR_GRAPHS._entries.values():
+        for output in entry.outputs:
+            output.fill_(float("nan"))
+    assert all(torch.equal(a, b) for a, b in zip(step(2), plain(2), strict=True))
+    assert len(training.OPERATOR_GRAPHS) == 1
+    training.OPERATOR_GRAPHS.clear()
 
 
 @pytest.mark.gpu

@@ -245,7 +245,8 @@ def markdown(result: dict[str, Any]) -> str:
              "cuDNN's at its faster setting."
              + _precision_note(result.get("settings", {}).get("matmul_precision", "highest")), "",
              "| cell | dtype | inputs | H | batch | runs | ours ms | cuDNN ms (TF32 / exact) | "
-             "speed-up vs cuDNN's faster | useful TFLOP/s (ours / cuDNN) | ours grad error | cuDNN grad error (TF32 / exact) |",
+             "speed-up vs cuDNN's faster | useful TFLOP/s (ours / cuDNN) | ours grad error | "
+             "cuDNN grad error (TF32 / exact) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         cell = r.get("cell", "lstm")

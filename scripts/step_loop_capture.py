@@ -1,0 +1,83 @@
+"""A backward that steps from the host (its layer does not fit the
+persistent backward kernel), captured against launched: ms per training
+step (CUDA events around 10 steps, median of 5 rounds, the two interleaved)
+and the memory each holds across steps (``torch.cuda.memory_reserved``
+after steps, the caching allocator's free blocks released, less before;
+and the peak allocated during a step), for an LSTM at T=100, input =
+hidden, under torch's fp32 matmul precision ``--matmul-precision``.
+
+    PYTHONPATH=. python scripts/step_loop_capture.py [--hidden 1024] [--batch 32] [--matmul-precision high]
+"""
+import argparse
+import contextlib
+import statistics
+
+import torch
+
+import persistrnn
+from persistrnn import runtime, training, training_kernel
+from persistrnn.bench.training import _step
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--hidden", type=int, default=1024)
+parser.add_argument("--batch", type=int, default=32)
+parser.add_argument("--matmul-precision", choices=("highest", "high"), default="high")
+args = parser.parse_args()
+training.cudnn_trains_faster = lambda module, x: False  # the training operators, whatever cuDNN measures
+runtime.native.available(wait=True)
+torch.manual_seed(0)
+ours = persistrnn.LSTM(args.hidden, args.hidden).cuda()
+ours.training_kernels = True
+x = torch.randn(100, args.batch, args.hidden, device="cuda", requires_grad=True)
+print("persistent backward kernel holds the layer:",
+      training_kernel.fits("lstm", args.hidden, args.batch, torch.cuda.current_device()))
+step = _step(ours, x)
+
+
+@contextlib.contextmanager
+def _bound(limit):
+    saved, training.STEP_LOOP_GRAPH_SAVED_BYTES = training.STEP_LOOP_GRAPH_SAVED_BYTES, limit
+    try:
+        yield
+    finally:
+        training.STEP_LOOP_GRAPH_SAVED_BYTES = saved
+
+
+def held(settings):
+    """(MiB reserved across steps, MiB peak allocated in a step) under ``settings``."""
+    training.OPERATOR_GRAPHS.clear()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with settings():
+        for _ in range(3):
+            step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    torch.cuda.empty_cache()
+    return (torch.cuda.memory_reserved() - before) / 2**20, peak / 2**20
+
+
+with runtime.matmul_precision(args.matmul_precision):
+    runs = {"captured": contextlib.nullcontext, "launched": lambda: _bound(1)}
+    memory = {name: held(settings) for name, settings in runs.items()}
+    for settings in runs.values():
+        with settings():
+            runtime.warm_up(step)
+    times = {name: [] for name in runs}
+    for _ in range(5):
+        for name, settings in runs.items():
+            with settings():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    step()
+                end.record()
+                torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / 10)
+    print(f"LSTM {args.hidden}, batch {args.batch}, T=100, fp32 matmul precision {args.matmul_precision}")
+    for name in runs:
+        print(f"  {name}: {statistics.median(times[name]):.3f} ms per step; held across steps "
+              f"{memory[name][0]:.0f} MiB, peak in a step {memory[name][1]:.0f} MiB")
