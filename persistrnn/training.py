@@ -693,11 +693,12 @@ fit the persistent backward kernel (:func:`training_kernel.fits`) and so
 step from the host, two launches per step (:func:`_fused_steps`): there the
 launches, not the GPU, set the time. At LSTM 1024, batch 32, T=100 (118 MB
 saved) the uncaptured backward took 9.6 ms of the host's time for 2.0 ms of
-the GPU's (perf-notes §81). Only the backward is captured past
-:data:`GRAPH_SAVED_BYTES`: its graph holds static copies of what it reads
-(the saved list, x, out and d_out) and the pool of what it computes, about
-three times the saved bytes; the forward, one launch per layer and
-direction, stays uncaptured."""
+the GPU's; captured, the step took 3.04 ms against 7.40 (perf-notes §81).
+Only the backward is captured past :data:`GRAPH_SAVED_BYTES`: its graph
+holds static copies of what it reads (the saved list, x, out and d_out) and
+the pool of what it computes, about five times the saved bytes (566 MiB
+held across steps for the 112 MiB saved there, against 32 MiB launched);
+the forward, one launch per layer and direction, stays uncaptured."""
 
 
 def _initial_states(spec: CellSpec, h0: torch.Tensor | None, c0: torch.Tensor | None, x: torch.Tensor, count: int,

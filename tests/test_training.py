@@ -1238,7 +1238,9 @@ def test_gpu_a_backward_that_steps_from_the_host_is_captured_past_the_bound_of_t
     # launches kernels a step from the host; it is captured up to
     # STEP_LOOP_GRAPH_SAVED_BYTES, past GRAPH_SAVED_BYTES (one byte here, so
     # that the forward runs its launches), and equals the same launches
-    # uncaptured bit for bit, also replayed a second time on fresh inputs.
+    # uncaptured to fp32 rounding (cuBLAS may pick other kernels for the step
+    # GEMMs inside a capture; on the H100 the bits differed), also replayed on
+    # fresh inputs with the outputs poisoned, and replays bit for bit.
     from persistrnn import training_kernel
 
     options = (2, True, True)
@@ -1255,12 +1257,18 @@ def test_gpu_a_backward_that_steps_from_the_host_is_captured_past_the_bound_of_t
             m.setattr(training, "STEP_LOOP_GRAPH_SAVED_BYTES", 1)
             return step(seed)
 
-    assert all(torch.equal(a, b) for a, b in zip(step(1), plain(1), strict=True))
+    def assert_rounding_apart(got, want):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    assert_rounding_apart(step(1), plain(1))
     assert [key[0][0] for key in training.OPERATOR_GRAPHS._entries] == ["train_backward"]
     for entry in training.OPERATOR_GRAPHS._entries.values():
         for output in entry.outputs:
             output.fill_(float("nan"))
-    assert all(torch.equal(a, b) for a, b in zip(step(2), plain(2), strict=True))
+    replayed = step(2)
+    assert_rounding_apart(replayed, plain(2))
+    assert all(torch.equal(a, b) for a, b in zip(step(2), replayed, strict=True))
     assert len(training.OPERATOR_GRAPHS) == 1
     training.OPERATOR_GRAPHS.clear()
 
