@@ -1249,7 +1249,8 @@ def test_gpu_a_backward_that_steps_from_the_host_is_captured_past_the_bound_of_t
     training.OPERATOR_GRAPHS.clear()
 
     def step(seed):
-        x, h0, c0, weights = random_model(cell, 16, 100, *options, steps=9, batch=3, device="cuda", seed=seed)
+        x, h0, c0, weights = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=torch.float32,
+                                          device="cuda", seed=seed)
         return gradients(ours, cell, x, h0, c0, weights, *options)
 
     def plain(seed):
