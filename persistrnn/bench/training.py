@@ -94,17 +94,13 @@ def _time_interleaved(runs: dict[str, tuple[Any, Any]], calls: int, repeats: int
     """{name: ms per call}, the median of ``repeats`` rounds; each round
     times every ``(run, settings)`` of ``runs`` in turn, ``calls`` calls
     back to back inside ``settings()``, so that the host's and the GPU's
-    swings from second to second fall on every side alike. One untimed call
-    under the settings comes first: cuDNN sets its RNN up again after its
-    math setting changed (TF32 to exact and back), which a training loop
-    never pays, and the timing after the exact one took it (perf-notes §82)."""
+    swings from second to second fall on every side alike."""
     import torch
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, (run, settings) in runs.items():
             with settings():
-                run()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(calls):
