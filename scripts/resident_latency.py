@@ -2,9 +2,12 @@
 resident mode, and the resident kernel's bare tick (post and wait, no
 engine): what a tick costs once the clients' contention is taken away.
 
-    PYTHONPATH=. python scripts/resident_latency.py [--model lstm:128:1] [--chunks 3000]
+    PYTHONPATH=. python scripts/resident_latency.py [--model lstm:128:1] [--chunks 3000] [--profile]
 
 Prints medians and p99s in µs, and the GPU, driver, torch versions and commit.
+With --profile, each engine's run is timed again under cProfile, in the
+client thread (push and pull) and in the worker (its ticks), and the top
+functions by own time of each are printed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,33 @@ def _percentiles(us: list[float]) -> str:
     return f"p50 {statistics.median(us):8.1f} µs  p99 {us[int(0.99 * (len(us) - 1))]:8.1f} µs"
 
 
+def _profile(engine, stream, x) -> None:
+    """push→pull of every chunk again, under cProfile in the client thread and in the worker's ticks."""
+    import cProfile
+    import pstats
+
+    client, worker = cProfile.Profile(), cProfile.Profile()
+    tick = engine._tick
+
+    def profiled_tick():
+        worker.enable()
+        try:
+            return tick()
+        finally:
+            worker.disable()
+
+    engine._tick = profiled_tick  # the worker looks it up on every tick
+    for i in range(len(x)):
+        client.enable()
+        stream.push(x[i])
+        stream.pull()
+        client.disable()
+    engine._tick = tick
+    for name, prof in (("client (push, pull)", client), ("worker (ticks)", worker)):
+        print(f"---- {name}, {len(x)} chunks, by own time")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main() -> None:
     import torch
 
@@ -31,6 +61,7 @@ def main() -> None:
     p.add_argument("--model", type=parse_model, default=parse_model("lstm:128:1"), help="cell:hidden:layers")
     p.add_argument("--chunks", type=int, default=3000)
     p.add_argument("--streams", type=int, default=64, help="the engine's max_streams")
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     cell, hidden, layers = args.model
     torch.manual_seed(0)
@@ -49,6 +80,8 @@ def main() -> None:
                 us.append((time.perf_counter() - started) * 1e6)
             us = us[len(us) // 10:]  # the first tenth warms the path
             print(f"engine {'resident' if resident else 'captured'}: one stream, push→pull  {_percentiles(us)}")
+            if args.profile:
+                _profile(engine, stream, x)
             if resident:
                 layer = engine._resident  # the worker is idle: the main thread posts ticks itself
                 for rows in (1, layer.rows):
