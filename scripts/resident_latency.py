@@ -5,8 +5,9 @@ engine): what a tick costs once the clients' contention is taken away.
     PYTHONPATH=. python scripts/resident_latency.py [--model lstm:128:1] [--chunks 3000] [--profile]
 
 Prints medians and p99s in µs, and the GPU, driver, torch versions and commit.
-With --profile, each engine's run is timed again under cProfile, in the
-client thread (push and pull) and in the worker (its ticks), and the top
+With --profile, each engine's run is repeated twice more under cProfile,
+once in the worker (its ticks) and once in the client thread (push and
+pull; one profiler at a time: Python 3.12 allows no more), and the top
 functions by own time of each are printed.
 """
 
@@ -23,7 +24,7 @@ def _percentiles(us: list[float]) -> str:
 
 
 def _profile(engine, stream, x) -> None:
-    """push→pull of every chunk again, under cProfile in the client thread and in the worker's ticks."""
+    """push→pull of every chunk again, under cProfile in the worker's ticks, then in the client thread."""
     import cProfile
     import pstats
 
@@ -39,11 +40,14 @@ def _profile(engine, stream, x) -> None:
 
     engine._tick = profiled_tick  # the worker looks it up on every tick
     for i in range(len(x)):
+        stream.push(x[i])
+        stream.pull()
+    engine._tick = tick
+    for i in range(len(x)):
         client.enable()
         stream.push(x[i])
         stream.pull()
         client.disable()
-    engine._tick = tick
     for name, prof in (("client (push, pull)", client), ("worker (ticks)", worker)):
         print(f"---- {name}, {len(x)} chunks, by own time")
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
