@@ -40,9 +40,11 @@ def _profile(engine, stream, x) -> None:
 
     engine._tick = profiled_tick  # the worker looks it up on every tick
     for i in range(len(x)):
+        if i == len(x) - 1:  # the tick that runs the last chunk is the last profiled one
+            engine._tick = tick
         stream.push(x[i])
         stream.pull()
-    engine._tick = tick
+    time.sleep(0.1)  # that tick returns (and stops its profiler) after the chunk is delivered
     for i in range(len(x)):
         client.enable()
         stream.push(x[i])
