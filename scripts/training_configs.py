@@ -23,7 +23,8 @@ parser.add_argument("--matmul-precision", choices=("highest", "high"), default="
                     help="torch's fp32 matmul precision ('high': TF32 plans for fp32 layers)")
 args = parser.parse_args()
 device = torch.cuda.current_device()
-runtime.matmul_precision(args.matmul_precision).__enter__()  # for the whole run
+precision = runtime.matmul_precision(args.matmul_precision)
+precision.__enter__()  # for the whole run (kept referenced: a collected context manager would restore it)
 for case in args.cases:
     cell, hidden, batch, dtype = case.split(":")
     hidden, batch = int(hidden), int(batch)
