@@ -427,9 +427,10 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device:
     (tuned on first use, as an inference call's) where that plan is
     persistent: at batch 32 the default configuration in one slice measured
     4.8 ms for the forward of LSTM 256 (T=100), 16x the planned inference
-    forward. Where the plan runs cuDNN or the fallback, the cost model's top
-    persistent choice; the default configuration where neither compiles.
-    Where torch's fp32 matmul precision allows TF32 (``"high"``), an fp32
+    forward. Where that one does not compile with ``save_gates`` (or the plan
+    runs cuDNN or the fallback), the plan's other timed persistent candidates,
+    fastest first; untimed, the cost model's top persistent choice; last, the
+    default configuration. Where torch's fp32 matmul precision allows TF32 (``"high"``), an fp32
     layer's plan may be a TF32 configuration, as an inference call's; the
     setting is part of the cache key, so that a configuration chosen while
     TF32 was allowed never runs once it is not."""
@@ -448,13 +449,19 @@ def _training_config(shape: Any, batch: int, device: int, lengths: bool,
 
     cell, hidden_size, dtype = shape.cell, shape.hidden_size, shape.dtype
     chosen = planner.cached_plan(shape, batch)
-    if chosen.path == "persistent":
-        candidates = [(chosen.config, chosen.batch_slice)]
-    else:  # the cost model's top persistent choice: at LSTM 1024 batch 32 the default measured 4.9 ms
+    candidates = [(chosen.config, chosen.batch_slice)] if chosen.path == "persistent" else []
+    # Then the plan's other timed persistent candidates, fastest first: the plan's
+    # own may not compile with save_gates (exact LSTM 1024 batch 8: its 512-thread
+    # grid spills, and the default ran instead, untimed; perf-notes §83).
+    timed = sorted((ms, label) for label, ms in chosen.measured_ms.items()
+                   if label.startswith("persistent ") and not math.isnan(ms))
+    if timed or not candidates:
         bucket = space.batch_bucket(batch)
-        ranked = tuner.compile_top(tuner.ranked_configs(shape, bucket, cost.cost_model(batch=bucket), tf32=tf32), 1,
-                                   twins=False, families=False)
-        candidates = [(r.config, r.batch_slice) for r in ranked]
+        ranked = tuner.ranked_configs(shape, bucket, cost.cost_model(batch=bucket), tf32=tf32)
+        by_label = {tuner.config_label(r.config, r.batch_slice): (r.config, r.batch_slice) for r in ranked}
+        candidates += [by_label[label] for _, label in timed if label in by_label and by_label[label] not in candidates]
+        if not candidates:  # the cost model's top persistent choice: at LSTM 1024 batch 32 the default took 4.9 ms
+            candidates = [(r.config, r.batch_slice) for r in tuner.compile_top(ranked, 1, twins=False, families=False)]
     try:
         candidates.append((persistent.default_config(cell, hidden_size, batch,
                                                      sm_count=runtime.device_facts().sm_count, dtype=dtype), None))

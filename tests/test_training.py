@@ -1416,7 +1416,7 @@ def _plan_by_tf32(monkeypatch, tf32_config, fp32_config):
 
     def cached_plan(shape, batch):
         config = tf32_config if tuner.tf32_allowed(shape) else fp32_config
-        return types.SimpleNamespace(path="persistent", config=config, batch_slice=None)
+        return types.SimpleNamespace(path="persistent", config=config, batch_slice=None, measured_ms={})
 
     monkeypatch.setattr(planner, "cached_plan", cached_plan)
     training._training_config.cache_clear()
@@ -1441,6 +1441,45 @@ def test_a_training_configuration_chosen_while_tf32_was_allowed_never_runs_once_
     finally:
         forget()
     assert allowed.tf32 and allowed.save_gates and not exact.tf32 and exact.save_gates and again == allowed
+
+
+def test_where_the_plans_choice_does_not_compile_with_save_gates_its_next_fastest_timed_one_runs(monkeypatch):
+    import json
+    from pathlib import Path
+
+    from helpers import synthetic_calibration
+
+    from persistrnn import plan as planner
+    from persistrnn.plan import model as cost, tuner
+
+    facts = runtime.DeviceFacts(**json.loads((Path(__file__).parent.parent / "docs/results/sync-h100.json")
+                                             .read_text())["device"])
+    monkeypatch.setattr(cost, "cost_model", lambda **kw: cost.CostModel(synthetic_calibration(), facts))
+    monkeypatch.setattr(runtime, "device_facts", lambda: facts)
+    shape = planner.ModelShape("lstm", 1024, 1024)
+    ranked = tuner.ranked_configs(shape, 8, cost.cost_model())
+    (first, s1), (second, s2), (third, s3) = [(r.config, r.batch_slice) for r in ranked[:3]]
+    timed = {tuner.config_label(first, s1): 0.8, tuner.config_label(second, s2): 1.0,
+             tuner.config_label(third, s3): 0.9, "cudnn": 1.1}
+    for path in ("persistent", "cudnn"):
+        plan = types.SimpleNamespace(path=path, config=first if path == "persistent" else None,
+                                     batch_slice=s1 if path == "persistent" else None, measured_ms=timed)
+        monkeypatch.setattr(planner, "cached_plan", lambda shape, batch, plan=plan: plan)
+        tried = []
+
+        def batch_per_launch(config, device, tried=tried):
+            tried.append(dataclasses.replace(config, save_gates=False))
+            if config.save_gates and len(tried) == 1:
+                raise persistent.ConfigError("spills with save_gates")
+            return 8
+
+        monkeypatch.setattr(persistent, "batch_per_launch", batch_per_launch)
+        training._training_config.cache_clear()
+        try:
+            got, got_slice = training.training_config("lstm", 1024, 8, "float32", 0)
+        finally:
+            training._training_config.cache_clear()
+        assert tried[0] == first and (got, got_slice) == (dataclasses.replace(third, save_gates=True), s3), path
 
 
 TF32_TRAINING_CELLS = ["lstm", "gru", "gru_reset_before", "rnn_relu"]
