@@ -1247,10 +1247,15 @@ def test_gpu_a_backward_that_steps_from_the_host_is_captured_past_the_bound_of_t
     monkeypatch.setattr(training_kernel, "fits", lambda *args: False)
     monkeypatch.setattr(training, "GRAPH_SAVED_BYTES", 1)
     training.OPERATOR_GRAPHS.clear()
+    # The parameters' addresses are in the key (read in place): one set, given each step's values.
+    weights = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=torch.float32, device="cuda")[3]
 
     def step(seed):
-        x, h0, c0, weights = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=torch.float32,
-                                          device="cuda", seed=seed)
+        x, h0, c0, values = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=torch.float32,
+                                         device="cuda", seed=seed)
+        with torch.no_grad():
+            for w, value in zip(weights, values, strict=True):
+                w.copy_(value)
         return gradients(ours, cell, x, h0, c0, weights, *options)
 
     def plain(seed):
