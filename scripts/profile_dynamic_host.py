@@ -90,7 +90,7 @@ def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, 
 
     def schedule_all() -> None:
         for graph in graphs:
-            dynamic.schedule(graph, args.blocks, train=True)
+            dynamic.schedule(graph, args.blocks, train=not args.infer)
 
     build_ms, build_faults = (x / len(groups) for x in median_ms(build_all, args.repeats))
     schedule_ms, schedule_faults = (x / len(groups) for x in median_ms(schedule_all, args.repeats))
@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=Settings.iterations, help="batches per size")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=20, help="cProfile rows per phase (0: none)")
+    parser.add_argument("--infer", action="store_true", help="schedule inference scripts (forward only)")
     parser.add_argument("--keep-heap", action="store_true", help="freed memory stays in malloc's heap (mallopt)")
     parser.add_argument("--workers", type=int, nargs="*", default=[],
                         help="also time script_loader with these numbers of worker processes")
