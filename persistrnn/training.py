@@ -596,9 +596,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     options = (spec, num_layers, bidirectional, has_biases)
     hidden = weights[1].shape[1]
     shape = None if lengths is None else _padded_shape(cell, num_layers, bidirectional, hidden, x)
-    limit = GRAPH_SAVED_BYTES
-    if x.is_cuda and not training_kernel.fits(spec, hidden, x.shape[1], x.device.index):
-        limit = STEP_LOOP_GRAPH_SAVED_BYTES
+    limit = _backward_capture_limit(spec, num_layers, bidirectional, hidden, x, lengths is None)
     if not _captures_operators(x, lengths, sum(t.numel() * t.element_size() for t in saved), shape, limit):
         return _backward_launches(*options, d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, dropout_masks,
                                   lengths)
@@ -694,11 +692,12 @@ the activations and the pools of what they compute: 344 MiB for the 35 MiB a
 ReLU RNN 1152 saves at T=1000, batch 4; perf-notes §45); past the bound the
 launches run as they come, and only what autograd keeps stays."""
 
-STEP_LOOP_GRAPH_SAVED_BYTES = 256 << 20
+STEP_LOOP_GRAPH_SAVED_BYTES = 128 << 20
 """The bound of :data:`GRAPH_SAVED_BYTES` for a backward whose layers do not
 fit the persistent backward kernel (:func:`training_kernel.fits`) and so
-step from the host, two launches per step (:func:`_fused_steps`): there the
-launches, not the GPU, set the time. At LSTM 1024, batch 32, T=100 (118 MB
+step from the host, two launches per step (:func:`_fused_steps`), once its
+shape repeats (:data:`STEP_LOOP_SHAPES`): there the launches, not the GPU,
+set the time. At LSTM 1024, batch 32, T=100 (118 MB
 saved) the uncaptured backward took 9.6 ms of the host's time for 2.0 ms of
 the GPU's; captured, the step took 3.04 ms against 7.40 (perf-notes §81).
 Only the backward is captured past :data:`GRAPH_SAVED_BYTES`: its graph
@@ -706,6 +705,26 @@ holds static copies of what it reads (the saved list, x, out and d_out) and
 the pool of what it computes, about five times the saved bytes (566 MiB
 held across steps for the 112 MiB saved there, against 32 MiB launched);
 the forward, one launch per layer and direction, stays uncaptured."""
+
+STEP_LOOP_SHAPES = runtime.RecentShapes(window=16, fits=2)
+"""The recent shapes of backwards that step from the host. Such a graph
+holds several hundred MiB, so one is captured only once its shape came
+twice among the last 16 such calls, and only while those had at most two
+shapes: a loader that changes the length or the batch from step to step
+runs them uncaptured, and no more than a few of them are held at once."""
+
+
+def _backward_capture_limit(spec: CellSpec, num_layers: int, bidirectional: bool, hidden: int, x: torch.Tensor,
+                            padded: bool) -> int:
+    """The saved bytes up to which :func:`backward` replays a captured graph:
+    :data:`STEP_LOOP_GRAPH_SAVED_BYTES` where the layers do not fit the
+    persistent backward kernel and the shape repeats
+    (:data:`STEP_LOOP_SHAPES`, noted here), else :data:`GRAPH_SAVED_BYTES`."""
+    if not x.is_cuda or training_kernel.fits(spec, hidden, x.shape[1], x.device.index):
+        return GRAPH_SAVED_BYTES
+    shape = (spec.name, num_layers, bidirectional, hidden, tuple(x.shape), x.dtype, padded, x.device.index)
+    STEP_LOOP_SHAPES.note(shape)
+    return STEP_LOOP_GRAPH_SAVED_BYTES if STEP_LOOP_SHAPES.repeats(shape) else GRAPH_SAVED_BYTES
 
 
 def _initial_states(spec: CellSpec, h0: torch.Tensor | None, c0: torch.Tensor | None, x: torch.Tensor, count: int,

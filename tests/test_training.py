@@ -801,6 +801,29 @@ def test_steps_whose_saved_activations_pass_the_bound_are_not_captured(monkeypat
     assert training._captures_operators(on_gpu, None, bound + 1, "a", training.STEP_LOOP_GRAPH_SAVED_BYTES)
 
 
+def test_a_backward_that_steps_from_the_host_takes_the_larger_bound_once_its_shape_repeats(monkeypatch):
+    from persistrnn import training_kernel
+
+    monkeypatch.setattr(training, "STEP_LOOP_SHAPES", runtime.RecentShapes(window=16, fits=2))
+    fits = {"value": False}
+    monkeypatch.setattr(training_kernel, "fits", lambda *args: fits["value"])
+    spec = cells.get_cell("lstm")
+
+    def limit(batch, padded=True, on_gpu=True):
+        x = types.SimpleNamespace(is_cuda=on_gpu, shape=(100, batch, 1024), dtype=torch.float32,
+                                  device=types.SimpleNamespace(index=0))
+        return training._backward_capture_limit(spec, 1, False, 1024, x, padded)
+
+    small, large = training.GRAPH_SAVED_BYTES, training.STEP_LOOP_GRAPH_SAVED_BYTES
+    assert limit(32) == small and limit(32) == large and limit(32) == large  # from its second call
+    assert limit(32, padded=False) == small  # with lengths: a shape of its own
+    assert limit(16) == small and limit(16) == small  # a third shape among the recent ones: none captured
+    assert limit(32) == small
+    fits["value"] = True  # the persistent backward kernel holds the layer: one launch, the usual bound
+    assert limit(8) == small and limit(8) == small
+    assert limit(32, on_gpu=False) == small
+
+
 def test_recent_shapes_capture_what_repeats_while_it_fits_the_cache():
     recent = runtime.RecentShapes(window=5, fits=2)
     recent.note(100)
@@ -1246,6 +1269,7 @@ def test_gpu_a_backward_that_steps_from_the_host_is_captured_past_the_bound_of_t
     options = (2, True, True)
     monkeypatch.setattr(training_kernel, "fits", lambda *args: False)
     monkeypatch.setattr(training, "GRAPH_SAVED_BYTES", 1)
+    monkeypatch.setattr(training, "STEP_LOOP_SHAPES", runtime.RecentShapes(window=16, fits=2))
     training.OPERATOR_GRAPHS.clear()
     # The parameters' addresses are in the key (read in place): one set, given each step's values.
     weights = random_model(cell, 16, 100, *options, steps=9, batch=3, dtype=torch.float32, device="cuda")[3]
@@ -1267,6 +1291,8 @@ def test_gpu_a_backward_that_steps_from_the_host_is_captured_past_the_bound_of_t
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
+    step(0)  # the shape's first backward runs its launches; from its second the graph
+    assert len(training.OPERATOR_GRAPHS) == 0
     assert_rounding_apart(step(1), plain(1))
     assert [key[0][0] for key in training.OPERATOR_GRAPHS._entries] == ["train_backward"]
     for entry in training.OPERATOR_GRAPHS._entries.values():
