@@ -430,10 +430,10 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device:
     forward. Where that one does not compile with ``save_gates`` (or the plan
     runs cuDNN or the fallback), the plan's other timed persistent candidates,
     fastest first; untimed, the cost model's top persistent choice; last, the
-    default configuration. Where torch's fp32 matmul precision allows TF32 (``"high"``), an fp32
-    layer's plan may be a TF32 configuration, as an inference call's; the
-    setting is part of the cache key, so that a configuration chosen while
-    TF32 was allowed never runs once it is not."""
+    default configuration. Where torch's fp32 matmul precision allows TF32
+    (``"high"``), an fp32 layer's plan may be a TF32 configuration, as an
+    inference call's; the setting is part of the cache key, so that a
+    configuration chosen while TF32 was allowed never runs once it is not."""
     from .plan import ModelShape, tuner
 
     shape = ModelShape(cell, hidden_size, hidden_size, 1, dtype)
@@ -697,9 +697,9 @@ STEP_LOOP_GRAPH_SAVED_BYTES = 128 << 20
 fit the persistent backward kernel (:func:`training_kernel.fits`) and so
 step from the host, two launches per step (:func:`_fused_steps`), once its
 shape repeats (:data:`STEP_LOOP_SHAPES`): there the launches, not the GPU,
-set the time. At LSTM 1024, batch 32, T=100 (118 MB
-saved) the uncaptured backward took 9.6 ms of the host's time for 2.0 ms of
-the GPU's; captured, the step took 3.04 ms against 7.40 (perf-notes §81).
+set the time. At LSTM 1024, batch 32, T=100 (112 MiB saved) the uncaptured
+backward took 9.6 ms of the host's time for 2.0 ms of the GPU's; captured,
+the step took 3.04 ms against 7.40 (perf-notes §81).
 Only the backward is captured past :data:`GRAPH_SAVED_BYTES`: its graph
 holds static copies of what it reads (the saved list, x, out and d_out) and
 the pool of what it computes, about five times the saved bytes (566 MiB
