@@ -508,10 +508,11 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
     _check_masks(dropout_masks, num_layers, (steps, batch, directions * hidden), x)
     lengths = None if lengths is None else ops.lengths_on_device(lengths, steps, batch, x.device)
     launch = None
+    dtype = str(x.dtype).removeprefix("torch.")
     if x.is_cuda:
         runtime.raise_reported_failure(x.device.index)
-        launch = training_config(cell, hidden, batch, str(x.dtype).removeprefix("torch."), x.device.index,
-                                 lengths is not None)
+    if x.is_cuda and dtype in persistent.DTYPES:  # float64 runs the torch ops, on CUDA too
+        launch = training_config(cell, hidden, batch, dtype, x.device.index, lengths is not None)
     options = (spec, num_layers, bidirectional, has_biases, launch)
     shape = None  # a padded batch's shape needs no policy: only one with lengths is noted and asked about
     if lengths is not None:
@@ -720,7 +721,7 @@ def _backward_capture_limit(spec: CellSpec, num_layers: int, bidirectional: bool
     :data:`STEP_LOOP_GRAPH_SAVED_BYTES` where the layers do not fit the
     persistent backward kernel and the shape repeats
     (:data:`STEP_LOOP_SHAPES`, noted here), else :data:`GRAPH_SAVED_BYTES`."""
-    if not x.is_cuda or training_kernel.fits(spec, hidden, x.shape[1], x.device.index):
+    if not x.is_cuda or x.dtype == torch.float64 or training_kernel.fits(spec, hidden, x.shape[1], x.device.index):
         return GRAPH_SAVED_BYTES
     shape = (spec.name, num_layers, bidirectional, hidden, tuple(x.shape), x.dtype, padded, x.device.index)
     STEP_LOOP_SHAPES.note(shape)

@@ -1513,6 +1513,22 @@ def test_where_the_plans_choice_does_not_compile_with_save_gates_its_next_fastes
         assert tried[0] == first and (got, got_slice) == (dataclasses.replace(third, save_gates=True), s3), path
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru_reset_before"])
+def test_gpu_float64_training_on_cuda_runs_the_torch_ops_and_gives_the_reference(cell):
+    # No kernel runs float64: the operators run the cell's statements as torch ops, on CUDA as on the CPU.
+    options = (2, True, True)
+    x, h0, c0, weights = random_model(cell, 16, 33, *options, steps=7, batch=3, dtype=torch.float64, device="cuda",
+                                      seed=9)
+    tensors = [x, h0, c0, *weights]
+    got = gradients(ours, cell, x, h0, c0, weights, *options)
+    case = {"cell": cell, "num_layers": 2, "bidirectional": True, "has_biases": True}
+    _, want = _f64_gradients(reference_autograd, case, tensors)
+    for a, b in zip(got, want, strict=True):
+        assert a.is_cuda and a.dtype == torch.float64
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-9)
+
+
 TF32_TRAINING_CELLS = ["lstm", "gru", "gru_reset_before", "rnn_relu"]
 
 
