@@ -10,13 +10,14 @@ rounds, after a warm-up to steady clocks.
     PYTHONPATH=. python scripts/profile_packed.py [--hidden 256] [--layers 1] [--steps 100] [--batch 8 32]
 """
 import argparse
-import statistics
+import contextlib
 
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import persistrnn
 from persistrnn import ops, runtime, training
+from persistrnn.bench.training import _time_interleaved
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--hidden", type=int, default=256)
@@ -37,16 +38,6 @@ POLICIES = {"captured": (ops.PADDED_LENGTHS, training.PADDED_LENGTHS),
 
 def use(policy):
     ops.PADDED_LENGTHS, training.PADDED_LENGTHS = POLICIES[policy]
-
-
-def time_ms(fn):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / args.calls
 
 
 H, T = args.hidden, args.steps
@@ -86,10 +77,8 @@ def run_case(mode, B):
     for fn in variants.values():
         for _ in range(3):
             fn()
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            times[name].append(time_ms(fn))
+    medians = _time_interleaved({name: (fn, contextlib.nullcontext) for name, fn in variants.items()},
+                                args.calls, args.rounds)
     use("captured")
     if mode == "inference":
         print(f"plan at batch {B}: {ours.plan_for(B).for_steps(T)}", flush=True)
@@ -105,7 +94,6 @@ def run_case(mode, B):
             print(f"---- {mode} batch {B}, {name}, 5 calls", flush=True)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
     print(f"{mode} batch {B}: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in medians.items())
           + f"; captured / launched {medians['ours captured'] / medians['ours launched']:.2f}, "
           f"cuDNN / captured {medians['cudnn'] / medians['ours captured']:.2f}", flush=True)

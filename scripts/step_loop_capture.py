@@ -10,13 +10,12 @@ hidden, under torch's fp32 matmul precision ``--matmul-precision``.
 """
 import argparse
 import contextlib
-import statistics
 
 import torch
 
 import persistrnn
 from persistrnn import runtime, training, training_kernel
-from persistrnn.bench.training import _step
+from persistrnn.bench.training import _step, _time_interleaved
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--hidden", type=int, default=1024)
@@ -66,18 +65,8 @@ with runtime.matmul_precision(args.matmul_precision):
     for settings in runs.values():
         with settings():
             runtime.warm_up(step)
-    times = {name: [] for name in runs}
-    for _ in range(5):
-        for name, settings in runs.items():
-            with settings():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(10):
-                    step()
-                end.record()
-                torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / 10)
+    times = _time_interleaved({name: (step, settings) for name, settings in runs.items()}, calls=10, repeats=5)
     print(f"LSTM {args.hidden}, batch {args.batch}, T=100, fp32 matmul precision {args.matmul_precision}")
     for name in runs:
-        print(f"  {name}: {statistics.median(times[name]):.3f} ms per step; held across steps "
+        print(f"  {name}: {times[name]:.3f} ms per step; held across steps "
               f"{memory[name][0]:.0f} MiB, peak in a step {memory[name][1]:.0f} MiB")
