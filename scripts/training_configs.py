@@ -23,18 +23,18 @@ parser.add_argument("--matmul-precision", choices=("highest", "high"), default="
                     help="torch's fp32 matmul precision ('high': TF32 plans for fp32 layers)")
 args = parser.parse_args()
 device = torch.cuda.current_device()
-precision = runtime.matmul_precision(args.matmul_precision)
-precision.__enter__()  # for the whole run (kept referenced: a collected context manager would restore it)
-for case in args.cases:
-    cell, hidden, batch, dtype = case.split(":")
-    hidden, batch = int(hidden), int(batch)
-    chosen = planner.cached_plan(planner.ModelShape(cell, hidden, hidden, 1, dtype), batch)
-    persistent = sorted((ms, label) for label, ms in chosen.measured_ms.items()
-                        if label.startswith("persistent") and not math.isnan(ms))
-    launch = training.training_config(cell, hidden, batch, dtype, device)
-    label = tuner.config_label(*launch) if launch else None  # the label leaves save_gates out
-    print(f"{case}: plan {chosen.path} ({chosen.label}, {chosen.measured_ms.get(chosen.label, float('nan')):.3f} ms); "
-          f"cuDNN {chosen.measured_ms.get('cudnn', float('nan')):.3f} ms", flush=True)
-    print(f"  training forward runs: {label} (plan's timing: {chosen.measured_ms.get(label, 'not timed')})")
-    for ms, timed in persistent[:6]:
-        print(f"  timed {ms:.3f} ms  {timed}")
+with runtime.matmul_precision(args.matmul_precision):
+    for case in args.cases:
+        cell, hidden, batch, dtype = case.split(":")
+        hidden, batch = int(hidden), int(batch)
+        chosen = planner.cached_plan(planner.ModelShape(cell, hidden, hidden, 1, dtype), batch)
+        persistent = sorted((ms, label) for label, ms in chosen.measured_ms.items()
+                            if label.startswith("persistent") and not math.isnan(ms))
+        launch = training.training_config(cell, hidden, batch, dtype, device)
+        label = tuner.config_label(*launch) if launch else None  # the label leaves save_gates out
+        planned_ms = chosen.measured_ms.get(chosen.label, float("nan"))
+        print(f"{case}: plan {chosen.path} ({chosen.label}, {planned_ms:.3f} ms); "
+              f"cuDNN {chosen.measured_ms.get('cudnn', float('nan')):.3f} ms", flush=True)
+        print(f"  training forward runs: {label} (plan's timing: {chosen.measured_ms.get(label, 'not timed')})")
+        for ms, timed in persistent[:6]:
+            print(f"  timed {ms:.3f} ms  {timed}")
