@@ -434,20 +434,22 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device:
     (``"high"``), an fp32 layer's plan may be a TF32 configuration, as an
     inference call's; the setting is part of the cache key, so that a
     configuration chosen while TF32 was allowed never runs once it is not."""
-    from .plan import ModelShape, tuner
-
-    shape = ModelShape(cell, hidden_size, hidden_size, 1, dtype)
-    return _training_config(shape, batch, device, lengths, tuner.tf32_allowed(shape))
+    # The TF32 setting is read on every call (a key of the cache), the shape only
+    # on a miss: building it and reading the setting cost ~6 µs of the H100's
+    # host per training forward before this split (perf-notes §81).
+    return _training_config(cell, hidden_size, batch, dtype, device, lengths,
+                            dtype == "float32" and runtime.matmul_allows_tf32())
 
 
 @functools.lru_cache(maxsize=256)
-def _training_config(shape: Any, batch: int, device: int, lengths: bool,
+def _training_config(cell: str, hidden_size: int, batch: int, dtype: str, device: int, lengths: bool,
                      tf32: bool) -> tuple[persistent.KernelConfig, int | None] | None:
-    """:func:`training_config`, once per (shape, batch, device, lengths, TF32 allowed)."""
+    """:func:`training_config`, once per its arguments and whether TF32 is
+    allowed (as :func:`persistrnn.plan.tuner.tf32_allowed` reads it)."""
     from . import plan as planner
-    from .plan import model as cost, space, tuner
+    from .plan import ModelShape, model as cost, space, tuner
 
-    cell, hidden_size, dtype = shape.cell, shape.hidden_size, shape.dtype
+    shape = ModelShape(cell, hidden_size, hidden_size, 1, dtype)
     chosen = planner.cached_plan(shape, batch)
     candidates = [(chosen.config, chosen.batch_slice)] if chosen.path == "persistent" else []
     # Then the plan's other timed persistent candidates, fastest first: the plan's
