@@ -214,9 +214,15 @@ class _Work:
 
 
 def _run_steps(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any, h0: Any, c0: Any | None,
-               work: _Work, out: Any, h_n: Any, c_n: Any | None) -> None:
+               work: _Work, out: Any, h_n: Any, c_n: Any | None, reverse: bool = False, saved_gates: Any = None,
+               saved_c: Any = None) -> None:
     """Every step of one layer on the current stream: per step, one GEMM per
-    stage and one pointwise kernel per stage. Eager, or under capture."""
+    stage and one pointwise kernel per stage. Eager, or under capture.
+    ``reverse``: the positions last to first. ``saved_gates`` (one-stage
+    cells): the GEMM writes step t's products into ``saved_gates[t]`` (the
+    layout :func:`hg_index` gives one stage), where the pointwise kernel reads
+    them; ``saved_c``: the kernel writes c_t into ``saved_c[t]`` and reads
+    c_{t-1} from the position before."""
     import numpy as np
     import torch
 
@@ -242,20 +248,32 @@ def _run_steps(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any,
     out_ptr, out_step = out.data_ptr(), B * H * out.element_size()
     h_ptr, hg_ptr = ptr(work.h.data_ptr()), ptr(work.hg.data_ptr())
     c_ptr = ptr(work.c.data_ptr() if work.c is not None else 0)
-    for t in range(T):
+    c_in = c_out = c_ptr
+    c_step = B * H * 4  # saved_c is fp32
+    positions = range(T - 1, -1, -1) if reverse else range(T)
+    for n, t in enumerate(positions):
         xw_t = ptr(xw_ptr + t * xw_step)
-        operand = h0 if t == 0 else out[t - 1]
-        for k, (stage_bias, weight, product) in enumerate(stages):
-            if k:
-                runtime.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr, ptr(work.operand.data_ptr()),
-                               np.int32(k - 1), n_h, n_b)
-                operand = work.operand
-            torch.addmm(stage_bias, operand, weight, out=product, **gemm_kwargs)
-        runtime.launch(kernels.pointwise, kernels.launch, xw_t, hg_ptr, h_ptr, c_ptr, ptr(out_ptr + t * out_step),
-                       n_h, n_b)
-    h_n.copy_(out[T - 1])
+        operand = h0 if n == 0 else out[t + 1 if reverse else t - 1]
+        if saved_gates is not None:  # one stage: its products go where the backward reads them
+            (stage_bias, weight, _), = stages
+            gates_t = saved_gates[t]
+            torch.addmm(stage_bias, operand, weight, out=gates_t, **gemm_kwargs)
+            hg_ptr = ptr(gates_t.data_ptr())
+        else:
+            for k, (stage_bias, weight, product) in enumerate(stages):
+                if k:
+                    runtime.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr,
+                                   ptr(work.operand.data_ptr()), np.int32(k - 1), n_h, n_b)
+                    operand = work.operand
+                torch.addmm(stage_bias, operand, weight, out=product, **gemm_kwargs)
+        if saved_c is not None:
+            c_in, c_out = c_out, ptr(saved_c.data_ptr() + t * c_step)
+        runtime.launch(kernels.pointwise, kernels.launch, xw_t, hg_ptr, h_ptr, c_in, c_out,
+                       ptr(out_ptr + t * out_step), n_h, n_b)
+    last = positions[-1]
+    h_n.copy_(out[last])
     if spec.has_cell_state:
-        c_n.copy_(work.c)  # rounds to nearest, like the kernels' cvt.rn
+        c_n.copy_(work.c if saved_c is None else saved_c[last])  # rounds to nearest, like the kernels' cvt.rn
 
 
 def run_fallback(
@@ -269,6 +287,9 @@ def run_fallback(
     out: Any | None = None,
     h_n: Any | None = None,
     c_n: Any | None = None,
+    reverse: bool = False,
+    saved_gates: Any | None = None,
+    saved_c: Any | None = None,
 ) -> tuple[Any, Any, Any | None]:
     """Run the recurrence on precomputed input projections, non-persistently.
 
@@ -279,6 +300,14 @@ def run_fallback(
             layer's. b_hh: (G*H,); h0, c0: (B, H); all of the layer's dtype.
             c0 is None for cells without a cell state.
         out, h_n, c_n: optional destinations, (T, B, H) and (B, H).
+        reverse: run the positions last to first (a reverse direction:
+            ``out[t]`` is still position t's output).
+        saved_gates, saved_c: what a training forward keeps for the backward
+            (:mod:`persistrnn.training`), as the persistent kernel's
+            ``save_gates`` writes them: (T, B, G*H) fp32, every gate's
+            recurrent product with ``b_hh`` (cells of one stage only), and
+            (T, B, H) fp32, the cell state after each position (cells with
+            one). Both or neither.
 
     Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None), fresh
     tensors unless destinations were given. The step loop launches 2T+
@@ -302,12 +331,25 @@ def run_fallback(
     dtype, H = w_hh.dtype, w_hh.shape[1]
     if not spec.has_cell_state and c_n is not None:
         raise ArgumentError(f"cell {spec.name} has no cell state: expected c_n=None, got a tensor")
+    saving = saved_gates is not None or saved_c is not None
+    if saving and spec.num_stages != 1:
+        raise ArgumentError(f"saved_gates: the fallback saves the gates of a cell of one stage, got cell "
+                            f"{spec.name} of {spec.num_stages} stages")
     T, B = check_recurrence(spec, xw, w_hh, b_hh, h0, c0, H, dtype)
     if B * G * H >= _INDEX_LIMIT:
         raise ArgumentError(f"expected batch * {G} * hidden below 2**31 (the kernels' int indices), got {B * G * H}")
     for name, given, shape in (("out", out, (T, B, H)), ("h_n", h_n, (B, H)), ("c_n", c_n, (B, H))):
         if given is not None:
             check_tensor(name, given, shape, xw.device, dtype)
+    if saving:
+        if saved_gates is None or (saved_c is not None) != spec.has_cell_state:
+            wanted = "saved_gates and saved_c" if spec.has_cell_state else "saved_gates alone (no cell state)"
+            raise ArgumentError(f"saved_gates, saved_c: expected {wanted} for cell {spec.name}, got saved_gates "
+                                f"{'None' if saved_gates is None else 'a tensor'} and saved_c "
+                                f"{'None' if saved_c is None else 'a tensor'}")
+        check_tensor("saved_gates", saved_gates, (T, B, G * H), xw.device, torch.float32)
+        if saved_c is not None:
+            check_tensor("saved_c", saved_c, (T, B, H), xw.device, torch.float32)
 
     kernels = _kernels(spec, persistent.DTYPES[dtypes.index(dtype)], xw.device.index, B * H)
     out = torch.empty(T, B, H, dtype=dtype, device=xw.device) if out is None else out
@@ -315,7 +357,7 @@ def run_fallback(
     if spec.has_cell_state and c_n is None:
         c_n = torch.empty(B, H, dtype=dtype, device=xw.device)
     work = _Work.allocate(spec, B, H, dtype, xw.device)
-    _run_steps(spec, kernels, xw, w_hh, b_hh, h0, c0, work, out, h_n, c_n)
+    _run_steps(spec, kernels, xw, w_hh, b_hh, h0, c0, work, out, h_n, c_n, reverse, saved_gates, saved_c)
     return out, h_n, (c_n if spec.has_cell_state else None)
 
 

@@ -79,15 +79,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import adjoint, ops, persistent, runtime, training_kernel
+from . import adjoint, fallback, ops, persistent, runtime, training_kernel
 from .adjoint import HARDTANH_GRAD, RELU_GRAD, BlockBackward, render_python, step_backward_program
 from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
 from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
 from .log import logger
 
-__all__ = ["OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faster", "direction_backward",
-           "direction_forward", "dropout_masks", "forward", "run_module", "saved_shapes", "step_backward",
-           "train_step", "training_config"]
+__all__ = ["FALLBACK_FORWARD", "OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faster",
+           "direction_backward", "direction_forward", "dropout_masks", "fallback_trains_forward", "forward",
+           "run_module", "saved_shapes", "step_backward", "train_step", "training_config"]
 
 TORCH_FUNCTIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu,
                    "hardtanh": torch.nn.functional.hardtanh, "exp": torch.exp, "log": torch.log,
@@ -481,6 +481,41 @@ def _training_config(cell: str, hidden_size: int, batch: int, dtype: str, device
     return None
 
 
+FALLBACK_FORWARD = "fallback"
+"""What a training forward launches (in place of :func:`training_config`'s
+answer) where :func:`fallback_trains_forward` says so: the fallback's step
+loop (:func:`persistrnn.fallback.run_fallback` with ``saved_gates``), one
+GEMM and one pointwise kernel per step."""
+
+
+def fallback_trains_forward(cell: str, hidden_size: int, batch: int, dtype: str, device: int, holds: bool) -> bool:
+    """Whether a training forward of a padded batch (no lengths) runs the
+    fallback's step loop: for a cell of one stage (the fallback saves the
+    gates of those only), where no persistent configuration holds the layer
+    (``holds`` False: the step in torch ops is the other choice), or where
+    the layer's plan at ``batch`` timed the fallback faster than every
+    persistent candidate it timed. At exact fp32 LSTM 1024, batch 32, the
+    plan timed cuDNN 1.2 ms, the fallback ~1.4 and its fastest persistent
+    grid 8.0 (no grid holds 32 sequences in one launch, perf-notes §83)."""
+    return _fallback_trains_forward(cell, hidden_size, batch, dtype, device, holds,
+                                    dtype == "float32" and runtime.matmul_allows_tf32())
+
+
+@functools.lru_cache(maxsize=256)
+def _fallback_trains_forward(cell: str, hidden_size: int, batch: int, dtype: str, device: int, holds: bool,
+                             tf32: bool) -> bool:
+    """:func:`fallback_trains_forward`, once per its arguments and whether TF32 is allowed."""
+    from . import plan as planner
+
+    if get_cell(cell).num_stages != 1:
+        return False
+    if not holds:
+        return True
+    measured = planner.cached_plan(planner.ModelShape(cell, hidden_size, hidden_size, 1, dtype), batch).measured_ms
+    persistent_ms = [ms for label, ms in measured.items() if label.startswith("persistent ") and not math.isnan(ms)]
+    return measured.get("fallback", math.nan) < min(persistent_ms, default=math.inf)
+
+
 def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,
             num_layers: int, bidirectional: bool, has_biases: bool, dropout_masks: list[torch.Tensor],
             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -515,13 +550,18 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
         runtime.raise_reported_failure(x.device.index)
     if x.is_cuda and dtype in persistent.DTYPES:  # float64 runs the torch ops, on CUDA too
         launch = training_config(cell, hidden, batch, dtype, x.device.index, lengths is not None)
+        if lengths is None and fallback_trains_forward(cell, hidden, batch, dtype, x.device.index,
+                                                       launch is not None):
+            launch = FALLBACK_FORWARD
     options = (spec, num_layers, bidirectional, has_biases, launch)
     shape = None  # a padded batch's shape needs no policy: only one with lengths is noted and asked about
+    limit = GRAPH_SAVED_BYTES
     if lengths is not None:
         shape = _padded_shape(cell, num_layers, bidirectional, hidden, x)
         PADDED_LENGTHS.note(shape)
-    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions), shape,
-                               GRAPH_SAVED_BYTES):
+    elif launch == FALLBACK_FORWARD:
+        limit = _step_loop_limit(STEP_LOOP_FORWARDS, _padded_shape(cell, num_layers, bidirectional, hidden, x))
+    if not _captures_operators(x, lengths, saved_bytes(spec, x, hidden, num_layers, directions), shape, limit):
         return _forward_launches(*options, x, h0, c0, weights, dropout_masks, lengths)
 
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -541,7 +581,7 @@ def _forward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has_
                       x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None, weights: list[torch.Tensor],
                       dropout_masks: list[torch.Tensor], lengths: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """:func:`forward` launched op by op (``launch``: :func:`training_config`'s
-    answer; ``lengths`` int32 on ``x``'s device)."""
+    answer, or :data:`FALLBACK_FORWARD`; ``lengths`` int32 on ``x``'s device)."""
     directions = 2 if bidirectional else 1
     layers = ops.layer_params(weights, num_layers, directions, has_biases)
     steps, batch = x.shape[0], x.shape[1]
@@ -556,7 +596,18 @@ def _forward_launches(spec: CellSpec, num_layers: int, bidirectional: bool, has_
         out = x.new_empty(steps, batch, directions * hidden)
         for d in range(directions):
             i, p = layer * directions + d, layers[layer][d]
-            if launch is not None:
+            if launch == FALLBACK_FORWARD:
+                xw = persistent.input_projection(layer_input, p["w_ih"], p["b_ih"])
+                gates = torch.empty_like(xw)
+                cs = xw.new_empty(steps, batch, hidden) if c0 is not None else None
+                # The step loop writes (T, B, H) rows: a direction of two writes its own, then its columns.
+                own = out if directions == 1 else x.new_empty(steps, batch, hidden)
+                fallback.run_fallback(spec, xw, p["w_hh"], p["b_hh"], h0[i], c0[i] if c0 is not None else None,
+                                      out=own, h_n=h_n[i], c_n=c_n[i] if c0 is not None else None, reverse=d == 1,
+                                      saved_gates=gates, saved_c=cs)
+                if directions == 2:
+                    out[:, :, d * hidden:(d + 1) * hidden] = own
+            elif launch is not None:
                 config, batch_slice = launch
                 xw = persistent.input_projection(layer_input, p["w_ih"], p["b_ih"])
                 gates = torch.empty_like(xw)
@@ -707,7 +758,10 @@ Only the backward is captured past :data:`GRAPH_SAVED_BYTES`: its graph
 holds static copies of what it reads (the saved list, x, out and d_out) and
 the pool of what it computes, about five times the saved bytes (566 MiB
 held across steps for the 112 MiB saved there, against 32 MiB launched);
-the forward, one launch per layer and direction, stays uncaptured."""
+a forward of one launch per layer and direction stays uncaptured past
+:data:`GRAPH_SAVED_BYTES`, and one that steps from the host
+(:data:`FALLBACK_FORWARD`) is captured under the same rule
+(:data:`STEP_LOOP_FORWARDS`)."""
 
 STEP_LOOP_SHAPES = runtime.RecentShapes(window=16, fits=2)
 """The recent shapes of backwards that step from the host. Such a graph
@@ -715,6 +769,17 @@ holds several hundred MiB, so one is captured only once its shape came
 twice among the last 16 such calls, and only while those had at most two
 shapes: a loader that changes the length or the batch from step to step
 runs them uncaptured, and no more than a few of them are held at once."""
+
+
+STEP_LOOP_FORWARDS = runtime.RecentShapes(window=16, fits=2)
+""":data:`STEP_LOOP_SHAPES` for the training forwards that step from the host (:data:`FALLBACK_FORWARD`)."""
+
+
+def _step_loop_limit(recent: runtime.RecentShapes, shape: tuple) -> int:
+    """:data:`STEP_LOOP_GRAPH_SAVED_BYTES` once ``shape`` (noted here) repeats among ``recent``, else
+    :data:`GRAPH_SAVED_BYTES`."""
+    recent.note(shape)
+    return STEP_LOOP_GRAPH_SAVED_BYTES if recent.repeats(shape) else GRAPH_SAVED_BYTES
 
 
 def _backward_capture_limit(spec: CellSpec, num_layers: int, bidirectional: bool, hidden: int, x: torch.Tensor,
@@ -725,9 +790,8 @@ def _backward_capture_limit(spec: CellSpec, num_layers: int, bidirectional: bool
     (:data:`STEP_LOOP_SHAPES`, noted here), else :data:`GRAPH_SAVED_BYTES`."""
     if not x.is_cuda or x.dtype == torch.float64 or training_kernel.fits(spec, hidden, x.shape[1], x.device.index):
         return GRAPH_SAVED_BYTES
-    shape = (spec.name, num_layers, bidirectional, hidden, tuple(x.shape), x.dtype, padded, x.device.index)
-    STEP_LOOP_SHAPES.note(shape)
-    return STEP_LOOP_GRAPH_SAVED_BYTES if STEP_LOOP_SHAPES.repeats(shape) else GRAPH_SAVED_BYTES
+    return _step_loop_limit(STEP_LOOP_SHAPES, (spec.name, num_layers, bidirectional, hidden, tuple(x.shape), x.dtype,
+                                               padded, x.device.index))
 
 
 def _initial_states(spec: CellSpec, h0: torch.Tensor | None, c0: torch.Tensor | None, x: torch.Tensor, count: int,

@@ -130,16 +130,15 @@ class _EmulatedKernels:
             env = cells.evaluate(spec.between_stages[stage], env)
             self._view(args[3], B * H).copy_(_flat_tensor(env[spec.stage_operands[stage + 1]]))
             return
-        c = self._view(args[3], B * H) if spec.has_cell_state else None
-        if c is not None:
-            env["c"] = c.view(B, H).double().numpy()
+        if spec.has_cell_state:  # c_{t-1} in, c_t out (the same buffer, or a saved position's)
+            env["c"] = self._view(args[3], B * H).view(B, H).double().numpy()
         for block in spec.between_stages:
             env = cells.evaluate(block, env)
         env = cells.evaluate(spec.pointwise, env)
         h.copy_(_flat_tensor(env["h_new"]))
-        self._view(args[4], B * H).copy_(_flat_tensor(env["h_new"]))
-        if c is not None:
-            c.copy_(_flat_tensor(env["c_new"]))
+        self._view(args[5], B * H).copy_(_flat_tensor(env["h_new"]))
+        if spec.has_cell_state:
+            self._view(args[4], B * H).copy_(_flat_tensor(env["c_new"]))
 
 
 def _flat_tensor(a):  # numpy float64 -> flat torch tensor, for copy_ into a buffer of any dtype
@@ -169,6 +168,36 @@ def test_step_loop_with_emulated_kernels_matches_reference(cell, monkeypatch):
                         out, h_n, c_n)
     errors = _errors(spec, (out, h_n, c_n), ref)
     assert all(e <= tolerance("float32") for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("cell,reverse", [(cell, reverse) for cell in CELL_NAMES + CLIPPED_NAMES
+                                          if cells.get_cell(cell).num_stages == 1 for reverse in (False, True)])
+def test_step_loop_saving_gates_with_emulated_kernels_matches_the_training_forward(cell, reverse, monkeypatch):
+    # What a training forward on the fallback keeps (every gate's recurrent product with b_hh, c per position)
+    # against the torch-op training forward in float64, in both directions.
+    import torch
+
+    from persistrnn import training
+
+    spec = cells.get_cell(cell)
+    H, B, T = 6, 3, 4
+    t, x, h0, c0 = rounded_layer(cell, "float32", 5, H, B, T, np.random.default_rng(2), device="cpu")
+    c0 = c0 if spec.has_cell_state else None
+    xw = persistent.input_projection(x, t["w_ih"], t["b_ih"])
+    work = fallback._Work.allocate(spec, B, H, torch.float32, "cpu")
+    out, gates = torch.full((T, B, H), float("nan")), torch.full((T, B, spec.num_gates * H), float("nan"))
+    h_n = torch.full((B, H), float("nan"))
+    c_n, cs = (torch.full((B, H), float("nan")), torch.full((T, B, H), float("nan"))) if c0 is not None else (None,
+                                                                                                               None)
+    buffers = [b for b in (xw, work.h, work.c, work.hg, out, gates, cs) if b is not None]
+    monkeypatch.setattr(fallback.runtime, "launch", _EmulatedKernels(spec, buffers))
+    fallback._run_steps(spec, _EmulatedKernels(spec, buffers), xw, t["w_hh"], t["b_hh"], h0, c0, work, out, h_n, c_n,
+                        reverse, gates, cs)
+    want = training.direction_forward(spec, xw.double(), t["w_hh"].double(), t["b_hh"].double(), h0.double(),
+                                      None if c0 is None else c0.double(), reverse)
+    for name, got, expected in zip(("out", "gates", "c", "h_n", "c_n"), (out, gates, cs, h_n, c_n), want):
+        if expected is not None:
+            assert rel(got.double().numpy(), expected.numpy()) <= tolerance("float32"), name
 
 
 def test_pointwise_source_rejects_unknown_dtype_and_cell():

@@ -929,14 +929,34 @@ def _peer_gradients(case, tensors):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_MATRIX, ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_gpu_gradients_match_float64_reference_and_cudnn(case):
-    dtype = getattr(torch, case["dtype"])
+def test_gpu_gradients_match_float64_reference_and_cudnn(case, monkeypatch):
+    monkeypatch.setattr(training, "fallback_trains_forward", lambda *args: False)
+    assert training.training_config(case["cell"], case["hidden"], case["batch"], case["dtype"],
+                                    torch.cuda.current_device()) is not None, "the kernel path must run, not torch ops"
+    _check_gradients(case, getattr(torch, case["dtype"]))
+
+
+FALLBACK_MATRIX = [case for case in GPU_MATRIX if cells.get_cell(case["cell"]).num_stages == 1][::2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FALLBACK_MATRIX, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_gpu_a_training_forward_on_the_fallback_gives_the_gradients_of_float64(case, monkeypatch):
+    # The fallback's step loop in place of the persistent forward (a padded batch of a one-stage cell).
+    ran = []
+    run_fallback = training.fallback.run_fallback
+    monkeypatch.setattr(training, "fallback_trains_forward", lambda *args: True)
+    monkeypatch.setattr(training.fallback, "run_fallback", lambda *a, **kw: ran.append(1) or run_fallback(*a, **kw))
+    _check_gradients(case, getattr(torch, case["dtype"]))
+    assert len(ran) == case["num_layers"] * (1 + case["bidirectional"])
+
+
+def _check_gradients(case, dtype):
+    """Our gradients of a random model of ``case`` against float64 autograd, with cuDNN's as the peer."""
     options = (case["num_layers"], case["bidirectional"], case["has_biases"])
     x, h0, c0, weights = random_model(case["cell"], case["input_size"], case["hidden"], *options, case["steps"],
                                       case["batch"], dtype=dtype, device="cuda", seed=case["hidden"])
     tensors = [x, h0, c0, *weights]
-    assert training.training_config(case["cell"], case["hidden"], case["batch"], case["dtype"],
-                                    x.device.index) is not None, "the kernel path must run, not the torch-op one"
     result = ours(case["cell"], x, h0, c0, weights, *options)
     got = torch.autograd.grad(loss_of(tuple(None if t is None else t.double() for t in result)),
                               [t for t in tensors if t is not None])
@@ -949,8 +969,10 @@ def test_gpu_gradients_match_float64_reference_and_cudnn(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cell", CELL_NAMES)
-def test_gpu_saved_gates_equal_the_torch_op_forward(cell):
+@pytest.mark.parametrize("cell,path", [(cell, "kernel") for cell in CELL_NAMES]
+                         + [(cell, "fallback") for cell in CELL_NAMES if cells.get_cell(cell).num_stages == 1])
+def test_gpu_saved_gates_equal_the_torch_op_forward(cell, path, monkeypatch):
+    monkeypatch.setattr(training, "fallback_trains_forward", lambda *args: path == "fallback")
     x, h0, c0, weights = random_model(cell, 16, 100, 1, True, True, steps=9, batch=3, dtype=torch.float32,
                                       device="cuda", seed=2)
     with torch.no_grad():
@@ -1472,6 +1494,33 @@ def test_a_training_configuration_chosen_while_tf32_was_allowed_never_runs_once_
     finally:
         forget()
     assert allowed.tf32 and allowed.save_gates and not exact.tf32 and exact.save_gates and again == allowed
+
+
+@pytest.mark.parametrize("cell,holds,measured,expected", [
+    ("lstm", True, {"persistent grid a": 8.0, "persistent grid b": 8.7, "fallback": 1.4, "cudnn": 1.2}, True),
+    ("lstm", True, {"persistent cluster a": 0.2, "fallback": 1.4, "cudnn": 1.2}, False),
+    ("gru", True, {"persistent cluster a": float("nan"), "fallback": 1.4}, True),  # NaN: it failed to launch
+    ("rnn_relu", True, {"persistent cluster a": 2.0, "cudnn": 1.2}, False),  # the fallback untimed
+    ("lstm", False, {}, True),  # no persistent configuration holds the layer: the fallback, not torch ops
+    ("gru_reset_before", False, {"fallback": 0.1}, False),  # two stages: the fallback saves no gates of those
+])
+def test_a_training_forward_runs_the_fallback_where_the_plan_timed_it_faster_than_every_persistent_candidate(
+        monkeypatch, cell, holds, measured, expected):
+    from persistrnn import plan as planner
+
+    monkeypatch.setattr(planner, "cached_plan", lambda shape, batch: types.SimpleNamespace(measured_ms=measured))
+    training._fallback_trains_forward.cache_clear()
+    try:
+        assert training.fallback_trains_forward(cell, 1024, 32, "float32", 0, holds) is expected
+    finally:
+        training._fallback_trains_forward.cache_clear()
+
+
+def test_the_fallback_saves_the_gates_of_one_stage_cells_only():
+    xw = torch.zeros(2, 1, 6)
+    with pytest.raises(ArgumentError, match="one stage, got cell gru_reset_before of 2 stages"):
+        training.fallback.run_fallback("gru_reset_before", xw, torch.zeros(6, 2), torch.zeros(6), torch.zeros(1, 2),
+                                       None, saved_gates=torch.zeros(2, 1, 6))
 
 
 def test_where_the_plans_choice_does_not_compile_with_save_gates_its_next_fastest_timed_one_runs(monkeypatch):

@@ -39,7 +39,8 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS)
     prnn_fallback_pointwise(const float* __restrict__ xw,  // [B][G*H] x_t W_ih^T + b_ih
                             const float* __restrict__ hg,  // stage products, see prnn_hg_index
                             float* __restrict__ h,         // [B][H] fp32 state: h_{t-1} in, h_t out
-                            float* __restrict__ c,         // [B][H] fp32 cell state, in place (PRNN_HAS_C)
+                            const float* c_in,             // [B][H] fp32 cell state c_{t-1} (PRNN_HAS_C)
+                            float* c_out,                  // [B][H] c_t: c_in itself, or a training forward's saved c[t]
                             io_t* __restrict__ out,        // [B][H] out[t], the layer's dtype
                             int H, int B) {
     const int n = blockIdx.x * PRNN_THREADS + threadIdx.x;
@@ -50,8 +51,8 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS)
     float h_new;
 #if PRNN_HAS_C
     float c_new;
-    prnn_pointwise(xg, hgv, h[n], c[n], h_new, c_new);
-    c[n] = c_new;
+    prnn_pointwise(xg, hgv, h[n], c_in[n], h_new, c_new);
+    c_out[n] = c_new;
 #else
     prnn_pointwise(xg, hgv, h[n], h_new);
 #endif
