@@ -947,7 +947,8 @@ def test_gpu_a_training_forward_on_the_fallback_gives_the_gradients_of_float64(c
     run_fallback = training.fallback.run_fallback
     monkeypatch.setattr(training, "fallback_trains_forward", lambda *args: True)
     monkeypatch.setattr(training.fallback, "run_fallback", lambda *a, **kw: ran.append(1) or run_fallback(*a, **kw))
-    monkeypatch.setattr(training.persistent, "run_instances", lambda *a, **kw: pytest.fail("the persistent forward ran"))
+    monkeypatch.setattr(training.persistent, "run_instances",
+                        lambda *a, **kw: pytest.fail("the persistent forward ran"))
     _check_gradients(case, getattr(torch, case["dtype"]))
     assert ran
 
