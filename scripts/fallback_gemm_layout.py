@@ -1,0 +1,60 @@
+"""The fallback's per-step recurrent GEMM, ``h @ W_hh^T`` (+ b_hh), with
+W_hh as torch keeps it (G*H, H), read through the transposed view (what
+``fallback._run_steps`` hands cuBLAS), against a copy transposed once,
+(H, G*H) contiguous: device µs per GEMM (CUDA events around 200 GEMMs back
+to back, median of 7 rounds, the two layouts alternated), under torch's
+fp32 matmul precision "highest" (exact fp32) unless ``--matmul-precision``.
+
+    PYTHONPATH=. python scripts/fallback_gemm_layout.py [--hidden 256 1024 2048] [--batch 1 8 32 64]
+"""
+import argparse
+import statistics
+
+import torch
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--hidden", type=int, nargs="+", default=[256, 1024, 2048])
+parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+parser.add_argument("--gates", type=int, default=4)
+parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+parser.add_argument("--matmul-precision", choices=("highest", "high"), default="highest")
+args = parser.parse_args()
+torch.set_float32_matmul_precision(args.matmul_precision)
+dtype = getattr(torch, args.dtype)
+kwargs = {} if dtype == torch.float32 else {"out_dtype": torch.float32}
+
+
+def timed(run, calls=200):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
+a = torch.randn(4096, 4096, device="cuda")
+for _ in range(50):  # steady clocks before timing
+    a @ a
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, matmul precision "
+      f"{args.matmul_precision}; µs per GEMM")
+print("| H | batch | W_hh^T view | W_hh^T contiguous | view / contiguous |")
+print("|---|---|---|---|---|")
+for H in args.hidden:
+    w = (torch.randn(args.gates * H, H, device="cuda") * H ** -0.5).to(dtype)
+    bias = torch.randn(args.gates * H, device="cuda")
+    wt = w.t().contiguous()
+    for B in args.batch:
+        h = torch.randn(B, H, device="cuda").to(dtype)
+        out = torch.empty(B, args.gates * H, device="cuda")
+        runs = {"view": lambda h=h, w=w.t(), out=out, bias=bias: torch.addmm(bias, h, w, out=out, **kwargs),
+                "contiguous": lambda h=h, w=wt, out=out, bias=bias: torch.addmm(bias, h, w, out=out, **kwargs)}
+        for run in runs.values():
+            timed(run, 20)
+        times = {name: [] for name in runs}
+        for _ in range(7):
+            for name, run in runs.items():
+                times[name].append(timed(run))
+        view, contiguous = (statistics.median(times[name]) for name in runs)
+        print(f"| {H} | {B} | {view:.1f} | {contiguous:.1f} | {view / contiguous:.2f} |", flush=True)
