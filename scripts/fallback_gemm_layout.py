@@ -2,7 +2,7 @@
 W_hh as torch keeps it (G*H, H), read through the transposed view (what
 ``fallback._run_steps`` hands cuBLAS), against a copy transposed once,
 (H, G*H) contiguous: device µs per GEMM (CUDA events around 200 GEMMs back
-to back, median of 7 rounds, the two layouts alternated), under torch's
+to back, replayed from one CUDA graph, median of 7 rounds, the two layouts alternated), under torch's
 fp32 matmul precision "highest" (exact fp32) unless ``--matmul-precision``.
 
     PYTHONPATH=. python scripts/fallback_gemm_layout.py [--hidden 256 1024 2048] [--batch 1 8 32 64]
@@ -24,11 +24,21 @@ dtype = getattr(torch, args.dtype)
 kwargs = {} if dtype == torch.float32 else {"out_dtype": torch.float32}
 
 
-def timed(run, calls=200):
+def graphed(run, calls=200):
+    """``calls`` of ``run`` captured in one CUDA graph: a replay times the GPU's work, not the launches."""
+    run()  # cuBLAS's workspace and heuristics, before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    return graph
+
+
+def timed(graph, calls=200):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(calls):
-        run()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls * 1e3
@@ -48,13 +58,14 @@ for H in args.hidden:
     for B in args.batch:
         h = torch.randn(B, H, device="cuda").to(dtype)
         out = torch.empty(B, args.gates * H, device="cuda")
-        runs = {"view": lambda h=h, w=view, out=out, bias=bias: torch.addmm(bias, h, w, out=out, **kwargs),
-                "contiguous": lambda h=h, w=wt, out=out, bias=bias: torch.addmm(bias, h, w, out=out, **kwargs)}
-        for run in runs.values():
-            timed(run, 20)
+        runs = {"view": graphed(lambda h=h, w=view, out=out, bias=bias: torch.addmm(bias, h, w, out=out, **kwargs)),
+                "contiguous": graphed(lambda h=h, w=wt, out=out, bias=bias: torch.addmm(bias, h, w, out=out,
+                                                                                          **kwargs))}
+        for graph in runs.values():
+            timed(graph)
         times = {name: [] for name in runs}
         for _ in range(7):
-            for name, run in runs.items():
-                times[name].append(timed(run))
+            for name, graph in runs.items():
+                times[name].append(timed(graph))
         through_view, contiguous = (statistics.median(times[name]) for name in runs)
         print(f"| {H} | {B} | {through_view:.1f} | {contiguous:.1f} | {through_view / contiguous:.2f} |", flush=True)
