@@ -1,8 +1,9 @@
 """The fallback's per-step recurrent GEMM, ``h @ W_hh^T`` (+ b_hh), with
 W_hh as torch keeps it (G*H, H), read through the transposed view (what
 ``fallback._run_steps`` hands cuBLAS), against a copy transposed once,
-(H, G*H) contiguous: device µs per GEMM (CUDA events around 200 GEMMs back
-to back, replayed from one CUDA graph, median of 7 rounds, the two layouts alternated), under torch's
+(H, G*H) contiguous, and against the transposed product ``W_hh @ h^T``
+(G*H, B), W_hh as it is: device µs per GEMM (CUDA events around 200 GEMMs back
+to back, replayed from one CUDA graph, median of 7 rounds, the three alternated), under torch's
 fp32 matmul precision "highest" (exact fp32) unless ``--matmul-precision``.
 
     PYTHONPATH=. python scripts/fallback_gemm_layout.py [--hidden 256 1024 2048] [--batch 1 8 32 64]
@@ -49,8 +50,8 @@ for _ in range(50):  # steady clocks before timing
     a @ a
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, matmul precision "
       f"{args.matmul_precision}; µs per GEMM")
-print("| H | batch | W_hh^T view | W_hh^T contiguous | view / contiguous |")
-print("|---|---|---|---|---|")
+print("| H | batch | W_hh^T view | W_hh^T contiguous | (W_hh h^T)^T | view / contiguous | view / transposed |")
+print("|---|---|---|---|---|---|---|")
 for H in args.hidden:
     w = (torch.randn(args.gates * H, H, device="cuda") * H ** -0.5).to(dtype)
     bias = torch.randn(args.gates * H, device="cuda")
@@ -58,14 +59,18 @@ for H in args.hidden:
     for B in args.batch:
         h = torch.randn(B, H, device="cuda").to(dtype)
         out = torch.empty(B, args.gates * H, device="cuda")
+        out_t, h_t, bias_t = torch.empty(args.gates * H, B, device="cuda"), h.t().contiguous(), bias[:, None]
         runs = {"view": graphed(lambda h=h, w=view, out=out, bias=bias: torch.addmm(bias, h, w, out=out, **kwargs)),
                 "contiguous": graphed(lambda h=h, w=wt, out=out, bias=bias: torch.addmm(bias, h, w, out=out,
-                                                                                          **kwargs))}
+                                                                                          **kwargs)),
+                "transposed": graphed(lambda h=h_t, w=w, out=out_t, bias=bias_t: torch.addmm(bias, w, h, out=out,
+                                                                                              **kwargs))}
         for graph in runs.values():
             timed(graph)
         times = {name: [] for name in runs}
         for _ in range(7):
             for name, graph in runs.items():
                 times[name].append(timed(graph))
-        through_view, contiguous = (statistics.median(times[name]) for name in runs)
-        print(f"| {H} | {B} | {through_view:.1f} | {contiguous:.1f} | {through_view / contiguous:.2f} |", flush=True)
+        through_view, contiguous, transposed = (statistics.median(times[name]) for name in runs)
+        print(f"| {H} | {B} | {through_view:.1f} | {contiguous:.1f} | {transposed:.1f} | "
+              f"{through_view / contiguous:.2f} | {through_view / transposed:.2f} |", flush=True)
