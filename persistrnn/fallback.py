@@ -218,10 +218,9 @@ def _run_steps(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any,
                saved_c: Any = None) -> None:
     """Every step of one layer on the current stream: per step, one GEMM per
     stage and one pointwise kernel per stage. Eager, or under capture.
-    ``reverse``: the positions last to first. ``saved_gates`` (one-stage
-    cells): the GEMM writes step t's products into ``saved_gates[t]`` (the
-    layout :func:`hg_index` gives one stage), where the pointwise kernel reads
-    them; ``saved_c``: the kernel writes c_t into ``saved_c[t]`` and reads
+    ``reverse``: the positions last to first. ``saved_gates``,
+    ``saved_c``: the pointwise kernel also writes step t's stage products
+    into ``saved_gates[t]`` (B, G*H) and c_t into ``saved_c[t]``, reading
     c_{t-1} from the position before."""
     import numpy as np
     import torch
@@ -249,27 +248,22 @@ def _run_steps(spec: CellSpec, kernels: _Kernels, xw: Any, w_hh: Any, b_hh: Any,
     h_ptr, hg_ptr = ptr(work.h.data_ptr()), ptr(work.hg.data_ptr())
     c_ptr = ptr(work.c.data_ptr() if work.c is not None else 0)
     c_in = c_out = c_ptr
-    c_step = B * H * 4  # saved_c is fp32
+    c_step, gates_step = B * H * 4, B * GH * 4  # saved_c and saved_gates are fp32
     positions = range(T - 1, -1, -1) if reverse else range(T)
     for n, t in enumerate(positions):
         xw_t = ptr(xw_ptr + t * xw_step)
         operand = h0 if n == 0 else out[t + 1 if reverse else t - 1]
-        if saved_gates is not None:  # one stage: its products go where the backward reads them
-            (stage_bias, weight, _), = stages
-            gates_t = saved_gates[t]
-            torch.addmm(stage_bias, operand, weight, out=gates_t, **gemm_kwargs)
-            hg_ptr = ptr(gates_t.data_ptr())
-        else:
-            for k, (stage_bias, weight, product) in enumerate(stages):
-                if k:
-                    runtime.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr,
-                                   ptr(work.operand.data_ptr()), np.int32(k - 1), n_h, n_b)
-                    operand = work.operand
-                torch.addmm(stage_bias, operand, weight, out=product, **gemm_kwargs)
+        for k, (stage_bias, weight, product) in enumerate(stages):
+            if k:
+                runtime.launch(kernels.between, kernels.launch, xw_t, hg_ptr, h_ptr, ptr(work.operand.data_ptr()),
+                               np.int32(k - 1), n_h, n_b)
+                operand = work.operand
+            torch.addmm(stage_bias, operand, weight, out=product, **gemm_kwargs)
         if saved_c is not None:
             c_in, c_out = c_out, ptr(saved_c.data_ptr() + t * c_step)
+        gates_t = ptr(saved_gates.data_ptr() + t * gates_step if saved_gates is not None else 0)
         runtime.launch(kernels.pointwise, kernels.launch, xw_t, hg_ptr, h_ptr, c_in, c_out,
-                       ptr(out_ptr + t * out_step), n_h, n_b)
+                       ptr(out_ptr + t * out_step), gates_t, n_h, n_b)
     last = positions[-1]
     h_n.copy_(out[last])
     if spec.has_cell_state:
@@ -305,9 +299,9 @@ def run_fallback(
         saved_gates, saved_c: what a training forward keeps for the backward
             (:mod:`persistrnn.training`), as the persistent kernel's
             ``save_gates`` writes them: (T, B, G*H) fp32, every gate's
-            recurrent product with ``b_hh`` (cells of one stage only), and
-            (T, B, H) fp32, the cell state after each position (cells with
-            one). Both or neither.
+            recurrent product with ``b_hh`` (a later stage's of its operand,
+            e.g. ``r * h``), and (T, B, H) fp32, the cell state after each
+            position (cells with one). Both or neither.
 
     Returns (output (T, B, H), h_n (B, H), c_n (B, H) or None), fresh
     tensors unless destinations were given. The step loop launches 2T+
@@ -331,17 +325,13 @@ def run_fallback(
     dtype, H = w_hh.dtype, w_hh.shape[1]
     if not spec.has_cell_state and c_n is not None:
         raise ArgumentError(f"cell {spec.name} has no cell state: expected c_n=None, got a tensor")
-    saving = saved_gates is not None or saved_c is not None
-    if saving and spec.num_stages != 1:
-        raise ArgumentError(f"saved_gates: the fallback saves the gates of a cell of one stage, got cell "
-                            f"{spec.name} of {spec.num_stages} stages")
     T, B = check_recurrence(spec, xw, w_hh, b_hh, h0, c0, H, dtype)
     if B * G * H >= _INDEX_LIMIT:
         raise ArgumentError(f"expected batch * {G} * hidden below 2**31 (the kernels' int indices), got {B * G * H}")
     for name, given, shape in (("out", out, (T, B, H)), ("h_n", h_n, (B, H)), ("c_n", c_n, (B, H))):
         if given is not None:
             check_tensor(name, given, shape, xw.device, dtype)
-    if saving:
+    if saved_gates is not None or saved_c is not None:
         if saved_gates is None or (saved_c is not None) != spec.has_cell_state:
             wanted = "saved_gates and saved_c" if spec.has_cell_state else "saved_gates alone (no cell state)"
             raise ArgumentError(f"saved_gates, saved_c: expected {wanted} for cell {spec.name}, got saved_gates "

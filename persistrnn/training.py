@@ -490,8 +490,7 @@ GEMM and one pointwise kernel per step."""
 
 def fallback_trains_forward(cell: str, hidden_size: int, batch: int, dtype: str, device: int, holds: bool) -> bool:
     """Whether a training forward of a padded batch (no lengths) runs the
-    fallback's step loop: for a cell of one stage (the fallback saves the
-    gates of those only), where no persistent configuration holds the layer
+    fallback's step loop: where no persistent configuration holds the layer
     (``holds`` False: the step in torch ops is the other choice), or where
     the layer's plan at ``batch`` timed the fallback faster than every
     persistent candidate it timed. At exact fp32 LSTM 1024, batch 32, the
@@ -507,8 +506,6 @@ def _fallback_trains_forward(cell: str, hidden_size: int, batch: int, dtype: str
     """:func:`fallback_trains_forward`, once per its arguments and whether TF32 is allowed."""
     from . import plan as planner
 
-    if get_cell(cell).num_stages != 1:
-        return False
     if not holds:
         return True
     measured = planner.cached_plan(planner.ModelShape(cell, hidden_size, hidden_size, 1, dtype), batch).measured_ms

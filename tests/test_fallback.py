@@ -139,6 +139,9 @@ class _EmulatedKernels:
         self._view(args[5], B * H).copy_(_flat_tensor(env["h_new"]))
         if spec.has_cell_state:
             self._view(args[4], B * H).copy_(_flat_tensor(env["c_new"]))
+        if int(args[6]):  # a training forward's saved products, (B, G*H)
+            products = np.stack([env[f"h_{gate}"] for gate in spec.gates], axis=1)  # (B, G, H)
+            self._view(args[6], B * G * H).copy_(_flat_tensor(products))
 
 
 def _flat_tensor(a):  # numpy float64 -> flat torch tensor, for copy_ into a buffer of any dtype
@@ -171,7 +174,7 @@ def test_step_loop_with_emulated_kernels_matches_reference(cell, monkeypatch):
 
 
 @pytest.mark.parametrize("cell,reverse", [(cell, reverse) for cell in CELL_NAMES + CLIPPED_NAMES
-                                          if cells.get_cell(cell).num_stages == 1 for reverse in (False, True)])
+                                          for reverse in (False, True)])
 def test_step_loop_saving_gates_with_emulated_kernels_matches_the_training_forward(cell, reverse, monkeypatch):
     # What a training forward on the fallback keeps (every gate's recurrent product with b_hh, c per position)
     # against the torch-op training forward in float64, in both directions.
@@ -189,7 +192,7 @@ def test_step_loop_saving_gates_with_emulated_kernels_matches_the_training_forwa
     h_n = torch.full((B, H), float("nan"))
     c_n, cs = (torch.full((B, H), float("nan")), torch.full((T, B, H), float("nan"))) if c0 is not None else (None,
                                                                                                                None)
-    buffers = [b for b in (xw, work.h, work.c, work.hg, out, gates, cs) if b is not None]
+    buffers = [b for b in (xw, work.h, work.c, work.hg, work.operand, out, gates, cs) if b is not None]
     monkeypatch.setattr(fallback.runtime, "launch", _EmulatedKernels(spec, buffers))
     fallback._run_steps(spec, _EmulatedKernels(spec, buffers), xw, t["w_hh"], t["b_hh"], h0, c0, work, out, h_n, c_n,
                         reverse, gates, cs)

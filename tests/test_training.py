@@ -937,15 +937,14 @@ def test_gpu_gradients_match_float64_reference_and_cudnn(case, monkeypatch):
 
 
 FALLBACK_MATRIX = [case for name in dict.fromkeys(case["cell"] for case in GPU_MATRIX)
-                   if cells.get_cell(name).num_stages == 1
                    for case in [case for case in GPU_MATRIX if case["cell"] == name][:2]]
-"""Two cases of GPU_MATRIX per cell of one stage (the cells whose training forward may run on the fallback)."""
+"""Two cases of GPU_MATRIX per cell."""
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FALLBACK_MATRIX, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_gpu_a_training_forward_on_the_fallback_gives_the_gradients_of_float64(case, monkeypatch):
-    # The fallback's step loop in place of the persistent forward (a padded batch of a one-stage cell).
+    # The fallback's step loop in place of the persistent forward (a padded batch).
     ran = []
     run_fallback = training.fallback.run_fallback
     monkeypatch.setattr(training, "fallback_trains_forward", lambda *args: True)
@@ -975,7 +974,7 @@ def _check_gradients(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cell,path", [(cell, "kernel") for cell in CELL_NAMES]
-                         + [(cell, "fallback") for cell in CELL_NAMES if cells.get_cell(cell).num_stages == 1])
+                         + [(cell, "fallback") for cell in CELL_NAMES])
 def test_gpu_saved_gates_equal_the_torch_op_forward(cell, path, monkeypatch):
     monkeypatch.setattr(training, "fallback_trains_forward", lambda *args: path == "fallback")
     x, h0, c0, weights = random_model(cell, 16, 100, 1, True, True, steps=9, batch=3, dtype=torch.float32,
@@ -1507,7 +1506,7 @@ def test_a_training_configuration_chosen_while_tf32_was_allowed_never_runs_once_
     ("gru", True, {"persistent cluster a": float("nan"), "fallback": 1.4}, True),  # NaN: it failed to launch
     ("rnn_relu", True, {"persistent cluster a": 2.0, "cudnn": 1.2}, False),  # the fallback untimed
     ("lstm", False, {}, True),  # no persistent configuration holds the layer: the fallback, not torch ops
-    ("gru_reset_before", False, {"fallback": 0.1}, False),  # two stages: the fallback saves no gates of those
+    ("gru_reset_before", False, {}, True),  # two stages: the pointwise kernel saves every stage's products
 ])
 def test_a_training_forward_runs_the_fallback_where_the_plan_timed_it_faster_than_every_persistent_candidate(
         monkeypatch, cell, holds, measured, expected):
@@ -1519,13 +1518,6 @@ def test_a_training_forward_runs_the_fallback_where_the_plan_timed_it_faster_tha
         assert training.fallback_trains_forward(cell, 1024, 32, "float32", 0, holds) is expected
     finally:
         training._fallback_trains_forward.cache_clear()
-
-
-def test_the_fallback_saves_the_gates_of_one_stage_cells_only():
-    xw = torch.zeros(2, 1, 6)
-    with pytest.raises(ArgumentError, match="one stage, got cell gru_reset_before of 2 stages"):
-        training.fallback.run_fallback("gru_reset_before", xw, torch.zeros(6, 2), torch.zeros(6), torch.zeros(1, 2),
-                                       None, saved_gates=torch.zeros(2, 1, 6))
 
 
 def test_where_the_plans_choice_does_not_compile_with_save_gates_its_next_fastest_timed_one_runs(monkeypatch):

@@ -42,12 +42,17 @@ extern "C" __global__ void __launch_bounds__(PRNN_THREADS)
                             const float* c_in,             // [B][H] fp32 cell state c_{t-1} (PRNN_HAS_C)
                             float* c_out,                  // [B][H] c_t: c_in itself, or a training forward's saved c[t]
                             io_t* __restrict__ out,        // [B][H] out[t], the layer's dtype
+                            float* __restrict__ saved_gates,  // [B][G*H] a training forward's gates[t], or null
                             int H, int B) {
     const int n = blockIdx.x * PRNN_THREADS + threadIdx.x;
     if (n >= B * H) return;
     const int b = n / H, j = n - b * H;
     float xg[PRNN_G], hgv[PRNN_G];
     prnn_load_gates(xw, hg, b, j, H, B, xg, hgv);
+    if (saved_gates != nullptr) {  // every stage's product with its b_hh, as the backward reads them
+#pragma unroll
+        for (int g = 0; g < PRNN_G; ++g) saved_gates[b * (PRNN_G * H) + g * H + j] = hgv[g];
+    }
     float h_new;
 #if PRNN_HAS_C
     float c_new;
