@@ -787,7 +787,7 @@ def _report_times(module: torch.nn.Module, model: onnx.ModelProto, arrays: dict[
     # The time a running process sees: its captured calls replay from C++ once
     # the native replay is built (in the background, seconds after the first
     # call of a fresh machine); until then from Python, ~0.1 ms more per call
-    # (H100, LSTM 256 at batch 1: 0.232 against 0.125 ms).
+    # (H100, LSTM 256 at batch 1: 0.232 against 0.110 ms, docs/results/onnx-h100.md).
     native = runtime.native.available(wait=True)
     runtime.warm_up(call)
     device_ms = runtime.time_cuda_ms(call, warmup=3, repeats=REPEATS)
