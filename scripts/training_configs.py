@@ -2,7 +2,8 @@
 beside what the inference plan at that shape timed: per case, the plan's path,
 its persistent candidates' device ms (CUDA-graph replays of a 100-step
 inference forward, from the plan's own timing), and the training choice's
-label and, where the plan timed it, its ms.
+label and, where the plan timed it, its ms; the fallback's ms and whether
+the training forward runs it (``training.fallback_trains_forward``).
 
     PYTHONPATH=. python scripts/training_configs.py [--cases lstm:1024:8:float32 ...]
 """
@@ -34,7 +35,10 @@ with runtime.matmul_precision(args.matmul_precision):
         label = tuner.config_label(*launch) if launch else None  # the label leaves save_gates out
         planned_ms = chosen.measured_ms.get(chosen.label, float("nan"))
         print(f"{case}: plan {chosen.path} ({chosen.label}, {planned_ms:.3f} ms); "
-              f"cuDNN {chosen.measured_ms.get('cudnn', float('nan')):.3f} ms", flush=True)
+              f"cuDNN {chosen.measured_ms.get('cudnn', float('nan')):.3f} ms; "
+              f"fallback {chosen.measured_ms.get('fallback', float('nan')):.3f} ms; training forward on the fallback: "
+              f"{training.fallback_trains_forward(cell, hidden, batch, dtype, device, launch is not None)}",
+              flush=True)
         print(f"  training forward runs: {label} (plan's timing: {chosen.measured_ms.get(label, 'not timed')})")
         for ms, timed in persistent[:6]:
             print(f"  timed {ms:.3f} ms  {timed}")
