@@ -5,7 +5,7 @@ persistent one: ms per training step (CUDA events around 10 steps, median of
 5 rounds, the variants interleaved) and the memory each holds across steps
 (``torch.cuda.memory_reserved`` after steps, the caching allocator's free
 blocks released, less before; and the peak allocated during a step), for an
-LSTM at T=100, input = hidden, under torch's fp32 matmul precision
+LSTM (or ``--cell gru``) at T=100, input = hidden, under torch's fp32 matmul precision
 ``--matmul-precision``; cuDNN's step (torch's module, with TF32 allowed, as
 torch's default, and without) beside them.
 
@@ -21,6 +21,7 @@ from persistrnn import runtime, training, training_kernel
 from persistrnn.bench.training import _step, _time_interleaved
 
 parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--cell", choices=("lstm", "gru"), default="lstm")
 parser.add_argument("--hidden", type=int, default=1024)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--matmul-precision", choices=("highest", "high"), default="highest")
@@ -28,13 +29,14 @@ args = parser.parse_args()
 training.cudnn_trains_faster = lambda module, x: False  # the training operators, whatever cuDNN measures
 runtime.native.available(wait=True)
 torch.manual_seed(0)
-ours = persistrnn.LSTM(args.hidden, args.hidden).cuda()
+kind = {"lstm": "LSTM", "gru": "GRU"}[args.cell]
+ours = getattr(persistrnn, kind)(args.hidden, args.hidden).cuda()
 ours.training_kernels = True
 x = torch.randn(100, args.batch, args.hidden, device="cuda", requires_grad=True)
 print("persistent backward kernel holds the layer:",
-      training_kernel.fits("lstm", args.hidden, args.batch, torch.cuda.current_device()))
+      training_kernel.fits(args.cell, args.hidden, args.batch, torch.cuda.current_device()))
 step = _step(ours, x)
-peer = torch.nn.LSTM(args.hidden, args.hidden).cuda()
+peer = getattr(torch.nn, kind)(args.hidden, args.hidden).cuda()
 cudnn_step = _step(peer, x)
 
 
@@ -71,7 +73,7 @@ def held(settings):
 
 with runtime.matmul_precision(args.matmul_precision):
     print("the plan's choice of forward:", "fallback" if training.fallback_trains_forward(
-        "lstm", args.hidden, args.batch, "float32", torch.cuda.current_device(), True) else "persistent")
+        args.cell, args.hidden, args.batch, "float32", torch.cuda.current_device(), True) else "persistent")
     runs = {"as planned, captured": _settings, "as planned, launched": lambda: _settings(limit=1),
             "fallback forward, captured": lambda: _settings(fallback=True),
             "persistent forward, captured": lambda: _settings(fallback=False)}
@@ -83,7 +85,7 @@ with runtime.matmul_precision(args.matmul_precision):
     timed["cuDNN, TF32 allowed (torch's default)"] = (cudnn_step, contextlib.nullcontext)
     timed["cuDNN, exact"] = (cudnn_step, lambda: torch.backends.cudnn.flags(enabled=True, allow_tf32=False))
     times = _time_interleaved(timed, calls=10, repeats=5)
-    print(f"LSTM {args.hidden}, batch {args.batch}, T=100, fp32 matmul precision {args.matmul_precision}")
+    print(f"{kind} {args.hidden}, batch {args.batch}, T=100, fp32 matmul precision {args.matmul_precision}")
     for name in timed:
         held_text = (f"; held across steps {memory[name][0]:.0f} MiB, peak in a step {memory[name][1]:.0f} MiB"
                      if name in memory else "")
