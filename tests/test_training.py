@@ -988,9 +988,12 @@ def test_gpu_saved_gates_equal_the_torch_op_forward(cell, path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forward", ["plan", "fallback"])
 @pytest.mark.parametrize("cell,dtype", [("lstm", torch.float32), ("gru", torch.bfloat16),
                                         ("gru_reset_before", torch.float32), ("rnn_relu", torch.float16)])
-def test_gpu_gradients_are_bit_identical_run_to_run(cell, dtype):
+def test_gpu_gradients_are_bit_identical_run_to_run(cell, dtype, forward, monkeypatch):
+    if forward == "fallback":
+        monkeypatch.setattr(training, "fallback_trains_forward", lambda *args: True)
     x, h0, c0, weights = random_model(cell, 32, 333, 2, True, True, steps=20, batch=8, dtype=dtype, device="cuda",
                                       seed=3)
     runs = [gradients(ours, cell, x, h0, c0, weights, 2, True, True) for _ in range(2)]
