@@ -19,8 +19,11 @@ parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
 parser.add_argument("--gates", type=int, default=4)
 parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 parser.add_argument("--matmul-precision", choices=("highest", "high"), default="highest")
+parser.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublas",
+                    help="torch.backends.cuda.preferred_blas_library for the GEMMs")
 args = parser.parse_args()
 torch.set_float32_matmul_precision(args.matmul_precision)
+torch.backends.cuda.preferred_blas_library(args.blas)
 dtype = getattr(torch, args.dtype)
 kwargs = {} if dtype == torch.float32 else {"out_dtype": torch.float32}
 
@@ -49,7 +52,7 @@ a = torch.randn(4096, 4096, device="cuda")
 for _ in range(50):  # steady clocks before timing
     a @ a
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, matmul precision "
-      f"{args.matmul_precision}; µs per GEMM")
+      f"{args.matmul_precision}, {args.blas}; µs per GEMM")
 print("| H | batch | W_hh^T view | W_hh^T contiguous | (W_hh h^T)^T | view / contiguous | view / transposed |")
 print("|---|---|---|---|---|---|---|")
 for H in args.hidden:
