@@ -824,6 +824,27 @@ def test_a_backward_that_steps_from_the_host_takes_the_larger_bound_once_its_sha
     assert limit(32, on_gpu=False) == small
 
 
+def test_forwards_and_backwards_that_step_from_the_host_count_their_shapes_apart(monkeypatch):
+    # Forwards and backwards keep their recent shapes apart: a step's forward and
+    # backward are two calls of one step, so two shapes of steps (a loader's
+    # full batches and its last, smaller one) stay two shapes to each, not four.
+    from persistrnn import training_kernel
+
+    monkeypatch.setattr(training, "STEP_LOOP_SHAPES", runtime.RecentShapes(window=16, fits=2))
+    monkeypatch.setattr(training, "STEP_LOOP_FORWARDS", runtime.RecentShapes(window=16, fits=2))
+    monkeypatch.setattr(training_kernel, "fits", lambda *args: False)
+    spec = cells.get_cell("lstm")
+    limits = []
+    for batch in (32, 16, 32, 16):
+        x = types.SimpleNamespace(is_cuda=True, shape=(100, batch, 1024), dtype=torch.float32,
+                                  device=torch.device("cuda", 0))
+        limits.append(training._step_loop_limit(training.STEP_LOOP_FORWARDS,
+                                                training._padded_shape("lstm", 1, False, 1024, x)))
+        limits.append(training._backward_capture_limit(spec, 1, False, 1024, x, True))
+    small, large = training.GRAPH_SAVED_BYTES, training.STEP_LOOP_GRAPH_SAVED_BYTES
+    assert limits == [small] * 4 + [large] * 4
+
+
 def test_recent_shapes_capture_what_repeats_while_it_fits_the_cache():
     recent = runtime.RecentShapes(window=5, fits=2)
     recent.note(100)
