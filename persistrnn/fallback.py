@@ -369,8 +369,9 @@ def fallback_forward_layer(
 def forward_model(cell: str | CellSpec, layers: list[list[dict[str, Any]]], x: Any, h0: Any,
                   c0: Any | None) -> tuple[Any, Any, Any | None]:
     """A whole model on the fallback, with the arguments and results of
-    :func:`persistrnn.persistent.forward_model`. A reverse direction runs on
-    the flipped sequence."""
+    :func:`persistrnn.persistent.forward_model`. A reverse direction steps
+    from the last position to the first (``run_fallback``'s ``reverse``), on
+    the layer's input as it is: no flipped copies of it or of its output."""
     import torch
 
     spec = get_cell(cell) if isinstance(cell, str) else cell
@@ -380,11 +381,10 @@ def forward_model(cell: str | CellSpec, layers: list[list[dict[str, Any]]], x: A
         outputs = []
         for d, p in enumerate(directions):
             i = l * D + d
-            seq = layer_input.flip(0) if d else layer_input
-            xw = persistent.input_projection(seq, p["w_ih"], p["b_ih"])
+            xw = persistent.input_projection(layer_input, p["w_ih"], p["b_ih"])
             out, h, c = run_fallback(spec, xw, p["w_hh"], p["b_hh"], h0[i].contiguous(),
-                                     c0[i].contiguous() if spec.has_cell_state else None)
-            outputs.append(out.flip(0) if d else out)
+                                     c0[i].contiguous() if spec.has_cell_state else None, reverse=d == 1)
+            outputs.append(out)
             h_n.append(h)
             c_n.append(c)
         layer_input = torch.cat(outputs, dim=2) if D == 2 else outputs[0]
