@@ -13,6 +13,8 @@ cache changed.
 import copy
 import ctypes
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -394,6 +396,19 @@ def test_a_captured_call_copies_through_its_own_nodes_pointed_at_each_calls_tens
     for plain in (runtime.CapturedCall(fn, example),  # not asked for (a training step's): copies around the launch
                   runtime.CapturedCall(fn, example, copy_nodes=True, spread_copies=True)):  # device-bound: the same
         assert torch.ops.persistrnn_native.copy_nodes(plain.native_id) == [0, 0]
+
+
+@pytest.mark.gpu
+def test_a_process_that_ends_with_native_entries_left_exits_cleanly():
+    # A captured call adopted by the native replay and alive as the process ends (its static CUDA tensors in the
+    # native tables): the process exits with 0, not a crash as its libraries' static data is destroyed.
+    code = ("import torch\nfrom persistrnn import runtime\nfrom persistrnn.runtime import native\n"
+            "assert native.available(wait=True)\n"
+            "call = runtime.CapturedCall(lambda a: (a * 2 + 1,), [torch.randn(64, device='cuda')])\n"
+            "x = torch.randn(64, device='cuda')\n"
+            "assert call.native_id is not None and torch.equal(call(x)[0], x * 2 + 1)\nprint('ran')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stdout.strip()) == (0, "ran"), run.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 
 import pytest
 
@@ -291,3 +292,45 @@ def test_work_in_the_background_runs_in_order_in_daemon_threads_at_the_lowest_pr
     assert [x for x, _, _ in seen] == [1, 2, 4]  # one worker: the items' order
     assert all(daemon and nice == 19 for _, daemon, nice in seen)
     assert runtime.submit_in_background(work, []) == []
+
+
+@pytest.mark.gpu
+def test_a_process_whose_first_call_calibrated_exits_cleanly(tmp_path):
+    # A fresh cache: the first call calibrates and tunes, and leaves compiles running in the background as the
+    # process ends. Before those were waited for at exit, such a process ended with SIGSEGV (rc -11), every time.
+    import shutil
+    import subprocess
+
+    from persistrnn.runtime import native
+
+    assert native.available(wait=True)
+    cache = tmp_path / "cache"
+    shutil.copytree(native.library_path().parent, cache / "native")  # the native library built: not timed here
+    code = ("import torch, persistrnn\nm = persistrnn.LSTM(256, 256).cuda().eval()\nwith torch.no_grad():\n"
+            "    m(torch.randn(50, 1, 256, device='cuda'))\ntorch.cuda.synchronize()\nprint('ran')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PERSISTRNN_CACHE_DIR": str(cache)})
+    assert (run.returncode, run.stdout.strip()) == (0, "ran"), run.stderr[-3000:]
+
+
+def test_the_process_end_cancels_background_work_not_started_and_waits_for_the_running_call(monkeypatch):
+    import importlib
+    import threading
+
+    compile_module = importlib.import_module("persistrnn.runtime.compile")
+    monkeypatch.setattr(compile_module, "_BACKGROUND", [])  # this test's work only
+    started, release, done = threading.Event(), threading.Event(), []
+
+    def work(x):
+        started.set()
+        release.wait(30)
+        done.append(x)
+        return x
+
+    futures = runtime.submit_in_background(work, [1, 2, 3], max_workers=1)
+    assert started.wait(30)
+    threading.Timer(0.2, release.set).start()
+    began = time.perf_counter()
+    compile_module._end_background()  # what the process's end runs (atexit)
+    assert time.perf_counter() - began >= 0.15 and done == [1]  # the running call finished first
+    assert futures[0].result(timeout=0) == 1 and futures[1].cancelled() and futures[2].cancelled()

@@ -8,6 +8,7 @@ sm_90 on a CPU-only machine and checks the resource report.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -333,9 +334,9 @@ def lower_thread_priority() -> None:
 def submit_in_background(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[Future[R]]:
     """``fn(x)`` for every item, started in the items' order in daemon threads
     at the lowest priority (:func:`lower_thread_priority`); a future per item.
-    Unlike :func:`submit_in_threads`, the process does not wait for them when
-    it exits (a compile cut short leaves no cache entry: entries are written
-    whole, then renamed)."""
+    Unlike :func:`submit_in_threads`, the process does not wait for all of
+    them when it exits: the items not started are cancelled, and only the
+    calls running then are waited for (:func:`_end_background`)."""
     from cuda.core import Program, ProgramOptions  # noqa: F401  (concurrent first imports race)
 
     pending = collections.deque((x, Future()) for x in items)
@@ -355,9 +356,43 @@ def submit_in_background(fn: Callable[[T], R], items: Sequence[T], max_workers: 
             except Exception as exc:
                 future.set_exception(exc)
 
-    for _ in range(max(1, min(len(futures), max_workers or os.cpu_count() or 1))):
-        threading.Thread(target=work, name="persistrnn-background", daemon=True).start()
+    threads = [threading.Thread(target=work, name="persistrnn-background", daemon=True)
+               for _ in range(max(1, min(len(futures), max_workers or os.cpu_count() or 1)))]
+    with _BACKGROUND_LOCK:
+        _BACKGROUND[:] = [(queue, alive) for queue, alive in _BACKGROUND if any(t.is_alive() for t in alive)]
+        _BACKGROUND.append((pending, threads))
+    for thread in threads:
+        thread.start()
     return futures
+
+
+_BACKGROUND: list[tuple[collections.deque, list[threading.Thread]]] = []
+"""Every :func:`submit_in_background` call's queue of items not started and
+its threads, while any of them runs."""
+_BACKGROUND_LOCK = threading.Lock()
+_BACKGROUND_EXIT_WAIT_S = 60.0
+"""The most the process's end waits for one background thread's running call
+(a compile takes seconds)."""
+
+
+@atexit.register
+def _end_background() -> None:
+    """At the process's end, before the interpreter and the libraries it
+    loaded are torn down: the background items not started are cancelled,
+    and the calls running are waited for. A daemon thread left inside NVRTC
+    would run on while NVRTC's and CUDA's state is destroyed around it."""
+    with _BACKGROUND_LOCK:
+        running = list(_BACKGROUND)
+    for queue, _ in running:
+        while True:
+            try:
+                _, future = queue.popleft()
+            except IndexError:
+                break
+            future.cancel()
+    for _, threads in running:
+        for thread in threads:
+            thread.join(_BACKGROUND_EXIT_WAIT_S)
 
 
 def sources_dir() -> Path:
