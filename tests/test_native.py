@@ -11,6 +11,7 @@ cache changed.
 """
 
 import copy
+import os
 import ctypes
 import shutil
 import subprocess
@@ -55,6 +56,28 @@ def _restore_driver(library):
     except OSError:
         library.configure(0, 0)
         library.configure_copy_nodes([0] * 5)
+
+
+def test_a_build_that_outlives_its_process_still_leaves_the_library_and_no_temp_file(tmp_path):
+    # The build runs in a thread beside a first call; a process that ends first leaves its compiler to finish,
+    # and the library is renamed into place for the next process (a stand-in compiler that takes a second).
+    import time
+
+    compiler = tmp_path / "slow-c++"
+    compiler.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\nsleep 1\necho built > "$2"\n')
+    compiler.chmod(0o755)
+    target = tmp_path / "cache" / "replay.so"
+    code = ("import sys, threading, time\nfrom pathlib import Path\nfrom persistrnn.runtime import native\n"
+            "threading.Thread(target=native.build, args=(Path(sys.argv[1]),), daemon=True).start()\n"
+            "time.sleep(0.3)\nprint('ended')\n")
+    ended = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CXX": str(compiler)})
+    assert (ended.returncode, ended.stdout.strip(), target.exists()) == (0, "ended", False), ended.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while not target.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert target.read_text() == "built\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["replay.so"]
 
 
 @NEEDS_COMPILER

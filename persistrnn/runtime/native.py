@@ -60,7 +60,13 @@ def _compiler() -> str:
 def build(target: Path) -> None:
     """Compile ``replay.cpp`` into ``target`` (a temp name, then a rename:
     a reader never sees half a library). Raises :class:`CompileError` with
-    the compiler's output."""
+    the compiler's output.
+
+    The compiler and the rename run in one child shell whose output goes to
+    a file, not to a pipe of this process: a process that ends during the
+    build (the build runs beside a first call, and a short script ends in
+    less than its ~15 s) leaves the child to finish it, so the next process
+    finds the library instead of a temp file of this one's."""
     import torch
     from torch.utils import cpp_extension
 
@@ -71,17 +77,22 @@ def build(target: Path) -> None:
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-isystem{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", tmp,
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+    log = tmp + ".log"
+    then_rename = 'tmp="$1" target="$2" log="$3"; shift 3; "$@" >"$log" 2>&1 && mv -f "$tmp" "$target" && rm -f "$log"'
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        done = subprocess.run(["sh", "-c", then_rename, "sh", tmp, str(target), log, *command],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
-            raise CompileError(f"building the native replay failed ({' '.join(command[:1])} exit "
-                               f"{done.returncode}):\n{done.stderr[-4000:]}")
-        os.replace(tmp, target)
+            with open(log, errors="replace") as output:
+                raise CompileError(f"building the native replay failed ({' '.join(command[:1])} exit "
+                                   f"{done.returncode}):\n{output.read()[-4000:]}")
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise CompileError(f"building the native replay failed: {exc}") from exc
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, log):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def available(*, wait: bool = False) -> bool:
