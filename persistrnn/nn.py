@@ -622,8 +622,9 @@ class StreamSession:
         self.module = module
         self.batch_size = batch_size
         weight = module.weight_hh_l0
-        h = weight.new_zeros(module.num_layers, batch_size, getattr(module, "proj_size", 0) or module.hidden_size)
-        c = weight.new_zeros(module.num_layers, batch_size, module.hidden_size)
+        with runtime.ordinary_tensors():  # updated in place by later calls, in any mode
+            h = weight.new_zeros(module.num_layers, batch_size, getattr(module, "proj_size", 0) or module.hidden_size)
+            c = weight.new_zeros(module.num_layers, batch_size, module.hidden_size)
         self._buffers = (h, c) if module.spec.has_cell_state else (h,)
         self._graphs = runtime.GraphCache(self.GRAPHS)
 

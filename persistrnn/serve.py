@@ -365,16 +365,19 @@ class Engine:
         self._batches: collections.OrderedDict[tuple, _Batch] = collections.OrderedDict()
         if not isinstance(resident, bool):
             raise ArgumentTypeError(f"Engine: expected a bool resident, got {type(resident).__name__}")
-        self._resident = self._resident_layer() if resident else None
-        # The streams' states, where the resident kernel does not keep them in its own slots: one row per
-        # slot, then two more: a spare row that the padding rows of a batch write their states to, and a row
-        # of zeros, never written, that a new stream's first chunk and the padding rows read.
-        self._spare_slot, self._zero_slot = max_streams, max_streams + 1
-        self._h = self._c = None
-        if self._resident is None:
-            self._h = weight.new_zeros(model.num_layers, max_streams + 2, self.output_size)
-            if self._has_cell_state:
-                self._c = weight.new_zeros(model.num_layers, max_streams + 2, model.hidden_size)
+        # The states are updated in place by the worker, which a constructor under torch.inference_mode() does
+        # not put in inference mode.
+        with runtime.ordinary_tensors():
+            self._resident = self._resident_layer() if resident else None
+            # The streams' states, where the resident kernel does not keep them in its own slots: one row per
+            # slot, then two more: a spare row that the padding rows of a batch write their states to, and a
+            # row of zeros, never written, that a new stream's first chunk and the padding rows read.
+            self._spare_slot, self._zero_slot = max_streams, max_streams + 1
+            self._h = self._c = None
+            if self._resident is None:
+                self._h = weight.new_zeros(model.num_layers, max_streams + 2, self.output_size)
+                if self._has_cell_state:
+                    self._c = weight.new_zeros(model.num_layers, max_streams + 2, model.hidden_size)
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the worker's alone: input queued, a call, or closing

@@ -139,6 +139,25 @@ def test_stream_chunks_equal_one_call(kind, kw):
     assert torch.allclose(got, whole, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("made_under", ["inference_mode", "no_grad"])
+def test_a_stream_session_made_in_one_mode_runs_chunks_in_the_other(made_under):
+    # A session's states are updated in place by every chunk, whatever mode the chunk's call runs in.
+    torch.manual_seed(7)
+    model = persistrnn.LSTM(4, 6, num_layers=2).eval()
+    modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+    x = torch.randn(7, 2, 4)
+    with modes[made_under]():
+        session = model.stream(2)
+    assert not any(s.is_inference() for s in session.state)
+    parts = []
+    for i, (a, b) in enumerate(((0, 2), (2, 3), (3, 7))):
+        with modes[list(modes)[i % 2]]():
+            parts.append(session(x[a:b]))
+    with torch.no_grad():
+        whole, _ = model(x)
+    assert torch.allclose(torch.cat(parts), whole, atol=1e-6, rtol=0)
+
+
 def test_stream_reset_clears_chosen_rows_only():
     torch.manual_seed(6)
     model = persistrnn.LSTM(3, 4).eval()
@@ -391,6 +410,37 @@ def test_gpu_replayed_forward_sees_new_inputs_and_weights(untuned):
     model.weight_hh_l0 = torch.nn.Parameter(model.weight_hh_l0.detach() * 1.5)  # a new tensor: a new graph
     check()
     assert len(ops.GRAPHS) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["persistent", "fallback", "cudnn"])
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad"])
+def test_gpu_calls_under_inference_mode_and_no_grad_mix_on_one_module(untuned, monkeypatch, path, first):
+    # Serving code calls under torch.inference_mode(), other code under no_grad: a shape first captured under
+    # one mode replays under the other, on the operator's path (the plan cache's plans) and the module's own.
+    from persistrnn import plan as planner
+
+    torch.manual_seed(14)
+    model = persistrnn.LSTM(12, 40, num_layers=2).cuda().eval()
+    monkeypatch.setattr(ops, "GRAPHS", persistrnn.runtime.GraphCache(capacity=64))  # empty
+    if path != "persistent":
+        shape = planner.shape_of(model)
+        monkeypatch.setattr(model, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))
+    twin = copy.deepcopy(model).cpu().double()
+    modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+    for mode in [first, *(m for m in modes if m != first)] * 2:
+        x = torch.randn(9, 3, 12, device="cuda")
+        with modes[mode]():
+            out, (h, c) = model(x)
+        with torch.no_grad():
+            want, (want_h, want_c) = twin(x.cpu().double())
+        for got, expected in ((out, want), (h, want_h), (c, want_c)):
+            assert rel(got.cpu().double().numpy(), expected.numpy()) <= 1e-5, (mode, path)
+    with torch.no_grad():
+        out = model(torch.randn(9, 3, 12, device="cuda"))[0]
+    scale = torch.ones_like(out, requires_grad=True)
+    (out * scale).sum().backward()  # a no_grad call's output is an ordinary tensor, autograd may save it
+    assert torch.equal(scale.grad, out)
 
 
 @pytest.mark.gpu

@@ -203,6 +203,29 @@ def test_a_torch_module_is_converted_and_batch_first_and_one_layer_work():
                                        **TOLERANCES["cpu"])
 
 
+def check_an_engine_made_under_inference_mode(model, device, **engine_options):
+    # Serving code often builds its engine inside torch.inference_mode(); the worker, another thread, runs
+    # outside it and updates the engine's states in place. Chunks pushed under inference mode and outside it.
+    streams = random_streams(random.Random(30), count=6, input_size=model.input_size, lengths=(1, 2))
+    with torch.inference_mode():
+        engine = serve.Engine(model, max_streams=3, timeout=WAIT, **engine_options)
+    with engine:
+        outputs = []
+        for i, chunks in enumerate(streams):
+            stream, got = engine.open(), []
+            for chunk in chunks:
+                with torch.inference_mode() if i % 2 else contextlib.nullcontext():
+                    stream.push(chunk.to(device))
+                got.append(stream.pull(timeout=WAIT))
+            stream.close()
+            outputs.append(got)
+    check_outputs(model, streams, outputs, TOLERANCES[torch.device(device).type])
+
+
+def test_an_engine_made_under_inference_mode_runs_its_worker_outside_it():
+    check_an_engine_made_under_inference_mode(make_model("lstm"), "cpu")
+
+
 def test_a_slot_without_input_does_not_advance():
     model = make_model("gru", layers=1)
     with serve.Engine(model, max_streams=2) as engine:
@@ -876,6 +899,14 @@ def test_gpu_every_stream_equals_running_it_alone(cell, untuned):
         assert engine._batch_sizes() == [1, 2, 4, 8, 16, 24]
         outputs = serve_clients(engine, streams, threads=8, seed=9)
     check_outputs(model, streams, outputs, TOLERANCES["cuda"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident", [False, True])
+def test_gpu_an_engine_made_under_inference_mode_runs_its_worker_outside_it(untuned, resident):
+    model = make_model("lstm", input_size=32, hidden=64, layers=1).cuda()
+    check_an_engine_made_under_inference_mode(model, "cpu", resident=resident)
+    check_an_engine_made_under_inference_mode(model, "cuda", resident=resident)
 
 
 @pytest.mark.gpu

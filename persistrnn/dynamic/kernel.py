@@ -165,10 +165,11 @@ class Interpreter:
         self.blocks = blocks or facts.sm_count
         self.optimizer = optimizer or SGD()
         self.device = torch.device(device)
-        self.params = torch.from_numpy(model.initial_values()).to(self.device)
-        self.param_grads = torch.zeros_like(self.params)
-        self.adam_m = torch.zeros_like(self.params)
-        self.adam_v = torch.zeros_like(self.params)
+        with runtime.ordinary_tensors():  # zeroed in place by later launches, in any mode
+            self.params = torch.from_numpy(model.initial_values()).to(self.device)
+            self.param_grads = torch.zeros_like(self.params)
+            self.adam_m = torch.zeros_like(self.params)
+            self.adam_v = torch.zeros_like(self.params)
         self.updates = 0
         self._pending: Launched | None = None
         self.placement = placement

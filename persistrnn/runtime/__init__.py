@@ -14,7 +14,7 @@ from .compile import (CompiledBinary, KernelResources, cache_key, compile_source
 from .device import (DeviceFacts, cudnn_rnn_precision, cudnn_rnn_settings, device_facts, facts_of, matmul_allows_tf32,
                      matmul_precision, require_gpu)
 from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, RecentShapes, capture, capture_graph, copy_tensors,
-                     own_stream, release_stream)
+                     ordinary_tensors, own_stream, release_stream)
 from . import native
 from .launch import (HOST_SPIN_S, WAIT_TIMEOUT_ENV, LoadedKernel, Scratch, check_status, failure_hook, get_kernel,
                      inject_failure, kernel_args, launch, raise_failure_code, raise_reported_failure, report_word,
@@ -31,7 +31,7 @@ __all__ = [
     "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
     "inject_failure", "kernel_args", "key_lock", "launch", "lower_thread_priority", "map_in_threads",
     "matmul_allows_tf32", "matmul_precision", "native", "nvrtc_compiles", "nvrtc_version",
-    "own_stream", "release_stream",
+    "ordinary_tensors", "own_stream", "release_stream",
     "parse_ptxas_report", "per_iteration_us", "program_options", "raise_failure_code", "raise_reported_failure",
     "read_source",
     "render_template",

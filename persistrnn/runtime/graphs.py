@@ -24,14 +24,15 @@ replay has finished.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import weakref
 from typing import Any, Callable, Sequence
 
 from . import native
 
-__all__ = ["CapturedCall", "GraphCache", "RecentShapes", "capture", "capture_graph", "copy_tensors", "own_stream",
-           "release_stream"]
+__all__ = ["CapturedCall", "GraphCache", "RecentShapes", "capture", "capture_graph", "copy_tensors",
+           "ordinary_tensors", "own_stream", "release_stream"]
 
 _CAPTURE_LOCK = threading.RLock()  # held by a capture, and by a wait on a stream that a capture might use
 _FREE_STREAMS: dict[int, list[Any]] = {}
@@ -70,6 +71,23 @@ def release_stream(stream: Any) -> None:
         _FREE_STREAMS.setdefault(stream.device.index, []).append(stream)
 
 
+@contextlib.contextmanager
+def ordinary_tensors() -> Any:
+    """Tensors made inside are ordinary tensors, also where the caller runs
+    under ``torch.inference_mode()``; grad mode stays off there, as inference
+    mode had it. For buffers kept across calls (a captured call's static
+    tensors, a session's or an engine's states): a later call updates them in
+    place in whatever mode it runs, and torch refuses an in-place update of
+    an inference tensor outside inference mode."""
+    import torch
+
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def capture_graph(fn: Callable[[], Any], stream: Any = None) -> Any:
     """``fn()`` captured as a ``torch.cuda.CUDAGraph`` (see :func:`capture`)."""
     return capture(fn, stream=stream)[0]
@@ -90,7 +108,9 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     allocating meanwhile. A capture that fails keeps its stream out of the
     free list (it may still be capturing). ``result``
     is what the captured call returned; its tensors, and every tensor
-    ``record`` allocates, live in the graph's own memory pool. ``keep_graph``:
+    ``record`` allocates, live in the graph's own memory pool, ordinary
+    tensors whatever the caller's mode (:func:`ordinary_tensors`): the graph
+    serves later calls in any mode. ``keep_graph``:
     the graph keeps its ``cudaGraph_t`` (``raw_cuda_graph()``) beside the
     instantiated one, for finding its nodes."""
     import torch
@@ -102,7 +122,7 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     stream.wait_stream(caller)
     # The outer stream context restores the caller's stream on every exit: torch's graph context does not
     # when ending the capture raises.
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), ordinary_tensors():
         try:
             (warm or record)()
         except BaseException:
