@@ -371,8 +371,8 @@ _BACKGROUND: list[tuple[collections.deque, list[threading.Thread]]] = []
 its threads, while any of them runs."""
 _BACKGROUND_LOCK = threading.Lock()
 _BACKGROUND_EXIT_WAIT_S = 60.0
-"""The most the process's end waits for one background thread's running call
-(a compile takes seconds)."""
+"""The most the process's end waits for the background calls running, all
+together (a compile takes seconds)."""
 
 
 @atexit.register
@@ -390,9 +390,10 @@ def _end_background() -> None:
             except IndexError:
                 break
             future.cancel()
+    deadline = time.monotonic() + _BACKGROUND_EXIT_WAIT_S
     for _, threads in running:
         for thread in threads:
-            thread.join(_BACKGROUND_EXIT_WAIT_S)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def sources_dir() -> Path:
