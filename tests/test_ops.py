@@ -211,6 +211,22 @@ def test_torch_compile_matches_eager_without_graph_breaks(cls, kwargs, untuned):
 
 
 @pytest.mark.gpu
+def test_torch_compile_under_inference_mode_then_no_grad(untuned):
+    # A compiled serving model called under torch.inference_mode(), then the same shapes under no_grad.
+    torch.manual_seed(4)
+    model = Classifier(persistrnn.LSTM(16, 32, num_layers=2, batch_first=True)).cuda().eval()
+    compiled = torch.compile(model)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+            x = torch.randn(3, 7, 12, device="cuda")
+            with mode():
+                got = compiled(x)
+            with torch.no_grad():
+                want = model(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
 def test_torch_compile_without_torchs_rnn_switch_still_agrees(untuned):
     torch.manual_seed(3)
     model = Classifier(persistrnn.LSTM(16, 32, batch_first=True)).cuda().eval()

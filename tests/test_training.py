@@ -1123,6 +1123,41 @@ def test_gpu_training_under_autocast_gives_torchs_dtypes_at_no_worse_an_error(un
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_gpu_learned_initial_states_expanded_over_the_batch_train_and_infer(kind, recwarn):
+    # A learned initial state, one row expanded over the batch (stride 0): its gradient is the sum over the
+    # batch's rows, as autograd gives through expand; the same expanded states in an inference call.
+    import persistrnn
+
+    torch.manual_seed(15)
+    L, B, H = 2, 5, 40
+    model = getattr(persistrnn, kind)(16, H, num_layers=L).cuda().train()
+    model.training_kernels = True
+    has_c = kind == "LSTM"
+    initial = [torch.nn.Parameter(torch.randn(L, 1, H, device="cuda") * 0.5) for _ in range(2 if has_c else 1)]
+    x = torch.randn(9, B, 16, device="cuda", requires_grad=True)
+    hx = tuple(p.expand(L, B, H) for p in initial)
+    out, state = model(x, hx if has_c else hx[0])
+    h_n = state[0] if has_c else state
+    loss_of((out.double(), h_n.double())).backward()
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)], "the call ran torch's implementation"
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, *initial, *model._flat_weights)]
+    count = len(initial)
+    x64, states64, weights64 = leaves[0], [s.expand(L, B, H) for s in leaves[1:1 + count]], leaves[1 + count:]
+    want_out, want_h, _ = reference_autograd(model.cell, x64, states64[0], states64[1] if has_c else None, weights64,
+                                             L, False, True)
+    want = torch.autograd.grad(loss_of((want_out, want_h)), leaves)
+    got = [x.grad, *(p.grad for p in initial), *(w.grad for w in model._flat_weights)]
+    names = ["x", *(f"initial {i}" for i in range(len(initial))), *model._flat_weights_names]
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32", context=kind)
+    model.eval()
+    with torch.no_grad():
+        again = model(x.detach(), tuple(p.detach().expand(L, B, H) for p in initial) if has_c
+                      else initial[0].detach().expand(L, B, H))[0]
+    assert float((again.double().cpu() - want_out.detach()).norm() / want_out.detach().norm()) <= 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind,kw", MODULES)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_module_training_call_gives_float64_gradients(kind, kw, compiled, recwarn):
