@@ -1158,6 +1158,47 @@ def test_gpu_learned_initial_states_expanded_over_the_batch_train_and_infer(kind
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_gpu_a_decoder_loop_of_one_step_calls_trains_as_one_graph(kind, recwarn):
+    # A seq2seq decoder: the module called one step at a time, each step's input made from the last output,
+    # the states carried, six calls of one shape (one captured training step, replayed) before one backward.
+    import persistrnn
+
+    torch.manual_seed(16)
+    L, B, H, steps = 2, 3, 24, 6
+    model = getattr(persistrnn, kind)(H, H, num_layers=L).cuda().train()
+    model.training_kernels = True
+    first = torch.randn(1, B, H, device="cuda", requires_grad=True)
+    has_c = kind == "LSTM"
+
+    def decode(module, x, state):
+        outs = []
+        for _ in range(steps):
+            out, state = module(x, state)
+            outs.append(out)
+            x = torch.tanh(out)
+        return torch.cat(outs), state
+
+    out, state = decode(model, first, None)
+    h_n = state[0] if has_c else state
+    loss_of((out.double(), h_n.double())).backward()
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)], "the call ran torch's implementation"
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (first, *model._flat_weights)]
+    zeros = torch.zeros(L, B, H, dtype=torch.float64)
+
+    def reference(x, state):
+        out, h_n, c_n = reference_autograd(model.cell, x, *(state if state is not None else (zeros, zeros)),
+                                           leaves[1:], L, False, True)
+        return out, (h_n, c_n)
+
+    want_out, (want_h, _) = decode(reference, leaves[0], None)
+    want = torch.autograd.grad(loss_of((want_out, want_h)), leaves)
+    got = [first.grad, *(w.grad for w in model._flat_weights)]
+    names = ["x", *model._flat_weights_names]
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32", context=kind)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind,kw", MODULES)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_module_training_call_gives_float64_gradients(kind, kw, compiled, recwarn):
