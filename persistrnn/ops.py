@@ -93,7 +93,9 @@ def run_plan(chosen: Any, cell: str, weights: list[torch.Tensor], x: torch.Tenso
         h0 = x.new_zeros(num_layers * directions, x.shape[1], weights[1].shape[1])
         c0 = torch.zeros_like(h0) if has_c else None
     if chosen.path == "cudnn":
-        hx = (h0, c0) if c0 is not None else h0
+        # cuDNN refuses states that are not contiguous ("rnn: hx is not contiguous"), e.g. a learned initial
+        # state expanded over the batch, which the other paths take: the call must not depend on the plan.
+        hx = (h0.contiguous(), c0.contiguous()) if c0 is not None else h0.contiguous()
         # torch's function for each cell the planner times cuDNN for has the cell's name
         result = getattr(torch._VF, cell)(x, hx, weights, has_biases, num_layers, 0.0, False, bidirectional, False)
         return result[0], result[1], (result[2] if has_c else None)

@@ -444,6 +444,30 @@ def test_gpu_calls_under_inference_mode_and_no_grad_mix_on_one_module(untuned, m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["persistent", "fallback", "cudnn"])
+def test_gpu_initial_states_expanded_over_the_batch_run_on_every_path(untuned, monkeypatch, path):
+    # One learned row of states expanded over the batch (stride 0), as models with learned initial states
+    # pass them: every path takes them (cuDNN itself refuses states that are not contiguous).
+    from persistrnn import plan as planner
+
+    torch.manual_seed(17)
+    model = persistrnn.LSTM(12, 40, num_layers=2).cuda().eval()
+    if path != "persistent":
+        shape = planner.shape_of(model)
+        monkeypatch.setattr(model, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))
+    twin = copy.deepcopy(model).cpu().double()
+    rows = (torch.randn(2, 1, 40, device="cuda"), torch.randn(2, 1, 40, device="cuda"))
+    for _ in range(2):  # the capture, then a replay
+        x = torch.randn(9, 5, 12, device="cuda")
+        hx = tuple(r.expand(2, 5, 40) for r in rows)
+        with torch.no_grad(), exact_torch():
+            out, (h, c) = model(x, hx)
+            want, (want_h, want_c) = twin(x.cpu().double(), tuple(s.cpu().double() for s in hx))
+        for got, expected in ((out, want), (h, want_h), (c, want_c)):
+            assert rel(got.cpu().double().numpy(), expected.numpy()) <= 1e-5, path
+
+
+@pytest.mark.gpu
 def test_gpu_strided_parameters_are_read_by_value(untuned, monkeypatch):
     # The kernels read a matrix by address, row-major: a parameter that is a
     # transposed view (same values, other strides) must give the same outputs
