@@ -1158,6 +1158,71 @@ def test_gpu_learned_initial_states_expanded_over_the_batch_train_and_infer(kind
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gpu_training_under_activation_checkpointing_gives_float64_gradients(reentrant, recwarn):
+    # torch.utils.checkpoint recomputes the forward in the backward: without reentrance, both forwards are
+    # training forwards whose saved tensors must agree in number and shape; with it, the first runs under
+    # no_grad (the inference path) and the recomputed one trains.
+    import persistrnn
+
+    torch.manual_seed(18)
+    L, B, H = 2, 4, 32
+    model = persistrnn.LSTM(16, H, num_layers=L).cuda().train()
+    model.training_kernels = True
+    x = torch.randn(8, B, 16, device="cuda", requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(lambda t: model(t)[0], x, use_reentrant=reentrant)
+    loss_of((out.double(),)).backward()
+    assert not [w for w in recwarn if "needs gradients" in str(w.message)], "the call ran torch's implementation"
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, *model._flat_weights)]
+    zeros = torch.zeros(L, B, H, dtype=torch.float64)
+    want_out, _, _ = reference_autograd("lstm", leaves[0], zeros, zeros, leaves[1:], L, False, True)
+    want = torch.autograd.grad(loss_of((want_out,)), leaves)
+    got = [x.grad, *(w.grad for w in model._flat_weights)]
+    names = ["x", *model._flat_weights_names]
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32",
+                              context=f"checkpoint, use_reentrant={reentrant}")
+
+
+@pytest.mark.gpu
+def test_gpu_warm_calls_and_training_steps_make_no_synchronising_cuda_call(untuned):
+    # Serving and training loops run with torch.cuda.set_sync_debug_mode("error") to catch host syncs: once a
+    # shape is captured, an inference call on every path and a training step make none.
+    import persistrnn
+    from persistrnn import plan as planner
+
+    torch.manual_seed(19)
+    x = torch.randn(10, 3, 16, device="cuda")
+    for path in ("persistent", "fallback", "cudnn"):
+        model = persistrnn.GRU(16, 32, num_layers=2).cuda().eval()
+        if path != "persistent":
+            shape = planner.shape_of(model)
+            model.plan_for = lambda batch, shape=shape, path=path: planner.Plan(shape, batch, path, None, "tuned",
+                                                                                 "test")
+        with torch.no_grad():
+            want = model(x)[0]  # the capture
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = model(x)[0]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want), path
+    model = persistrnn.LSTM(16, 32).cuda().train()
+    model.training_kernels = True
+    leaf = x.clone().requires_grad_()
+    for step in range(3):  # the first two capture the step (its shape's second call)
+        if step == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            model.zero_grad(set_to_none=True)
+            model(leaf)[0].square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(w.grad is not None and bool(w.grad.isfinite().all()) for w in model._flat_weights)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_gpu_a_decoder_loop_of_one_step_calls_trains_as_one_graph(kind, recwarn):
     # A seq2seq decoder: the module called one step at a time, each step's input made from the last output,
