@@ -158,6 +158,31 @@ def test_a_stream_session_made_in_one_mode_runs_chunks_in_the_other(made_under):
     assert torch.allclose(torch.cat(parts), whole, atol=1e-6, rtol=0)
 
 
+def test_the_flat_weights_follow_functional_call_and_parametrizations():
+    # The CUDA paths read _flat_weights; torch's forward re-reads it where the attributes changed, and so must
+    # ours: functional_call swaps the parameters' entries, a parametrization computes the weight per access.
+    model = persistrnn.LSTM(4, 6, num_layers=2)
+    before = model._flat_weights
+    model._refresh_flat_weights()
+    assert model._flat_weights is before  # nothing changed: the list is kept, not rebuilt
+    swapped = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    seen = []
+    real = model._refresh_flat_weights
+    model._refresh_flat_weights = lambda: (real(), seen.append(list(model._flat_weights)))
+    x = torch.randn(3, 2, 4)
+    with torch.no_grad():
+        torch.func.functional_call(model, swapped, (x,))
+    assert all(w is swapped[n] for n, w in zip(model._flat_weights_names, seen[-1]))
+    model._refresh_flat_weights = real
+    model._refresh_flat_weights()  # the module's own parameters again
+    assert all(w is p for w, (_, p) in zip(model._flat_weights, model.named_parameters()))
+    torch.nn.utils.parametrizations.weight_norm(model, "weight_hh_l1")
+    with torch.no_grad():
+        model.parametrizations.weight_hh_l1.original0.mul_(2.0)  # the norm g: the weight doubles
+    model._refresh_flat_weights()
+    assert torch.allclose(model._flat_weights[5], model.weight_hh_l1)
+
+
 def test_stream_reset_clears_chosen_rows_only():
     torch.manual_seed(6)
     model = persistrnn.LSTM(3, 4).eval()
@@ -465,6 +490,37 @@ def test_gpu_initial_states_expanded_over_the_batch_run_on_every_path(untuned, m
             want, (want_h, want_c) = twin(x.cpu().double(), tuple(s.cpu().double() for s in hx))
         for got, expected in ((out, want), (h, want_h), (c, want_c)):
             assert rel(got.cpu().double().numpy(), expected.numpy()) <= 1e-5, path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["persistent", "fallback", "cudnn"])
+def test_gpu_functional_call_and_weight_norm_run_the_weights_they_give(untuned, monkeypatch, path):
+    # torch.func.functional_call (ensembles, meta-learning) and weight_norm: the call runs the weights the
+    # module's attributes hold at that call, as torch's module does, before and after a captured call.
+    from persistrnn import plan as planner
+
+    torch.manual_seed(20)
+    model = persistrnn.GRU(12, 40, num_layers=2).cuda().eval()
+    if path != "persistent":
+        shape = planner.shape_of(model)
+        monkeypatch.setattr(model, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))
+    theirs = torch.nn.GRU(12, 40, num_layers=2).cuda().eval()
+    theirs.load_state_dict(model.state_dict())
+    x = torch.randn(9, 3, 12, device="cuda")
+    swapped = {name: torch.randn_like(p) * 0.3 for name, p in model.named_parameters()}
+
+    def close(a, b):
+        return rel(a.double().cpu().numpy(), b.double().cpu().numpy()) <= 1e-5
+
+    with torch.no_grad(), exact_torch():
+        assert close(model(x)[0], theirs(x)[0])  # captured with the module's own weights
+        assert close(torch.func.functional_call(model, swapped, (x,))[0],
+                     torch.func.functional_call(theirs, swapped, (x,))[0])
+        assert close(model(x)[0], theirs(x)[0])  # its own weights again
+        for module in (model, theirs):
+            torch.nn.utils.parametrizations.weight_norm(module, "weight_hh_l1")
+            module.parametrizations.weight_hh_l1.original0.mul_(1.5)
+        assert close(model(x)[0], theirs(x)[0])
 
 
 @pytest.mark.gpu
