@@ -172,9 +172,11 @@ class _Persistent:
 
     # ---- which path: the one rule ----------------------------------------------
 
-    def _torch_reason(self, input: torch.Tensor, *, warn: bool = True, trains: bool = False) -> str | None:
+    def _torch_reason(self, input: torch.Tensor, hx: Any = None, *, warn: bool = True,
+                      trains: bool = False) -> str | None:
         """Why this call runs torch's implementation (None: ours runs). The one
-        rule for every call: eager, packed, compiled and streaming. ``trains``:
+        rule for every call: eager, packed, compiled and streaming. ``hx``: the
+        call's initial states (a tensor, a tuple of them, or None). ``trains``:
         the caller runs a call that needs gradients on the training operators
         (:mod:`persistrnn.training`: a padded input, under autocast too; they
         also run dropout between layers in training mode)."""
@@ -182,13 +184,14 @@ class _Persistent:
             return "a CPU input"
         if getattr(self, "proj_size", 0):
             return "proj_size"
-        trains = (trains and self.training_kernels and self._needs_grad(input)
+        needs_grad = self._needs_grad(input, hx)
+        trains = (trains and self.training_kernels and needs_grad
                   and input.numel())  # torch's path returns empties
         if self.training and self.dropout > 0 and self.num_layers > 1 and not trains:
             return "dropout between layers in training mode"  # the training operators draw it; inference has none
         if input.dtype not in _DTYPES:
             return f"dtype {input.dtype} (the kernels run {', '.join(persistent.DTYPES)})"
-        if self._needs_grad(input):
+        if needs_grad:
             if trains:
                 x = input.transpose(0, 1) if self.batch_first and input.dim() == 3 else input
                 if training.cudnn_trains_faster(self, x if x.dim() == 3 else x.unsqueeze(1)):
@@ -203,8 +206,15 @@ class _Persistent:
             return "gradients"
         return None
 
-    def _needs_grad(self, input: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in self._flat_weights))
+    def _needs_grad(self, input: torch.Tensor, hx: Any = None) -> bool:
+        """Whether this call records gradients: of the input, a weight or an
+        initial state (a learned initial state, or a state from an encoder,
+        into a frozen RNN: the inference paths would drop its gradient)."""
+        if not torch.is_grad_enabled():
+            return False
+        states = hx if isinstance(hx, (tuple, list)) else (hx,)
+        return (input.requires_grad or any(p.requires_grad for p in self._flat_weights)
+                or any(isinstance(s, torch.Tensor) and s.requires_grad for s in states))
 
     def _torch_forward(self, input: Any, hx: Any) -> Any:
         if self.cell not in _TORCH_CELLS:  # the canonical GRU, a clipped cell: no torch module computes them
@@ -290,17 +300,18 @@ class _Persistent:
         if autocast:
             input, hx = self._autocast_inputs(input, hx)
         x, states, unbatched = self._normalise(input, hx)  # every path gets the same checks and errors
-        if self._torch_reason(input, trains=True) is not None:
+        if self._torch_reason(input, hx, trains=True) is not None:
             return self._torch_forward(input, hx)
         pairs = self.spec.has_cell_state
         h0, c0 = (states if pairs else (states, None)) if states is not None else (None, None)
-        if autocast and self._needs_grad(input):  # the weights cast as autocast casts them: differentiably
+        needs_grad = self._needs_grad(input, hx)
+        if autocast and needs_grad:  # the weights cast as autocast casts them: differentiably
             out, h_n, c_n = training.run_module(self, x, h0, c0, [w.to(x.dtype) for w in self._flat_weights])
         elif autocast:  # the kernels' input GEMM returns fp32 projections, which autocast would round
             with torch.autocast("cuda", enabled=False):
                 out, h_n, c_n = ops.forward(self._shape(x.dtype), self._weights_for(x.dtype), x, h0, c0, self.bias,
                                             self._plan_for_dtype(x.dtype))
-        elif self._needs_grad(input):
+        elif needs_grad:
             out, h_n, c_n = training.run_module(self, x, h0, c0)
         else:
             out, h_n, c_n = self._inference_forward(x, h0, c0)
@@ -358,9 +369,9 @@ class _Persistent:
         probe = data.new_empty(1).requires_grad_(data.requires_grad and torch.is_grad_enabled()).expand(
             (batch, steps, data.shape[1]) if self.batch_first else (steps, batch, data.shape[1]))
         _, states, _ = self._normalise(probe, hx)
-        if self._torch_reason(probe, trains=True) is not None or data.is_cuda and torch.is_autocast_enabled("cuda"):
+        if self._torch_reason(probe, hx, trains=True) is not None or data.is_cuda and torch.is_autocast_enabled("cuda"):
             return self._torch_forward(packed, hx)
-        trains = self._needs_grad(probe)  # the training operators, with each sequence's length
+        trains = self._needs_grad(probe, hx)  # the training operators, with each sequence's length
         chosen = None if trains else self.plan_for(batch).for_steps(steps)
         if chosen is not None and chosen.path != "persistent":
             return self._torch_forward(packed, hx)
@@ -399,7 +410,7 @@ class _Persistent:
         ``torch.ops.persistrnn.forward`` call (no Python state that would
         break the graph; the operator keeps the plans and captured graphs)."""
         self._update_flat_weights()  # as torch's forward, traced once
-        if isinstance(input, PackedSequence) or self._torch_reason(input, warn=False, trains=True) is not None:
+        if isinstance(input, PackedSequence) or self._torch_reason(input, hx, warn=False, trains=True) is not None:
             return self._torch_forward(input, hx)  # traced as torch's own module
         if torch.is_autocast_enabled("cuda"):
             input, hx = self._autocast_inputs(input, hx)
@@ -418,7 +429,7 @@ class _Persistent:
         weights = self._flat_weights
         if weights[0].dtype != x.dtype:
             weights = [w.to(x.dtype) for w in weights]
-        if self._needs_grad(input):
+        if self._needs_grad(input, hx):
             out, h_n, c_n = training.run_module(self, x, states[0], states[1], weights)
         else:
             out, h_n, c_n = torch.ops.persistrnn.forward(x, states[0], states[1], list(weights), self.cell,

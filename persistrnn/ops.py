@@ -32,7 +32,7 @@ import torch
 from . import fallback, persistent, runtime
 from .cells import get_cell
 from .checks import check_lengths
-from .errors import ArgumentError, ArgumentTypeError
+from .errors import ArgumentError, ArgumentTypeError, UnsupportedError
 from .runtime import native
 
 GRAPHS = runtime.GraphCache(capacity=64)
@@ -217,6 +217,8 @@ def forward_op(x: torch.Tensor, h0: Optional[torch.Tensor], c0: Optional[torch.T
     cell state (an operator returns tensors only)."""
     from .plan import ModelShape
 
+    if torch.is_grad_enabled():
+        _refuse_gradients(x, h0, c0, weights)
     if x.device.type != "cuda":
         raise ArgumentError(f"persistrnn::forward: expected CUDA tensors, got x on {x.device}")
     get_cell(cell)
@@ -232,6 +234,20 @@ def forward_op(x: torch.Tensor, h0: Optional[torch.Tensor], c0: Optional[torch.T
 
     out, h_n, c_n = forward(shape, weights, x, h0, c0, has_biases, on_replay=bind if native.available() else None)
     return out, h_n, (c_n if c_n is not None else x.new_empty(0))
+
+
+def _refuse_gradients(x: torch.Tensor, h0: Optional[torch.Tensor], c0: Optional[torch.Tensor],
+                      weights: list[torch.Tensor]) -> None:
+    """The operator has no autograd kernel: torch's fallback would give
+    tensors that require grad a gradient of nothing from it, with a
+    warning. Refused instead (the native kernel sends such calls here)."""
+    named = [("x", x), ("h0", h0), ("c0", c0)] + [(f"weights[{i}]", w) for i, w in enumerate(weights)]
+    wanting = [name for name, t in named if t is not None and t.requires_grad]
+    if wanting:
+        raise UnsupportedError(
+            f"persistrnn::forward computes no gradients, but {', '.join(wanting)} require(s) grad with gradients "
+            "enabled: call the persistrnn module (LSTM, GRU or RNN), which trains through "
+            "persistrnn::train_forward, or call the operator under torch.no_grad()")
 
 
 _OP_SHAPES: dict[tuple, Any] = {}

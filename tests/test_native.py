@@ -12,6 +12,7 @@ cache changed.
 
 import copy
 import os
+import re
 import ctypes
 import shutil
 import subprocess
@@ -454,6 +455,34 @@ def test_a_second_call_replays_from_cpp_with_each_calls_own_inputs(untuned, monk
         assert len(entered) == 1, f"call {call} entered Python"  # the first call captured and bound
     out.fill_(float("nan"))  # what a call returned is the caller's: the next call is unaffected
     assert not torch.ops.persistrnn.forward(x, *hx, weights, "lstm", 2, False, True)[0].isnan().any()
+
+
+@pytest.mark.gpu
+def test_a_call_that_records_gradients_is_refused_by_name_past_a_bound_replay(untuned, monkeypatch):
+    # The operator has no autograd kernel: torch's fallback would give a tensor that requires grad no
+    # gradient from it (a warning, then silently nothing). A call bound to a native replay goes to Python
+    # for the refusal; the same call under no_grad still replays from C++.
+    assert native.available(wait=True)
+    torch.manual_seed(7)
+    weights = [w.detach() for w in torch.nn.LSTM(12, 32).cuda()._flat_weights]
+    x = torch.randn(5, 2, 12, device="cuda")
+    h0, c0 = (torch.randn(1, 2, 32, device="cuda") for _ in range(2))
+    entered = []
+    real = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda *a, **k: entered.append(1) or real(*a, **k))
+    with torch.no_grad():
+        want = torch.ops.persistrnn.forward(x, h0, c0, weights, "lstm", 1, False, True)[0].clone()
+    for name, leaf in (("x", x), ("h0", h0), ("c0", c0), ("weights[2]", weights[2])):
+        leaf.requires_grad_(True)
+        try:
+            with pytest.raises(persistrnn.UnsupportedError, match=re.escape(f"but {name} require(s) grad")):
+                torch.ops.persistrnn.forward(x, h0, c0, weights, "lstm", 1, False, True)
+            with torch.no_grad():
+                got = torch.ops.persistrnn.forward(x, h0, c0, weights, "lstm", 1, False, True)[0]
+        finally:
+            leaf.requires_grad_(False)
+        assert torch.equal(got, want), name
+    assert len(entered) == 1, "a call under no_grad entered Python"
 
 
 @pytest.mark.gpu

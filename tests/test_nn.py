@@ -273,6 +273,23 @@ def test_packed_positions_pad_and_pack_as_torch_in_the_sorted_order(seed):
     assert pnn._permuted(None, packed.sorted_indices) is None and pnn._permuted(states, None) is states
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_call_needs_gradients_when_an_initial_state_requires_them(kind):
+    # A frozen RNN fed an encoder's state: only the state requires grad, and the call must record it.
+    model = getattr(persistrnn, kind)(3, 4).requires_grad_(False)
+    x = torch.randn(5, 2, 3)
+    h0 = torch.randn(1, 2, 4, requires_grad=True)
+    hx = (h0, torch.randn(1, 2, 4)) if kind == "LSTM" else h0
+    assert model._needs_grad(x, hx) and not model._needs_grad(x, None)
+    if kind == "LSTM":
+        assert model._needs_grad(x, (torch.randn(1, 2, 4), h0))
+    with torch.no_grad():
+        assert not model._needs_grad(x, hx)
+    out, state = model(x, hx)  # CPU: torch's implementation
+    (state[0] if kind == "LSTM" else state).sum().backward()
+    assert h0.grad is not None and h0.grad.abs().sum() > 0
+
+
 def test_cpu_gradients_flow_through_torchs_implementation():
     model = persistrnn.LSTM(3, 4)
     theirs = torch.nn.LSTM(3, 4)

@@ -2,6 +2,8 @@
 modules: parameter order and fake shapes on the CPU; agreement, operator
 checks and graph breaks on a GPU."""
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -157,6 +159,20 @@ def test_fake_forward_refuses_an_unknown_cell():
     with FakeTensorMode(), pytest.raises(ValueError, match="cell"):
         torch.ops.persistrnn.forward(torch.empty(2, 1, 3, device="cuda"), torch.empty(1, 1, 4, device="cuda"), None,
                                      [], "transformer", 1, False, True)
+
+
+@pytest.mark.parametrize("wanting", ["x", "h0", "c0", "weights[3]"])
+def test_the_operator_refuses_tensors_that_require_grad_naming_them(wanting):
+    # No autograd kernel: torch's fallback would leave them without a gradient from it (only a warning).
+    m = torch.nn.LSTM(3, 4)
+    weights = [w.detach() for w in m._flat_weights]
+    args = {"x": torch.randn(2, 1, 3), "h0": torch.randn(1, 1, 4), "c0": torch.randn(1, 1, 4)}
+    leaf = weights[3] if wanting == "weights[3]" else args[wanting]
+    leaf.requires_grad_(True)
+    with pytest.raises(persistrnn.UnsupportedError, match=re.escape(f"but {wanting} require(s) grad")):
+        torch.ops.persistrnn.forward(*args.values(), weights, "lstm", 1, False, True)
+    with torch.no_grad(), pytest.raises(persistrnn.ArgumentError, match="expected CUDA tensors"):
+        torch.ops.persistrnn.forward(*args.values(), weights, "lstm", 1, False, True)
 
 
 def test_compiling_a_model_on_the_cpu_runs_torchs_implementation():

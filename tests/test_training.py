@@ -1775,3 +1775,47 @@ def test_gpu_a_tf32_training_forward_gives_float64_gradients_within_tf32_bounds(
     _, want = _f64_gradients(reference_autograd, case, tensors)
     names = ["x", "h0"] + (["c0"] if c0 is not None else []) + [f"weight{i}" for i in range(len(weights))]
     assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), None, dtype="tf32", context=cell)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("training_kernels", [False, True])
+@pytest.mark.parametrize("wanting", ["states", "input", "layer 1"])
+def test_gpu_a_frozen_rnn_passes_gradients_to_what_requires_them(kind, training_kernels, wanting, recwarn):
+    # Fine-tuning around a frozen RNN: an encoder's state (or a learned initial state) into a frozen decoder,
+    # features into a frozen RNN, or only the top layer trained. Only the states requiring grad once sent the
+    # call down the inference path, whose outputs carry no gradient back to them.
+    import persistrnn
+
+    torch.manual_seed(21)
+    L, B, H, T = 2, 3, 40, 7
+    model = getattr(persistrnn, kind)(16, H, num_layers=L).cuda().train()
+    model.training_kernels = training_kernels
+    for name, w in zip(model._flat_weights_names, model._flat_weights):
+        w.requires_grad_(wanting == "layer 1" and name.endswith("l1"))
+    has_c = kind == "LSTM"
+    x = torch.randn(T, B, 16, device="cuda", requires_grad=wanting == "input")
+    states = [(torch.randn(L, B, H, device="cuda") * 0.5).requires_grad_(wanting == "states")
+              for _ in range(2 if has_c else 1)]
+    with exact_torch():  # torch's implementation where it runs: without the TF32 torch allows cuDNN by default
+        out, state = model(x, tuple(states) if has_c else states[0])
+    h_n = state[0] if has_c else state
+    assert out.requires_grad and h_n.requires_grad
+    loss_of((out.double(), h_n.double())).backward()
+    names = {"states": [f"h0/c0 {i}" for i in range(len(states))], "input": ["x"],
+             "layer 1": [n for n in model._flat_weights_names if n.endswith("l1")]}[wanting]
+    got = {"states": [s.grad for s in states], "input": [x.grad],
+           "layer 1": [w.grad for n, w in zip(model._flat_weights_names, model._flat_weights)
+                       if n.endswith("l1")]}[wanting]
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, *states, *model._flat_weights)]
+    count = len(states)
+    want_out, want_h, _ = reference_autograd(model.cell, leaves[0], leaves[1], leaves[2] if has_c else None,
+                                             leaves[1 + count:], L, False, True)
+    all_grads = torch.autograd.grad(loss_of((want_out, want_h)), leaves)
+    want = {"states": all_grads[1:1 + count], "input": all_grads[:1],
+            "layer 1": [g for n, g in zip(model._flat_weights_names, all_grads[1 + count:]) if n.endswith("l1")]}
+    assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want[wanting])), dtype="float32",
+                              context=f"{kind}, {wanting}, training_kernels={training_kernels}")
+    frozen = [n for n, w in zip(model._flat_weights_names, model._flat_weights) if not w.requires_grad]
+    assert all(w.grad is None for w in model._flat_weights if not w.requires_grad), frozen
+

@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -312,16 +313,34 @@ std::vector<at::Tensor> given_of(const at::Tensor& x, const std::optional<at::Te
   return given;
 }
 
+// Whether a call would record gradients. The operator has no autograd
+// kernel (torch's fallback would give such tensors no gradient from it), so
+// these calls go to the Python implementation, which refuses them by name.
+bool records_gradients(const at::Tensor& x, const std::optional<at::Tensor>& h0,
+                       const std::optional<at::Tensor>& c0, at::TensorList weights) {
+  if (!c10::GradMode::is_enabled()) return false;
+  if (x.requires_grad()) return true;
+  for (const auto* state : {&h0, &c0}) {
+    if (state->has_value() && (*state)->defined() && (*state)->requires_grad()) return true;
+  }
+  for (const auto& w : weights) {
+    if (w.requires_grad()) return true;
+  }
+  return false;
+}
+
 // torch.ops.persistrnn.forward on CUDA tensors: a replay of the forward
 // bound to these arguments, or the Python implementation
-// (persistrnn::forward_capture), which captures and binds it.
+// (persistrnn::forward_capture), which captures and binds it (or refuses
+// a call that records gradients).
 Outputs forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& c0,
                      at::TensorList weights, c10::string_view cell, int64_t num_layers, bool bidirectional,
                      bool has_biases) {
   const c10::Device device = x.device();
   const int index = device.index();
   int32_t* report = index >= 0 && index < kMaxDevices ? report_words[index].load() : nullptr;
-  if (x.dim() == 3 && x.size(1) > 0 && (report == nullptr || *reinterpret_cast<volatile int32_t*>(report) == 0)) {
+  if (x.dim() == 3 && x.size(1) > 0 && (report == nullptr || *reinterpret_cast<volatile int32_t*>(report) == 0) &&
+      !records_gradients(x, h0, c0, weights)) {
     c10::DeviceGuard guard(device);
     void* stream = current_stream(device);
     int capturing = 1;
