@@ -432,15 +432,15 @@ def training_config(cell: str, hidden_size: int, batch: int, dtype: str, device:
     forward. Where that one does not compile with ``save_gates`` (or the plan
     runs cuDNN or the fallback), the plan's other timed persistent candidates,
     fastest first; untimed, the cost model's top persistent choice; last, the
-    default configuration. Where torch's fp32 matmul precision allows TF32
-    (``"high"``), an fp32 layer's plan may be a TF32 configuration, as an
+    default configuration. Where torch allows TF32 (:func:`persistrnn.runtime.rnn_allows_tf32`),
+    an fp32 layer's plan may be a TF32 configuration, as an
     inference call's; the setting is part of the cache key, so that a
     configuration chosen while TF32 was allowed never runs once it is not."""
     # The TF32 setting is read on every call (a key of the cache), the shape only
     # on a miss: building it and reading the setting cost ~6 µs of the H100's
     # host per training forward before this split (perf-notes §81).
     return _training_config(cell, hidden_size, batch, dtype, device, lengths,
-                            dtype == "float32" and runtime.matmul_allows_tf32())
+                            dtype == "float32" and runtime.rnn_allows_tf32())
 
 
 @functools.lru_cache(maxsize=256)
@@ -500,7 +500,7 @@ def fallback_trains_forward(cell: str, hidden_size: int, batch: int, dtype: str,
     launch, perf-notes §83), and a training step on the fallback's forward
     took 7.2 ms against 12.4 on the grid's (§85)."""
     return _fallback_trains_forward(cell, hidden_size, batch, dtype, device, holds,
-                                    dtype == "float32" and runtime.matmul_allows_tf32())
+                                    dtype == "float32" and runtime.rnn_allows_tf32())
 
 
 @functools.lru_cache(maxsize=256)

@@ -183,7 +183,8 @@ def test_tf32_configurations_are_candidates_of_fp32_models_only_where_torch_allo
     # two m16n8k8 per 16-column tile: the model prices a TF32 product twice a 16-bit one's
     half = dataclasses.replace(tf32[0].config, dtype="bfloat16")
     assert model.step_cost(tf32[0].config, 16).product == pytest.approx(2 * model.step_cost(half, 16).product)
-    # the switch is torch's fp32 matmul precision, which also puts the input projection's GEMM in TF32
+    # the switch is torch's fp32 matmul precision, which also puts the input projection's GEMM in TF32, and
+    # only where torch allows TF32 in cuDNN's RNNs too: a program that turns that off gets exact RNNs
     matmul = torch.backends.cuda.matmul
     saved = matmul.fp32_precision, torch.backends.fp32_precision
     try:
@@ -191,6 +192,10 @@ def test_tf32_configurations_are_candidates_of_fp32_models_only_where_torch_allo
             with runtime.matmul_precision(precision):
                 assert tuner.tf32_allowed(shape) is allowed
                 assert tuner.tf32_allowed(dataclasses.replace(shape, dtype="bfloat16")) is False
+                with runtime.cudnn_rnn_settings(tf32=False):
+                    assert tuner.tf32_allowed(shape) is False
+                with runtime.cudnn_rnn_settings(tf32=True):
+                    assert tuner.tf32_allowed(shape) is allowed
             assert tuner.tf32_allowed(shape) is False  # put back
         # torch's global setting, which the matmul backend inherits. torch.get_float32_matmul_precision()
         # raises once a program has used the new API beside the legacy one; the switch must not read it, or

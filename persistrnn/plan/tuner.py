@@ -229,11 +229,9 @@ class Plan:
 
 def tf32_allowed(shape: ModelShape) -> bool:
     """Whether an fp32 model may run TF32 tensor cores in its persistent
-    kernels: where torch's fp32 matmul precision allows TF32
-    (``torch.set_float32_matmul_precision("high")`` or ``"medium"``), the
-    setting under which cuBLAS already runs the model's input projection in
-    TF32. torch's default ("highest") keeps every product in fp32."""
-    return shape.dtype == "float32" and runtime.matmul_allows_tf32()
+    kernels (:func:`persistrnn.runtime.rnn_allows_tf32`: torch allows TF32
+    both in fp32 matmuls, off by default, and in cuDNN's RNNs)."""
+    return shape.dtype == "float32" and runtime.rnn_allows_tf32()
 
 
 def cache_key(facts: runtime.DeviceFacts, shape: ModelShape, bucket: int, tf32: bool = False) -> dict[str, Any]:

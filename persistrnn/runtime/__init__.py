@@ -12,7 +12,7 @@ from .compile import (CompiledBinary, KernelResources, cache_key, compile_source
                       map_in_threads, nvrtc_compiles, nvrtc_version, parse_ptxas_report, program_options, read_source,
                       render_template, sources_dir, submit_in_background, submit_in_threads)
 from .device import (DeviceFacts, cudnn_rnn_precision, cudnn_rnn_settings, device_facts, facts_of, matmul_allows_tf32,
-                     matmul_precision, require_gpu)
+                     matmul_precision, require_gpu, rnn_allows_tf32)
 from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, RecentShapes, capture, capture_graph, copy_tensors,
                      ordinary_tensors, own_stream, release_stream)
 from . import native
@@ -30,7 +30,7 @@ __all__ = [
     "compile_source", "copy_tensors", "cudnn_rnn_precision", "cudnn_rnn_settings",
     "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
     "inject_failure", "kernel_args", "key_lock", "launch", "lower_thread_priority", "map_in_threads",
-    "matmul_allows_tf32", "matmul_precision", "native", "nvrtc_compiles", "nvrtc_version",
+    "matmul_allows_tf32", "matmul_precision", "native", "rnn_allows_tf32", "nvrtc_compiles", "nvrtc_version",
     "ordinary_tensors", "own_stream", "release_stream",
     "parse_ptxas_report", "per_iteration_us", "program_options", "raise_failure_code", "raise_reported_failure",
     "read_source",

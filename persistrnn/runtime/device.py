@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from ..errors import GPUUnavailableError
 
 __all__ = ["DeviceFacts", "cudnn_rnn_precision", "cudnn_rnn_settings", "device_facts", "facts_of", "import_cuda_core",
-           "matmul_allows_tf32", "matmul_precision", "require_gpu"]
+           "matmul_allows_tf32", "matmul_precision", "require_gpu", "rnn_allows_tf32"]
 
 
 _CUDA_CORE_LOCK = threading.Lock()
@@ -116,6 +116,17 @@ def matmul_allows_tf32() -> bool:
     matmul = torch.backends.cuda.matmul
     precision = getattr(matmul, "fp32_precision", None)
     return precision == "tf32" if precision is not None else bool(matmul.allow_tf32)
+
+
+def rnn_allows_tf32() -> bool:
+    """Whether fp32 RNN kernels may run TF32 tensor cores: only where torch
+    allows TF32 for cuDNN's RNNs (``torch.backends.cudnn.allow_tf32``, on by
+    default) and for fp32 matmuls (``set_float32_matmul_precision("high")``
+    or ``"medium"``, the setting under which cuBLAS runs the input
+    projection in TF32; off by default). So fp32 is exact by default, and a
+    program that turns TF32 off for cuDNN's RNNs gets exact RNNs from
+    persistrnn too, whatever its matmuls run."""
+    return matmul_allows_tf32() and cudnn_rnn_precision() == "tf32"
 
 
 def cudnn_rnn_precision() -> str:
