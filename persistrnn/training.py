@@ -86,6 +86,7 @@ from .adjoint import HARDTANH_GRAD, RELU_GRAD, BlockBackward, render_python, ste
 from .cells import NUMPY_FUNCTIONS, STEP_RUNS, CellSpec, evaluate, get_cell, with_lengths
 from .errors import ArgumentError, ArgumentTypeError, ConfigError, UnsupportedError
 from .log import logger
+from .plan import tuner
 
 __all__ = ["FALLBACK_FORWARD", "OPERATOR_GRAPHS", "TORCH_FUNCTIONS", "backward", "cudnn_trains_faster",
            "direction_backward", "direction_forward", "dropout_masks", "fallback_trains_forward", "forward",
@@ -449,7 +450,7 @@ def _training_config(cell: str, hidden_size: int, batch: int, dtype: str, device
     """:func:`training_config`, once per its arguments and whether TF32 is
     allowed (as :func:`persistrnn.plan.tuner.tf32_allowed` reads it)."""
     from . import plan as planner
-    from .plan import ModelShape, model as cost, space, tuner
+    from .plan import ModelShape, model as cost, space
 
     shape = ModelShape(cell, hidden_size, hidden_size, 1, dtype)
     chosen = planner.cached_plan(shape, batch)
@@ -514,6 +515,11 @@ def _fallback_trains_forward(cell: str, hidden_size: int, batch: int, dtype: str
     measured = planner.cached_plan(planner.ModelShape(cell, hidden_size, hidden_size, 1, dtype), batch).measured_ms
     persistent_ms = [ms for label, ms in measured.items() if label.startswith("persistent ") and not math.isnan(ms)]
     return measured.get("fallback", math.nan) < min(persistent_ms, default=math.inf)
+
+
+# Both choices are read from the plans, and are forgotten with them (a shape retuned in this process).
+tuner.on_plans_changed(_training_config.cache_clear)
+tuner.on_plans_changed(_fallback_trains_forward.cache_clear)
 
 
 def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, weights: list[torch.Tensor], cell: str,

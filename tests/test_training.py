@@ -422,6 +422,25 @@ def test_cudnn_never_trains_where_persistrnn_must(why, monkeypatch):
             torch.use_deterministic_algorithms(previous)
 
 
+def test_training_choices_made_from_plans_are_forgotten_with_them(monkeypatch):
+    # A shape retuned in the process (plans cleared or pinned) must not keep its earlier training forward.
+    from persistrnn import plan as planner
+
+    def plan_of(shape, batch):
+        return planner.Plan(shape, batch, "fallback", None, "tuned", "test", measured_ms={"fallback": 1.0})
+
+    monkeypatch.setattr(planner, "cached_plan", plan_of)
+    monkeypatch.setattr(planner.tuner, "_memo_key", lambda shape, bucket: (0, shape, bucket))  # no device here
+    for change in (planner.clear_cached_plans,
+                   lambda: planner.pin_plan(plan_of(planner.ModelShape("gru", 8, 8, 1, "float32"), 2))):
+        assert training._fallback_trains_forward("lstm", 64, 4, "float32", 0, True, False)
+        assert training._fallback_trains_forward.cache_info().currsize >= 1
+        change()
+        assert training._fallback_trains_forward.cache_info().currsize == 0
+        assert training._training_config.cache_info().currsize == 0
+    planner.clear_cached_plans()
+
+
 def test_dropout_masks_are_checked():
     x, h0, c0, weights = random_model("lstm", 7, 5, 2, False, True, steps=4, batch=2)
     good = training.dropout_masks(0.5, 2, (4, 2, 5), x)

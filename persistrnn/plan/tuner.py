@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from .. import __version__, persistent, runtime
 from ..errors import ArgumentError, ArgumentTypeError, ConfigError, KernelLaunchError
@@ -729,14 +729,32 @@ def pin_plan(chosen: Plan) -> None:
     if not isinstance(chosen, Plan):
         raise ArgumentTypeError(f"pin_plan: expected a persistrnn.plan.Plan, got {type(chosen).__name__}")
     _MEMO[_memo_key(chosen.shape, chosen.batch_bucket)] = chosen
-    runtime.native.unbind_all()
+    _plans_changed()
 
 
 def clear_cached_plans() -> None:
-    """Forget the in-process plans (the disk cache stays), and the native
-    replay's bindings, which stand for them."""
+    """Forget the in-process plans (the disk cache stays), and what stands
+    for them: the native replay's bindings and the choices derived from them
+    (:func:`on_plans_changed`)."""
     _MEMO.clear()
+    _plans_changed()
+
+
+_DERIVED_FROM_PLANS: list[Callable[[], None]] = []
+
+
+def on_plans_changed(forget: Callable[[], None]) -> None:
+    """Call ``forget`` whenever the in-process plans are cleared or pinned:
+    a module that caches a choice made from plans (the training forward's
+    configuration) registers its cache's clear, so that a retuned shape is
+    not served its earlier choice, without this module importing it."""
+    _DERIVED_FROM_PLANS.append(forget)
+
+
+def _plans_changed() -> None:
     runtime.native.unbind_all()
+    for forget in _DERIVED_FROM_PLANS:
+        forget()
 
 
 def _no_fit_reason(shape: ModelShape, facts: runtime.DeviceFacts) -> str:
