@@ -163,8 +163,9 @@ class _Persistent:
 
     def __prepare_scriptable__(self) -> Any:
         raise UnsupportedError(f"torch.jit.script cannot compile persistrnn.{type(self).__name__}: its forward "
-                               "plans and launches kernels from Python. Use torch.compile(model) or "
-                               "torch.export.export(model, args), which run the persistent kernels")
+                               "plans and launches kernels from Python. Use torch.compile(model), "
+                               "torch.export.export(model, args) or torch.jit.trace(model, args), which run the "
+                               "persistent kernels")
 
     @property
     def spec(self) -> CellSpec:
@@ -283,7 +284,7 @@ class _Persistent:
         return self._cast[1]
 
     def forward(self, input: Any, hx: Any = None) -> Any:  # noqa: D401 - torch's signature
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._is_tracing():  # torch.jit.trace records the operator too
             return self._compiled_forward(input, hx)
         if _dynamo_callback() is not None:
             # Run eagerly inside a compiled model (a graph break at this module, e.g. without torch's
@@ -406,9 +407,11 @@ class _Persistent:
         return packed_out, ((h_n, c_n) if pairs else h_n)
 
     def _compiled_forward(self, input: Any, hx: Any) -> Any:
-        """The forward as ``torch.compile`` traces it: torch's checks, then one
-        ``torch.ops.persistrnn.forward`` call (no Python state that would
-        break the graph; the operator keeps the plans and captured graphs)."""
+        """The forward as ``torch.compile`` and ``torch.jit.trace`` trace it:
+        torch's checks, then one ``torch.ops.persistrnn.forward`` call (no
+        Python state that would break the graph, and no shape read as a
+        number, which a trace would fix; the operator keeps the plans and
+        captured graphs, so a traced model runs any shape)."""
         self._update_flat_weights()  # as torch's forward, traced once
         if isinstance(input, PackedSequence) or self._torch_reason(input, hx, warn=False, trains=True) is not None:
             return self._torch_forward(input, hx)  # traced as torch's own module

@@ -751,8 +751,68 @@ def test_gpu_packed_sequences_run_the_kernels_and_match_float64(untuned, kind, k
 
 
 def test_jit_script_is_refused_naming_the_alternatives():
-    with pytest.raises(persistrnn.UnsupportedError, match=r"torch\.compile.*torch\.export"):
+    with pytest.raises(persistrnn.UnsupportedError, match=r"torch\.compile.*torch\.export.*torch\.jit\.trace"):
         torch.jit.script(persistrnn.LSTM(4, 8))
+
+
+@pytest.mark.gpu
+def test_gpu_flatten_parameters_in_place_updates_and_an_assigned_state_dict_after_a_call(untuned):
+    # flatten_parameters moves every weight into one buffer (new addresses), an optimiser-like update
+    # changes values in place, load_state_dict(assign=True) replaces the parameters: each call after one
+    # of these runs the weights the module has then.
+    torch.manual_seed(25)
+    model = persistrnn.LSTM(16, 48, num_layers=2).cuda().eval()
+    ref = torch.nn.LSTM(16, 48, num_layers=2).double()
+    x = torch.randn(9, 4, 16, device="cuda")
+
+    def check(context):
+        ref.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+        with torch.no_grad():
+            got = model(x)[0]
+        want = ref(x.double().cpu())[0]
+        assert float((got.double().cpu() - want).norm() / want.norm()) <= 1e-5, context
+
+    check("first call")
+    before = [w.data_ptr() for w in model._flat_weights]
+    model.flatten_parameters()
+    check("after flatten_parameters")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    check("after an in-place update")
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()}, assign=True)
+    assert [w.data_ptr() for w in model._flat_weights] != before
+    check("after load_state_dict(assign=True)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_gpu_jit_trace_records_the_operator_and_the_trace_runs_other_shapes(untuned, kind):
+    # A trace once failed inside the planner: under tracing a shape reads as a tensor. The traced model calls
+    # persistrnn::forward, so it runs any length and batch, and survives torch.jit.save / load.
+    import io
+
+    torch.manual_seed(23)
+    model = getattr(persistrnn, kind)(16, 40, num_layers=2, batch_first=True).cuda().eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (torch.randn(2, 6, 16, device="cuda"),))
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+        buffer.seek(0)
+        loaded = torch.jit.load(buffer)
+    assert "persistrnn::forward" in str(traced.graph)
+    ref = getattr(torch.nn, kind)(16, 40, num_layers=2, batch_first=True).double()
+    ref.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+    for runner in (traced, loaded):
+        for batch, steps in ((3, 9), (1, 4)):
+            x = torch.randn(batch, steps, 16, device="cuda")
+            with torch.no_grad():
+                out, state = runner(x)
+            want_out, want_state = ref(x.double().cpu())
+            assert out.shape == want_out.shape
+            assert float((out.double().cpu() - want_out).norm() / want_out.norm()) <= 1e-5
+            h_n, want_h = (state[0], want_state[0]) if kind == "LSTM" else (state, want_state)
+            assert float((h_n.double().cpu() - want_h).norm() / want_h.norm()) <= 1e-5
 
 
 @pytest.mark.gpu

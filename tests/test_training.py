@@ -1818,9 +1818,9 @@ def test_gpu_a_frozen_rnn_passes_gradients_to_what_requires_them(kind, training_
               for _ in range(2 if has_c else 1)]
     with exact_torch():  # torch's implementation where it runs: without the TF32 torch allows cuDNN by default
         out, state = model(x, tuple(states) if has_c else states[0])
-    h_n = state[0] if has_c else state
-    assert out.requires_grad and h_n.requires_grad
-    loss_of((out.double(), h_n.double())).backward()
+        h_n = state[0] if has_c else state
+        assert out.requires_grad and h_n.requires_grad
+        loss_of((out.double(), h_n.double())).backward()
     names = {"states": [f"h0/c0 {i}" for i in range(len(states))], "input": ["x"],
              "layer 1": [n for n in model._flat_weights_names if n.endswith("l1")]}[wanting]
     got = {"states": [s.grad for s in states], "input": [x.grad],
@@ -1838,3 +1838,39 @@ def test_gpu_a_frozen_rnn_passes_gradients_to_what_requires_them(kind, training_
     frozen = [n for n, w in zip(model._flat_weights_names, model._flat_weights) if not w.requires_grad]
     assert all(w.grad is None for w in model._flat_weights if not w.requires_grad), frozen
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training_kernels", [False, True])
+def test_gpu_make_graphed_callables_trains_the_module_from_its_replays(untuned, training_kernels):
+    # torch.cuda.make_graphed_callables captures the module's forward and backward in the caller's graphs
+    # (the training operators then launch op by op inside them); each replay's gradients are its own inputs'.
+    import persistrnn
+
+    class Outputs(torch.nn.Module):
+        def __init__(self, rnn):
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    torch.manual_seed(24)
+    model = Outputs(persistrnn.LSTM(16, 32, num_layers=2).cuda().train())
+    model.rnn.training_kernels = training_kernels
+    with exact_torch():
+        graphed = torch.cuda.make_graphed_callables(model, (torch.randn(8, 3, 16, device="cuda",
+                                                                        requires_grad=True),))
+        for replay in range(3):
+            x = torch.randn(8, 3, 16, device="cuda", requires_grad=True)
+            model.zero_grad(set_to_none=True)
+            out = graphed(x)
+            loss_of((out.double(),)).backward()
+            leaves = [t.detach().double().cpu().requires_grad_() for t in (x, *model.rnn._flat_weights)]
+            zeros = torch.zeros(2, 3, 32, dtype=torch.float64)
+            want_out, _, _ = reference_autograd("lstm", leaves[0], zeros, zeros, leaves[1:], 2, False, True)
+            want = torch.autograd.grad(loss_of((want_out,)), leaves)
+            names = ["out", "x", *model.rnn._flat_weights_names]
+            got = [out, x.grad, *(w.grad for w in model.rnn._flat_weights)]
+            assert_close_to_reference(dict(zip(names, got)), dict(zip(names, [want_out, *want])), dtype="float32",
+                                      context=f"replay {replay}, training_kernels={training_kernels}")
