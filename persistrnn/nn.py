@@ -286,6 +286,10 @@ class _Persistent:
     def forward(self, input: Any, hx: Any = None) -> Any:  # noqa: D401 - torch's signature
         if torch.compiler.is_compiling() or torch._C._is_tracing():  # torch.jit.trace records the operator too
             return self._compiled_forward(input, hx)
+        data = input.data if isinstance(input, PackedSequence) else input
+        if isinstance(data, torch.Tensor) and (device := runtime.elsewhere(data)) is not None:
+            with torch.cuda.device(device):  # a model on another GPU than the current one
+                return self.forward(input, hx)
         if _dynamo_callback() is not None:
             # Run eagerly inside a compiled model (a graph break at this module, e.g. without torch's
             # allow_rnn): Dynamo would otherwise try to trace each of our frames it meets, down to the
@@ -672,6 +676,9 @@ class StreamSession:
         batch = chunk.shape[0] if module.batch_first else chunk.shape[1]
         if batch != self.batch_size:
             raise InputShapeError(f"stream: expected a chunk of batch {self.batch_size}, got {batch}")
+        if (device := runtime.elsewhere(chunk)) is not None:
+            with torch.cuda.device(device):  # a model on another GPU than the current one
+                return self(chunk)
         x, _, _ = module._normalise(chunk, self.state)  # the module's checks and errors
         if (module._torch_reason(chunk) is not None or torch.cuda.is_current_stream_capturing()
                 or torch.is_autocast_enabled("cuda")):

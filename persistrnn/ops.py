@@ -221,6 +221,9 @@ def forward_op(x: torch.Tensor, h0: Optional[torch.Tensor], c0: Optional[torch.T
         _refuse_gradients(x, h0, c0, weights)
     if x.device.type != "cuda":
         raise ArgumentError(f"persistrnn::forward: expected CUDA tensors, got x on {x.device}")
+    if (device := runtime.elsewhere(x)) is not None:
+        with torch.cuda.device(device):  # tensors on another GPU than the current one
+            return forward_op(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases)
     get_cell(cell)
     hidden = weights[1].shape[1]
     shape = _OP_SHAPES.get((cell, x.shape[2], hidden, num_layers, x.dtype, bidirectional))

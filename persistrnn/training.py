@@ -1005,12 +1005,16 @@ _LIBRARY.define("train_backward(Tensor d_out, Tensor dh_n, Tensor? dc_n, Tensor 
                 "bool has_biases, Tensor[] dropout_masks, Tensor? lengths) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
-def _outside_autocast(implementation: Callable[..., Any]) -> Callable[..., Any]:
-    """An operator's implementation run with CUDA autocast off: it chooses its
-    own dtypes (fp32 accumulation), which autocast would round to 16 bits in
-    its GEMMs when a caller's autocast region is still active."""
+def _operator(implementation: Callable[..., Any]) -> Callable[..., Any]:
+    """An operator's implementation run on its first tensor's device and with
+    CUDA autocast off: it chooses its own dtypes (fp32 accumulation), which
+    autocast would round to 16 bits in its GEMMs when a caller's autocast
+    region is still active."""
     @functools.wraps(implementation)
     def run(*args: Any) -> Any:
+        if (device := runtime.elsewhere(args[0])) is not None:
+            with torch.cuda.device(device):  # tensors on another GPU than the current one
+                return run(*args)
         if not torch.is_autocast_enabled("cuda"):  # the common case: no context to enter (µs a call)
             return implementation(*args)
         with torch.autocast("cuda", enabled=False):
@@ -1019,8 +1023,8 @@ def _outside_autocast(implementation: Callable[..., Any]) -> Callable[..., Any]:
 
 
 for _key in ("CPU", "CUDA"):
-    _LIBRARY.impl("train_forward", _outside_autocast(forward), _key)
-    _LIBRARY.impl("train_backward", _outside_autocast(backward), _key)
+    _LIBRARY.impl("train_forward", _operator(forward), _key)
+    _LIBRARY.impl("train_backward", _operator(backward), _key)
 
 
 @torch.library.register_fake("persistrnn::train_forward")

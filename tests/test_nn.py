@@ -2,6 +2,7 @@
 path against the float64 reference, streaming, errors, and (GPU) agreement
 of the persistent path with the float64 reference and with cuDNN."""
 
+import contextlib
 import copy
 import itertools
 import pickle
@@ -271,6 +272,47 @@ def test_packed_positions_pad_and_pack_as_torch_in_the_sorted_order(seed):
     there = pnn._permuted(states, packed.sorted_indices)
     assert torch.equal(pnn._permuted(there, packed.unsorted_indices), states)
     assert pnn._permuted(None, packed.sorted_indices) is None and pnn._permuted(states, None) is states
+
+
+def test_a_call_on_another_gpu_than_the_current_one_runs_under_its_device(monkeypatch):
+    # torch's kernels follow their tensors' device; ours read the current device below the module (plans,
+    # streams, captures, launches), so a call whose tensors are elsewhere enters torch.cuda.device(theirs).
+    from persistrnn import runtime, training
+
+    class Tensorish:
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # absent from CPU builds
+    assert runtime.elsewhere(Tensorish(1)) == 1
+    assert runtime.elsewhere(Tensorish(0)) is None and runtime.elsewhere(Tensorish(-1)) is None
+    entered, inside = [], []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        inside.append(index)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(runtime, "elsewhere", lambda t: None if inside else 1)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    torch.manual_seed(3)
+    model = persistrnn.GRU(3, 4)
+    theirs = torch.nn.GRU(3, 4)
+    theirs.load_state_dict(model.state_dict())
+    x = torch.randn(5, 2, 3)
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], theirs(x)[0]) and entered == [1]
+        session = persistrnn.StreamSession(model, batch_size=2)
+        assert torch.equal(session(x), theirs(x)[0]) and entered == [1, 1]
+        weights = [w.detach() for w in model._flat_weights]
+        out = torch.ops.persistrnn.train_forward(x, None, None, weights, "gru", 1, False, True, [], None)[0]
+    assert torch.equal(out, training.forward(x, None, None, weights, "gru", 1, False, True, [])[0])
+    assert entered == [1, 1, 1]
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])

@@ -11,8 +11,8 @@ from .cache import CACHE_ENV, atomic_write, cache_dir, digest, entry_name, key_l
 from .compile import (CompiledBinary, KernelResources, cache_key, compile_source, lower_thread_priority,
                       map_in_threads, nvrtc_compiles, nvrtc_version, parse_ptxas_report, program_options, read_source,
                       render_template, sources_dir, submit_in_background, submit_in_threads)
-from .device import (DeviceFacts, cudnn_rnn_precision, cudnn_rnn_settings, device_facts, facts_of, matmul_allows_tf32,
-                     matmul_precision, require_gpu, rnn_allows_tf32)
+from .device import (DeviceFacts, cudnn_rnn_precision, cudnn_rnn_settings, device_facts, elsewhere, facts_of,
+                     matmul_allows_tf32, matmul_precision, require_gpu, rnn_allows_tf32)
 from .graphs import (DEVICE_BOUND_US, CapturedCall, GraphCache, RecentShapes, capture, capture_graph, copy_tensors,
                      ordinary_tensors, own_stream, release_stream)
 from . import native
@@ -28,7 +28,7 @@ __all__ = [
     "LoadedKernel", "RecentShapes", "Scratch",
     "atomic_write", "cache_dir", "cache_key", "capture", "capture_graph", "check_status",
     "compile_source", "copy_tensors", "cudnn_rnn_precision", "cudnn_rnn_settings",
-    "device_facts", "digest", "entry_name", "facts_of", "failure_hook", "get_kernel",
+    "device_facts", "digest", "elsewhere", "entry_name", "facts_of", "failure_hook", "get_kernel",
     "inject_failure", "kernel_args", "key_lock", "launch", "lower_thread_priority", "map_in_threads",
     "matmul_allows_tf32", "matmul_precision", "native", "rnn_allows_tf32", "nvrtc_compiles", "nvrtc_version",
     "ordinary_tensors", "own_stream", "release_stream",

@@ -9,11 +9,12 @@ import functools
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from ..errors import GPUUnavailableError
 
 __all__ = ["DeviceFacts", "cudnn_rnn_precision", "cudnn_rnn_settings", "device_facts", "facts_of", "import_cuda_core",
-           "matmul_allows_tf32", "matmul_precision", "require_gpu", "rnn_allows_tf32"]
+           "elsewhere", "matmul_allows_tf32", "matmul_precision", "require_gpu", "rnn_allows_tf32"]
 
 
 _CUDA_CORE_LOCK = threading.Lock()
@@ -116,6 +117,19 @@ def matmul_allows_tf32() -> bool:
     matmul = torch.backends.cuda.matmul
     precision = getattr(matmul, "fp32_precision", None)
     return precision == "tf32" if precision is not None else bool(matmul.allow_tf32)
+
+
+def elsewhere(tensor: Any) -> int | None:
+    """``tensor``'s CUDA device where it is not this thread's current device
+    (None: the current one, or not a CUDA tensor). A call on a model on
+    another GPU (a process that runs a model per GPU, or one model across
+    GPUs) runs under ``torch.cuda.device`` of its tensors, as torch's own
+    kernels follow their tensors: the plans, streams, captures and launches
+    below it read the current device."""
+    import torch
+
+    index = tensor.get_device()  # -1 on the CPU; an int, cheaper than tensor.device
+    return index if index >= 0 and index != torch._C._cuda_getDevice() else None
 
 
 def rnn_allows_tf32() -> bool:
