@@ -1035,17 +1035,20 @@ def _(x, h0, c0, weights, cell, num_layers, bidirectional, has_biases, dropout_m
     compute = _compute_dtype(x.dtype)
     saved = [x.new_empty(shape, dtype=compute if in_compute else x.dtype)
              for shape, in_compute in saved_shapes(spec, x.shape[0], x.shape[1], hidden, num_layers, directions)]
-    h_n = x.new_empty(num_layers * directions, x.shape[1], hidden) if h0 is None else torch.empty_like(h0)
-    c_n = torch.empty_like(h_n) if spec.has_cell_state else x.new_empty(0)
+    # Contiguous, as the implementation makes them whatever the inputs' strides (an inference of them from a
+    # transposed input, as empty_like gives, failed inductor's stride asserts on a batch_first model).
+    h_n = x.new_empty(num_layers * directions, x.shape[1], hidden)
+    c_n = x.new_empty(h_n.shape) if spec.has_cell_state else x.new_empty(0)
     return x.new_empty(x.shape[0], x.shape[1], directions * hidden), h_n, c_n, saved
 
 
 @torch.library.register_fake("persistrnn::train_backward")
 def _(d_out, dh_n, dc_n, x, h0, c0, weights, out, saved, cell, num_layers, bidirectional, has_biases, dropout_masks,
       lengths):
-    dh0 = dh_n.new_empty(dh_n.shape) if h0 is None else torch.empty_like(h0)
-    dc0 = torch.empty_like(dh0) if get_cell(cell).has_cell_state else x.new_empty(0)
-    return torch.empty_like(x), dh0, dc0, [torch.empty_like(w) for w in weights]
+    # Contiguous, as the implementation makes them (see train_forward's)
+    dh0 = dh_n.new_empty(dh_n.shape if h0 is None else h0.shape)
+    dc0 = dh0.new_empty(dh0.shape) if get_cell(cell).has_cell_state else x.new_empty(0)
+    return x.new_empty(x.shape), dh0, dc0, [w.new_empty(w.shape) for w in weights]
 
 
 class _TrainingStep(torch.autograd.Function):

@@ -441,6 +441,35 @@ def test_training_choices_made_from_plans_are_forgotten_with_them(monkeypatch):
     planner.clear_cached_plans()
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("learned_states", [False, True])
+def test_the_operators_fake_outputs_have_the_real_outputs_strides(cell, learned_states):
+    # inductor asserts every output's size and stride from the fake: a batch_first model's transposed input
+    # (or an expanded initial state) must not give the fake strides the implementation does not give.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(26)
+    L, B, T, H = 2, 3, 7, 8
+    model = getattr(torch.nn, cell.upper())(5, H, num_layers=L)
+    weights = [w.detach() for w in model._flat_weights]
+    x = torch.randn(B, T, 5).transpose(0, 1)  # (T, B, I), batch-major in memory
+    h0 = torch.randn(L, 1, H).expand(L, B, H) if learned_states else None
+    c0 = (torch.randn(L, 1, H).expand(L, B, H) if learned_states else None) if cell == "lstm" else None
+    options = (cell, L, False, True, [], None)
+
+    def both(*args):
+        out, h_n, c_n, saved = torch.ops.persistrnn.train_forward(*args[:4], *options)
+        d = [torch.randn(t.shape).to(t) if t.numel() else None for t in (out, h_n, c_n)]
+        grads = torch.ops.persistrnn.train_backward(d[0], d[1], d[2], *args[:4], out, saved, *options)
+        return [out, h_n, c_n, *saved, *grads[:3], *grads[3]]
+
+    real = both(x, h0, c0, weights)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = both(*(mode.from_tensor(t) if t is not None else None for t in (x, h0, c0)),
+                    [mode.from_tensor(w) for w in weights])
+    assert [(t.shape, t.stride(), t.dtype) for t in real] == [(t.shape, t.stride(), t.dtype) for t in fake]
+
+
 def test_dropout_masks_are_checked():
     x, h0, c0, weights = random_model("lstm", 7, 5, 2, False, True, steps=4, batch=2)
     good = training.dropout_masks(0.5, 2, (4, 2, 5), x)
