@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from helpers import exact_torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import persistrnn
@@ -243,6 +244,55 @@ def test_torch_compile_under_inference_mode_then_no_grad(untuned):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["persistent", "fallback"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_reduce_overhead_with_repeated_and_changing_shapes(untuned, path, dynamic):
+    # mode="reduce-overhead" (CUDA-graph trees) warms each graph up with every allocation of the thread
+    # routed to the trees' pool, then records it. A forward captured of ours during a warm-up was overwritten
+    # by the next recording: an illegal address at the next call, every run.
+    from persistrnn import plan as planner
+
+    torch.manual_seed(5)
+    model = Classifier(persistrnn.LSTM(16, 32, num_layers=2, batch_first=True)).cuda().eval()
+    if path != "persistent":
+        shape = planner.shape_of(model.rnn)
+        model.rnn.plan_for = lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", dynamic=dynamic)
+    with torch._dynamo.config.patch(allow_rnn=True), torch.no_grad():
+        for B, T in ((3, 7), (3, 7), (3, 7), (5, 7), (3, 11), (1, 4), (5, 7), (3, 7), (2, 9), (3, 7)):
+            x = torch.randn(B, T, 12, device="cuda")
+            got = compiled(x).clone()  # the trees' outputs are overwritten by their next replay
+            want = model(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_allocations_routed_to_another_pool_are_seen_and_the_call_captures_nothing_there(untuned):
+    from persistrnn import runtime
+
+    torch.manual_seed(6)
+    model = persistrnn.GRU(16, 24).cuda().eval()
+    x = torch.randn(5, 2, 16, device="cuda")
+    assert not runtime.graphs.allocations_routed(0)
+    captured = len(ops.GRAPHS)
+    with torch.no_grad():
+        want = model(x)[0]
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            assert runtime.graphs.allocations_routed(0)
+            y = torch.randn(4, 3, 16, device="cuda")  # a shape not captured yet
+            got = model(y)[0]
+            again = model(x)[0]  # captured before: replayed
+    assert len(ops.GRAPHS) == captured + 1  # x's shape only
+    assert torch.equal(again, want)
+    twin = torch.nn.GRU(16, 24).cuda()
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad(), exact_torch():
+        torch.testing.assert_close(got, twin(y)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
 def test_torch_compile_without_torchs_rnn_switch_still_agrees(untuned):
     torch.manual_seed(3)
     model = Classifier(persistrnn.LSTM(16, 32, batch_first=True)).cuda().eval()
@@ -375,7 +425,7 @@ def test_a_call_with_lengths_is_captured_once_its_padded_shape_repeats(monkeypat
         return x, x, None
 
     class Graphs:
-        def call(self, key, make, device, *args, on_replay=None):
+        def call(self, key, make, device, *args, uncaptured, on_replay=None):
             replayed.append((key, args[3]))
             return list(args[:2])
 
