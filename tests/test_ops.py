@@ -268,6 +268,31 @@ def test_torch_compile_reduce_overhead_with_repeated_and_changing_shapes(untuned
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["persistent", "fallback"])
+def test_forwards_evicted_from_a_full_cache_leave_the_others_intact(untuned, monkeypatch, path):
+    # Three shapes through a cache of two: every call captures one forward and frees another, on streams
+    # that earlier captures used too, each graph with its own cuBLAS GEMMs.
+    from persistrnn import plan as planner
+
+    monkeypatch.setattr(ops, "GRAPHS", persistrnn.runtime.GraphCache(capacity=2))
+    torch.manual_seed(7)
+    model = persistrnn.LSTM(16, 32, num_layers=2).cuda().eval()
+    if path != "persistent":
+        shape = planner.shape_of(model)
+        monkeypatch.setattr(model, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))
+    twin = torch.nn.LSTM(16, 32, num_layers=2).double()
+    twin.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+    for _ in range(4):
+        for batch in (2, 3, 5):
+            x = torch.randn(6, batch, 16, device="cuda")
+            with torch.no_grad():
+                got = model(x)[0]
+            want = twin(x.double().cpu())[0]
+            assert float((got.double().cpu() - want).norm() / want.norm()) <= 1e-5
+    assert len(ops.GRAPHS) == 2
+
+
+@pytest.mark.gpu
 def test_allocations_routed_to_another_pool_are_seen_and_the_call_captures_nothing_there(untuned):
     from persistrnn import runtime
 

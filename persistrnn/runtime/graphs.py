@@ -131,8 +131,19 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
             raise
         with _CAPTURE_LOCK:
             graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                result = record()
+            # torch keeps one cuBLAS workspace per (handle, stream), and a captured GEMM embeds its address.
+            # Cleared before the capture, the workspace a GEMM of this graph needs is allocated inside it, from
+            # the graph's own pool, and lives as long as the graph; cleared after, torch's map keeps no address
+            # in that pool. Otherwise our graphs shared the map's workspace, which torch frees whenever it
+            # clears the map: torch.compile's CUDA-graph trees (mode="reduce-overhead") clear it around every
+            # warm-up and recording, and the next replay of a forward of ours raised an illegal address (H100,
+            # 6 of 6 runs). The same as those trees do for their own graphs.
+            torch._C._cuda_clearCublasWorkspaces()
+            try:
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    result = record()
+            finally:
+                torch._C._cuda_clearCublasWorkspaces()
             if keep_graph:
                 graph.instantiate()
     caller.wait_stream(stream)
