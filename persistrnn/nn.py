@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -692,13 +692,10 @@ class StreamSession:
         chosen = module.plan_for(batch).for_steps(x.shape[0])
         key = (x.shape, x.dtype, chosen.launch, ops.launch_settings(),
                tuple(w.data_ptr() for w in weights))
-        run = self._chunk_runner(chosen)
-        out = self._graphs.call(key, lambda: self._capture(run, x), x.device.index, x, *self._buffers,
-                                uncaptured=run)[0]
+        out = self._graphs.call(key, lambda: self._capture(chosen, x), x.device.index, x, *self._buffers)[0]
         return out.transpose(0, 1) if module.batch_first else out
 
-    def _chunk_runner(self, chosen: Any) -> Callable[..., tuple[torch.Tensor]]:
-        """A chunk's run on ``chosen``: (out,), the states carried in place."""
+    def _capture(self, chosen: Any, x: torch.Tensor) -> runtime.CapturedCall:
         module = self.module
         pairs = module.spec.has_cell_state
 
@@ -710,9 +707,6 @@ class StreamSession:
                 c.copy_(c_n)
             return (out,)
 
-        return run
-
-    def _capture(self, run: Callable[..., tuple[torch.Tensor]], x: torch.Tensor) -> runtime.CapturedCall:
         # Capturing runs the body once before recording it; the carried
         # states must come out of that run as they went in.
         saved = [b.clone() for b in self._buffers]

@@ -170,7 +170,7 @@ def forward(shape: Any, weights: list[torch.Tensor], x: torch.Tensor, h0: torch.
             return runtime.CapturedCall(run, (x, h0, c0, lengths), spread_copies=_device_bound(chosen, T),
                                         copy_nodes=True)
 
-        result = GRAPHS.call(key, capture, x.device.index, x, h0, c0, lengths, uncaptured=run, on_replay=on_replay)
+        result = GRAPHS.call(key, capture, x.device.index, x, h0, c0, lengths, on_replay=on_replay)
     return result[0], result[1], (result[2] if has_c else None)
 
 

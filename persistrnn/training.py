@@ -579,8 +579,7 @@ def forward(x: torch.Tensor, h0: torch.Tensor | None, c0: torch.Tensor | None, w
     key = ("train_forward", *options, lengths is None, *_operator_key(x, h0, c0, weights, dropout_masks))
     flat = (x, h0, c0, lengths, *weights, *dropout_masks)
     results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
-        run, flat, [True] * 4 + [key[-1] is None] * len(weights) + [True] * len(dropout_masks)), x.device.index, *flat,
-        uncaptured=run)
+        run, flat, [True] * 4 + [key[-1] is None] * len(weights) + [True] * len(dropout_masks)), x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 
@@ -675,7 +674,7 @@ def backward(d_out: torch.Tensor, dh_n: torch.Tensor, dc_n: torch.Tensor | None,
     flat = (d_out, dh_n, dc_n, x, h0, c0, out, lengths, *weights, *saved, *dropout_masks)
     results = OPERATOR_GRAPHS.call(key, lambda: runtime.CapturedCall(  # copy_in: made once, at the capture
         run, flat, [True] * 8 + [key[-1] is None] * len(weights) + [True] * (len(saved) + len(dropout_masks))),
-        x.device.index, *flat, uncaptured=run)
+        x.device.index, *flat)
     return results[0], results[1], results[2], results[3:]
 
 

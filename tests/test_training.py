@@ -757,7 +757,7 @@ def test_captured_operators_return_the_plain_results_in_order(cell, num_layers, 
     want_forward = torch.ops.persistrnn.train_forward(x, h0, c0, weights, cell, *options, [], lengths)
     keys = []
 
-    def call(key, make, device, *call_args, uncaptured):
+    def call(key, make, device, *call_args):
         keys.append(key)
         return make()(*call_args)
 
@@ -788,7 +788,7 @@ def test_no_initial_states_trains_as_zeros_made_by_the_operators(cell, captured,
         monkeypatch.setattr(training, "_captures_operators", lambda x, lengths, saved_bytes, shape, limit: True)
         monkeypatch.setattr(training.runtime, "CapturedCall", CopyingCall)
         monkeypatch.setattr(training, "OPERATOR_GRAPHS", types.SimpleNamespace(
-            call=lambda key, make, device, *args, uncaptured: make()(*args)))
+            call=lambda key, make, device, *args: make()(*args)))
     want = ours(cell, x, zeros, zero_c, weights, *options)
     got = ours(cell, x, None, None, weights, *options)
     assert (got[2] is None) == (want[2] is None) == (cell != "lstm")

@@ -323,48 +323,14 @@ class CapturedCall:
             torch.cuda.ExternalStream(stream, device=self.device).synchronize()
 
 
-def allocations_routed(device: int) -> bool:
-    """Whether this thread's allocations on ``device`` go to a private pool
-    other than a capture of ours: ``torch.compile``'s CUDA-graph trees
-    (``mode="reduce-overhead"``) route every allocation of the thread that
-    warms a graph up into the trees' pool, and a ``torch.cuda.use_mem_pool``
-    context does so too. The trees expect each tensor left in their pool to
-    be an output, and take back the rest at their next recording: a captured
-    call made there (its graph's buffers) was then overwritten, and its next
-    replay raised an illegal address (H100, every run of a 2-layer LSTM under
-    reduce-overhead). Read from the pool of a probe allocation (a snapshot of
-    the allocator's segments, ~ms): asked only where a call would capture."""
-    import torch
-
-    probe = torch.empty(1, device=device)
-    address = probe.data_ptr()
-    for segment in _segments():
-        if segment["device"] == device and segment["address"] <= address < segment["address"] + segment["total_size"]:
-            return tuple(segment["segment_pool_id"]) != (0, 0)  # (0, 0): the allocator's default pools
-    return False
-
-
-def _segments() -> list[dict[str, Any]]:
-    import inspect
-
-    import torch
-
-    if "include_traces" in inspect.signature(torch.cuda.memory_snapshot).parameters:
-        return torch.cuda.memory_snapshot(include_traces=False)  # the traces can cost far more than the segments
-    return torch.cuda.memory_snapshot()
-
-
 class GraphCache:
     """Captured calls, one per (key, device, stream), the oldest dropped
     first beyond ``capacity`` (a hit moves nothing: no lock on the call path).
 
-    ``call(key, make, device, *args, uncaptured=fn)`` replays the instance of
-    ``key`` for torch's current stream on ``device`` on ``args``, capturing
-    it with ``make()`` on first use; ``on_replay(instance)``, if given, runs
-    after the replay with the instance that made it. Where this thread's
-    allocations go to another graph's pool (:func:`allocations_routed`), a
-    call with no instance yet returns ``fn(*args)``, run as it comes, and
-    captures nothing.
+    ``call(key, make, device, *args)`` replays the instance of ``key`` for
+    torch's current stream on ``device`` on ``args``, capturing it with
+    ``make()`` on first use; ``on_replay(instance)``, if given, runs after
+    the replay with the instance that made it.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -376,26 +342,23 @@ class GraphCache:
         return len(self._entries)
 
     def call(self, key: tuple, make: Callable[[], CapturedCall], device: int, *args: Any,
-             uncaptured: Callable[..., Sequence[Any]],
-             on_replay: Callable[[CapturedCall], None] | None = None) -> Sequence[Any]:
+             on_replay: Callable[[CapturedCall], None] | None = None) -> list[Any]:
         """One replay of ``key``'s instance on ``args`` (again with the
         current instance if another thread evicted the one taken)."""
-        import torch
-
-        # the raw handle, read in C: torch.cuda.current_stream() costs several µs of Python
-        full = (key, device, torch._C._cuda_getCurrentRawStream(device))
-        instance = self._entries.get(full)
-        if instance is None:
-            if allocations_routed(device):
-                return uncaptured(*args)
-            instance = self._insert(full, make)
-        while (results := instance(*args)) is None:  # evicted meanwhile: the current instance, or a new one
-            instance = self._entries.get(full) or self._insert(full, make)
+        while (results := (instance := self.get(key, make, device))(*args)) is None:
+            pass
         if on_replay is not None:
             on_replay(instance)
         return results
 
-    def _insert(self, full: tuple, make: Callable[[], CapturedCall]) -> CapturedCall:
+    def get(self, key: tuple, make: Callable[[], CapturedCall], device: int) -> CapturedCall:
+        import torch
+
+        # the raw handle, read in C: torch.cuda.current_stream() costs several µs of Python
+        full = (key, device, torch._C._cuda_getCurrentRawStream(device))
+        entry = self._entries.get(full)
+        if entry is not None:
+            return entry
         entry = make()  # outside the cache lock: capturing takes milliseconds
         with self._lock:
             entry = self._entries.setdefault(full, entry)
