@@ -32,6 +32,10 @@ class FakeCuda:
         self.current = FakeStream("caller")
         self.fail_capture_end = fail_capture_end
         self.captures = []
+        self.events = []  # cuBLAS workspace clears, capture begins and ends, in order
+
+    def clear_cublas_workspaces(self):
+        self.events.append("clear workspaces")
 
     def current_device(self):
         return 0
@@ -61,8 +65,10 @@ class FakeCuda:
             def __enter__(self):
                 self.saved, cuda.current = cuda.current, stream
                 cuda.captures.append((stream.name, capture_error_mode))
+                cuda.events.append("capture begins")
 
             def __exit__(self, *exc):
+                cuda.events.append("capture ends")
                 if cuda.fail_capture_end:  # torch ends the capture before it restores the stream
                     raise RuntimeError("capture invalidated")
                 cuda.current = self.saved
@@ -75,6 +81,7 @@ def fake_cuda(monkeypatch):
     cuda = FakeCuda()
     for name in ("current_device", "current_stream", "stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", cuda.clear_cublas_workspaces, raising=False)
     made = iter(range(1000))
     monkeypatch.setattr(graphs, "_FREE_STREAMS", {})
 
@@ -99,6 +106,9 @@ def test_a_capture_that_ends_well_gives_its_stream_back_and_restores_the_callers
     assert result == "out" and ran == ["warm", "record"]
     assert fake_cuda.captures == [("own0", "thread_local")]
     assert fake_cuda.current.name == "caller" and free_streams() == ["own0"]
+    # torch's cuBLAS workspaces cleared around the capture alone (not the warm-up): a GEMM in the graph gets
+    # a workspace of the graph's own pool, which torch's later clears (CUDA-graph trees) cannot free under it
+    assert fake_cuda.events == ["clear workspaces", "capture begins", "capture ends", "clear workspaces"]
     graphs.capture(lambda: None)  # the next capture takes the same stream back out
     assert fake_cuda.captures[-1][0] == "own0" and free_streams() == ["own0"]
 
@@ -118,6 +128,7 @@ def test_a_capture_that_fails_keeps_its_stream_and_restores_the_callers(fake_cud
         graphs.capture(lambda: None)
     assert fake_cuda.current.name == "caller"  # torch's context left the capture stream current; ours restores it
     assert free_streams() == []  # it may still be capturing: no one else gets it
+    assert fake_cuda.events[-1] == "clear workspaces"  # no address of the failed graph's pool left in torch's map
 
 
 def test_a_given_stream_is_not_taken_or_given_back(fake_cuda):
