@@ -10,9 +10,12 @@ from helpers import assert_close_to_reference, exact_torch
 import persistrnn
 
 
-def _two_gpus():
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+@pytest.fixture
+def first_gpu_current():
+    """Two GPUs, the first one current (skipped with the reason elsewhere)."""
+    if torch.cuda.device_count() < 2:
         pytest.skip(f"needs two GPUs; this machine has {torch.cuda.device_count()}")
+    torch.cuda.set_device(0)
 
 
 def _float64_twin(model):
@@ -34,10 +37,9 @@ def _plan_path(module, path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["persistent", "fallback", "cudnn"])
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
-def test_gpu_a_model_on_the_second_gpu_infers_there_from_the_first_as_current(untuned, monkeypatch, kind, path):
-    _two_gpus()
+def test_gpu_a_model_on_the_second_gpu_infers_there_from_the_first_as_current(untuned, first_gpu_current,
+                                                                              monkeypatch, kind, path):
     torch.manual_seed(31)
-    torch.cuda.set_device(0)
     model = getattr(persistrnn, kind)(16, 48, num_layers=2, bidirectional=True).to("cuda:1").eval()
     _plan_path(model, path, monkeypatch)
     twin = _float64_twin(model)
@@ -53,10 +55,8 @@ def test_gpu_a_model_on_the_second_gpu_infers_there_from_the_first_as_current(un
 
 
 @pytest.mark.gpu
-def test_gpu_two_models_one_per_gpu_called_in_turn_from_one_thread(untuned):
-    _two_gpus()
+def test_gpu_two_models_one_per_gpu_called_in_turn_from_one_thread(untuned, first_gpu_current):
     torch.manual_seed(32)
-    torch.cuda.set_device(0)
     models = [persistrnn.LSTM(16, 64).to(f"cuda:{d}").eval() for d in (0, 1)]
     twins = [_float64_twin(m) for m in models]
     for call in range(4):
@@ -69,10 +69,8 @@ def test_gpu_two_models_one_per_gpu_called_in_turn_from_one_thread(untuned):
 
 
 @pytest.mark.gpu
-def test_gpu_a_model_on_the_second_gpu_trains_there(untuned):
-    _two_gpus()
+def test_gpu_a_model_on_the_second_gpu_trains_there(untuned, first_gpu_current):
     torch.manual_seed(33)
-    torch.cuda.set_device(0)
     model = persistrnn.GRU(16, 40, num_layers=2).to("cuda:1").train()
     model.training_kernels = True
     twin = _float64_twin(model)
@@ -92,10 +90,8 @@ def test_gpu_a_model_on_the_second_gpu_trains_there(untuned):
 
 
 @pytest.mark.gpu
-def test_gpu_the_operator_and_a_stream_session_on_the_second_gpu(untuned):
-    _two_gpus()
+def test_gpu_the_operator_and_a_stream_session_on_the_second_gpu(untuned, first_gpu_current):
     torch.manual_seed(34)
-    torch.cuda.set_device(0)
     model = persistrnn.LSTM(16, 32).to("cuda:1").eval()
     twin = _float64_twin(model)
     x = torch.randn(10, 2, 16, device="cuda:1")
