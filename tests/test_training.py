@@ -1903,3 +1903,34 @@ def test_gpu_make_graphed_callables_trains_the_module_from_its_replays(untuned, 
             got = [out, x.grad, *(w.grad for w in model.rnn._flat_weights)]
             assert_close_to_reference(dict(zip(names, got)), dict(zip(names, [want_out, *want])), dtype="float32",
                                       context=f"replay {replay}, training_kernels={training_kernels}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager_between", [False, True])
+def test_gpu_training_under_reduce_overhead_gives_float64_gradients(untuned, eager_between):
+    # A small RNN trained with torch.compile(mode="reduce-overhead"): the training operators run inside the
+    # CUDA-graph trees' warm-ups and recordings, and eager steps of the same model may come between.
+    from test_ops import Classifier
+
+    import persistrnn
+
+    torch.manual_seed(27)
+    model = Classifier(persistrnn.LSTM(16, 32, num_layers=2, batch_first=True)).cuda().train()
+    model.rnn.training_kernels = True
+    twin = Classifier(torch.nn.LSTM(16, 32, num_layers=2, batch_first=True)).double()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    with torch._dynamo.config.patch(allow_rnn=True):
+        for step in range(5):
+            twin.load_state_dict({k: v.detach().double().cpu() for k, v in model.state_dict().items()})
+            model.zero_grad(set_to_none=True)
+            twin.zero_grad(set_to_none=True)
+            x = torch.randn(3, 7, 12, device="cuda")
+            compiled(x).square().sum().backward()
+            if eager_between:
+                model(x).square().sum().backward()  # the same gradient again: twice the compiled step's
+            twin(x.double().cpu()).square().sum().backward()
+            names = [n for n, _ in model.named_parameters()]
+            got = [p.grad / (2 if eager_between else 1) for _, p in model.named_parameters()]
+            want = [p.grad for _, p in twin.named_parameters()]
+            assert_close_to_reference(dict(zip(names, got)), dict(zip(names, want)), dtype="float32",
+                                      context=f"step {step}, eager steps between: {eager_between}")
