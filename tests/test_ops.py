@@ -267,6 +267,28 @@ def test_torch_compile_reduce_overhead_with_repeated_and_changing_shapes(untuned
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["persistent", "fallback", "cudnn"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_compile_under_autocast_gives_the_eager_calls_outputs(untuned, path, dtype):
+    # Mixed-precision serving: a compiled model called under CUDA autocast, every path.
+    from persistrnn import plan as planner
+
+    torch.manual_seed(8)
+    model = Classifier(persistrnn.LSTM(16, 32, num_layers=2, batch_first=True)).cuda().eval()
+    if path != "persistent":
+        shape = planner.shape_of(model.rnn)
+        model.rnn.plan_for = lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test")
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with torch._dynamo.config.patch(allow_rnn=True), torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        for _ in range(3):
+            x = torch.randn(3, 7, 12, device="cuda")
+            got, want = compiled(x), model(x)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("path", ["persistent", "fallback"])
 def test_forwards_evicted_from_a_full_cache_leave_the_others_intact(untuned, monkeypatch, path):
     # Three shapes through a cache of two: every call captures one forward and frees another, on streams
