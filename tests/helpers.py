@@ -377,3 +377,13 @@ def linear_cell(**changes):
     )
     fields.update(changes)
     return cells.CellSpec(**fields)
+
+
+def plan_path(module, path, monkeypatch):
+    """Make ``module`` run ``path`` ("cudnn" or "fallback"), as the planner picks where that path measured
+    fastest; "persistent" leaves the module's plans (the untuned fixture's: persistent where a kernel fits)."""
+    from persistrnn import plan as planner
+
+    if path != "persistent":
+        shape = planner.shape_of(module)
+        monkeypatch.setattr(module, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))

@@ -5,7 +5,7 @@ torch's modules do. Needs two GPUs; skipped with the reason elsewhere."""
 
 import pytest
 import torch
-from helpers import assert_close_to_reference, exact_torch
+from helpers import assert_close_to_reference, exact_torch, plan_path
 
 import persistrnn
 
@@ -26,14 +26,6 @@ def _float64_twin(model):
     return twin
 
 
-def _plan_path(module, path, monkeypatch):
-    from persistrnn import plan as planner
-
-    if path != "persistent":
-        shape = planner.shape_of(module)
-        monkeypatch.setattr(module, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["persistent", "fallback", "cudnn"])
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
@@ -41,7 +33,7 @@ def test_gpu_a_model_on_the_second_gpu_infers_there_from_the_first_as_current(un
                                                                               monkeypatch, kind, path):
     torch.manual_seed(31)
     model = getattr(persistrnn, kind)(16, 48, num_layers=2, bidirectional=True).to("cuda:1").eval()
-    _plan_path(model, path, monkeypatch)
+    plan_path(model, path, monkeypatch)
     twin = _float64_twin(model)
     for call in range(3):  # captured, then replayed (natively where the library has loaded)
         x = torch.randn(9, 3, 16, device="cuda:1")

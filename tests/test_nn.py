@@ -15,7 +15,7 @@ import persistrnn
 from persistrnn import nn as pnn
 from persistrnn import ops
 from persistrnn import reference
-from helpers import assert_close_to_reference, exact_torch, rel
+from helpers import assert_close_to_reference, exact_torch, plan_path, rel
 
 
 def _matrix(n, seed):
@@ -505,7 +505,7 @@ def test_gpu_calls_under_inference_mode_and_no_grad_mix_on_one_module(untuned, m
     torch.manual_seed(14)
     model = persistrnn.LSTM(12, 40, num_layers=2).cuda().eval()
     monkeypatch.setattr(ops, "GRAPHS", persistrnn.runtime.GraphCache(capacity=64))  # empty
-    _plan_path(model, path, monkeypatch)
+    plan_path(model, path, monkeypatch)
     twin = copy.deepcopy(model).cpu().double()
     modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
     for mode in [first, *(m for m in modes if m != first)] * 2:
@@ -530,7 +530,7 @@ def test_gpu_initial_states_expanded_over_the_batch_run_on_every_path(untuned, m
     # pass them: every path takes them (cuDNN itself refuses states that are not contiguous).
     torch.manual_seed(17)
     model = persistrnn.LSTM(12, 40, num_layers=2).cuda().eval()
-    _plan_path(model, path, monkeypatch)
+    plan_path(model, path, monkeypatch)
     twin = copy.deepcopy(model).cpu().double()
     rows = (torch.randn(2, 1, 40, device="cuda"), torch.randn(2, 1, 40, device="cuda"))
     for _ in range(2):  # the capture, then a replay
@@ -550,7 +550,7 @@ def test_gpu_functional_call_and_weight_norm_run_the_weights_they_give(untuned, 
     # module's attributes hold at that call, as torch's module does, before and after a captured call.
     torch.manual_seed(20)
     model = persistrnn.GRU(12, 40, num_layers=2).cuda().eval()
-    _plan_path(model, path, monkeypatch)
+    plan_path(model, path, monkeypatch)
     theirs = torch.nn.GRU(12, 40, num_layers=2).cuda().eval()
     theirs.load_state_dict(model.state_dict())
     x = torch.randn(9, 3, 12, device="cuda")
@@ -660,19 +660,9 @@ def test_gpu_stream_session_replays_on_its_own_state_buffers(untuned):
         assert torch.allclose(session(x[:, :1]), halved, atol=1e-6, rtol=0)
 
 
-def _plan_path(module, path, monkeypatch):
-    """Make ``module`` run ``path`` ("cudnn" or "fallback"), as the planner picks where that path measured
-    fastest; "persistent" leaves the module's plans (the untuned fixture's: persistent where a kernel fits)."""
-    from persistrnn import plan as planner
-
-    if path != "persistent":
-        shape = planner.shape_of(module)
-        monkeypatch.setattr(module, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))
-
-
 def _cudnn_plan(module, monkeypatch):
     """Make ``module`` run the cuDNN plan, as the planner picks where cuDNN measured faster."""
-    _plan_path(module, "cudnn", monkeypatch)
+    plan_path(module, "cudnn", monkeypatch)
 
 
 @pytest.mark.gpu

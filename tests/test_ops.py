@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from helpers import plan_path
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import persistrnn
@@ -245,17 +246,13 @@ def test_torch_compile_under_inference_mode_then_no_grad(untuned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["persistent", "fallback"])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_reduce_overhead_with_repeated_and_changing_shapes(untuned, path, dynamic):
+def test_torch_compile_reduce_overhead_with_repeated_and_changing_shapes(untuned, monkeypatch, path, dynamic):
     # mode="reduce-overhead" (CUDA-graph trees) clears torch's cuBLAS workspaces around every warm-up and
     # recording. A forward of ours captured with the shared workspace of its stream then replayed into freed
     # memory: an illegal address at the next eager call, every run.
-    from persistrnn import plan as planner
-
     torch.manual_seed(5)
     model = Classifier(persistrnn.LSTM(16, 32, num_layers=2, batch_first=True)).cuda().eval()
-    if path != "persistent":
-        shape = planner.shape_of(model.rnn)
-        model.rnn.plan_for = lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test")
+    plan_path(model.rnn, path, monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(model, mode="reduce-overhead", dynamic=dynamic)
     with torch._dynamo.config.patch(allow_rnn=True), torch.no_grad():
@@ -269,15 +266,11 @@ def test_torch_compile_reduce_overhead_with_repeated_and_changing_shapes(untuned
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["persistent", "fallback", "cudnn"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_torch_compile_under_autocast_gives_the_eager_calls_outputs(untuned, path, dtype):
+def test_torch_compile_under_autocast_gives_the_eager_calls_outputs(untuned, monkeypatch, path, dtype):
     # Mixed-precision serving: a compiled model called under CUDA autocast, every path.
-    from persistrnn import plan as planner
-
     torch.manual_seed(8)
     model = Classifier(persistrnn.LSTM(16, 32, num_layers=2, batch_first=True)).cuda().eval()
-    if path != "persistent":
-        shape = planner.shape_of(model.rnn)
-        model.rnn.plan_for = lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test")
+    plan_path(model.rnn, path, monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(model)
     with torch._dynamo.config.patch(allow_rnn=True), torch.no_grad(), torch.autocast("cuda", dtype=dtype):
@@ -293,14 +286,10 @@ def test_torch_compile_under_autocast_gives_the_eager_calls_outputs(untuned, pat
 def test_forwards_evicted_from_a_full_cache_leave_the_others_intact(untuned, monkeypatch, path):
     # Three shapes through a cache of two: every call captures one forward and frees another, on streams
     # that earlier captures used too, each graph with its own cuBLAS GEMMs.
-    from persistrnn import plan as planner
-
     monkeypatch.setattr(ops, "GRAPHS", persistrnn.runtime.GraphCache(capacity=2))
     torch.manual_seed(7)
     model = persistrnn.LSTM(16, 32, num_layers=2).cuda().eval()
-    if path != "persistent":
-        shape = planner.shape_of(model)
-        monkeypatch.setattr(model, "plan_for", lambda batch: planner.Plan(shape, batch, path, None, "tuned", "test"))
+    plan_path(model, path, monkeypatch)
     twin = torch.nn.LSTM(16, 32, num_layers=2).double()
     twin.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
     for _ in range(4):
