@@ -527,7 +527,8 @@ class _Persistent:
                 raise InputShapeError(f"{name}: expected hx of dtype {x.dtype} on {x.device}, got {s.dtype} on "
                                       f"{s.device}")
         if x.shape[0] < 1:
-            raise InputShapeError(f"{name}: expected at least one step, got input of shape {tuple(input.shape)}")
+            raise InputShapeError(f"{name}: Expected sequence length to be larger than 0 in RNN, got input of shape "
+                                  f"{tuple(input.shape)}")  # torch's wording
 
     # ---- running ----------------------------------------------------------------
 

@@ -239,3 +239,33 @@ def test_a_users_captured_graph_beside_eager_calls_of_the_same_module():
 
     run_threads(work)
     assert max(worst) <= BOUND
+
+
+def test_graphs_of_one_stream_share_their_memory_and_every_call_keeps_its_answer():
+    """The captured forwards replayed on one stream share one memory pool
+    (``runtime.graphs``): the scratch one graph uses only while it runs, and
+    the cuBLAS workspace of its GEMMs, are the next one's. Many shapes of two
+    modules (a persistent one with its input-projection GEMM, a fallback one
+    with a GEMM per step), captured and then called in turns back to back on
+    one stream, each give their own torch answer; and the pool holds about
+    one workspace, where a pool per graph held one workspace per graph (32
+    MiB each on the H100, perf notes §92)."""
+    a, ta = pair(persistrnn.LSTM, 256, 256)
+    b, tb = pair(persistrnn.GRU, 96, 160, num_layers=2)
+    force_plan(a, "persistent", persistent.KernelConfig("lstm", 256, "cluster", 8))
+    force_plan(b, "fallback")
+    shapes = [(steps, batch) for batch in BATCHES[:6] for steps in (STEPS, STEPS + 4)]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.no_grad():
+        inputs = [(ours, theirs, torch.randn(steps, batch, ours.input_size, device="cuda", generator=gen))
+                  for steps, batch in shapes for ours, theirs in ((a, ta), (b, tb))]
+        for ours, _, x in inputs:  # every shape captured: 24 graphs for this stream
+            ours(x)
+        results = [(ours(x)[0], theirs(x)[0]) for ours, theirs, x in inputs for _ in range(2)]
+        stream.synchronize()
+    assert max(rel(o, r) for o, r in results) <= BOUND
+    pool = runtime.graphs._STREAM_POOLS[(stream.device.index, stream.cuda_stream)]
+    held = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool))
+    print(f"24 graphs of one stream: their pool holds {held / 2**20:.1f} MiB")
+    assert 0 < held <= 128 * 2**20

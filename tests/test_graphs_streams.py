@@ -2,7 +2,9 @@
 calls replaced by stand-ins so that it runs without a GPU: a capture holds
 one of our own streams and gives it back only when it ended well or failed
 before capturing; the caller's stream is current again on every exit; a wait
-on a stream (``CapturedCall.retire``) never meets a capture in progress."""
+on a stream (``CapturedCall.retire``) never meets a capture in progress;
+the graphs replayed on one stream share one memory pool, and no other
+graph is captured into it."""
 
 import threading
 
@@ -13,8 +15,11 @@ from persistrnn.runtime import graphs
 
 
 class FakeStream:
+    handles = iter(range(1000, 2000))
+
     def __init__(self, name):
         self.name = name
+        self.cuda_stream = next(self.handles)  # the raw handle
         self.device = torch.device("cuda", 0)
         self.waited_on = []
 
@@ -32,6 +37,8 @@ class FakeCuda:
         self.current = FakeStream("caller")
         self.fail_capture_end = fail_capture_end
         self.captures = []
+        self.pools = []  # the pool each capture allocated from (None: a pool of its own)
+        self.made_pools = iter(range(1000))
         self.events = []  # cuBLAS workspace clears, capture begins and ends, in order
 
     def clear_cublas_workspaces(self):
@@ -58,8 +65,12 @@ class FakeCuda:
     def CUDAGraph(self):  # noqa: N802 - torch's name
         return object()
 
-    def graph(self, graph, stream, capture_error_mode):
+    def graph_pool_handle(self):
+        return ("pool", next(self.made_pools))
+
+    def graph(self, graph, pool, stream, capture_error_mode):
         cuda = self
+        cuda.pools.append(pool)
 
         class Capture:
             def __enter__(self):
@@ -79,11 +90,12 @@ class FakeCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     cuda = FakeCuda()
-    for name in ("current_device", "current_stream", "stream", "CUDAGraph", "graph"):
+    for name in ("current_device", "current_stream", "stream", "CUDAGraph", "graph", "graph_pool_handle"):
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", cuda.clear_cublas_workspaces, raising=False)
     made = iter(range(1000))
     monkeypatch.setattr(graphs, "_FREE_STREAMS", {})
+    monkeypatch.setattr(graphs, "_STREAM_POOLS", {})
 
     def own(device):
         with graphs._STREAMS_LOCK:
@@ -135,6 +147,35 @@ def test_a_given_stream_is_not_taken_or_given_back(fake_cuda):
     mine = FakeStream("mine")
     graphs.capture(lambda: None, stream=mine)
     assert fake_cuda.captures == [("mine", "thread_local")] and free_streams() == []
+
+
+def test_graphs_replayed_on_one_stream_share_one_pool_and_only_they(fake_cuda):
+    # Replays on one stream never overlap, so the graphs of that stream can reuse each other's scratch (their
+    # intermediates, a 32 MiB cuBLAS workspace each); a graph of another stream, or one not bound to the
+    # caller's stream, must never allocate from that pool.
+    first_caller = fake_cuda.current
+    graphs.capture(lambda: None, shared_pool=True)
+    graphs.capture(lambda: None, shared_pool=True)
+    fake_cuda.current = FakeStream("other caller")
+    graphs.capture(lambda: None, shared_pool=True)
+    graphs.capture(lambda: None)
+    fake_cuda.current = first_caller
+    graphs.capture(lambda: None, shared_pool=True)
+    assert fake_cuda.pools == [("pool", 0), ("pool", 0), ("pool", 1), None, ("pool", 0)]
+
+
+def test_a_captured_call_shares_its_streams_pool(monkeypatch):
+    # CapturedCall's graphs are replayed on the stream they were captured for only (GraphCache keys them on it)
+    asked = []
+
+    def fake_capture(record, warm=None, **options):
+        asked.append(options)
+        return object(), [torch.zeros(2)]
+
+    monkeypatch.setattr(graphs, "capture", fake_capture)
+    monkeypatch.setattr(graphs.native, "available", lambda: False)
+    graphs.CapturedCall(lambda x: (x,), (torch.ones(2),))
+    assert asked == [{"keep_graph": False, "shared_pool": True}]
 
 
 def test_a_wait_on_a_stream_waits_for_a_capture_in_progress(monkeypatch):

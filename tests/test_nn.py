@@ -222,6 +222,8 @@ def test_stream_refuses_bidirectional_and_wrong_batches():
     (lambda: torch.randn(5, 3, 4), (torch.zeros(3, 6), torch.zeros(3, 6)), ValueError, "3-D"),
     (lambda: torch.randn(5, 3, 4), torch.zeros(1, 3, 6), ValueError, "tuple"),
     (lambda: [1, 2, 3], None, TypeError, "Tensor or PackedSequence, got list"),
+    (lambda: torch.randn(0, 3, 4), None, ValueError, "Expected sequence length to be larger than 0 in RNN"),
+    (lambda: torch.randn(0, 4), None, ValueError, "Expected sequence length to be larger than 0 in RNN"),
 ])
 def test_bad_inputs_raise_value_or_type_errors_in_torchs_wording(make_input, hx, error, match):
     model = persistrnn.LSTM(4, 6)

@@ -16,9 +16,13 @@ instances guarded by events would also be correct, but every call would pay
 an event query; per-stream instances cost nothing per call.)
 
 Everything a graph reads or writes (its static buffers, the scratch of its
-launches, the intermediate tensors) lives in the graph's own memory pool and
-is freed only with the graph; an evicted graph is dropped only after its last
-replay has finished.
+launches, the intermediate tensors, the cuBLAS workspace of its GEMMs) lives
+in a memory pool that no one but our graphs allocates from, and is freed only
+with the graph; an evicted graph is dropped only after its last replay has
+finished. The graphs of a :class:`CapturedCall` replay on one stream, so
+those of one stream share one pool (:func:`capture`'s ``shared_pool``):
+their replays never overlap, and what one frees at the end of its capture
+(its intermediates, a 32 MiB cuBLAS workspace) the next one's capture reuses.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ __all__ = ["CapturedCall", "GraphCache", "RecentShapes", "capture", "capture_gra
            "ordinary_tensors", "own_stream", "release_stream"]
 
 _CAPTURE_LOCK = threading.RLock()  # held by a capture, and by a wait on a stream that a capture might use
+_STREAM_POOLS: dict[tuple[int, int], Any] = {}  # (device, raw replay stream) -> the pool its graphs share
 _FREE_STREAMS: dict[int, list[Any]] = {}
 _STREAMS_LOCK = threading.Lock()
 
@@ -94,7 +99,7 @@ def capture_graph(fn: Callable[[], Any], stream: Any = None) -> Any:
 
 
 def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
-            stream: Any = None, keep_graph: bool = False) -> tuple[Any, Any]:
+            stream: Any = None, keep_graph: bool = False, shared_pool: bool = False) -> tuple[Any, Any]:
     """(graph, result) for ``record()`` captured as a ``torch.cuda.CUDAGraph``.
 
     The capture runs on ``stream`` (default: one of :func:`own_stream`'s,
@@ -108,9 +113,13 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     allocating meanwhile. A capture that fails keeps its stream out of the
     free list (it may still be capturing). ``result``
     is what the captured call returned; its tensors, and every tensor
-    ``record`` allocates, live in the graph's own memory pool, ordinary
+    ``record`` allocates, live in the graph's memory pool, ordinary
     tensors whatever the caller's mode (:func:`ordinary_tensors`): the graph
-    serves later calls in any mode. ``keep_graph``:
+    serves later calls in any mode. ``shared_pool``: the graph is replayed
+    on the caller's current stream only, and shares its pool with the other
+    graphs so captured for that stream (their replays are ordered by it, so
+    the memory one graph uses only while it runs can be another's); the
+    tensors each graph holds stay its own. ``keep_graph``:
     the graph keeps its ``cudaGraph_t`` (``raw_cuda_graph()``) beside the
     instantiated one, for finding its nodes."""
     import torch
@@ -119,6 +128,12 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     if held:
         stream = own_stream(torch.cuda.current_device())
     caller = torch.cuda.current_stream()
+    pool = None
+    if shared_pool:
+        replays_on = (caller.device.index, caller.cuda_stream)
+        with _STREAMS_LOCK:
+            if (pool := _STREAM_POOLS.get(replays_on)) is None:
+                pool = _STREAM_POOLS[replays_on] = torch.cuda.graph_pool_handle()
     stream.wait_stream(caller)
     # The outer stream context restores the caller's stream on every exit: torch's graph context does not
     # when ending the capture raises.
@@ -133,14 +148,16 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
             graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
             # torch keeps one cuBLAS workspace per (handle, stream), and a captured GEMM embeds its address.
             # Cleared before the capture, the workspace a GEMM of this graph needs is allocated inside it, from
-            # the graph's own pool, and lives as long as the graph; cleared after, torch's map keeps no address
+            # the graph's pool, and lives as long as the graph; cleared after, torch's map keeps no address
             # in that pool. Otherwise our graphs shared the map's workspace, which torch frees whenever it
             # clears the map: torch.compile's CUDA-graph trees (mode="reduce-overhead") clear it around every
             # warm-up and recording, and the next replay of a forward of ours raised an illegal address (H100,
-            # 6 of 6 runs). The same as those trees do for their own graphs.
+            # 6 of 6 runs). The same as those trees do for their own graphs. In a pool of its own every graph
+            # kept a 32 MiB workspace (48 against 17 MiB reserved per captured forward, perf notes §92); in a
+            # stream's shared pool the next capture there reuses the one this capture frees at its end.
             torch._C._cuda_clearCublasWorkspaces()
             try:
-                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     result = record()
             finally:
                 torch._C._cuda_clearCublasWorkspaces()
@@ -218,9 +235,10 @@ class CapturedCall:
     (dropout masks come in as arguments).
 
     The static inputs are allocated inside the capture, so every buffer the
-    graph uses is in the graph's own pool (none in whatever pool is current
-    around the call, e.g. ``torch.compile``'s CUDA-graph pool while it warms
-    up), and lives exactly as long as the graph.
+    graph uses is in the pool of our graphs replayed on its stream (none in
+    whatever pool is current around the call, e.g. ``torch.compile``'s
+    CUDA-graph pool while it warms up), and lives exactly as long as the
+    graph.
     """
 
     native_id: int | None = None  # the instance's id in the native replay's table, where it has one
@@ -257,7 +275,7 @@ class CapturedCall:
                     s.copy_(o)
             return outs
 
-        self.graph, outs = capture(record, lambda: fn(*args), keep_graph=copy_nodes)
+        self.graph, outs = capture(record, lambda: fn(*args), keep_graph=copy_nodes, shared_pool=True)
         self.outputs = list(outs)
         self.device = self.outputs[0].device
         self.lock = threading.Lock()
