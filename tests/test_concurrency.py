@@ -247,9 +247,9 @@ def test_graphs_of_one_stream_share_their_memory_and_every_call_keeps_its_answer
     the cuBLAS workspace of its GEMMs, are the next one's. Many shapes of two
     modules (a persistent one with its input-projection GEMM, a fallback one
     with a GEMM per step), captured and then called in turns back to back on
-    one stream, each give their own torch answer; and the pool holds about
-    one workspace, where a pool per graph held one workspace per graph (32
-    MiB each on the H100, perf notes §92)."""
+    one stream, each give their own torch answer; and the pool holds a few
+    workspaces, where a pool per graph held one per graph (32 MiB each on the
+    H100, perf notes §92, §95)."""
     a, ta = pair(persistrnn.LSTM, 256, 256)
     b, tb = pair(persistrnn.GRU, 96, 160, num_layers=2)
     force_plan(a, "persistent", persistent.KernelConfig("lstm", 256, "cluster", 8))
@@ -268,4 +268,6 @@ def test_graphs_of_one_stream_share_their_memory_and_every_call_keeps_its_answer
     pool = runtime.graphs._STREAM_POOLS[(stream.device.index, stream.cuda_stream)]
     held = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool))
     print(f"24 graphs of one stream: their pool holds {held / 2**20:.1f} MiB")
-    assert 0 < held <= 128 * 2**20
+    # H100: 128 MiB (a freed workspace's segment is split by a later graph's large buffers, so a later
+    # capture may need a new one); a pool per graph would hold at least 24 x 32 MiB
+    assert 0 < held <= 256 * 2**20
