@@ -7,6 +7,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -359,6 +361,55 @@ def test_a_stored_calibration_is_extended_by_the_tiles_it_lacks_keeping_what_ano
     monkeypatch.setattr(runtime, "device_facts", lambda: dataclasses.replace(H100, name="NVIDIA H200"))
     cost.calibration(progress=False, tiles={1})  # another device: its own calibration
     assert measured[-1] == ("whole", {1})
+
+
+def _held_by_another_process(path, store):
+    """A thread standing in for another process: it takes ``path``'s lock
+    (flock, on a file description of its own), stores what ``store()``
+    writes after 0.3 s, and lets go. Returns (thread, held event, the time
+    it let go, filled in then)."""
+    held, released = threading.Event(), []
+
+    def other():
+        with runtime.key_lock(path):
+            held.set()
+            time.sleep(0.3)
+            store()
+            released.append(time.perf_counter())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert held.wait(5)
+    return thread, released
+
+
+def test_a_calibration_another_process_is_measuring_is_waited_for_and_read_not_measured_again(
+        isolated_cache, monkeypatch):
+    # A server's workers start together: micro-benchmarks timed beside another's would each measure both.
+    monkeypatch.setattr(runtime, "device_facts", lambda: H100)
+    theirs = _with_tiles(synthetic_calibration(H100.name, H100.sm_count), {1, 2})
+    path = cost.calibration_path(H100)
+    measured = []
+    monkeypatch.setattr(cost, "measure_calibration", lambda *a, **k: measured.append(a) or theirs)
+    thread, released = _held_by_another_process(path, lambda: runtime.atomic_write(path, theirs.to_json()))
+    got = cost.calibration(progress=False, tiles={1})
+    returned = time.perf_counter()
+    thread.join()
+    assert got == theirs and measured == [] and returned >= released[0]
+
+
+def test_a_plan_another_process_is_tuning_is_waited_for_and_read_not_tuned_again(monkeypatch, offline_tuning):
+    shape = tuner.ModelShape("lstm", 256, 256)
+    key = tuner.cache_key(H100, shape, space.batch_bucket(1), False)
+    theirs = tuner.Plan(shape, space.batch_bucket(1), "cudnn", None, "tuned", "timed by another process")
+    timed = []
+    monkeypatch.setattr(tuner, "time_candidates", lambda candidates, progress=False: timed.append(candidates))
+    thread, released = _held_by_another_process(tuner.cache_path(key), lambda: tuner.store_plan(key, theirs))
+    got = tuner.plan(shape, 1)
+    returned = time.perf_counter()
+    thread.join()
+    assert (got.path, got.reason, got.source) == ("cudnn", "timed by another process", "cache")
+    assert timed == [] and returned >= released[0]
 
 
 @pytest.mark.parametrize("program", cost.bench_programs())

@@ -641,22 +641,30 @@ def calibration(*, progress: bool = True, refresh: bool = False, tiles: Iterable
         if capturing:
             raise CalibrationError(f"{facts.name} has no calibration yet, and nothing can be timed inside a "
                                    "CUDA-graph capture: call the module once before capturing")
-        started = time.perf_counter()
-        if cached is None:
-            logger.info("calibrating the cost model on %s for batch tiles %s (micro-benchmarks, once per device; "
-                        "stored in %s)", facts.name, sorted(wanted), path)
-            fresh = measure_calibration(progress, wanted)
-        else:
-            logger.info("calibrating the cost model's FFMA products at batch tiles %s on %s (once per device)",
-                        sorted(wanted - cached.tiles), facts.name)
-            fresh = extend_calibration(cached, wanted - cached.tiles, progress)
-        # Another process may have stored tiles meanwhile: keep its products of the tiles this one lacks.
-        other = None if refresh else _stored(path, facts)
-        if other is not None:
-            kept = {k: v for k, v in other.product.items() if _tile_of(k) not in fresh.tiles}
-            fresh = dataclasses.replace(fresh, product={**fresh.product, **kept})
-        runtime.atomic_write(path, fresh.to_json())
-        logger.info("calibrated %s in %.1f s", facts.name, time.perf_counter() - started)
+        # A server's workers start together: micro-benchmarks timed beside another process's would each measure
+        # both. One process calibrates while the others wait, then read what it stored.
+        with runtime.key_lock(path):
+            if not refresh and (stored := _stored(path, facts)) is not None:
+                cached = stored
+                if wanted <= cached.tiles:
+                    return cached
+            started = time.perf_counter()
+            if cached is None:
+                logger.info("calibrating the cost model on %s for batch tiles %s (micro-benchmarks, once per "
+                            "device; stored in %s)", facts.name, sorted(wanted), path)
+                fresh = measure_calibration(progress, wanted)
+            else:
+                logger.info("calibrating the cost model's FFMA products at batch tiles %s on %s (once per device)",
+                            sorted(wanted - cached.tiles), facts.name)
+                fresh = extend_calibration(cached, wanted - cached.tiles, progress)
+            # An unlocked writer (an unwritable lock file) may have stored tiles meanwhile: keep its products
+            # of the tiles this one lacks.
+            other = None if refresh else _stored(path, facts)
+            if other is not None:
+                kept = {k: v for k, v in other.product.items() if _tile_of(k) not in fresh.tiles}
+                fresh = dataclasses.replace(fresh, product={**fresh.product, **kept})
+            runtime.atomic_write(path, fresh.to_json())
+            logger.info("calibrated %s in %.1f s", facts.name, time.perf_counter() - started)
     return fresh
 
 

@@ -617,45 +617,50 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
                     f"the cost model's top choice of {len(ranked)} candidates (untimed)", predicted_us=top[0].us,
                     batch_slice=top[0].batch_slice)
 
-    logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
-                "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
-    top = compile_top(ranked, k)
-    # A launch of whole slices runs the candidate's build for that slice size: compiled now, in threads.
-    device = runtime.device_facts().index
-    runtime.map_in_threads(lambda r: persistent.launched_config(r.config, bucket, r.batch_slice, device), top)
-    ranks = sorted(top, key=ranked.index)  # the model's order, twins beside their own
-    own = sum(not r.config.tagged_exchange for r in top)
-    timed_configs = f"model's top {min(k, own)}" + (
-        f", {n} more of its kernel families" if (n := own - min(k, own)) else "") + (
-        f" and {n} tagged twin(s)" if (n := sum(r.config.tagged_exchange for r in top)) else "")
-    candidates = timing_candidates(shape, bucket, top, steps)
-    measured = time_candidates(candidates, progress)
-    timed = [c for c in candidates if c.label in measured]
-    best = min(timed, key=lambda c: measured[c.label])
-    chosen = best.ranked or Ranked(None, None, None)
-    if best.path == "persistent":
-        rank = ranks.index(best.ranked) + 1
-        reason = f"fastest of the {timed_configs} (model rank {rank}), the fallback and cuDNN, timed"
-    elif top:
-        reason = f"{best.path} was faster than the {timed_configs} persistent configurations, timed"
-    else:
-        reason = _no_fit_reason(shape, facts) + f"; {best.path} was the faster of the rest, timed"
-    path, config, us = best.path, chosen.config, chosen.us
-    short_path, short_steps, short_measured = None, 0, {}
-    if best.path == "persistent" and steps > SHORT_STEPS:
-        short_measured = time_candidates(timing_candidates(shape, bucket, [best.ranked], SHORT_STEPS), progress)
-        short_path, short_steps = short_sequence_path(best.label, measured, short_measured, steps)
-    result = Plan(shape, bucket, path, config, "tuned", reason, predicted_us=us, measured_ms=measured, steps=steps,
-                  tuning_seconds=time.perf_counter() - started, batch_slice=chosen.batch_slice,
-                  short_path=short_path, short_steps=short_steps, short_measured_ms=short_measured)
-    store_plan(key, result)
-    logger.info("tuned %s at batch %d in %.1f s: %s", shape, batch, result.tuning_seconds, result.describe())
-    # The calibration's programs a later plan at a larger batch needs, compiled
-    # now in the background: started during the tuning, they slowed it by
-    # 0.6 s or more beside its own compiles (perf-notes §70).
-    if rest := cost.tiles_for(None) - model.cal.tiles:
-        cost.compile_ahead(rest)
-    return result
+    # A server's workers start together and tune the same shapes at once, each timing its candidates beside
+    # the others' timings and compiles: one process tunes a key while the others wait for its plan.
+    with runtime.key_lock(cache_path(key)):
+        if not refresh and (cached := load_plan(key)) is not None:
+            return cached
+        logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
+                    "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
+        top = compile_top(ranked, k)
+        # A launch of whole slices runs the candidate's build for that slice size: compiled now, in threads.
+        device = runtime.device_facts().index
+        runtime.map_in_threads(lambda r: persistent.launched_config(r.config, bucket, r.batch_slice, device), top)
+        ranks = sorted(top, key=ranked.index)  # the model's order, twins beside their own
+        own = sum(not r.config.tagged_exchange for r in top)
+        timed_configs = f"model's top {min(k, own)}" + (
+            f", {n} more of its kernel families" if (n := own - min(k, own)) else "") + (
+            f" and {n} tagged twin(s)" if (n := sum(r.config.tagged_exchange for r in top)) else "")
+        candidates = timing_candidates(shape, bucket, top, steps)
+        measured = time_candidates(candidates, progress)
+        timed = [c for c in candidates if c.label in measured]
+        best = min(timed, key=lambda c: measured[c.label])
+        chosen = best.ranked or Ranked(None, None, None)
+        if best.path == "persistent":
+            rank = ranks.index(best.ranked) + 1
+            reason = f"fastest of the {timed_configs} (model rank {rank}), the fallback and cuDNN, timed"
+        elif top:
+            reason = f"{best.path} was faster than the {timed_configs} persistent configurations, timed"
+        else:
+            reason = _no_fit_reason(shape, facts) + f"; {best.path} was the faster of the rest, timed"
+        path, config, us = best.path, chosen.config, chosen.us
+        short_path, short_steps, short_measured = None, 0, {}
+        if best.path == "persistent" and steps > SHORT_STEPS:
+            short_measured = time_candidates(timing_candidates(shape, bucket, [best.ranked], SHORT_STEPS), progress)
+            short_path, short_steps = short_sequence_path(best.label, measured, short_measured, steps)
+        result = Plan(shape, bucket, path, config, "tuned", reason, predicted_us=us, measured_ms=measured, steps=steps,
+                      tuning_seconds=time.perf_counter() - started, batch_slice=chosen.batch_slice,
+                      short_path=short_path, short_steps=short_steps, short_measured_ms=short_measured)
+        store_plan(key, result)
+        logger.info("tuned %s at batch %d in %.1f s: %s", shape, batch, result.tuning_seconds, result.describe())
+        # The calibration's programs a later plan at a larger batch needs, compiled
+        # now in the background: started during the tuning, they slowed it by
+        # 0.6 s or more beside its own compiles (perf-notes §70).
+        if rest := cost.tiles_for(None) - model.cal.tiles:
+            cost.compile_ahead(rest)
+        return result
 
 
 def short_sequence_path(chosen: str, long_ms: dict[str, float], short_ms: dict[str, float],
