@@ -316,6 +316,10 @@ def run_fallback(
     G = spec.num_gates
     if not isinstance(w_hh, torch.Tensor):
         raise ArgumentTypeError(f"w_hh: expected a torch.Tensor, got {type(w_hh).__name__}")
+    if (device := runtime.elsewhere(w_hh)) is not None:  # a layer on another GPU than the current one
+        with torch.cuda.device(device):
+            return run_fallback(spec, xw, w_hh, b_hh, h0, c0, out=out, h_n=h_n, c_n=c_n, reverse=reverse,
+                                saved_gates=saved_gates, saved_c=saved_c)
     dtypes = tuple(getattr(torch, d) for d in persistent.DTYPES)
     if w_hh.dtype not in dtypes:
         raise ArgumentTypeError(f"w_hh: expected the layer's dtype, one of {', '.join(map(str, dtypes))}, "

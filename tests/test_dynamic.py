@@ -1158,3 +1158,30 @@ def test_script_loader_fails_a_stuck_worker_instead_of_hanging(monkeypatch):
         next(iter(dynamic.script_loader(model, stuck, [trees], 4, workers=1)))
     # the stuck worker is ended (torch's DataLoader joins it for up to 5 s, then terminates it), not waited for
     assert time.perf_counter() - started < 20
+
+
+def test_the_interpreter_runs_its_launches_under_its_own_device(monkeypatch):
+    # The kernels' loads, streams, scratch and launches read the current device: an interpreter on another GPU
+    # than the current one enters torch.cuda.device of its own for each of them.
+    import contextlib
+
+    from persistrnn.dynamic import kernel
+
+    entered = []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    interp = kernel.Interpreter.__new__(kernel.Interpreter)
+    interp.device, interp._pending = torch.device("cuda", 1), None
+    assert interp.sync() is None and entered == [1]
+    interp.device = torch.device("cuda", 0)
+    assert interp.sync() is None and entered == [1]  # already there: no guard
+    for name in ("load", "launch", "run", "step", "sync"):
+        assert getattr(kernel.Interpreter, name).__wrapped__  # each entry point is wrapped
+    with pytest.raises(ValueError, match="expected a CUDA device, got cpu"):
+        kernel.Interpreter(None, device="cpu")

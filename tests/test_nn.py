@@ -317,6 +317,42 @@ def test_a_call_on_another_gpu_than_the_current_one_runs_under_its_device(monkey
     assert entered == [1, 1, 1]
 
 
+def test_the_layer_entries_run_under_their_weights_device(monkeypatch):
+    # persistent.run_instances and fallback.run_fallback, called directly (the README's lower-level use), enter
+    # torch.cuda.device of their weights as the module does: their launches read the current device.
+    from persistrnn import fallback, runtime
+    from persistrnn.persistent import launch
+
+    entered, inside = [], []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        inside.append(index)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(runtime, "elsewhere", lambda t: None if inside else 1)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    seen = []
+
+    def stops_here(*args, **kwargs):  # what runs first below the guard: records the device it runs under
+        seen.append(list(inside))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(fallback, "check_recurrence", stops_here)
+    w_hh = torch.randn(12, 4)
+    with pytest.raises(RuntimeError, match="stop"):
+        fallback.run_fallback("gru", torch.randn(3, 2, 12), w_hh, torch.randn(12), torch.randn(2, 4), None)
+    monkeypatch.setattr(launch.runtime, "failure_hook", stops_here)
+    config = persistrnn.persistent.KernelConfig("gru", 4, "single", 1)
+    with pytest.raises(RuntimeError, match="stop"):
+        launch.run_instances(config, [launch.Instance(None, w_hh, None, None, None, None, None, None)], 3, 2)
+    assert entered == [1, 1] and seen == [[1], [1]]
+
+
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_a_call_needs_gradients_when_an_initial_state_requires_them(kind):
     # A frozen RNN fed an encoder's state: only the state requires grad, and the call must record it.

@@ -143,6 +143,23 @@ class Launched:
         return float(self.loss_host.item())
 
 
+def _on_its_device(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of an :class:`Interpreter` run under ``torch.cuda.device``
+    of the interpreter's GPU where that is not the current one: the kernels'
+    loads, the streams, the scratch and the launches below read the current
+    device (a process may run an interpreter per GPU)."""
+    @functools.wraps(method)
+    def on_device(self: Interpreter, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.device.index != torch.cuda.current_device():
+            with torch.cuda.device(self.device.index):
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return on_device
+
+
 class Interpreter:
     """The model's parameters on the GPU and the kernels that run its scripts.
 
@@ -154,17 +171,23 @@ class Interpreter:
     leaves every parameter's gradient in :attr:`param_grads`; ``infer`` runs
     forward only. ``step``/``sync`` overlap the host's script generation for
     the next batch with the kernel of the previous one, as VPPS does.
+    ``device``: a CUDA device; without an index, the current one.
     """
 
     def __init__(self, model: Model, *, blocks: int | None = None, optimizer: Optimizer | None = None,
                  placement: str = "partition", device: Any = "cuda") -> None:
         import torch
 
-        facts = runtime.device_facts()
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ArgumentError(f"device: expected a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", runtime.require_gpu())  # the current device, or a clear error
+        with torch.cuda.device(self.device.index):
+            facts = runtime.device_facts()
         self.model = model
         self.blocks = blocks or facts.sm_count
         self.optimizer = optimizer or SGD()
-        self.device = torch.device(device)
         with runtime.ordinary_tensors():  # zeroed in place by later launches, in any mode
             self.params = torch.from_numpy(model.initial_values()).to(self.device)
             self.param_grads = torch.zeros_like(self.params)
@@ -181,6 +204,7 @@ class Interpreter:
                 raise ConfigError(f"the model's matrices need {spec.shared_bytes} bytes of shared memory per block "
                                   f"over {self.blocks} blocks; the device allows {limit}: use more blocks")
 
+    @_on_its_device
     def load(self) -> None:
         """Compile (or read from the disk cache) and load both variants now
         rather than at the first launch."""
@@ -217,6 +241,7 @@ class Interpreter:
         return script_loader(self.model, build, batches, self.blocks, train=train, placement=self.placement,
                              workers=workers, prefetch=prefetch)
 
+    @_on_its_device
     def launch(self, script: Script, *, poison: bool = False) -> Launched:
         """Launch ``script`` on the current stream; returns without waiting.
 
@@ -251,12 +276,14 @@ class Interpreter:
         done.record()
         return Launched(script, loss, values, grads, loss_host, done)
 
+    @_on_its_device
     def run(self, graph: Graph | Script, *, train: bool = True) -> float:
         """Schedule (a graph), launch, wait: the batch loss (sum over loss nodes)."""
         launched = self.launch(self.schedule(graph, train=train))
         runtime.raise_reported_failure(self.device.index, KERNEL_NAME, synchronize=True)
         return launched.result()
 
+    @_on_its_device
     def step(self, graph: Graph | Script, *, train: bool = True) -> float | None:
         """Schedule (a graph) and launch ``graph``, then return the previous
         batch's loss (None for the first). The wait is for the previous launch
@@ -270,6 +297,7 @@ class Interpreter:
         runtime.raise_reported_failure(self.device.index, KERNEL_NAME)
         return value
 
+    @_on_its_device
     def sync(self) -> float | None:
         """Wait for the latest launch and return its loss."""
         if self._pending is None:

@@ -92,6 +92,10 @@ def run_instances(config: KernelConfig, instances: list[Instance], steps: int, b
 
     if len(instances) != config.instances:
         raise ArgumentError(f"expected {config.instances} instances for {config}, got {len(instances)}")
+    if (device := runtime.elsewhere(instances[0].w_hh)) is not None:  # a layer on another GPU than the current one
+        with torch.cuda.device(device):
+            return run_instances(config, instances, steps, batch, lengths=lengths, batch_slice=batch_slice,
+                                 check=check, profile=profile)
     if config.lengths != (lengths is not None):  # the variant compiled with (or without) the lengths code
         config = dataclasses.replace(config, lengths=lengths is not None)
     abandon = runtime.failure_hook()
