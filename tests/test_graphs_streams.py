@@ -30,6 +30,13 @@ class FakeStream:
         return f"FakeStream({self.name})"
 
 
+class FakeGraph:
+    pool_id = None
+
+    def pool(self):
+        return self.pool_id
+
+
 class FakeCuda:
     """torch.cuda's calls that ``capture`` makes, recording what happens."""
 
@@ -37,7 +44,7 @@ class FakeCuda:
         self.current = FakeStream("caller")
         self.fail_capture_end = fail_capture_end
         self.captures = []
-        self.pools = []  # the pool each capture allocated from (None: a pool of its own)
+        self.pools = []  # the pool each capture was asked to share (None: a pool of its own)
         self.made_pools = iter(range(1000))
         self.events = []  # cuBLAS workspace clears, capture begins and ends, in order
 
@@ -63,14 +70,12 @@ class FakeCuda:
         return Context()
 
     def CUDAGraph(self):  # noqa: N802 - torch's name
-        return object()
-
-    def graph_pool_handle(self):
-        return ("pool", next(self.made_pools))
+        return FakeGraph()
 
     def graph(self, graph, pool, stream, capture_error_mode):
         cuda = self
         cuda.pools.append(pool)
+        graph.pool_id = pool if pool is not None else ("pool", next(self.made_pools))
 
         class Capture:
             def __enter__(self):
@@ -90,12 +95,12 @@ class FakeCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     cuda = FakeCuda()
-    for name in ("current_device", "current_stream", "stream", "CUDAGraph", "graph", "graph_pool_handle"):
+    for name in ("current_device", "current_stream", "stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", cuda.clear_cublas_workspaces, raising=False)
     made = iter(range(1000))
     monkeypatch.setattr(graphs, "_FREE_STREAMS", {})
-    monkeypatch.setattr(graphs, "_STREAM_POOLS", {})
+    monkeypatch.setattr(graphs, "_STREAM_GRAPHS", {})
 
     def own(device):
         with graphs._STREAMS_LOCK:
@@ -154,14 +159,19 @@ def test_graphs_replayed_on_one_stream_share_one_pool_and_only_they(fake_cuda):
     # intermediates, a 32 MiB cuBLAS workspace each); a graph of another stream, or one not bound to the
     # caller's stream, must never allocate from that pool.
     first_caller = fake_cuda.current
-    graphs.capture(lambda: None, shared_pool=True)
-    graphs.capture(lambda: None, shared_pool=True)
+    kept = [graphs.capture(lambda: None, shared_pool=True)[0] for _ in range(2)]
     fake_cuda.current = FakeStream("other caller")
-    graphs.capture(lambda: None, shared_pool=True)
-    graphs.capture(lambda: None)
+    kept.append(graphs.capture(lambda: None, shared_pool=True)[0])
+    kept.append(graphs.capture(lambda: None)[0])
     fake_cuda.current = first_caller
-    graphs.capture(lambda: None, shared_pool=True)
-    assert fake_cuda.pools == [("pool", 0), ("pool", 0), ("pool", 1), None, ("pool", 0)]
+    kept.append(graphs.capture(lambda: None, shared_pool=True)[0])
+    assert fake_cuda.pools == [None, ("pool", 0), None, None, ("pool", 0)]
+    assert [g.pool() for g in kept] == [("pool", 0), ("pool", 0), ("pool", 1), ("pool", 2), ("pool", 0)]
+    # Every graph of the first stream dropped: torch refuses a capture into a pool whose graphs are all gone
+    # (an internal assert), so the next one starts a pool of its own, which later ones share.
+    del kept[4], kept[1], kept[0]
+    again = [graphs.capture(lambda: None, shared_pool=True)[0] for _ in range(2)]
+    assert fake_cuda.pools[-2:] == [None, ("pool", 3)] and [g.pool() for g in again] == [("pool", 3)] * 2
 
 
 def test_a_captured_call_shares_its_streams_pool(monkeypatch):

@@ -39,7 +39,10 @@ __all__ = ["CapturedCall", "GraphCache", "RecentShapes", "capture", "capture_gra
            "ordinary_tensors", "own_stream", "release_stream"]
 
 _CAPTURE_LOCK = threading.RLock()  # held by a capture, and by a wait on a stream that a capture might use
-_STREAM_POOLS: dict[tuple[int, int], Any] = {}  # (device, raw replay stream) -> the pool its graphs share
+# (device, raw replay stream) -> its live graphs, whose pool the next capture for that stream shares. A pool is
+# named by a live graph's pool(), never kept as a handle: torch refuses a capture into a pool whose graphs are
+# all gone (an internal assert, until its memory is freed), and a stream's graphs may all be dropped at once.
+_STREAM_GRAPHS: dict[tuple[int, int], weakref.WeakSet] = {}
 _FREE_STREAMS: dict[int, list[Any]] = {}
 _STREAMS_LOCK = threading.Lock()
 
@@ -118,8 +121,9 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     serves later calls in any mode. ``shared_pool``: the graph is replayed
     on the caller's current stream only, and shares its pool with the other
     graphs so captured for that stream (their replays are ordered by it, so
-    the memory one graph uses only while it runs can be another's); the
-    tensors each graph holds stay its own. ``keep_graph``:
+    the memory one graph uses only while it runs can be another's), the pool
+    of one of them that is alive, or a new one where none is; the tensors
+    each graph holds stay its own. ``keep_graph``:
     the graph keeps its ``cudaGraph_t`` (``raw_cuda_graph()``) beside the
     instantiated one, for finding its nodes."""
     import torch
@@ -128,12 +132,6 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
     if held:
         stream = own_stream(torch.cuda.current_device())
     caller = torch.cuda.current_stream()
-    pool = None
-    if shared_pool:
-        replays_on = (caller.device.index, caller.cuda_stream)
-        with _STREAMS_LOCK:
-            if (pool := _STREAM_POOLS.get(replays_on)) is None:
-                pool = _STREAM_POOLS[replays_on] = torch.cuda.graph_pool_handle()
     stream.wait_stream(caller)
     # The outer stream context restores the caller's stream on every exit: torch's graph context does not
     # when ending the capture raises.
@@ -146,6 +144,12 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
             raise
         with _CAPTURE_LOCK:
             graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+            siblings = anchor = None
+            if shared_pool:
+                with _STREAMS_LOCK:
+                    siblings = _STREAM_GRAPHS.setdefault((caller.device.index, caller.cuda_stream),
+                                                         weakref.WeakSet())
+                    anchor = next(iter(siblings), None)  # held to the capture's end: its pool stays live
             # torch keeps one cuBLAS workspace per (handle, stream), and a captured GEMM embeds its address.
             # Cleared before the capture, the workspace a GEMM of this graph needs is allocated inside it, from
             # the graph's pool, and lives as long as the graph; cleared after, torch's map keeps no address
@@ -157,12 +161,16 @@ def capture(record: Callable[[], Any], warm: Callable[[], Any] | None = None, *,
             # stream's shared pool the next capture there reuses the one this capture frees at its end.
             torch._C._cuda_clearCublasWorkspaces()
             try:
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=None if anchor is None else anchor.pool(), stream=stream,
+                                      capture_error_mode="thread_local"):
                     result = record()
             finally:
                 torch._C._cuda_clearCublasWorkspaces()
             if keep_graph:
                 graph.instantiate()
+            if siblings is not None:
+                with _STREAMS_LOCK:
+                    siblings.add(graph)
     caller.wait_stream(stream)
     if held:  # only after a capture that ended well: a failed one's stream is not handed to anyone
         release_stream(stream)
