@@ -266,7 +266,7 @@ def test_graphs_of_one_stream_share_their_memory_and_every_call_keeps_its_answer
         results = [(ours(x)[0], theirs(x)[0]) for ours, theirs, x in inputs for _ in range(2)]
         stream.synchronize()
     assert max(rel(o, r) for o, r in results) <= BOUND
-    pool = runtime.graphs._STREAM_POOLS[(stream.device.index, stream.cuda_stream)]
+    pool = next(iter(runtime.graphs._STREAM_GRAPHS[(stream.device.index, stream.cuda_stream)])).pool()
     held = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool))
     print(f"24 graphs of one stream: their pool holds {held / 2**20:.1f} MiB")
     # H100: 128 MiB (a freed workspace's segment is split by a later graph's large buffers, so a later
