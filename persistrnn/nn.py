@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -272,6 +273,16 @@ class _Persistent:
                 self._update_flat_weights()
                 return
 
+    def _rebuild_flat_weights(self) -> None:
+        """``_flat_weights`` and torch's weak references to them from the
+        module's attributes now: torch's ``_init_flat_weights`` without its
+        ``flatten_parameters`` (cuDNN's packing, which our kernels do not
+        need and Dynamo cannot trace: a set of data pointers). Where the weak
+        references no longer name the parameters, torch's forward rebuilds
+        both lists at every call (``_weights_have_changed``)."""
+        self._flat_weights = [getattr(self, n) for n in self._flat_weights_names]
+        self._flat_weight_refs = [weakref.ref(w) for w in self._flat_weights]
+
     def _weights_for(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """The flat weights in ``dtype``: the parameters themselves, or (under
         autocast) copies cast once and kept while the parameters are unchanged."""
@@ -416,7 +427,8 @@ class _Persistent:
         Python state that would break the graph, and no shape read as a
         number, which a trace would fix; the operator keeps the plans and
         captured graphs, so a traced model runs any shape)."""
-        self._update_flat_weights()  # as torch's forward, traced once
+        if self._weights_have_changed():  # swapped (functional_call, an assigned state dict), or parametrized
+            self._rebuild_flat_weights()
         if isinstance(input, PackedSequence) or self._torch_reason(input, hx, warn=False, trains=True) is not None:
             return self._torch_forward(input, hx)  # traced as torch's own module
         if torch.is_autocast_enabled("cuda"):
@@ -745,7 +757,7 @@ def from_torch(module: torch.nn.RNNBase) -> torch.nn.Module:
         new = cls(**kwargs)
     for name, param in module.named_parameters():
         setattr(new, name, param)  # the same Parameter objects: training the one trains the other
-    new._flat_weights = [getattr(new, n) for n in new._flat_weights_names]
+    new._rebuild_flat_weights()  # the weak references too: a compiled call failed on stale ones (perf notes §98)
     new.train(module.training)
     for key, value in vars(module).items():  # hooks (the same dicts: a handle removes from both) and user attributes
         if key not in vars(new) or "hook" in key:

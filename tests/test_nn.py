@@ -232,6 +232,39 @@ def test_bad_inputs_raise_value_or_type_errors_in_torchs_wording(make_input, hx,
     assert isinstance(caught.value, RuntimeError)  # what torch raises: code written against torch still catches it
 
 
+@pytest.mark.parametrize("kind, kwargs", [("LSTM", {}), ("GRU", {"bias": False}), ("RNN", {"num_layers": 2})])
+def test_from_torch_leaves_torchs_weak_references_naming_the_shared_weights(kind, kwargs):
+    # torch's forward (ours calls it under torch.compile) rebuilds and flattens the flat weights wherever its weak
+    # references no longer name the parameters; Dynamo cannot trace that rebuild (flatten_parameters' set of data
+    # pointers), so a converted model failed to compile with fullgraph=True.
+    ours = persistrnn.from_torch(getattr(torch.nn, kind)(3, 4, **kwargs))
+    assert not ours._weights_have_changed()
+    assert [r() for r in ours._flat_weight_refs] == ours._flat_weights == [getattr(ours, n) for n in
+                                                                           ours._flat_weights_names]
+
+
+def test_a_compiled_call_reads_swapped_weights_without_torchs_flatten(monkeypatch):
+    # Under torch.compile the forward re-reads weights that functional_call swapped in, as torch's forward does,
+    # but without torch's rebuild: its flatten_parameters (a set of data pointers) does not trace on CUDA.
+    torch.manual_seed(6)
+    model = persistrnn.GRU(3, 4, num_layers=2)
+    theirs = torch.nn.GRU(3, 4, num_layers=2)
+    other = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    x = torch.randn(5, 2, 3)
+    with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
+        want = torch.func.functional_call(theirs, other, (x,))[0]
+        monkeypatch.setattr(torch.nn.RNNBase, "flatten_parameters", lambda self: pytest.fail("flatten_parameters ran"))
+        swapped = torch.compile(lambda p, x: torch.func.functional_call(model, p, (x,)), fullgraph=True,
+                                backend="aot_eager")
+        got = swapped(other, x)[0]
+        assert torch.allclose(got, want, atol=1e-6, rtol=0)
+        mine = torch.compile(model, fullgraph=True, backend="aot_eager")(x)[0]  # its own weights after the swap
+    monkeypatch.undo()
+    with torch.no_grad():
+        theirs.load_state_dict(model.state_dict())
+        assert torch.allclose(mine, theirs(x)[0], atol=1e-6, rtol=0)
+
+
 def test_from_torch_shares_parameters_and_convert_swaps_nested_modules():
     inner = torch.nn.LSTM(3, 4, num_layers=2, batch_first=True, dropout=0.1, proj_size=2)
     ours = persistrnn.from_torch(inner)

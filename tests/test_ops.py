@@ -228,6 +228,25 @@ def test_torch_compile_matches_eager_without_graph_breaks(cls, kwargs, untuned):
 
 
 @pytest.mark.gpu
+def test_a_converted_torch_model_compiles_without_graph_breaks(untuned):
+    # The one-line change (persistrnn.convert of a torch model), then torch.compile: its modules share torch's
+    # parameters, and the compiled forward reads them as torch's forward does.
+    from helpers import exact_torch
+
+    torch.manual_seed(2)
+    model = Classifier(torch.nn.LSTM(16, 32, num_layers=2, batch_first=True)).cuda().eval()
+    x = torch.randn(4, 9, 12, device="cuda")
+    with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True), exact_torch():
+        want = model(x)
+        persistrnn.convert(model)
+        assert isinstance(model.rnn, persistrnn.LSTM)
+        model(x)  # an eager call first, as a user's warm-up would
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
 def test_torch_compile_under_inference_mode_then_no_grad(untuned):
     # A compiled serving model called under torch.inference_mode(), then the same shapes under no_grad.
     torch.manual_seed(4)
