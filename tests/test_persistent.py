@@ -409,8 +409,7 @@ SINGLE_SEQUENCE_CASES = [
     (KernelConfig("gru", 100, "single", 1, 256, 16, 4), 12, 4),
     (_mma("lstm", 256, "cluster", 8, 256, 2, "float16"), 8, None),
     (KernelConfig("rnn_tanh", 64, "cluster", 4, 128, 4, 2), 7, 2),
-    # four operand columns per load (column_vector 4): the planner's LSTM 256 batch-1 choice, two stages with
-    # shared weight chunks, a grid barrier
+    # the planner's LSTM 256 batch-1 choice, two stages with shared weight chunks, a grid barrier at batch 1
     (KernelConfig("lstm", 256, "cluster", 16, 256, 8, 1), 1, None),
     (KernelConfig("gru_reset_before", 128, "cluster", 8, 256, 8, 1, shared_k_chunks=4), 3, 1),
     (KernelConfig("rnn_tanh", 512, "grid", 32, 256, 16, 1), 1, None),
@@ -430,23 +429,6 @@ def test_whole_slices_run_the_build_with_their_size_compiled_in(config, batch, b
     whole = (batch % (batch_slice or batch) == 0 and (batch_slice or batch) <= persistent.MAX_SLICE_SEQUENCES
              and not config.tagged_exchange)
     assert launched and set(launched) == {(batch_slice or batch) if whole else 0}, launched
-
-
-def test_four_columns_per_load_only_where_a_row_of_h_is_one_float():
-    batch1 = KernelConfig("lstm", 256, "cluster", 16, 256, 8, 1, slice_sequences=1)
-    assert batch1.column_vector == 4 and "#define PRNN_KVEC 4" in persistent.render_source(batch1)
-    for other, why in [
-        (dataclasses.replace(batch1, slice_sequences=0), "the slice's size is not compiled in"),
-        (dataclasses.replace(batch1, slice_sequences=2), "two sequences per row of h"),
-        (dataclasses.replace(batch1, batch_tile=2), "batch tile 2 pads a row to 2 floats"),
-        (KernelConfig("lstm", 100, "cluster", 4, 256, 8, 1, slice_sequences=1), "25 units a block: rows of 4"),
-        (KernelConfig("lstm", 80, "cluster", 4, 256, 8, 1, slice_sequences=1), "10 chunks a lane: not fours"),
-        (KernelConfig("gru_reset_before", 256, "cluster", 8, 256, 8, 1, one_sync=True, slice_sequences=1),
-         "the column product's chunks"),
-        (_mma("lstm", 256, "cluster", 8, 256, 2), "tensor cores"),
-    ]:
-        assert other.column_vector == 1, why
-        assert "#define PRNN_KVEC 1" in persistent.render_source(other), why
 
 
 def test_a_fixed_slice_build_is_the_configuration_itself_where_it_spills_or_is_too_large(monkeypatch):

@@ -172,7 +172,7 @@ __device__ __forceinline__ void prnn_load_row_weights(const io_t* __restrict__ w
         const int grow = valid ? (first_gate + row / PRNN_U) * PRNN_H + unit : 0;
 #pragma unroll
         for (int j = 0; j < PRNN_KPT; ++j) {
-            const int k = prnn_chunk_column(lane, j);
+            const int k = lane + j * PRNN_WGS;
             const float v = valid && k < PRNN_H ? prnn_to_float(w_hh[(long long)grow * PRNN_H + k]) : 0.0f;
             if (j < KREG)
                 w[r][j < KREG ? j : 0] = v;
@@ -808,7 +808,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     for (int r = 0; r < PRNN_C_RPW; ++r)
 #pragma unroll
         for (int c = 0; c < PRNN_CPT; ++c) {
-            const int row = wg + r * PRNN_NWG, col = prnn_chunk_column(lane, c), unit = blk * PRNN_U + col;
+            const int row = wg + r * PRNN_NWG, col = lane + c * PRNN_WGS, unit = blk * PRNN_U + col;
             wc[r][c] = row < PRNN_H && col < PRNN_U && unit < PRNN_H
                            ? prnn_to_float(w_hh[(long long)row * PRNN_H + unit]) : 0.0f;
         }

@@ -45,7 +45,6 @@ class KernelLayout:
     pipeline: bool
     lengths: bool
     resident_input_size: int
-    slice_sequences: int
 
     _spec: CellSpec  # the cell's spec, set once by KernelConfig.__post_init__
 
@@ -65,18 +64,6 @@ class KernelLayout:
     def k_per_thread(self) -> int:
         """Column chunks of a row each lane holds (the tile width)."""
         return math.ceil(self.hidden_size / self.group_size)
-
-    @property
-    def column_vector(self) -> int:
-        """Operand columns one lane loads at once in the FFMA product
-        (group_product.cuh's PRNN_KVEC): 4, one 16-byte load, where a row of
-        h in shared memory is one float (a slice of one sequence compiled in,
-        batch tile 1, units per block a multiple of 4) and each lane holds
-        whole fours of chunks; else 1. The one-sync column product keeps 1
-        (its chunks cover a block's slice, not whole rows)."""
-        one_float_rows = self.slice_sequences == 1 and self.batch_tile == 1 and self.batch_align == 1
-        vector = self.math == "ffma" and one_float_rows and self.batch_pad == 0 and self.k_per_thread % 4 == 0
-        return 4 if vector and not self.one_sync else 1
 
     @property
     def register_k(self) -> int:

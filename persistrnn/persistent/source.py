@@ -79,7 +79,6 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_BP_PAD": config.batch_pad,
         "PRNN_U": config.units_per_block,
         "PRNN_KPT": config.k_per_thread,
-        "PRNN_KVEC": config.column_vector,
         "PRNN_KPAD": config.padded_hidden,
         "PRNN_HBUFS": config.h_buffers,
         "PRNN_HAS_C": int(spec.has_cell_state),
