@@ -431,6 +431,17 @@ def test_whole_slices_run_the_build_with_their_size_compiled_in(config, batch, b
     assert launched and set(launched) == {(batch_slice or batch) if whole else 0}, launched
 
 
+def test_idle_warps_prefetch_where_every_thread_copies_only_what_it_reads_otherwise():
+    plain = KernelConfig("lstm", 64, "single", 1, 256, 8, 1)
+    assert plain.early_prefetch and "#define PRNN_EARLY_PREFETCH 1" in persistent.render_source(plain)
+    for other in (dataclasses.replace(plain, fused_step=True, threads=128, group_size=2),
+                  KernelConfig("gru_reset_before", 256, "cluster", 8, 256, 8, 1, one_sync=True),
+                  KernelConfig("lstm", 128, "cluster", 8, 256, 8, 1, instances=2, pipeline=True),
+                  KernelConfig("lstm", 64, "single", 1, resident_input_size=16)):
+        assert not other.early_prefetch, other
+        assert "#define PRNN_EARLY_PREFETCH 0" in persistent.render_source(other), other
+
+
 def test_a_fixed_slice_build_is_the_configuration_itself_where_it_spills_or_is_too_large(monkeypatch):
     from persistrnn.persistent import launch
 

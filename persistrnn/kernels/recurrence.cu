@@ -287,8 +287,14 @@ struct prnn_walk {
     int row0, b0, drow, db;
 };
 
+// Pairs (row, column < columns) dealt to `count` threads, this one the
+// index-th: index, index + count, ... in row-major order.
+__device__ __forceinline__ prnn_walk prnn_walk_of(int columns, int index, int count) {
+    return {index / columns, index % columns, count / columns, count % columns};
+}
+
 __device__ __forceinline__ prnn_walk prnn_make_walk(int columns) {
-    return {(int)threadIdx.x / columns, (int)threadIdx.x % columns, PRNN_THREADS / columns, PRNN_THREADS % columns};
+    return prnn_walk_of(columns, (int)threadIdx.x, PRNN_THREADS);
 }
 
 #define PRNN_FOR_PAIRS(walk, rows, B, row, b)                                                   \
@@ -1010,6 +1016,19 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     do {                 \
     } while (0)
 #endif
+#if PRNN_EARLY_PREFETCH
+    // The warps that hold no (unit, column) of the pointwise update copy the
+    // projections of step t + DEPTH while the others update, instead of
+    // every thread after the update: there the copies' issue was on the
+    // step's chain wherever nothing else hid it (a single block: ~0.13 us
+    // of a ~0.5 us step at LSTM 64, batch 1; perf-notes §101). Where the
+    // update leaves no warp idle, every thread copies after it, as before.
+    const int first_idle = (PRNN_U * B + 31) / 32 * 32;
+    const bool early_prefetch = first_idle < PRNN_THREADS;
+    const prnn_walk idle_walk = prnn_walk_of(B, tid - first_idle, PRNN_THREADS - first_idle);
+#else
+    constexpr bool early_prefetch = false;
+#endif
     for (int t = 0; t < T; ++t) {
         // Test hook (abandon_block >= 0 only): from step 1 on, the abandoned
         // block pushes and arrives no more, so that its peers time out on it,
@@ -1197,6 +1216,16 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
                 }
                 emit(u, b, xg, hg);
             }
+#if PRNN_EARLY_PREFETCH
+            // Into the slot step t - 1 read, before the barrier that ended it.
+            if (last_stage && early_prefetch) {
+                if (tid >= first_idle && t + PRNN_XW_DEPTH < T)
+                    prnn_prefetch_xw(xw, L.xw, t + PRNN_XW_DEPTH, reverse, lengths, T, B, BP, step_stride, blk,
+                                     idle_walk, slice0);
+                else
+                    prnn_cp_async_commit();  // one group a step in every thread
+            }
+#endif
             PRNN_MARK(POINTWISE);
 #endif
 
@@ -1215,7 +1244,7 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #define PRNN_RELEASE_FORWARDED()
 #endif
 #define PRNN_PREFETCH_AHEAD()                 \
-    if (last_stage) {                         \
+    if (last_stage && !early_prefetch) {      \
         PRNN_RELEASE_FORWARDED()              \
         if (t + PRNN_XW_DEPTH < T) {          \
             PRNN_PREFETCH(t + PRNN_XW_DEPTH); \

@@ -44,6 +44,7 @@ class KernelLayout:
     instances: int
     pipeline: bool
     lengths: bool
+    fused_step: bool
     resident_input_size: int
 
     _spec: CellSpec  # the cell's spec, set once by KernelConfig.__post_init__
@@ -64,6 +65,17 @@ class KernelLayout:
     def k_per_thread(self) -> int:
         """Column chunks of a row each lane holds (the tile width)."""
         return math.ceil(self.hidden_size / self.group_size)
+
+    @property
+    def early_prefetch(self) -> bool:
+        """Whether the warps with no unit of the pointwise update copy the
+        next projections while the others update (at launches whose batch
+        leaves such a warp), rather than every thread after the update. Not
+        in a fused step (each thread copies the projections it updates), a
+        one-sync GRU (its partial sums read the next step's projections
+        between the two), a pipeline (a consumer's copy waits for its
+        producer) or a resident kernel (its ticks make their projections)."""
+        return not (self.fused_step or self.one_sync or self.pipeline or self.resident_input_size)
 
     @property
     def register_k(self) -> int:

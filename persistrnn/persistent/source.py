@@ -96,6 +96,7 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_PROWS": config.partial_rows,
         "PRNN_BIAS_FLOATS": config.bias_floats,
         "PRNN_XW_DEPTH": config.prefetch_steps,
+        "PRNN_EARLY_PREFETCH": int(config.early_prefetch),
         "PRNN_INSTANCES": config.instances,
         "PRNN_PIPELINE": int(config.pipeline),
         "PRNN_RELEASE_EVERY": PIPELINE_RELEASE_EVERY,
