@@ -442,6 +442,20 @@ def test_idle_warps_prefetch_where_every_thread_copies_only_what_it_reads_otherw
         assert "#define PRNN_EARLY_PREFETCH 0" in persistent.render_source(other), other
 
 
+def test_a_build_that_spills_with_the_idle_warps_copies_is_made_without_them():
+    from persistrnn import runtime
+
+    # At 512 threads (128 registers a thread) this two-instance GRU fits only with the copies after the update.
+    config = KernelConfig("gru", 100, "single", 1, 512, 16, 1, instances=2)
+    early = runtime.compile_source("recurrence", persistent.render_source(config), arch="sm_90")
+    assert early.kernel_resources(persistent.KERNEL_NAME).uses_local_memory
+    binary = persistent.compile_config(config, arch="sm_90")
+    assert not binary.kernel_resources(persistent.KERNEL_NAME).uses_local_memory
+    late = persistent.render_source(config, early_prefetch=False)
+    assert "#define PRNN_EARLY_PREFETCH 0" in late
+    assert binary.key == runtime.compile_source("recurrence", late, arch="sm_90").key
+
+
 def test_a_fixed_slice_build_is_the_configuration_itself_where_it_spills_or_is_too_large(monkeypatch):
     from persistrnn.persistent import launch
 

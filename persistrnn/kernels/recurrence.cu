@@ -297,6 +297,14 @@ __device__ __forceinline__ prnn_walk prnn_make_walk(int columns) {
     return prnn_walk_of(columns, (int)threadIdx.x, PRNN_THREADS);
 }
 
+// Warps that copy the next projections during the pointwise update of B
+// columns (PRNN_EARLY_PREFETCH): those on the schedulers (warp w on w % 4)
+// that no updating warp (warps 0 .. busy - 1) issues on. 0: none.
+__device__ __forceinline__ int prnn_copying_warps(int B) {
+    const int busy = (PRNN_U * B + 31) / 32, warps = PRNN_THREADS / 32;
+    return warps / 4 * max(4 - busy, 0) + max(warps % 4 - busy, 0);
+}
+
 #define PRNN_FOR_PAIRS(walk, rows, B, row, b)                                                   \
     for (int row = (walk).row0, b = (walk).b0; row < (rows);                                    \
          row += (walk).drow, b += (walk).db, row += b >= (B) ? 1 : 0, b -= b >= (B) ? (B) : 0)
@@ -1021,11 +1029,15 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // projections of step t + DEPTH while the others update, instead of
     // every thread after the update: there the copies' issue was on the
     // step's chain wherever nothing else hid it (a single block: ~0.13 us
-    // of a ~0.5 us step at LSTM 64, batch 1; perf-notes §101). Where the
-    // update leaves no warp idle, every thread copies after it, as before.
-    const int first_idle = (PRNN_U * B + 31) / 32 * 32;
-    const bool early_prefetch = first_idle < PRNN_THREADS;
-    const prnn_walk idle_walk = prnn_walk_of(B, tid - first_idle, PRNN_THREADS - first_idle);
+    // of a ~0.5 us step at LSTM 64, batch 1; perf-notes §101). Only warps
+    // on schedulers with no updating warp copy (warp w issues on scheduler
+    // w % 4): copies on an updating warp's scheduler took its issue slots,
+    // and the update ran ~0.05 us longer. Where the update leaves no
+    // scheduler idle, every thread copies after it, as before.
+    // Only this flag lives through the loop: the copiers' walk is remade
+    // where they copy (kept, it cost kernels at their register limit up to
+    // 4 registers).
+    const bool early_prefetch = prnn_copying_warps(B) > 0;
 #else
     constexpr bool early_prefetch = false;
 #endif
@@ -1219,9 +1231,12 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #if PRNN_EARLY_PREFETCH
             // Into the slot step t - 1 read, before the barrier that ended it.
             if (last_stage && early_prefetch) {
-                if (tid >= first_idle && t + PRNN_XW_DEPTH < T)
+                const int busy_warps = (PRNN_U * B + 31) / 32, warp = tid / 32, scheduler = warp % 4;
+                if (scheduler >= busy_warps && t + PRNN_XW_DEPTH < T)
                     prnn_prefetch_xw(xw, L.xw, t + PRNN_XW_DEPTH, reverse, lengths, T, B, BP, step_stride, blk,
-                                     idle_walk, slice0);
+                                     prnn_walk_of(B, ((warp / 4) * (4 - busy_warps) + scheduler - busy_warps) * 32 +
+                                                         tid % 32, prnn_copying_warps(B) * 32),
+                                     slice0);
                 else
                     prnn_cp_async_commit();  // one group a step in every thread
             }

@@ -64,9 +64,12 @@ def _select_instance(config: KernelConfig) -> str:
     return " ".join(statements)
 
 
-def render_source(config: KernelConfig) -> str:
-    """The complete CUDA source of ``config``: generated prelude + template."""
+def render_source(config: KernelConfig, early_prefetch: bool | None = None) -> str:
+    """The complete CUDA source of ``config``: generated prelude + template.
+    ``early_prefetch`` overrides ``config.early_prefetch`` (False: the
+    projections are copied after the pointwise update by every thread)."""
     spec = config.spec
+    early_prefetch = config.early_prefetch if early_prefetch is None else early_prefetch
     defines = {
         "PRNN_H": config.hidden_size,
         "PRNN_G": spec.num_gates,
@@ -96,7 +99,7 @@ def render_source(config: KernelConfig) -> str:
         "PRNN_PROWS": config.partial_rows,
         "PRNN_BIAS_FLOATS": config.bias_floats,
         "PRNN_XW_DEPTH": config.prefetch_steps,
-        "PRNN_EARLY_PREFETCH": int(config.early_prefetch),
+        "PRNN_EARLY_PREFETCH": int(early_prefetch),
         "PRNN_INSTANCES": config.instances,
         "PRNN_PIPELINE": int(config.pipeline),
         "PRNN_RELEASE_EVERY": PIPELINE_RELEASE_EVERY,
@@ -155,6 +158,11 @@ def compile_config(config: KernelConfig, arch: str | None = None) -> runtime.Com
     """
     binary = runtime.compile_source("recurrence", render_source(config), arch=arch)
     res = binary.kernel_resources(KERNEL_NAME)
+    if res.uses_local_memory and config.early_prefetch:
+        # The idle warps' copies keep a few more values live through the update; at the register limit the
+        # build without them (as before them) may still fit.
+        binary = runtime.compile_source("recurrence", render_source(config, early_prefetch=False), arch=arch)
+        res = binary.kernel_resources(KERNEL_NAME)
     if res.uses_local_memory:
         raise ConfigError(
             f"{config} spills to local memory ({res.registers} registers, {res.stack_frame_bytes} bytes stack, "
