@@ -437,7 +437,8 @@ def test_idle_warps_prefetch_where_every_thread_copies_only_what_it_reads_otherw
     for other in (dataclasses.replace(plain, fused_step=True, threads=128, group_size=2),
                   KernelConfig("gru_reset_before", 256, "cluster", 8, 256, 8, 1, one_sync=True),
                   KernelConfig("lstm", 128, "cluster", 8, 256, 8, 1, instances=2, pipeline=True),
-                  KernelConfig("lstm", 64, "single", 1, resident_input_size=16)):
+                  KernelConfig("lstm", 64, "single", 1, resident_input_size=16),
+                  KernelConfig("lstm", 256, "cluster", 16, 256, 8, 1), KernelConfig("lstm", 1024, "grid", 128)):
         assert not other.early_prefetch, other
         assert "#define PRNN_EARLY_PREFETCH 0" in persistent.render_source(other), other
 

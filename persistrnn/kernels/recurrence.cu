@@ -1028,8 +1028,9 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
     // The warps that hold no (unit, column) of the pointwise update copy the
     // projections of step t + DEPTH while the others update, instead of
     // every thread after the update: there the copies' issue was on the
-    // step's chain wherever nothing else hid it (a single block: ~0.13 us
-    // of a ~0.5 us step at LSTM 64, batch 1; perf-notes §101). Only warps
+    // step's chain, since a single block has no exchange to hide them in
+    // (~0.13 us of a ~0.5 us step at LSTM 64, batch 1; perf-notes §101;
+    // the host compiles it in for single blocks only). Only warps
     // on schedulers with no updating warp copy (warp w issues on scheduler
     // w % 4): copies on an updating warp's scheduler took its issue slots,
     // and the update ran ~0.05 us longer. Where the update leaves no

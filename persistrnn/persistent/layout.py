@@ -70,12 +70,16 @@ class KernelLayout:
     def early_prefetch(self) -> bool:
         """Whether the warps with no unit of the pointwise update copy the
         next projections while the others update (at launches whose batch
-        leaves such a warp), rather than every thread after the update. Not
-        in a fused step (each thread copies the projections it updates), a
-        one-sync GRU (its partial sums read the next step's projections
-        between the two), a pipeline (a consumer's copy waits for its
-        producer) or a resident kernel (its ticks make their projections)."""
-        return not (self.fused_step or self.one_sync or self.pipeline or self.resident_input_size)
+        leaves such a warp), rather than every thread after the update.
+        Single blocks only: there nothing else hides the copies, while in a
+        cluster or a grid they run in the exchange's shadow, and moved into
+        the update they only slowed it (perf-notes §101). Not in a fused step
+        (each thread copies the projections it updates), a one-sync GRU (its
+        partial sums read the next step's projections between the two), a
+        pipeline (a consumer's copy waits for its producer) or a resident
+        kernel (its ticks make their projections)."""
+        return self.sync == "single" and not (self.fused_step or self.one_sync or self.pipeline
+                                              or self.resident_input_size)
 
     @property
     def register_k(self) -> int:
