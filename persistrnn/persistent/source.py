@@ -153,8 +153,10 @@ def render_source(config: KernelConfig, early_prefetch: bool | None = None) -> s
 def compile_config(config: KernelConfig, arch: str | None = None) -> runtime.CompiledBinary:
     """Compile ``config`` (disk-cached) and check that it keeps weights on chip.
 
-    Raises :class:`ConfigError` if ptxas put anything in local memory: a
-    spilled weight array runs at DRAM speed and defeats the kernel.
+    Where the build with ``config.early_prefetch`` spills, the build
+    without it is used. Raises :class:`ConfigError` if ptxas put anything in
+    local memory: a spilled weight array runs at DRAM speed and defeats the
+    kernel.
     """
     binary = runtime.compile_source("recurrence", render_source(config), arch=arch)
     res = binary.kernel_resources(KERNEL_NAME)
