@@ -349,6 +349,8 @@ LENGTH_CASES = [
     ("gru", "float32", 3, 1, dict(sync="cluster", blocks=4, instances=3, pipeline=True), [2, 9, 9, 7, 1]),
     ("gru_reset_before", "bfloat16", 1, 2, dict(sync="single", blocks=1), [4, 9, 6]),
     ("rnn_relu", "float32", 2, 1, dict(sync="cluster", blocks=2), [9]),
+    # 48 units x 2 sequences leave the fourth warp to copy the projections during the update, both directions
+    ("lstm", "float32", 1, 2, dict(sync="single", blocks=1), [3, 9]),
 ]
 
 
