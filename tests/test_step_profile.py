@@ -208,3 +208,24 @@ def test_a_variant_that_names_no_configuration_field_is_a_usage_error(capsys):
     assert exit_info.value.code == 2
     assert "expected KernelConfig fields as k=v,k=v, got 'taged_exchange=True'" in err
     assert "'taged_exchange' is not a KernelConfig field" in err
+
+
+def test_stall_summary_reads_ncu_source_page_and_ranks_instructions(capsys):
+    # Ten rows of a real ncu source page (the kernel's name line, then the header): the summary adds the warp
+    # samples up, by opcode (a predicate guard and a dotted suffix are not the opcode) and by instruction.
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("stall_profile", root / "scripts" / "stall_profile.py")
+    stall_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stall_profile)
+    stall_profile.summarise(str(root / "tests" / "data" / "ncu-source-lstm256-b1.csv"), top=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "10 instructions, 3026 warp samples (Warp Stall Sampling (All Samples))"
+    assert lines[1].startswith("by opcode: BRA 63.3%, CCTL 27.5%, B2R 6.0%, FFMA 1.3%, SYNCS 0.9%")
+    top = [line for line in lines if line.startswith("0x")]
+    assert len(top) == 2
+    assert top[0].split()[:3] == ["0x7f5c777c2f10", "1915", "63.3%"] and "barrier 1891" in top[0]
+    assert top[1].split()[:3] == ["0x7f5c777c3460", "832", "27.5%"] and "long_sb 822" in top[1]
+    assert top[1].endswith("CCTL.IVALL")
