@@ -1174,12 +1174,19 @@ def test_the_interpreter_runs_its_launches_under_its_own_device(monkeypatch):
         entered.append(index)
         yield
 
+    class Params:  # the interpreter's parameters, on GPU `index`
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
     monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # absent from CPU builds
     interp = kernel.Interpreter.__new__(kernel.Interpreter)
-    interp.device, interp._pending = torch.device("cuda", 1), None
+    interp.params, interp._pending = Params(1), None
     assert interp.sync() is None and entered == [1]
-    interp.device = torch.device("cuda", 0)
+    interp.params = Params(0)
     assert interp.sync() is None and entered == [1]  # already there: no guard
     for name in ("load", "launch", "run", "step", "sync"):
         assert getattr(kernel.Interpreter, name).__wrapped__  # each entry point is wrapped

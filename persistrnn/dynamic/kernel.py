@@ -145,15 +145,16 @@ class Launched:
 
 def _on_its_device(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` of an :class:`Interpreter` run under ``torch.cuda.device``
-    of the interpreter's GPU where that is not the current one: the kernels'
-    loads, the streams, the scratch and the launches below read the current
-    device (a process may run an interpreter per GPU)."""
+    of the interpreter's GPU (its parameters') where that is not the current
+    one (:func:`runtime.elsewhere`, the rule of every entry point): the
+    kernels' loads, the streams, the scratch and the launches below read the
+    current device (a process may run an interpreter per GPU)."""
     @functools.wraps(method)
     def on_device(self: Interpreter, *args: Any, **kwargs: Any) -> Any:
         import torch
 
-        if self.device.index != torch.cuda.current_device():
-            with torch.cuda.device(self.device.index):
+        if (device := runtime.elsewhere(self.params)) is not None:
+            with torch.cuda.device(device):
                 return method(self, *args, **kwargs)
         return method(self, *args, **kwargs)
 
