@@ -363,17 +363,17 @@ def test_a_stored_calibration_is_extended_by_the_tiles_it_lacks_keeping_what_ano
     assert measured[-1] == ("whole", {1})
 
 
-def _held_by_another_process(path, store):
+def _held_by_another_process(path, store, hold=0.3):
     """A thread standing in for another process: it takes ``path``'s lock
     (flock, on a file description of its own), stores what ``store()``
-    writes after 0.3 s, and lets go. Returns (thread, held event, the time
+    writes after ``hold`` seconds, and lets go. Returns (thread, held event, the time
     it let go, filled in then)."""
     held, released = threading.Event(), []
 
     def other():
         with runtime.key_lock(path):
             held.set()
-            time.sleep(0.3)
+            time.sleep(hold)
             store()
             released.append(time.perf_counter())
 
@@ -410,6 +410,23 @@ def test_a_plan_another_process_is_tuning_is_waited_for_and_read_not_tuned_again
     thread.join()
     assert (got.path, got.reason, got.source) == ("cudnn", "timed by another process", "cache")
     assert timed == [] and returned >= released[0]
+
+
+def test_a_plan_tuned_after_waiting_for_another_process_counts_its_own_work_only(monkeypatch, offline_tuning):
+    # The other process held the lock 1.5 s and stored nothing (e.g. it failed): this one tunes, and the plan's
+    # tuning_seconds is its ranking and tuning (~0.3 s here), not the wait.
+    shape = tuner.ModelShape("lstm", 256, 256)
+    key = tuner.cache_key(H100, shape, space.batch_bucket(1), False)
+    monkeypatch.setattr(tuner, "timing_candidates", lambda shape, batch, top, steps: [
+        tuner.Candidate("fallback", "fallback", None, None), tuner.Candidate("cudnn", "cudnn", None, None)])
+    monkeypatch.setattr(tuner, "time_candidates", lambda candidates, progress=False: {"fallback": 0.2, "cudnn": 0.1})
+    thread, released = _held_by_another_process(tuner.cache_path(key), lambda: None, hold=1.5)
+    started = time.perf_counter()
+    got = tuner.plan(shape, 1)
+    elapsed = time.perf_counter() - started
+    thread.join()
+    assert got.path == "cudnn" and got.source == "tuned"
+    assert elapsed >= 1.4 and got.tuning_seconds < elapsed - 0.8
 
 
 @pytest.mark.parametrize("program", cost.bench_programs())

@@ -619,9 +619,11 @@ def plan(shape: ModelShape, batch: int, *, tune: bool = True, k: int = DEFAULT_K
 
     # A server's workers start together and tune the same shapes at once, each timing its candidates beside
     # the others' timings and compiles: one process tunes a key while the others wait for its plan.
+    waiting = time.perf_counter()
     with runtime.key_lock(cache_path(key)):
         if not refresh and (cached := load_plan(key)) is not None:
             return cached
+        started += time.perf_counter() - waiting  # tuning_seconds: the work, not the wait for another process
         logger.info("tuning %s at batch %d on %s: compiling the cost model's top %d of %d configurations and timing "
                     "them with the fallback and cuDNN", shape, batch, facts.name, k, len(ranked))
         top = compile_top(ranked, k)
