@@ -11,6 +11,11 @@ the CUDA profiler range around it only, so that Nsight Compute can sample it:
 The summary prints the SASS instructions with the most warp samples, each with
 its stall reasons, and the samples of the step loop's landmarks (barriers,
 shuffles, transcendental units, shared loads) added up.
+
+``--tree-lstm BATCH`` profiles the dynamic interpreter instead: one inference
+launch of the Tree-LSTM of ``bench treelstm`` on its first batch of SST train
+trees (``-k regex:dynamic_interpreter``), after printing the stages,
+instructions and median device time of a training and an inference launch.
 """
 
 from __future__ import annotations
@@ -49,6 +54,31 @@ def run(cell: str, hidden: int, batch: int, steps: int, config: str) -> None:
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print(cfg)
+
+
+def run_tree_lstm(batch: int) -> None:
+    import torch
+
+    from persistrnn import dynamic
+    from persistrnn.runtime.timing import time_cuda_ms
+    from persistrnn.bench.treelstm import Settings, consecutive_batches, tree_lstm_workload
+
+    work = tree_lstm_workload(Settings(), torch.device("cuda"))
+    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05))
+    interp.load()
+    graph = dynamic.Graph(work.model)
+    work.add_batch(graph, consecutive_batches(work.inputs, batch, 1)[0])
+    script = interp.schedule(graph, train=False)
+    for train in (True, False):
+        timed = interp.schedule(graph, train=train)
+        ms = time_cuda_ms(lambda timed=timed: interp.launch(timed), warmup=3, repeats=20)
+        print(f"tree-LSTM batch {batch}, {'training' if train else 'inference'}: {len(graph)} nodes, {timed.stages} "
+              f"stages, {timed.instructions} instructions on {interp.blocks} blocks, {ms:.3f} ms a launch "
+              f"({ms * 1e3 / timed.stages:.2f} µs a stage)")
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    interp.launch(script).result()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def summarise(path: str, top: int) -> None:
@@ -93,10 +123,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--config", default="cluster,11,128,8", help="sync,blocks,threads,group_size[,k=v...]")
     parser.add_argument("--summarise", metavar="CSV", help="print the summary of ncu's source page instead")
+    parser.add_argument("--tree-lstm", type=int, metavar="BATCH",
+                        help="profile the dynamic interpreter's Tree-LSTM inference at this batch instead")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     if args.summarise:
         summarise(args.summarise, args.top)
+    elif args.tree_lstm:
+        run_tree_lstm(args.tree_lstm)
     else:
         run(args.cell, args.hidden, args.batch, args.steps, args.config)
 
