@@ -59,6 +59,12 @@ DEFAULT_K = 5
 # without a plan that measured faster (perf-notes §71).
 FAMILY_MEMBERS = 2
 FAMILY_TIE = 0.02
+# A family's best at another slice size is timed where the model prices it within this of the family's best
+# (its arithmetic is alike there, so the model's error is too): at 16-bit LSTM 256 batch 8 the fused step's best
+# in slices of 1 was priced 2.5% above its best in slices of 2 and measured 13% faster (perf-notes §103), while
+# slice sizes priced 1.4-5x above took most of the extra candidates (LSTM 256 fp16 batch 16: 23 candidates
+# without the window).
+SLICE_WINDOW = 0.15
 DEFAULT_STEPS = 100
 SHORT_STEPS = 1
 """The short sequence length the tuner also times a persistent choice at,
@@ -331,22 +337,43 @@ def ranked_configs(shape: ModelShape, bucket: int, model: cost.CostModel,
     return ranked
 
 
-def family(config: KernelConfig) -> tuple[str, bool, bool, int]:
-    """A configuration's kernel family: its math (FFMA, 16-bit or TF32 mma),
-    whether its step is fused, and an mma product's k split. The cost model
-    ranks within a family better than across families: on the H100 it priced
-    the 16-bit mma step of an LSTM 64 at batch 8 at 0.19 µs and ranked five
-    mma configurations first, which measured 1.6-2.0 µs per step, against
-    0.66 for the FFMA ones ranked below them; it prices an mma product at
-    almost nothing, so its order of k splits is arbitrary (GRU 1024 fp16 at
-    batch 20: k split 8 timed 0.516 ms, 4 0.645; perf-notes §66, §67)."""
-    return config.math, config.tf32, config.fused_step, config.k_split
+def family(config: KernelConfig, batch_slice: int | None) -> tuple[str, bool, bool, int, int | None]:
+    """A candidate's kernel family: its math (FFMA, 16-bit or TF32 mma),
+    whether its step is fused, an mma product's k split, and its batch
+    slices. The cost model ranks within a family better than across
+    families: on the H100 it priced the 16-bit mma step of an LSTM 64 at
+    batch 8 at 0.19 µs and ranked five mma configurations first, which
+    measured 1.6-2.0 µs per step, against 0.66 for the FFMA ones ranked below
+    them; it prices an mma product at almost nothing, so its order of k
+    splits is arbitrary (GRU 1024 fp16 at batch 20: k split 8 timed 0.516 ms,
+    4 0.645; perf-notes §66, §67). And across slice sizes: at 16-bit LSTM 256
+    batch 8 the fused step in slices of 2 stood for the fused family while
+    slices of 1 on clusters of 8 x 256 threads, never timed, measured 13%
+    faster than the plan (perf-notes §103). :func:`compile_top` times a
+    slice size other than its kernel family's best-ranked one only where the
+    model prices it within :data:`SLICE_WINDOW` of that one."""
+    return config.math, config.tf32, config.fused_step, config.k_split, batch_slice
+
+
+def candidate_families(ranked: list[Ranked]) -> list[tuple | None]:
+    """The :func:`family` of each of ``ranked`` (best first), or None where
+    its slice size is priced past :data:`SLICE_WINDOW` above its kernel
+    family's best-ranked slice size: such a one is timed only among the
+    model's top k."""
+    of = [family(r.config, r.batch_slice) for r in ranked]
+    best_us: dict[tuple, float] = {}
+    for r, f in zip(ranked, of):
+        best_us.setdefault(f, r.us)
+    kernel_best: dict[tuple, float] = {}  # by family without its slices: the best-ranked slice size's price
+    for f, us in best_us.items():
+        kernel_best.setdefault(f[:-1], us)
+    return [f if best_us[f] <= kernel_best[f[:-1]] * (1 + SLICE_WINDOW) else None for f in of]
 
 
 def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: bool = True) -> list[Ranked]:
     """The first ``k`` of ``ranked``'s barrier configurations that compile
     without spilling, then (``families``) the best-ranked of every
-    :func:`family` that compiles, and the next ones whose predictions tie
+    :func:`family` that compiles (:func:`candidate_families`), and the next ones whose predictions tie
     with it (:data:`FAMILY_TIE`), up to :data:`FAMILY_MEMBERS` of each with
     the top ``k`` counted, then (``twins``) the tagged-exchange twin
     of each that ``ranked`` holds and that compiles, compiled in threads.
@@ -358,7 +385,7 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
     # Keyed by the barrier configuration each is the twin of (cluster and single ones have none).
     tagged = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
               for r in ranked if twins and r.config.tagged_exchange}
-    of = [family(r.config) for r in own]
+    of = candidate_families(own)
     best_us: dict[tuple, float] = {}
     for r, f in zip(own, of):
         best_us.setdefault(f, r.us)
@@ -388,7 +415,7 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
     # with it, and the twins of all those that can be timed.
     start = 2 * k
     head = list(range(min(start, len(own))))
-    firsts = [i for f in dict.fromkeys(of) if families
+    firsts = [i for f in dict.fromkeys(of) if families and f is not None
               for n, i in enumerate([j for j, g in enumerate(of) if g == f][:FAMILY_MEMBERS]) if n == 0 or ties(i)]
     compile_positions(sorted(set(head + firsts)), sorted(set(head[:k] + firsts)))
     while len(built_before(start)) < k and start < len(own):
@@ -400,11 +427,11 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
         timed = collections.Counter(of[i] for i in kept_at)
         # A family none of whose compiled members built: its first two untried (one may spill), at once.
         built = {of[i] for i, ok in compiled.items() if ok}
-        compile_positions([i for f in set(of) - built for i in [j for j, g in enumerate(of)
+        compile_positions([i for f in set(of) - built - {None} for i in [j for j, g in enumerate(of)
                                                                 if g == f and j not in compiled][:2]])
         for i in sorted(i for i, ok in compiled.items() if ok and i not in kept_at):
             # A family's best-ranked that built, and up to FAMILY_MEMBERS with those that tie with it.
-            if not timed[of[i]] or (timed[of[i]] < FAMILY_MEMBERS and ties(i)):
+            if of[i] is not None and (not timed[of[i]] or (timed[of[i]] < FAMILY_MEMBERS and ties(i))):
                 timed[of[i]] += 1
                 kept_at.append(i)
     compile_positions([], kept_at)  # twins of what spills moved into the kept set (none where nothing spilled)
