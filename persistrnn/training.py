@@ -866,6 +866,8 @@ TORCH_TRAINING_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 
 _TRAINING_CHOICES: dict[tuple, bool] = {}
 _CHOICE_LOCK = threading.Lock()  # one timing at a time: two at once would each time the other's work too
+# Our side of each choice ran the training forward the plans gave: a retuned shape is timed again.
+tuner.on_plans_changed(lambda: _TRAINING_CHOICES.clear())  # the module's dict at that time (tests swap it)
 
 
 def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:

@@ -435,9 +435,11 @@ def test_training_choices_made_from_plans_are_forgotten_with_them(monkeypatch):
                    lambda: planner.pin_plan(plan_of(planner.ModelShape("gru", 8, 8, 1, "float32"), 2))):
         assert training._fallback_trains_forward("lstm", 64, 4, "float32", 0, True, False)
         assert training._fallback_trains_forward.cache_info().currsize >= 1
+        monkeypatch.setitem(training._TRAINING_CHOICES, ("lstm", 64, 64, 1, False, True), False)  # a timed choice
         change()
         assert training._fallback_trains_forward.cache_info().currsize == 0
         assert training._training_config.cache_info().currsize == 0
+        assert not training._TRAINING_CHOICES  # cuDNN's or ours, timed against the forward of the plans before
     planner.clear_cached_plans()
 
 
