@@ -12,10 +12,14 @@ The summary prints the SASS instructions with the most warp samples, each with
 its stall reasons, and the samples of the step loop's landmarks (barriers,
 shuffles, transcendental units, shared loads) added up.
 
-``--tree-lstm BATCH`` profiles the dynamic interpreter instead: one inference
-launch of the Tree-LSTM of ``bench treelstm`` on its first batch of SST train
-trees (``-k regex:dynamic_interpreter``), after printing the stages,
-instructions and median device time of a training and an inference launch.
+``--tree-lstm BATCH [BATCH ...]`` profiles the dynamic interpreter instead:
+for each batch (the first batch of that many SST train trees, the Tree-LSTM
+of ``bench treelstm``) it prints the stages, instructions and median device
+time of a training and an inference launch, then where an instrumented
+launch of each spent its time, per opcode (``Interpreter(profile=True)``:
+each block's SM cycles from an instruction's start to the barrier that ends
+it); last, one inference launch of the first batch for Nsight Compute
+(``-k regex:dynamic_interpreter``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def run(cell: str, hidden: int, batch: int, steps: int, config: str) -> None:
     print(cfg)
 
 
-def run_tree_lstm(batch: int) -> None:
+def run_tree_lstm(batches: list[int]) -> None:
     import torch
 
     from persistrnn import dynamic
@@ -65,16 +69,28 @@ def run_tree_lstm(batch: int) -> None:
 
     work = tree_lstm_workload(Settings(), torch.device("cuda"))
     interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05))
+    instrumented = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05), profile=True)
     interp.load()
-    graph = dynamic.Graph(work.model)
-    work.add_batch(graph, consecutive_batches(work.inputs, batch, 1)[0])
-    script = interp.schedule(graph, train=False)
-    for train in (True, False):
-        timed = interp.schedule(graph, train=train)
-        ms = time_cuda_ms(lambda timed=timed: interp.launch(timed), warmup=3, repeats=20)
-        print(f"tree-LSTM batch {batch}, {'training' if train else 'inference'}: {len(graph)} nodes, {timed.stages} "
-              f"stages, {timed.instructions} instructions on {interp.blocks} blocks, {ms:.3f} ms a launch "
-              f"({ms * 1e3 / timed.stages:.2f} µs a stage)")
+    instrumented.load()
+    scripts = []
+    for batch in batches:
+        graph = dynamic.Graph(work.model)
+        work.add_batch(graph, consecutive_batches(work.inputs, batch, 1)[0])
+        scripts.append(interp.schedule(graph, train=False))
+        for train in (True, False):
+            timed = interp.schedule(graph, train=train)
+            ms = time_cuda_ms(lambda timed=timed: interp.launch(timed), warmup=3, repeats=20)
+            print(f"tree-LSTM batch {batch}, {'training' if train else 'inference'}: {len(graph)} nodes, "
+                  f"{timed.stages} stages, {timed.instructions} instructions on {interp.blocks} blocks, {ms:.3f} ms "
+                  f"a launch ({ms * 1e3 / timed.stages:.2f} µs a stage)")
+            launched = instrumented.launch(timed)
+            launched.result()
+            print("  instrumented launch, per opcode: instructions, mean µs each, µs summed over blocks, "
+                  "largest block's µs")
+            for row in sorted(dynamic.profile_table(launched), key=lambda r: -r["largest_block_us"]):
+                print(f"  {row['op']:18s} {row['instructions']:8d} {row['mean_us']:9.3f} {row['total_us']:11.1f} "
+                      f"{row['largest_block_us']:9.1f}")
+    script = scripts[0]
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     interp.launch(script).result()
@@ -123,8 +139,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--config", default="cluster,11,128,8", help="sync,blocks,threads,group_size[,k=v...]")
     parser.add_argument("--summarise", metavar="CSV", help="print the summary of ncu's source page instead")
-    parser.add_argument("--tree-lstm", type=int, metavar="BATCH",
-                        help="profile the dynamic interpreter's Tree-LSTM inference at this batch instead")
+    parser.add_argument("--tree-lstm", type=int, nargs="+", metavar="BATCH",
+                        help="profile the dynamic interpreter's Tree-LSTM at these batches instead")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     if args.summarise:

@@ -8,6 +8,7 @@ scripts): the ground truth of these tests and of tests/test_dynamic_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -741,7 +742,8 @@ def test_grouped_sort_is_a_lexsort(high):
 def _specs():
     """Every variant (training, inference; both placements) of both
     builders, at the benchmark size (hidden 256, embedding 256, 132 blocks:
-    one per H100 SM) and at an odd small size on few blocks."""
+    one per H100 SM) and at an odd small size on few blocks; and the
+    instrumented build of both modes at the benchmark size."""
     specs = []
     for hidden, blocks in ((256, 132), (37, 5)):
         tree_model = dynamic.Model(0)
@@ -751,6 +753,7 @@ def _specs():
         for model in (tree_model, tagger_model):
             specs += [dynamic.KernelSpec.of(model, blocks, train=train, placement=placement)
                       for train in (True, False) for placement in dynamic.PLACEMENTS]
+    specs += [dataclasses.replace(spec, profile=True) for spec in specs[:4:2]]  # the Tree-LSTM's, both modes
     return specs
 
 
@@ -775,11 +778,36 @@ def compiled(tmp_path_factory):
 def test_every_kernel_variant_compiles_without_local_memory(compiled):
     from persistrnn.dynamic.kernel import KERNEL_NAME
 
-    assert len(compiled) == 16
+    assert len(compiled) == 18
+    assert [spec.profile for spec, _ in compiled].count(True) == 2
     for spec, binary in compiled:
         res = binary.kernel_resources(KERNEL_NAME)
         assert not res.uses_local_memory, (spec.describe(), res)
         assert res.registers <= 255
+
+
+def test_profile_table_converts_each_blocks_cycles_by_its_own_clock():
+    from persistrnn.dynamic.kernel import PROFILE_SLOTS, Launched
+
+    counts = np.zeros((2, 2 * PROFILE_SLOTS + 2), dtype=np.int64)
+    from persistrnn.dynamic.script import BACKWARD, OPCODES
+
+    add, backward_mul = OPCODES["add"], OPCODES["mul"] + BACKWARD
+    counts[0, 2 * add:2 * add + 2] = (3000, 2)  # block 0: 2 GHz
+    counts[0, -2:] = (20_000, 10_000)
+    counts[1, 2 * add:2 * add + 2] = (1000, 1)  # block 1: 1 GHz
+    counts[1, 2 * backward_mul:2 * backward_mul + 2] = (500, 1)
+    counts[1, -2:] = (10_000, 10_000)
+    launched = Launched(None, None, None, None, None, None, torch.from_numpy(counts))
+    rows = {row["op"]: row for row in dynamic.profile_table(launched)}
+    assert set(rows) == {"add", "mul backward"}
+    assert rows["add"]["instructions"] == 3
+    assert rows["add"]["total_us"] == pytest.approx(1.5 + 1.0)
+    assert rows["add"]["mean_us"] == pytest.approx(2.5 / 3)
+    assert rows["add"]["largest_block_us"] == pytest.approx(1.5)
+    assert rows["mul backward"]["total_us"] == pytest.approx(0.5)
+    with pytest.raises(ArgumentError, match="profile=True"):
+        dynamic.profile_table(dataclasses.replace(launched, profile=None))
 
 
 def test_shared_memory_of_the_benchmark_model_fits_an_h100():

@@ -29,12 +29,13 @@ from .model import Model
 from .optimizers import SGD, Optimizer
 from .script import BACKWARD, OPCODES, WORDS, MatrixLayout, Script, matrix_layout, schedule
 
-__all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "render_source"]
+__all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "profile_table", "render_source"]
 
 KERNEL_NAME = "dynamic_interpreter"
 THREADS = 256  # VPPS §III-A: 256 threads per block use the whole register file at one block per SM
 CHUNK = 128  # instructions fetched into shared memory at a time (2 KB)
 GROUP = 8  # vectors a matvec takes at a time: 8 x 512 columns of input is 16 KB of shared memory
+PROFILE_SLOTS = 32  # kernels/dynamic.cu's PRNN_DYN_PROFILE_SLOTS: one per opcode (backward ones included), 0 the fetch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class KernelSpec:
     threads: int = THREADS
     chunk: int = CHUNK
     group: int = GROUP
+    profile: bool = False  # the instrumented build (kernels/dynamic.cu, PRNN_DYN_PROFILE)
 
     @classmethod
     def of(cls, model: Model, blocks: int, *, train: bool = True, placement: str = "partition") -> KernelSpec:
@@ -68,7 +70,8 @@ class KernelSpec:
     def describe(self) -> str:
         lay = self.layout
         shapes = ",".join(f"{r}x{c}/{h}" for r, c, h in zip(lay.rows, lay.cols, lay.holders))
-        return f"{'train' if self.train else 'infer'}-b{self.blocks}-t{self.threads}-{shapes}"
+        return (f"{'train' if self.train else 'infer'}{'-profile' if self.profile else ''}-b{self.blocks}"
+                f"-t{self.threads}-{shapes}")
 
 
 def render_source(spec: KernelSpec) -> str:
@@ -85,6 +88,7 @@ def render_source(spec: KernelSpec) -> str:
         "PRNN_DYN_MAX_ROWS": max(lay.rows_per_block),
         "PRNN_DYN_WEIGHT_FLOATS": lay.shared_floats,
         "PRNN_DYN_TRAIN": int(spec.train),
+        "PRNN_DYN_PROFILE": int(spec.profile),
         "PRNN_OP_BACKWARD": BACKWARD,
         **{f"PRNN_OP_{name.upper()}": code for name, code in OPCODES.items()},
     }
@@ -136,6 +140,7 @@ class Launched:
     grads: Any
     loss_host: Any
     done: Any
+    profile: Any = None  # an instrumented interpreter's per-block counts (int64, (blocks, 2 * PROFILE_SLOTS + 2))
 
     def result(self) -> float:
         """The batch loss, waiting for this launch only (not for later ones)."""
@@ -173,10 +178,13 @@ class Interpreter:
     forward only. ``step``/``sync`` overlap the host's script generation for
     the next batch with the kernel of the previous one, as VPPS does.
     ``device``: a CUDA device; without an index, the current one.
+    ``profile`` runs the instrumented build: every launch's
+    :attr:`Launched.profile` holds each block's cycles per opcode
+    (:func:`profile_table` sums them up).
     """
 
     def __init__(self, model: Model, *, blocks: int | None = None, optimizer: Optimizer | None = None,
-                 placement: str = "partition", device: Any = "cuda") -> None:
+                 placement: str = "partition", device: Any = "cuda", profile: bool = False) -> None:
         import torch
 
         self.device = torch.device(device)
@@ -197,6 +205,7 @@ class Interpreter:
         self.updates = 0
         self._pending: Launched | None = None
         self.placement = placement
+        self.profile = bool(profile)
         self.layout = matrix_layout(model, self.blocks, placement)
         for train in (True, False):
             spec = KernelSpec(self.layout, train)
@@ -215,7 +224,7 @@ class Interpreter:
     def _kernels(self) -> dict[bool, tuple[Any, Any]]:
         out = {}
         for train in (True, False):
-            spec = KernelSpec(self.layout, train)
+            spec = KernelSpec(self.layout, train, profile=self.profile)
             kernel = runtime.get_kernel(compile_spec(spec), KERNEL_NAME)
             out[train] = (kernel, kernel.config(self.blocks, spec.threads, shared=spec.shared_bytes,
                                                 cooperative=True))
@@ -265,17 +274,19 @@ class Interpreter:
             self.param_grads.zero_()
             self.updates += 1
         scalars = self.optimizer.scalars(max(self.updates, 1))
+        profile = (torch.zeros((self.blocks, 2 * PROFILE_SLOTS + 2), dtype=torch.int64, device=self.device)
+                   if self.profile else None)
         args = runtime.kernel_args(program, starts, values, grads, self.params, self.param_grads, self.adam_m,
                                    self.adam_v, np.uint64(loss.data_ptr()), np.uint64(own.counters),
                                    self.model.matrix_floats, self.model.total_floats, *scalars,
                                    np.uint64(own.status), np.uint64(runtime.report_word(self.device.index)),
-                                   np.uint64(runtime.wait_timeout_ns()))
+                                   np.uint64(runtime.wait_timeout_ns()), *(() if profile is None else (profile,)))
         runtime.launch(kernel, config, *args)
         loss_host = torch.empty(1, dtype=torch.float32, pin_memory=True)
         loss_host.copy_(loss, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return Launched(script, loss, values, grads, loss_host, done)
+        return Launched(script, loss, values, grads, loss_host, done, profile)
 
     @_on_its_device
     def run(self, graph: Graph | Script, *, train: bool = True) -> float:
@@ -306,3 +317,26 @@ class Interpreter:
         runtime.raise_reported_failure(self.device.index, KERNEL_NAME, synchronize=True)
         value, self._pending = self._pending.result(), None
         return value
+
+
+def profile_table(launched: Launched) -> list[dict[str, Any]]:
+    """Per opcode of an instrumented launch (after it finished): how many
+    instructions ran over all blocks, their mean µs each, the sum over
+    blocks, and the largest block's total; each block's cycles converted by
+    its own cycles-to-nanoseconds ratio over the script loop. ``fetch`` is
+    the copy of script chunks into shared memory."""
+    if launched.profile is None:
+        raise ArgumentError("the launch was not instrumented: make the Interpreter with profile=True")
+    counts = launched.profile.cpu().numpy()
+    per_slot = counts[:, :2 * PROFILE_SLOTS].reshape(len(counts), PROFILE_SLOTS, 2)
+    ns_per_cycle = counts[:, -1] / np.maximum(counts[:, -2], 1)
+    us = per_slot[:, :, 0] * ns_per_cycle[:, None] / 1e3  # (blocks, slots)
+    names = {0: "fetch"} | {code: name for name, code in OPCODES.items()}
+    names |= {code + BACKWARD: f"{name} backward" for name, code in OPCODES.items() if name not in ("wait", "signal")}
+    rows = []
+    for slot in np.flatnonzero(per_slot[:, :, 1].sum(axis=0)):
+        n = int(per_slot[:, slot, 1].sum())
+        total = float(us[:, slot].sum())
+        rows.append({"op": names.get(int(slot), str(slot)), "instructions": n, "mean_us": total / n,
+                     "total_us": total, "largest_block_us": float(us[:, slot].max())})
+    return rows

@@ -15,11 +15,33 @@
 //   at a time), PRNN_DYN_GROUP (vectors a matvec takes at a time),
 //   PRNN_DYN_MATRICES, PRNN_DYN_MAX_COLS, PRNN_DYN_MAX_ROWS (rows of one
 //   matrix on one block), PRNN_DYN_WEIGHT_FLOATS (cache floats per block),
-//   PRNN_DYN_TRAIN, the opcodes PRNN_OP_*, and prnn_dyn_matrix[k] = {rows,
-//   cols, rows per block, parameter offset, cache offset, first block, holders}.
+//   PRNN_DYN_TRAIN, PRNN_DYN_PROFILE (an instrumented build, below), the
+//   opcodes PRNN_OP_*, and prnn_dyn_matrix[k] = {rows, cols, rows per block,
+//   parameter offset, cache offset, first block, holders}.
 
 #define PRNN_DYN_WORDS 4
 #define PRNN_DYN_WARPS (PRNN_DYN_THREADS / 32)
+
+// The instrumented build: thread 0 of every block adds up the SM cycles of
+// each instruction by opcode, from its start to the block barrier that ends
+// it (a wait: until the block leaves it; a signal: thread 0's red), and
+// counts them; slot 0 is the fetch of script chunks. It writes per block
+// profile[block][PRNN_DYN_PROFILE_SLOTS][2] (cycles, count), then the loop's
+// cycles and nanoseconds (globaltimer), to convert cycles per block.
+#define PRNN_DYN_PROFILE_SLOTS 32
+#if PRNN_DYN_PROFILE
+#define PRNN_DYN_PROFILE_PARAM , unsigned long long* __restrict__ profile
+#define PRNN_DYN_MARK(start) const prnn_u32 start = (prnn_u32)clock()
+#define PRNN_DYN_COUNT(slot, start)                              \
+    if (tid == 0) {                                              \
+        profile_cycles[slot] += (prnn_u32)clock() - (start);     \
+        profile_count[slot] += 1;                                \
+    }
+#else
+#define PRNN_DYN_PROFILE_PARAM
+#define PRNN_DYN_MARK(start)
+#define PRNN_DYN_COUNT(slot, start)
+#endif
 
 // Values and gradients are written by other SMs during the launch: read them
 // through L2 (.cg) so that no stale L1 line serves them.
@@ -232,7 +254,8 @@ extern "C" __global__ void __launch_bounds__(PRNN_DYN_THREADS, 1)
 dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ starts, float* values, float* grads,
                     float* params, float* param_grads, float* adam_m, float* adam_v, float* loss,
                     prnn_u32* counter, int dense_begin, int dense_end, float lr, float beta1, float beta2, float eps,
-                    float correction1, float correction2, int* status, int* report, prnn_u64 timeout_ns) {
+                    float correction1, float correction2, int* status, int* report,
+                    prnn_u64 timeout_ns PRNN_DYN_PROFILE_PARAM) {
     extern __shared__ float4 prnn_dyn_shared[];
     int* script = reinterpret_cast<int*>(prnn_dyn_shared);
     float* vec = reinterpret_cast<float*>(script + PRNN_DYN_CHUNK * PRNN_DYN_WORDS);
@@ -252,16 +275,25 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
         }
     }
     if (tid == 0) failed = 0;
+#if PRNN_DYN_PROFILE
+    __shared__ unsigned long long profile_cycles[PRNN_DYN_PROFILE_SLOTS], profile_count[PRNN_DYN_PROFILE_SLOTS];
+    if (tid < PRNN_DYN_PROFILE_SLOTS) profile_cycles[tid] = profile_count[tid] = 0;
+    const prnn_u32 loop_cycles = (prnn_u32)clock();
+    const prnn_u64 loop_ns = prnn_globaltimer();
+#endif
     __syncthreads();
 
     const int begin = starts[blockIdx.x], end = starts[blockIdx.x + 1];
     for (int base = begin; base < end; base += PRNN_DYN_CHUNK) {
         const int count = min(PRNN_DYN_CHUNK, end - base);
+        PRNN_DYN_MARK(fetched);
         for (int i = tid; i < count * PRNN_DYN_WORDS; i += PRNN_DYN_THREADS)
             script[i] = program[(long long)base * PRNN_DYN_WORDS + i];
         __syncthreads();
+        PRNN_DYN_COUNT(0, fetched);
         for (int k = 0; k < count; ++k) {
             const int* in = script + k * PRNN_DYN_WORDS;
+            PRNN_DYN_MARK(started);
             if (in[0] == PRNN_OP_WAIT) {
                 prnn_u32 seen;
                 if (tid == 0 && !prnn_wait_counter(counter, (prnn_u32)in[3], watch, PRNN_STATUS_GRID_BARRIER_TIMEOUT,
@@ -280,9 +312,21 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
                 prnn_dyn_elementwise(in[0], in[1], in[2], program, in[3], values, grads, params, param_grads, loss);
                 __syncthreads();
             }
+            PRNN_DYN_COUNT(in[0], started);
         }
         __syncthreads();  // every thread is done with the chunk before the next overwrites it
     }
+#if PRNN_DYN_PROFILE
+    if (tid == 0) {
+        unsigned long long* mine = profile + (long long)blockIdx.x * (2 * PRNN_DYN_PROFILE_SLOTS + 2);
+        for (int s = 0; s < PRNN_DYN_PROFILE_SLOTS; ++s) {
+            mine[2 * s] = profile_cycles[s];
+            mine[2 * s + 1] = profile_count[s];
+        }
+        mine[2 * PRNN_DYN_PROFILE_SLOTS] = (prnn_u32)clock() - loop_cycles;
+        mine[2 * PRNN_DYN_PROFILE_SLOTS + 1] = prnn_globaltimer() - loop_ns;
+    }
+#endif
 
 #if PRNN_DYN_TRAIN
     // Matrices: this block's rows, from its caches; the gradient is written
