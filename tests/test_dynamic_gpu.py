@@ -78,6 +78,33 @@ def test_inference_kernel_matches_reference():
     _check(interp, launched, want, train=False)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_instrumented_build_counts_every_instruction_and_computes_the_same(train):
+    import torch
+
+    from persistrnn.dynamic.kernel import PROFILE_SLOTS
+
+    model, builder, trees, vocab, graph = sst_batch(5, hidden=40, embedding=24)
+    optimizer = dynamic.SGD(0.1) if train else None
+    interp, launched, want, _ = _run_both(model, graph, 13, optimizer, train=train)
+    instrumented = dynamic.Interpreter(model, blocks=13, optimizer=optimizer, profile=True)
+    script = instrumented.schedule(graph, train=train)
+    profiled = instrumented.launch(script, poison=True)
+    torch.cuda.synchronize()
+    _check(instrumented, profiled, want, train=train)
+    counts = profiled.profile.cpu().numpy()
+    for block in range(13):
+        program = script.block_program(block)
+        want_counts = np.bincount(program[:, 0], minlength=PROFILE_SLOTS)
+        want_counts[0] = -(-len(program) // dynamic.KernelSpec(script.layout).chunk)  # the chunks fetched
+        assert counts[block, 1:2 * PROFILE_SLOTS:2].tolist() == want_counts.tolist(), block
+        assert (counts[block, 0:2 * PROFILE_SLOTS:2] > 0).tolist() == (want_counts > 0).tolist(), block
+    assert (counts[:, -2:] > 0).all()  # the loop's cycles and nanoseconds
+    rows = {row["op"]: row for row in dynamic.profile_table(profiled)}
+    matvecs = script.program[:script.instructions, 0] == dynamic.script.OPCODES["matvec"]
+    assert rows["matvec"]["instructions"] == int(matvecs.sum())
+
+
 def test_adam_over_several_launches_matches_reference():
     import torch
 
