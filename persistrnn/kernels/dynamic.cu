@@ -43,9 +43,16 @@
 #define PRNN_DYN_COUNT(slot, start)
 #endif
 
-// Values and gradients are written by other SMs during the launch: read them
-// through L2 (.cg) so that no stale L1 line serves them.
+// Gradients are accumulated by atomics in L2, also by this block within a
+// stage, so an L1 line read earlier in the stage would be stale: read them
+// through L2 (.cg).
 __device__ __forceinline__ float prnn_dyn_ld(const float* p) { return __ldcg(p); }
+
+// Values are written once, by plain stores. Within a stage a block reads only
+// values written by its own threads before a block barrier (or in earlier
+// stages); values of other blocks are read only after a counter wait, whose
+// acquire invalidates this SM's L1. So plain loads, which may hit L1, are safe.
+__device__ __forceinline__ float prnn_dyn_value(const float* p) { return *p; }
 
 __device__ __forceinline__ float prnn_dyn_warp_sum(float s) {
 #pragma unroll
@@ -75,10 +82,10 @@ __device__ __forceinline__ int4 prnn_dyn_operand(const int* program, int first, 
 // log-sum-exp of z[0:n] minus z[label], by one thread: the classes of a
 // node's loss are few (5 sentiments, 5 tags).
 __device__ __forceinline__ void prnn_dyn_softmax(const float* z, int n, float* top, float* total) {
-    float m = prnn_dyn_ld(z);
-    for (int i = 1; i < n; ++i) m = fmaxf(m, prnn_dyn_ld(z + i));
+    float m = prnn_dyn_value(z);
+    for (int i = 1; i < n; ++i) m = fmaxf(m, prnn_dyn_value(z + i));
     float s = 0.0f;
-    for (int i = 0; i < n; ++i) s += expf(prnn_dyn_ld(z + i) - m);
+    for (int i = 0; i < n; ++i) s += expf(prnn_dyn_value(z + i) - m);
     *top = m;
     *total = s;
 }
@@ -101,7 +108,7 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
         for (int e = tid; e < PRNN_DYN_GROUP * m.cols; e += PRNN_DYN_THREADS) {
             const int j = e / m.cols, c = e - j * m.cols;
             vec[j * PRNN_DYN_MAX_COLS + c] =
-                j < in_group ? prnn_dyn_ld(values + prnn_dyn_operand(program, first, g0 + j).y + c) : 0.0f;
+                j < in_group ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).y + c) : 0.0f;
         }
         if (backward)
             for (int e = tid; e < PRNN_DYN_GROUP * m.count; e += PRNN_DYN_THREADS) {
@@ -172,7 +179,7 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
             const int4 o = prnn_dyn_operand(program, first, j);
             float top, total;
             prnn_dyn_softmax(values + o.y, n, &top, &total);
-            const float l = top + logf(total) - prnn_dyn_ld(values + o.y + o.w);
+            const float l = top + logf(total) - prnn_dyn_value(values + o.y + o.w);
             values[o.x] = l;
             atomicAdd(loss, l);
         }
@@ -184,13 +191,13 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         const int out = o.x + i, a = o.y + i, b = o.z + i;
         switch (op) {
         case PRNN_OP_LOOKUP: values[out] = params[o.w + i]; break;
-        case PRNN_OP_ADD: values[out] = prnn_dyn_ld(values + a) + prnn_dyn_ld(values + b); break;
-        case PRNN_OP_MUL: values[out] = prnn_dyn_ld(values + a) * prnn_dyn_ld(values + b); break;
-        case PRNN_OP_TANH: values[out] = tanhf(prnn_dyn_ld(values + a)); break;
+        case PRNN_OP_ADD: values[out] = prnn_dyn_value(values + a) + prnn_dyn_value(values + b); break;
+        case PRNN_OP_MUL: values[out] = prnn_dyn_value(values + a) * prnn_dyn_value(values + b); break;
+        case PRNN_OP_TANH: values[out] = tanhf(prnn_dyn_value(values + a)); break;
         // The precise form: the gradients are checked to 1e-5 against float64.
-        case PRNN_OP_SIGMOID: values[out] = 1.0f / (1.0f + expf(-prnn_dyn_ld(values + a))); break;
-        case PRNN_OP_RELU: values[out] = fmaxf(prnn_dyn_ld(values + a), 0.0f); break;
-        case PRNN_OP_COPY: values[out] = prnn_dyn_ld(values + a); break;
+        case PRNN_OP_SIGMOID: values[out] = 1.0f / (1.0f + expf(-prnn_dyn_value(values + a))); break;
+        case PRNN_OP_RELU: values[out] = fmaxf(prnn_dyn_value(values + a), 0.0f); break;
+        case PRNN_OP_COPY: values[out] = prnn_dyn_value(values + a); break;
 #if PRNN_DYN_TRAIN
         // Backward: a node's gradient gathers from every consumer, which may
         // run on other blocks, so every accumulation is an atomic add in L2.
@@ -203,28 +210,28 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         }
         case PRNN_OP_MUL + PRNN_OP_BACKWARD: {
             const float g = prnn_dyn_ld(grads + out);
-            atomicAdd(grads + a, g * prnn_dyn_ld(values + b));
-            atomicAdd(grads + b, g * prnn_dyn_ld(values + a));
+            atomicAdd(grads + a, g * prnn_dyn_value(values + b));
+            atomicAdd(grads + b, g * prnn_dyn_value(values + a));
             break;
         }
         case PRNN_OP_TANH + PRNN_OP_BACKWARD: {
-            const float y = prnn_dyn_ld(values + out);
+            const float y = prnn_dyn_value(values + out);
             atomicAdd(grads + a, prnn_dyn_ld(grads + out) * (1.0f - y * y));
             break;
         }
         case PRNN_OP_SIGMOID + PRNN_OP_BACKWARD: {
-            const float y = prnn_dyn_ld(values + out);
+            const float y = prnn_dyn_value(values + out);
             atomicAdd(grads + a, prnn_dyn_ld(grads + out) * y * (1.0f - y));
             break;
         }
         case PRNN_OP_RELU + PRNN_OP_BACKWARD:
-            if (prnn_dyn_ld(values + out) > 0.0f) atomicAdd(grads + a, prnn_dyn_ld(grads + out));
+            if (prnn_dyn_value(values + out) > 0.0f) atomicAdd(grads + a, prnn_dyn_ld(grads + out));
             break;
         case PRNN_OP_COPY + PRNN_OP_BACKWARD: atomicAdd(grads + a, prnn_dyn_ld(grads + out)); break;
         case PRNN_OP_LOSS + PRNN_OP_BACKWARD: {
             float top, total;
             prnn_dyn_softmax(values + o.y, n, &top, &total);
-            atomicAdd(grads + a, expf(prnn_dyn_ld(values + a) - top) / total - (i == o.w ? 1.0f : 0.0f));
+            atomicAdd(grads + a, expf(prnn_dyn_value(values + a) - top) / total - (i == o.w ? 1.0f : 0.0f));
             break;
         }
 #endif
