@@ -21,6 +21,9 @@
 
 #define PRNN_DYN_WORDS 4
 #define PRNN_DYN_WARPS (PRNN_DYN_THREADS / 32)
+// Elements a thread loads before it stores any (forward instructions): their
+// trips to memory overlap instead of following each other.
+#define PRNN_DYN_UNROLL 4
 
 // The instrumented build: thread 0 of every block adds up the SM cycles of
 // each instruction by opcode, from its start to the block barrier that ends
@@ -90,25 +93,64 @@ __device__ __forceinline__ void prnn_dyn_softmax(const float* z, int n, float* t
     *total = s;
 }
 
+// A matvec's forward rows: this block's rows of matrix m times the group's
+// first G vectors in vec (G a power of two at least in_group, so that a group
+// of one vector does one vector's work), a warp per row, lanes along the row,
+// a shuffle reduction per vector; first is the group's first operand.
+template <int G>
+__device__ __forceinline__ void prnn_dyn_matvec_rows(const prnn_dyn_rows& m, const float* weights, const float* vec,
+                                                     float* values, const int* program, int first, int in_group) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = warp; r < m.count; r += PRNN_DYN_WARPS) {
+        const float* w = weights + m.cache + r * m.cols;
+        float s[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) s[j] = 0.0f;
+        for (int c = lane; c < m.cols; c += 32) {
+            const float wc = w[c];
+#pragma unroll
+            for (int j = 0; j < G; ++j) s[j] = fmaf(wc, vec[j * PRNN_DYN_MAX_COLS + c], s[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const float total = prnn_dyn_warp_sum(s[j]);
+            if (lane == 0 && j < in_group) values[prnn_dyn_operand(program, first, j).x + m.begin + r] = total;
+        }
+    }
+}
+
 // A matvec instruction: this block's rows of matrix k times every listed
 // vector, PRNN_DYN_GROUP vectors at a time so that each weight read from
-// shared memory serves the whole group. Forward: a warp per row, lanes along
-// the row, a shuffle reduction per vector. Backward: a thread per column, its
-// part of W^T dy for every vector (atomics: other blocks hold the other rows)
-// and its column of sum_j dy_j x_j^T into the cached gradient.
+// shared memory serves the whole group. Forward: prnn_dyn_matvec_rows.
+// Backward: a thread per column, its part of W^T dy for every vector
+// (atomics: other blocks hold the other rows) and its column of
+// sum_j dy_j x_j^T into the cached gradient.
 __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* program, int first, int count,
                                                 float* values, float* grads, float* vec, float* dy,
                                                 const float* weights, float* wgrads) {
     const int k = prnn_dyn_operand(program, first, 0).w;
     const prnn_dyn_rows m = prnn_dyn_block_rows(k);
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x;
     for (int g0 = 0; g0 < count; g0 += PRNN_DYN_GROUP) {
         const int in_group = min(PRNN_DYN_GROUP, count - g0);
-        // Vectors past the group's end are zeros: they add nothing to the gradient.
-        for (int e = tid; e < PRNN_DYN_GROUP * m.cols; e += PRNN_DYN_THREADS) {
-            const int j = e / m.cols, c = e - j * m.cols;
-            vec[j * PRNN_DYN_MAX_COLS + c] =
-                j < in_group ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).y + c) : 0.0f;
+        // The forward reads the first `slots` vectors, the backward all of the
+        // group's; vectors past the group's end are zeros (they add nothing
+        // to the gradient).
+        const int slots = backward ? PRNN_DYN_GROUP : in_group <= 1 ? 1 : in_group <= 2 ? 2 : in_group <= 4 ? 4 : 8;
+        for (int e0 = tid; e0 < slots * m.cols; e0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
+            float x[PRNN_DYN_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+                const int e = e0 + u * PRNN_DYN_THREADS, j = e / m.cols, c = e - j * m.cols;
+                x[u] = e < slots * m.cols && j < in_group
+                           ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).y + c)
+                           : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+                const int e = e0 + u * PRNN_DYN_THREADS;
+                if (e < slots * m.cols) vec[e / m.cols * PRNN_DYN_MAX_COLS + e % m.cols] = x[u];
+            }
         }
         if (backward)
             for (int e = tid; e < PRNN_DYN_GROUP * m.count; e += PRNN_DYN_THREADS) {
@@ -119,23 +161,11 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
             }
         __syncthreads();
         if (!backward) {
-            for (int r = warp; r < m.count; r += PRNN_DYN_WARPS) {
-                const float* w = weights + m.cache + r * m.cols;
-                float s[PRNN_DYN_GROUP];
-#pragma unroll
-                for (int j = 0; j < PRNN_DYN_GROUP; ++j) s[j] = 0.0f;
-                for (int c = lane; c < m.cols; c += 32) {
-                    const float wc = w[c];
-#pragma unroll
-                    for (int j = 0; j < PRNN_DYN_GROUP; ++j) s[j] = fmaf(wc, vec[j * PRNN_DYN_MAX_COLS + c], s[j]);
-                }
-#pragma unroll
-                for (int j = 0; j < PRNN_DYN_GROUP; ++j) {
-                    const float total = prnn_dyn_warp_sum(s[j]);
-                    if (lane == 0 && j < in_group)
-                        values[prnn_dyn_operand(program, first, g0 + j).x + m.begin + r] = total;
-                }
-            }
+            static_assert(PRNN_DYN_GROUP == 8, "the forward's slot counts below are the powers of two up to 8");
+            if (slots == 1) prnn_dyn_matvec_rows<1>(m, weights, vec, values, program, first + g0, in_group);
+            else if (slots == 2) prnn_dyn_matvec_rows<2>(m, weights, vec, values, program, first + g0, in_group);
+            else if (slots == 4) prnn_dyn_matvec_rows<4>(m, weights, vec, values, program, first + g0, in_group);
+            else prnn_dyn_matvec_rows<8>(m, weights, vec, values, program, first + g0, in_group);
         }
 #if PRNN_DYN_TRAIN
         else {
@@ -168,8 +198,24 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
     }
 }
 
+// A forward elementwise op on x (a's element; a lookup's parameter) and y (b's).
+__device__ __forceinline__ float prnn_dyn_apply(int op, float x, float y) {
+    switch (op) {
+    case PRNN_OP_ADD: return x + y;
+    case PRNN_OP_MUL: return x * y;
+    case PRNN_OP_TANH: return tanhf(x);
+    // The precise form: the gradients are checked to 1e-5 against float64.
+    case PRNN_OP_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case PRNN_OP_RELU: return fmaxf(x, 0.0f);
+    default: return x;  // lookup, copy
+    }
+}
+
 // Any other instruction, by every thread of the block over the flattened
 // (operand, element) range; the caller synchronises the block after it.
+// Forward: PRNN_DYN_UNROLL elements per thread load before any stores, which
+// is safe because no node of an instruction reads another's output (they
+// have one depth) and every node has its own storage.
 __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, const int* program, int first,
                                                      float* values, float* grads, const float* params,
                                                      float* param_grads, float* loss) {
@@ -185,20 +231,35 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         }
         return;
     }
+    if (op < PRNN_OP_BACKWARD) {
+        const bool binary = op == PRNN_OP_ADD || op == PRNN_OP_MUL;
+        for (int e0 = tid; e0 < count * n; e0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
+            float x[PRNN_DYN_UNROLL], y[PRNN_DYN_UNROLL];
+            int out[PRNN_DYN_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+                const int e = e0 + u * PRNN_DYN_THREADS, j = e / n, i = e - j * n;
+                out[u] = -1;
+                x[u] = y[u] = 0.0f;
+                if (e < count * n) {
+                    const int4 o = prnn_dyn_operand(program, first, j);
+                    out[u] = o.x + i;
+                    x[u] = op == PRNN_OP_LOOKUP ? params[o.w + i] : prnn_dyn_value(values + o.y + i);
+                    if (binary) y[u] = prnn_dyn_value(values + o.z + i);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u)
+                if (out[u] >= 0) values[out[u]] = prnn_dyn_apply(op, x[u], y[u]);
+        }
+        return;
+    }
+#if PRNN_DYN_TRAIN
     for (int e = tid; e < count * n; e += PRNN_DYN_THREADS) {
         const int j = e / n, i = e - j * n;
         const int4 o = prnn_dyn_operand(program, first, j);
         const int out = o.x + i, a = o.y + i, b = o.z + i;
         switch (op) {
-        case PRNN_OP_LOOKUP: values[out] = params[o.w + i]; break;
-        case PRNN_OP_ADD: values[out] = prnn_dyn_value(values + a) + prnn_dyn_value(values + b); break;
-        case PRNN_OP_MUL: values[out] = prnn_dyn_value(values + a) * prnn_dyn_value(values + b); break;
-        case PRNN_OP_TANH: values[out] = tanhf(prnn_dyn_value(values + a)); break;
-        // The precise form: the gradients are checked to 1e-5 against float64.
-        case PRNN_OP_SIGMOID: values[out] = 1.0f / (1.0f + expf(-prnn_dyn_value(values + a))); break;
-        case PRNN_OP_RELU: values[out] = fmaxf(prnn_dyn_value(values + a), 0.0f); break;
-        case PRNN_OP_COPY: values[out] = prnn_dyn_value(values + a); break;
-#if PRNN_DYN_TRAIN
         // Backward: a node's gradient gathers from every consumer, which may
         // run on other blocks, so every accumulation is an atomic add in L2.
         case PRNN_OP_LOOKUP + PRNN_OP_BACKWARD: atomicAdd(param_grads + o.w + i, prnn_dyn_ld(grads + out)); break;
@@ -234,10 +295,10 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
             atomicAdd(grads + a, expf(prnn_dyn_value(values + a) - top) / total - (i == o.w ? 1.0f : 0.0f));
             break;
         }
-#endif
         default: break;
         }
     }
+#endif
 }
 
 #if PRNN_DYN_TRAIN
