@@ -137,20 +137,16 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
         // group's; vectors past the group's end are zeros (they add nothing
         // to the gradient).
         const int slots = backward ? PRNN_DYN_GROUP : in_group <= 1 ? 1 : in_group <= 2 ? 2 : in_group <= 4 ? 4 : 8;
-        for (int e0 = tid; e0 < slots * m.cols; e0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
-            float x[PRNN_DYN_UNROLL];
+        // A thread's columns, all vectors' loads of a column before its
+        // stores (no division by the column count: ~20 instructions each).
+        for (int c = tid; c < m.cols; c += PRNN_DYN_THREADS) {
+            float x[PRNN_DYN_GROUP];
 #pragma unroll
-            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
-                const int e = e0 + u * PRNN_DYN_THREADS, j = e / m.cols, c = e - j * m.cols;
-                x[u] = e < slots * m.cols && j < in_group
-                           ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).y + c)
-                           : 0.0f;
-            }
+            for (int j = 0; j < PRNN_DYN_GROUP; ++j)
+                x[j] = j < in_group ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).y + c) : 0.0f;
 #pragma unroll
-            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
-                const int e = e0 + u * PRNN_DYN_THREADS;
-                if (e < slots * m.cols) vec[e / m.cols * PRNN_DYN_MAX_COLS + e % m.cols] = x[u];
-            }
+            for (int j = 0; j < PRNN_DYN_GROUP; ++j)
+                if (j < slots) vec[j * PRNN_DYN_MAX_COLS + c] = x[j];
         }
         if (backward)
             for (int e = tid; e < PRNN_DYN_GROUP * m.count; e += PRNN_DYN_THREADS) {
