@@ -95,57 +95,27 @@ __device__ __forceinline__ void prnn_dyn_softmax(const float* z, int n, float* t
 
 // A matvec's forward rows: this block's rows of matrix m times the group's
 // first G vectors in vec (G a power of two at least in_group, so that a group
-// of one vector does one vector's work); first is the group's first operand.
-// A warp takes two rows at a time, lanes along the rows, so that each vector
-// element read from shared memory serves both (shared-memory bandwidth bounds
-// this loop: one row at a time read 9 words per 8 FMAs); a shuffle reduction
-// per row and vector.
+// of one vector does one vector's work), a warp per row, lanes along the row,
+// a shuffle reduction per vector; first is the group's first operand.
 template <int G>
 __device__ __forceinline__ void prnn_dyn_matvec_rows(const prnn_dyn_rows& m, const float* weights, const float* vec,
                                                      float* values, const int* program, int first, int in_group) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < m.count; r += 2 * PRNN_DYN_WARPS) {
-        const int r2 = r + PRNN_DYN_WARPS;
-        const bool two = r2 < m.count;
+    for (int r = warp; r < m.count; r += PRNN_DYN_WARPS) {
         const float* w = weights + m.cache + r * m.cols;
-        const float* w2 = two ? w + PRNN_DYN_WARPS * m.cols : w;  // a lone last row computes itself twice
-        float s[G], s2[G];
+        float s[G];
 #pragma unroll
-        for (int j = 0; j < G; ++j) s[j] = s2[j] = 0.0f;
+        for (int j = 0; j < G; ++j) s[j] = 0.0f;
         for (int c = lane; c < m.cols; c += 32) {
-            const float wc = w[c], wc2 = w2[c];
+            const float wc = w[c];
 #pragma unroll
-            for (int j = 0; j < G; ++j) {
-                const float v = vec[j * PRNN_DYN_MAX_COLS + c];
-                s[j] = fmaf(wc, v, s[j]);
-                s2[j] = fmaf(wc2, v, s2[j]);
-            }
+            for (int j = 0; j < G; ++j) s[j] = fmaf(wc, vec[j * PRNN_DYN_MAX_COLS + c], s[j]);
         }
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-            const float total = prnn_dyn_warp_sum(s[j]), total2 = prnn_dyn_warp_sum(s2[j]);
-            if (lane == 0 && j < in_group) {
-                float* out = values + prnn_dyn_operand(program, first, j).x + m.begin;
-                out[r] = total;
-                if (two) out[r2] = total2;
-            }
+            const float total = prnn_dyn_warp_sum(s[j]);
+            if (lane == 0 && j < in_group) values[prnn_dyn_operand(program, first, j).x + m.begin + r] = total;
         }
-    }
-}
-
-// This thread's columns (tid, tid + THREADS, ...) of a group's vectors, from
-// memory into registers; zeros past the group's end (in_group vectors).
-#define PRNN_DYN_COLUMNS_PER_THREAD ((PRNN_DYN_MAX_COLS + PRNN_DYN_THREADS - 1) / PRNN_DYN_THREADS)
-__device__ __forceinline__ void prnn_dyn_load_group(float (&x)[PRNN_DYN_COLUMNS_PER_THREAD][PRNN_DYN_GROUP],
-                                                    int cols, const int* program, int first, int in_group,
-                                                    const float* values) {
-#pragma unroll
-    for (int q = 0; q < PRNN_DYN_COLUMNS_PER_THREAD; ++q) {
-        const int c = (int)threadIdx.x + q * PRNN_DYN_THREADS;
-#pragma unroll
-        for (int j = 0; j < PRNN_DYN_GROUP; ++j)
-            x[q][j] = c < cols && j < in_group ? prnn_dyn_value(values + prnn_dyn_operand(program, first, j).y + c)
-                                               : 0.0f;
     }
 }
 
@@ -161,22 +131,22 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
     const int k = prnn_dyn_operand(program, first, 0).w;
     const prnn_dyn_rows m = prnn_dyn_block_rows(k);
     const int tid = threadIdx.x;
-    // Software pipelined: a group's vectors are loaded into registers while
-    // the group before it computes, then stored into vec.
-    float x[PRNN_DYN_COLUMNS_PER_THREAD][PRNN_DYN_GROUP];
-    prnn_dyn_load_group(x, m.cols, program, first, min(PRNN_DYN_GROUP, count), values);
     for (int g0 = 0; g0 < count; g0 += PRNN_DYN_GROUP) {
         const int in_group = min(PRNN_DYN_GROUP, count - g0);
         // The forward reads the first `slots` vectors, the backward all of the
         // group's; vectors past the group's end are zeros (they add nothing
         // to the gradient).
         const int slots = backward ? PRNN_DYN_GROUP : in_group <= 1 ? 1 : in_group <= 2 ? 2 : in_group <= 4 ? 4 : 8;
-#pragma unroll
-        for (int q = 0; q < PRNN_DYN_COLUMNS_PER_THREAD; ++q) {
-            const int c = tid + q * PRNN_DYN_THREADS;
+        // A thread's columns, all vectors' loads of a column before its
+        // stores (no division by the column count: ~20 instructions each).
+        for (int c = tid; c < m.cols; c += PRNN_DYN_THREADS) {
+            float x[PRNN_DYN_GROUP];
 #pragma unroll
             for (int j = 0; j < PRNN_DYN_GROUP; ++j)
-                if (c < m.cols && j < slots) vec[j * PRNN_DYN_MAX_COLS + c] = x[q][j];
+                x[j] = j < in_group ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).y + c) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < PRNN_DYN_GROUP; ++j)
+                if (j < slots) vec[j * PRNN_DYN_MAX_COLS + c] = x[j];
         }
         if (backward)
             for (int e = tid; e < PRNN_DYN_GROUP * m.count; e += PRNN_DYN_THREADS) {
@@ -186,9 +156,6 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
                                  : 0.0f;
             }
         __syncthreads();
-        if (g0 + PRNN_DYN_GROUP < count)  // the next group's loads, in flight during this group's products
-            prnn_dyn_load_group(x, m.cols, program, first + g0 + PRNN_DYN_GROUP,
-                                min(PRNN_DYN_GROUP, count - g0 - PRNN_DYN_GROUP), values);
         if (!backward) {
             static_assert(PRNN_DYN_GROUP == 8, "the forward's slot counts below are the powers of two up to 8");
             if (slots == 1) prnn_dyn_matvec_rows<1>(m, weights, vec, values, program, first + g0, in_group);
