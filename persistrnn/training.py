@@ -866,8 +866,20 @@ TORCH_TRAINING_CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 
 _TRAINING_CHOICES: dict[tuple, bool] = {}
 _CHOICE_LOCK = threading.Lock()  # one timing at a time: two at once would each time the other's work too
-# Our side of each choice ran the training forward the plans gave: a retuned shape is timed again.
-tuner.on_plans_changed(lambda: _TRAINING_CHOICES.clear())  # the module's dict at that time (tests swap it)
+_FORGET_LOCK = threading.Lock()  # a plan change's clear against a finished timing's store of its choice
+_plans_generation = 0  # plan changes so far: a timing that spans one keeps no choice
+
+
+def _forget_training_choices() -> None:
+    """Our side of each choice ran the training forward the plans gave: a
+    retuned shape is timed again, and a timing running meanwhile keeps nothing."""
+    global _plans_generation
+    with _FORGET_LOCK:
+        _plans_generation += 1
+        _TRAINING_CHOICES.clear()  # the module's dict at that time (tests swap it)
+
+
+tuner.on_plans_changed(_forget_training_choices)
 
 
 def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
@@ -904,8 +916,12 @@ def cudnn_trains_faster(module: Any, x: torch.Tensor) -> bool:
         choice = _TRAINING_CHOICES.get(key)
         if choice is not None:
             return choice
+        generation = _plans_generation
         ours_ms, cudnn_ms = _time_training_steps(module, x)
-        choice = _TRAINING_CHOICES[key] = cudnn_ms < ours_ms
+        choice = cudnn_ms < ours_ms
+        with _FORGET_LOCK:
+            if generation == _plans_generation:  # else our side was timed on plans since cleared or pinned
+                _TRAINING_CHOICES[key] = choice
         logger.info("training %s %d->%d x%d%s, %s, batch %d, T=%d: persistrnn %.3f ms, cuDNN %.3f ms per step; "
                     "runs %s", module.cell, module.input_size, module.hidden_size, module.num_layers,
                     " bidirectional" if module.bidirectional else "", str(x.dtype).removeprefix("torch."), batch,

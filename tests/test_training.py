@@ -422,6 +422,28 @@ def test_cudnn_never_trains_where_persistrnn_must(why, monkeypatch):
             torch.use_deterministic_algorithms(previous)
 
 
+def test_a_timing_that_spans_a_plan_change_keeps_no_choice(monkeypatch):
+    # Our side was timed on the plans before the change: its choice holds for this call only.
+    from persistrnn import plan as planner
+
+    timed = []
+
+    def timing(module, x):
+        timed.append(tuple(x.shape))
+        if len(timed) == 1:
+            planner.clear_cached_plans()  # another thread retunes while this one times
+        return 2.0, 1.0
+
+    monkeypatch.setattr(training, "_time_training_steps", timing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    module = choice_module()
+    assert training.cudnn_trains_faster(module, cuda_like(100, 32))
+    assert not training._TRAINING_CHOICES
+    assert training.cudnn_trains_faster(module, cuda_like(100, 32))  # timed again, and kept this time
+    assert len(timed) == 2 and len(training._TRAINING_CHOICES) == 1
+    planner.clear_cached_plans()
+
+
 def test_training_choices_made_from_plans_are_forgotten_with_them(monkeypatch):
     # A shape retuned in the process (plans cleared or pinned) must not keep its earlier training forward.
     from persistrnn import plan as planner
