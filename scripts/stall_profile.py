@@ -60,7 +60,7 @@ def run(cell: str, hidden: int, batch: int, steps: int, config: str) -> None:
     print(cfg)
 
 
-def run_tree_lstm(batches: list[int]) -> None:
+def run_tree_lstm(batches: list[int], placement: str) -> None:
     import torch
 
     from persistrnn import dynamic
@@ -68,8 +68,9 @@ def run_tree_lstm(batches: list[int]) -> None:
     from persistrnn.bench.treelstm import Settings, consecutive_batches, tree_lstm_workload
 
     work = tree_lstm_workload(Settings(), torch.device("cuda"))
-    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05))
-    instrumented = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05), profile=True)
+    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05), placement=placement)
+    instrumented = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05), placement=placement, profile=True)
+    print(f"placement {placement}: {interp.layout}")
     interp.load()
     instrumented.load()
     scripts = []
@@ -141,12 +142,13 @@ def main() -> None:
     parser.add_argument("--summarise", metavar="CSV", help="print the summary of ncu's source page instead")
     parser.add_argument("--tree-lstm", type=int, nargs="+", metavar="BATCH",
                         help="profile the dynamic interpreter's Tree-LSTM at these batches instead")
+    parser.add_argument("--placement", default="partition", help="the interpreter's placement (--tree-lstm)")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     if args.summarise:
         summarise(args.summarise, args.top)
     elif args.tree_lstm:
-        run_tree_lstm(args.tree_lstm)
+        run_tree_lstm(args.tree_lstm, args.placement)
     else:
         run(args.cell, args.hidden, args.batch, args.steps, args.config)
 

@@ -29,7 +29,8 @@ from .model import Model
 from .optimizers import SGD, Optimizer
 from .script import BACKWARD, OPCODES, WORDS, MatrixLayout, Script, matrix_layout, schedule
 
-__all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "profile_table", "render_source"]
+__all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "kernel_layout", "profile_table",
+           "render_source"]
 
 KERNEL_NAME = "dynamic_interpreter"
 THREADS = 256  # VPPS §III-A: 256 threads per block use the whole register file at one block per SM
@@ -50,8 +51,13 @@ class KernelSpec:
     profile: bool = False  # the instrumented build (kernels/dynamic.cu, PRNN_DYN_PROFILE)
 
     @classmethod
-    def of(cls, model: Model, blocks: int, *, train: bool = True, placement: str = "partition") -> KernelSpec:
-        return cls(matrix_layout(model, blocks, placement), train)
+    def of(cls, model: Model, blocks: int, *, train: bool = True, placement: str = "partition",
+           shared_bytes: int | None = None) -> KernelSpec:
+        """The spec of ``placement``'s layout; ``replicate`` bounded by ``shared_bytes`` per block where given
+        (:func:`kernel_layout`)."""
+        layout = (matrix_layout(model, blocks, placement) if shared_bytes is None
+                  else kernel_layout(model, blocks, placement, shared_bytes))
+        return cls(layout, train)
 
     @property
     def blocks(self) -> int:
@@ -69,9 +75,22 @@ class KernelSpec:
 
     def describe(self) -> str:
         lay = self.layout
-        shapes = ",".join(f"{r}x{c}/{h}" for r, c, h in zip(lay.rows, lay.cols, lay.holders))
+        shapes = ",".join(f"{r}x{c}/{h}" + (f"x{n}" if n > 1 else "")
+                          for r, c, h, n in zip(lay.rows, lay.cols, lay.holders, lay.replicas))
         return (f"{'train' if self.train else 'infer'}{'-profile' if self.profile else ''}-b{self.blocks}"
                 f"-t{self.threads}-{shapes}")
+
+
+def kernel_layout(model: Model, blocks: int, placement: str, shared_bytes: int) -> MatrixLayout:
+    """The layout an :class:`Interpreter` runs: ``placement``'s, where
+    ``replicate`` adds replicas only while a training binary still fits
+    ``shared_bytes`` of shared memory per block (replicas leave the rows per
+    block, so the vector buffers, as they are)."""
+    layout = matrix_layout(model, blocks, placement)
+    if placement != "replicate":
+        return layout
+    fixed = CHUNK * WORDS + GROUP * (max(layout.cols) + max(layout.rows_per_block))
+    return matrix_layout(model, blocks, placement, (shared_bytes // 4 - fixed) // 2)
 
 
 def render_source(spec: KernelSpec) -> str:
@@ -89,15 +108,16 @@ def render_source(spec: KernelSpec) -> str:
         "PRNN_DYN_WEIGHT_FLOATS": lay.shared_floats,
         "PRNN_DYN_TRAIN": int(spec.train),
         "PRNN_DYN_PROFILE": int(spec.profile),
+        "PRNN_DYN_REPLICATED": int(max(lay.replicas) > 1),
         "PRNN_OP_BACKWARD": BACKWARD,
         **{f"PRNN_OP_{name.upper()}": code for name, code in OPCODES.items()},
     }
     table = zip(lay.rows, lay.cols, lay.rows_per_block, lay.param_offset, lay.shared_offset, lay.first_block,
-                lay.holders)
+                lay.holders, lay.replicas)
     rows = ", ".join("{" + ", ".join(str(v) for v in entry) + "}" for entry in table)
     prelude = [f"// dynamic interpreter: {spec.describe()}"]
     prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    prelude.append(f"__constant__ int prnn_dyn_matrix[{len(lay.rows)}][7] = {{{rows}}};")
+    prelude.append(f"__constant__ int prnn_dyn_matrix[{len(lay.rows)}][8] = {{{rows}}};")
     return "\n".join(prelude) + "\n" + runtime.read_source("dynamic.cu")
 
 
@@ -206,10 +226,10 @@ class Interpreter:
         self._pending: Launched | None = None
         self.placement = placement
         self.profile = bool(profile)
-        self.layout = matrix_layout(model, self.blocks, placement)
+        limit = facts.shared_per_block_optin
+        self.layout = kernel_layout(model, self.blocks, placement, limit)
         for train in (True, False):
             spec = KernelSpec(self.layout, train)
-            limit = facts.shared_per_block_optin
             if spec.shared_bytes > limit:
                 raise ConfigError(f"the model's matrices need {spec.shared_bytes} bytes of shared memory per block "
                                   f"over {self.blocks} blocks; the device allows {limit}: use more blocks")
@@ -239,7 +259,7 @@ class Interpreter:
             return graph
         if graph.model is not self.model:
             raise ArgumentError("the graph was built over another model than this interpreter's")
-        return schedule(graph, self.blocks, train=train, placement=self.placement)
+        return schedule(graph, self.blocks, train=train, placement=self.placement, layout=self.layout)
 
     def scripts(self, batches: Sequence[Any], build: Callable[[Graph, Any], Any], *, train: bool = True,
                 workers: int = 0, prefetch: int = 2) -> Any:
@@ -249,7 +269,7 @@ class Interpreter:
         ``for script in interp.scripts(...): interp.step(script)``, where one
         process's host work per batch would outlast the kernel."""
         return script_loader(self.model, build, batches, self.blocks, train=train, placement=self.placement,
-                             workers=workers, prefetch=prefetch)
+                             layout=self.layout, workers=workers, prefetch=prefetch)
 
     @_on_its_device
     def launch(self, script: Script, *, poison: bool = False) -> Launched:

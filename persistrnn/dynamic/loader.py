@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from ..errors import ArgumentError
 from .graph import Graph
 from .model import Model
-from .script import PLACEMENTS, Script, schedule
+from .script import PLACEMENTS, MatrixLayout, Script, schedule
 
 __all__ = ["WORKER_TIMEOUT_S", "script_loader"]
 
@@ -39,9 +39,9 @@ class _Scripts:
     """Map-style dataset: item ``i`` is batch ``i``'s script."""
 
     def __init__(self, model: Model, build: Callable[[Graph, Any], Any], batches: Sequence[Any], blocks: int,
-                 train: bool, placement: str) -> None:
+                 train: bool, placement: str, layout: MatrixLayout | None) -> None:
         self.model, self.build, self.batches = model, build, batches
-        self.blocks, self.train, self.placement = blocks, train, placement
+        self.blocks, self.train, self.placement, self.layout = blocks, train, placement, layout
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -49,7 +49,7 @@ class _Scripts:
     def __getitem__(self, i: int) -> Script:
         graph = Graph(self.model)
         self.build(graph, self.batches[i])
-        return schedule(graph, self.blocks, train=self.train, placement=self.placement)
+        return schedule(graph, self.blocks, train=self.train, placement=self.placement, layout=self.layout)
 
 
 def _as_is(script: Script) -> Script:
@@ -57,8 +57,8 @@ def _as_is(script: Script) -> Script:
 
 
 def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Sequence[Any], blocks: int, *,
-                  train: bool = True, placement: str = "partition", workers: int = 0,
-                  prefetch: int = 2) -> Any:
+                  train: bool = True, placement: str = "partition", layout: MatrixLayout | None = None,
+                  workers: int = 0, prefetch: int = 2) -> Any:
     """An iterable of the scripts of ``batches``, in their order: for each
     batch, ``build(graph, batch)`` adds it to a new :class:`~.graph.Graph` of
     ``model``, which is scheduled on ``blocks`` blocks (:func:`~.script.schedule`).
@@ -68,7 +68,7 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
     the first loop and stay for the next ones (a loop per epoch pays their
     start once). A failure in a worker (a malformed input, say) is raised in
     the loop with its type and message. ``Interpreter.scripts`` calls this
-    with the interpreter's blocks and placement.
+    with the interpreter's blocks, placement and ``layout``.
     """
     import torch.utils.data
 
@@ -83,7 +83,8 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
         raise ArgumentError(f"script_loader: workers start by fork, which this platform lacks (it has "
                             f"{multiprocessing.get_all_start_methods()}); use workers=0")
     model.layout()  # fixes the declarations here, before any worker copies the model
-    return torch.utils.data.DataLoader(_Scripts(model, build, batches, blocks, train, placement), batch_size=None,
+    return torch.utils.data.DataLoader(_Scripts(model, build, batches, blocks, train, placement, layout),
+                                       batch_size=None,
                                        shuffle=False, num_workers=workers, collate_fn=_as_is,
                                        prefetch_factor=prefetch if workers else None,
                                        persistent_workers=workers > 0, timeout=WORKER_TIMEOUT_S if workers else 0,

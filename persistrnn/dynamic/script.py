@@ -6,7 +6,8 @@ virtual processor (block), packed into one buffer with prefix offsets.
 * Placement (VPPS §III-A): each weight matrix lives on its own subset of the
   blocks, a slice of rows per block (:class:`MatrixLayout`). All matvec nodes
   of one stage and one matrix are one instruction on each block that holds
-  rows of it, over the list of their vectors.
+  rows of it, over the list of their vectors; where the matrix has replicas
+  (whole copies on further blocks), the list is dealt out among them.
 * The other nodes of a stage form components (nodes joined by an input of
   the same stage): a component runs on one block, so its chain needs no
   barrier. Components go round-robin over the blocks, the costliest first
@@ -56,9 +57,11 @@ OPCODES = {
 BACKWARD = 16
 """Added to a forward opcode: the same nodes' backward instruction."""
 
-PLACEMENTS = ("partition", "spread")
+PLACEMENTS = ("partition", "spread", "replicate")
 """``partition``: each matrix on its own blocks (VPPS); ``spread``: every
-matrix's rows over all blocks (every block works on every matvec)."""
+matrix's rows over all blocks (every block works on every matvec);
+``replicate``: the partition, then whole copies of the matrices on further
+blocks, which share a stage's vectors out (:func:`matrix_layout`)."""
 
 _KERNEL_OP = np.full(len(OP), -1, dtype=np.int64)
 for _name, _code in OPCODES.items():
@@ -70,11 +73,14 @@ for _name, _code in OPCODES.items():
 class MatrixLayout:
     """Where the blocks keep the rows of every weight matrix.
 
-    Matrix ``k`` (in declaration order among matrices) lives on blocks
-    [first_block[k], first_block[k] + holders[k]); its ``j``-th holder keeps
-    rows [j * rows_per_block[k], min(rows, (j + 1) * rows_per_block[k])), at
+    Matrix ``k`` (in declaration order among matrices) lives on the
+    ``holders[k] * replicas[k]`` blocks from ``first_block[k]`` on (counted
+    modulo ``blocks``); the ``i``-th of them is holder ``i % holders[k]`` of
+    replica ``i // holders[k]``, and holder ``j`` keeps rows
+    [j * rows_per_block[k], min(rows, (j + 1) * rows_per_block[k])), at
     ``shared_offset[k]`` floats into its weight cache (matrices that share a
-    block have disjoint cache ranges).
+    block have disjoint cache ranges). Every replica holds the whole matrix;
+    a stage's vectors are dealt out among the replicas.
     """
 
     blocks: int
@@ -85,6 +91,7 @@ class MatrixLayout:
     first_block: tuple[int, ...]
     param_offset: tuple[int, ...]
     shared_offset: tuple[int, ...]
+    replicas: tuple[int, ...]
 
     @property
     def shared_floats(self) -> int:
@@ -93,10 +100,10 @@ class MatrixLayout:
 
     def block_rows(self, k: int, block: int) -> tuple[int, int]:
         """Rows [r0, r1) of matrix ``k`` on ``block`` (empty where it holds none)."""
-        holder = block - self.first_block[k]
-        if not 0 <= holder < self.holders[k]:
+        at = (block - self.first_block[k]) % self.blocks
+        if at >= self.holders[k] * self.replicas[k]:
             return 0, 0
-        start = holder * self.rows_per_block[k]
+        start = at % self.holders[k] * self.rows_per_block[k]
         return start, min(start + self.rows_per_block[k], self.rows[k])
 
 
@@ -120,30 +127,63 @@ def _check_placement(blocks: Any, placement: Any) -> None:
         raise ArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
-def matrix_layout(model: Model, blocks: int, placement: str = "partition") -> MatrixLayout:
-    """Place ``model``'s matrices on ``blocks`` blocks. ``partition`` falls
-    back to ``spread`` when there are more matrices than blocks."""
+def _cache_offsets(first: np.ndarray, spans: np.ndarray, slices: np.ndarray, blocks: int) -> np.ndarray:
+    """Each matrix's offset in the weight cache: below every earlier matrix
+    that shares a block with it. Matrix k spans ``spans[k]`` blocks from
+    ``first[k]`` on (modulo ``blocks``), ``slices[k]`` floats on each."""
+    on = (np.arange(blocks)[None, :] - first[:, None]) % blocks < spans[:, None]  # (matrices, blocks)
+    shared = np.zeros(len(first), dtype=np.int64)
+    for k in range(len(first)):
+        shares = on[:k] @ on[k] > 0
+        shared[k] = max((shared[:k] + slices[:k])[shares], default=0)
+    return shared
+
+
+def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache_floats: int | None = None
+                  ) -> MatrixLayout:
+    """Place ``model``'s matrices on ``blocks`` blocks. ``partition`` (and
+    ``replicate``) fall back to ``spread`` when there are more matrices than
+    blocks.
+
+    ``replicate`` starts from the partition and adds one replica at a time to
+    the matrix on the fewest blocks, while its replicas fit on ``blocks``
+    blocks and no block's weight cache grows past ``cache_floats`` (None: no
+    bound; an :class:`~.kernel.Interpreter` passes its device's). Every
+    holder of a matrix reads all of a stage's vectors of it, so a stage of
+    many vectors costs a holder about as long whatever its rows (a group of 8
+    vectors is one trip to memory, measured ~1.9 µs at batch 128, perf-notes
+    dynamic §17); replicas divide the vectors.
+    """
     _check_placement(blocks, placement)
     offsets = model.layout()
     mats = model.matrices
     rows = np.asarray([m.rows for m in mats], dtype=np.int64)
     cols = np.asarray([m.cols for m in mats], dtype=np.int64)
-    if placement == "partition" and len(mats) <= blocks:
+    partition = placement != "spread" and len(mats) <= blocks
+    if partition:
         count = _partition(rows * cols, rows, blocks)
     else:
         count = np.minimum(rows, blocks)
     rpb = -(-rows // count)
     holders = -(-rows // rpb)
-    first = (np.concatenate([[0], np.cumsum(holders)[:-1]]) if placement == "partition" and len(mats) <= blocks
-             else np.zeros(len(mats), dtype=np.int64))
-    shared = []
-    for k in range(len(mats)):  # below every earlier matrix that shares a block with this one
-        overlap = [shared[j] + rpb[j] * cols[j] for j in range(k)
-                   if first[j] < first[k] + holders[k] and first[k] < first[j] + holders[j]]
-        shared.append(max(overlap, default=0))
+    first = np.cumsum(holders) - holders if partition else np.zeros(len(mats), dtype=np.int64)
+    replicas = np.ones(len(mats), dtype=np.int64)
+    shared = _cache_offsets(first, holders, rpb * cols, blocks)
+    if partition and placement == "replicate":
+        growing = np.ones(len(mats), dtype=bool)
+        while growing.any():
+            k = int(np.argmin(np.where(growing, holders * replicas, np.iinfo(np.int64).max)))
+            more = replicas.copy()
+            more[k] += 1
+            trial = _cache_offsets(first, holders * more, rpb * cols, blocks)
+            if holders[k] * more[k] > blocks or (cache_floats is not None
+                                                 and int((trial + rpb * cols).max()) > cache_floats):
+                growing[k] = False
+            else:
+                replicas, shared = more, trial
     as_tuple = lambda a: tuple(int(v) for v in a)  # noqa: E731
     return MatrixLayout(blocks, as_tuple(rows), as_tuple(cols), as_tuple(rpb), as_tuple(holders), as_tuple(first),
-                        tuple(offsets[m.name] for m in mats), as_tuple(shared))
+                        tuple(offsets[m.name] for m in mats), as_tuple(shared), as_tuple(replicas))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,23 +287,29 @@ class _ModelTables:
     matrix_slot: np.ndarray
 
 
-_TABLES: weakref.WeakKeyDictionary[Model, dict[tuple[int, str], _ModelTables]] = weakref.WeakKeyDictionary()
-"""Per model (its layout is fixed once scheduled), per (blocks, placement)."""
+_TABLES: weakref.WeakKeyDictionary[Model, dict[Any, _ModelTables]] = weakref.WeakKeyDictionary()
+"""Per model (its layout is fixed once scheduled), per (blocks, placement)
+and per layout given."""
 
 
-def _model_tables(model: Model, blocks: int, placement: str) -> _ModelTables:
+def _model_tables(model: Model, blocks: int, placement: str, layout: MatrixLayout | None) -> _ModelTables:
     _check_placement(blocks, placement)  # before the lookup: True and 1.0 hash as 1 does
     per_model = _TABLES.setdefault(model, {})
-    tables = per_model.get((blocks, placement))
+    key = (blocks, placement) if layout is None else layout
+    tables = per_model.get(key)
     if tables is None:
+        if layout is None:
+            layout = matrix_layout(model, blocks, placement)
+        elif layout.blocks != blocks or layout.rows != tuple(m.rows for m in model.matrices):
+            raise ArgumentError(f"the layout is for {layout.blocks} blocks and matrices of {layout.rows} rows; the "
+                                f"graph's model has {tuple(m.rows for m in model.matrices)}, scheduled on {blocks}")
         offsets = model.layout()
         matrix_slot = np.full(len(model.parameters), -1, dtype=np.int64)
         for k, m in enumerate(model.matrices):
             matrix_slot[m.index] = k
-        tables = _ModelTables(matrix_layout(model, blocks, placement),
-                              np.asarray([offsets[p.name] for p in model.parameters], dtype=np.int64),
+        tables = _ModelTables(layout, np.asarray([offsets[p.name] for p in model.parameters], dtype=np.int64),
                               np.asarray([p.cols for p in model.parameters], dtype=np.int64), matrix_slot)
-        per_model[blocks, placement] = tables
+        per_model[key] = tables
     return tables
 
 
@@ -290,11 +336,13 @@ def _sort_groups(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return order, starts
 
 
-def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = "partition") -> Script:
+def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = "partition",
+             layout: MatrixLayout | None = None) -> Script:
     """Schedule ``graph`` on ``blocks`` virtual processors (forward only
-    unless ``train``)."""
+    unless ``train``), with ``placement``'s layout of the model's matrices,
+    or ``layout`` where given (an interpreter's: :attr:`~.kernel.Interpreter.layout`)."""
     model = graph.model
-    tables = _model_tables(model, blocks, placement)
+    tables = _model_tables(model, blocks, placement, layout)
     layout, poff, pcols = tables.layout, tables.param_offset, tables.param_cols
     g = graph.arrays()
     offsets, workspace = _storage(g)
@@ -342,7 +390,9 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
         items[run.size:, 1] = offsets[part]
 
     # One instruction per (block, stage, depth, op, width) of elementwise
-    # operands, one per (stage, matrix) of matvec operands on each holder.
+    # operands; the matvec operands of one (stage, matrix) dealt out among
+    # its replicas in contiguous parts, one instruction per part on each
+    # holder of its replica.
     mv = np.flatnonzero(op == OP["matvec"])
     mv_items = np.zeros((mv.size, WORDS), dtype=np.int64)
     mv_items[:, 0] = offsets[mv]
@@ -358,14 +408,24 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     mv_count = np.diff(np.r_[mv_first, len(mv_items)])
     slot = mv_items[mv_order[mv_first], 3]
     holders, first_block = np.asarray(layout.holders), np.asarray(layout.first_block)
+    parts = np.minimum(np.asarray(layout.replicas)[slot], mv_count)  # per (stage, matrix) group
+    part_group = np.repeat(np.arange(mv_first.size), parts)
+    replica = np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)
+    part_count = mv_count[part_group] // parts[part_group] + (replica < mv_count[part_group] % parts[part_group])
+    part_first = np.cumsum(part_count) - part_count  # the parts of a group follow each other in the list rows
+    slot = slot[part_group]
     per = holders[slot]
-    mv_group = np.repeat(np.arange(mv_first.size), per)
-    mv_block = first_block[slot][mv_group] + np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+    mv_group = np.repeat(np.arange(part_group.size), per)  # one instruction per part and holder
+    holder = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+    mv_block = (first_block[slot] + replica * per)[mv_group] + holder
+    mv_block %= layout.blocks
+    mv_count, mv_first = part_count, part_first
+    mv_stage = mv_stage[mv_first]
     cols = np.asarray(layout.cols)
     # Instructions: (block, stage, order in stage, words); arg is a row of the
     # operand lists, made absolute once the instruction count is known.
     inst_block = np.concatenate([node_block[first_node], mv_block])
-    inst_stage = np.concatenate([stage[first_node], mv_stage[mv_first][mv_group]])
+    inst_stage = np.concatenate([stage[first_node], mv_stage[mv_group]])
     inst_order = np.concatenate([depth[first_node], slot[mv_group]])
     inst = np.zeros((inst_block.size, WORDS), dtype=np.int64)
     inst[:, 0] = np.concatenate([kop[first_item], np.full(mv_group.size, OPCODES["matvec"])])

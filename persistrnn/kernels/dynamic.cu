@@ -15,9 +15,12 @@
 //   at a time), PRNN_DYN_GROUP (vectors a matvec takes at a time),
 //   PRNN_DYN_MATRICES, PRNN_DYN_MAX_COLS, PRNN_DYN_MAX_ROWS (rows of one
 //   matrix on one block), PRNN_DYN_WEIGHT_FLOATS (cache floats per block),
-//   PRNN_DYN_TRAIN, PRNN_DYN_PROFILE (an instrumented build, below), the
-//   opcodes PRNN_OP_*, and prnn_dyn_matrix[k] = {rows, cols, rows per block,
-//   parameter offset, cache offset, first block, holders}.
+//   PRNN_DYN_TRAIN, PRNN_DYN_PROFILE (an instrumented build, below),
+//   PRNN_DYN_REPLICATED (some matrix has replicas), the opcodes PRNN_OP_*,
+//   and prnn_dyn_matrix[k] = {rows, cols, rows per block, parameter offset,
+//   cache offset, first block, holders, replicas}: matrix k is on the
+//   holders * replicas blocks from the first on, modulo the grid, the i-th
+//   of them holder i % holders of replica i / holders.
 
 #define PRNN_DYN_WORDS 4
 #define PRNN_DYN_WARPS (PRNN_DYN_THREADS / 32)
@@ -64,16 +67,17 @@ __device__ __forceinline__ float prnn_dyn_warp_sum(float s) {
 }
 
 struct prnn_dyn_rows {
-    int cols, begin, count, cache;
+    int cols, begin, count, cache, replica;
 };
 
-// This block's rows of matrix k (count 0 where it holds none).
+// This block's rows of matrix k (count 0 where it holds none) and its replica.
 __device__ __forceinline__ prnn_dyn_rows prnn_dyn_block_rows(int k) {
-    const int rows = prnn_dyn_matrix[k][0], per_block = prnn_dyn_matrix[k][2];
-    const int holder = (int)blockIdx.x - prnn_dyn_matrix[k][5];
-    const bool holds = holder >= 0 && holder < prnn_dyn_matrix[k][6];
-    const int begin = holds ? holder * per_block : 0;
-    return {prnn_dyn_matrix[k][1], begin, holds ? min(begin + per_block, rows) - begin : 0, prnn_dyn_matrix[k][4]};
+    const int rows = prnn_dyn_matrix[k][0], per_block = prnn_dyn_matrix[k][2], holders = prnn_dyn_matrix[k][6];
+    const int at = ((int)blockIdx.x - prnn_dyn_matrix[k][5] + (int)gridDim.x) % (int)gridDim.x;
+    const bool holds = at < holders * prnn_dyn_matrix[k][7];
+    const int begin = holds ? at % holders * per_block : 0;
+    return {prnn_dyn_matrix[k][1], begin, holds ? min(begin + per_block, rows) - begin : 0, prnn_dyn_matrix[k][4],
+            at / holders};
 }
 
 // Operand j of an instruction: {out, a, b, p}. The script is read-only for
@@ -348,6 +352,7 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     __syncthreads();
 
     const int begin = starts[blockIdx.x], end = starts[blockIdx.x + 1];
+    prnn_u32 closing = 0;  // the last wait's target: every block's closing wait in training
     for (int base = begin; base < end; base += PRNN_DYN_CHUNK) {
         const int count = min(PRNN_DYN_CHUNK, end - base);
         PRNN_DYN_MARK(fetched);
@@ -359,6 +364,7 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
             const int* in = script + k * PRNN_DYN_WORDS;
             PRNN_DYN_MARK(started);
             if (in[0] == PRNN_OP_WAIT) {
+                closing = (prnn_u32)in[3];
                 prnn_u32 seen;
                 if (tid == 0 && !prnn_wait_counter(counter, (prnn_u32)in[3], watch, PRNN_STATUS_GRID_BARRIER_TIMEOUT,
                                                    &seen))
@@ -393,14 +399,37 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
 #endif
 
 #if PRNN_DYN_TRAIN
-    // Matrices: this block's rows, from its caches; the gradient is written
-    // out too, for the caller to read.
+#if PRNN_DYN_REPLICATED
+    // A matrix with replicas: every replica adds its rows' gradient into
+    // param_grads (zeroed before the launch); past one more arrival of every
+    // block, the first replica updates the rows from the sum (below).
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
         const prnn_dyn_rows m = prnn_dyn_block_rows(k);
         const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
+        if (prnn_dyn_matrix[k][7] > 1)
+            for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS)
+                atomicAdd(param_grads + first + i, wgrads[m.cache + i]);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        prnn_u32 seen;
+        prnn_red_release_gpu_add(counter, 1u);
+        if (!prnn_wait_counter(counter, closing + gridDim.x, watch, PRNN_STATUS_GRID_BARRIER_TIMEOUT, &seen))
+            failed = 1;
+    }
+    __syncthreads();
+    if (failed) return;
+#endif
+    // Matrices: this block's rows, from its caches; the gradient is written
+    // out too, for the caller to read (a replicated matrix's is the sum).
+    for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
+        const prnn_dyn_rows m = prnn_dyn_block_rows(k);
+        const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
+        const bool replicated = prnn_dyn_matrix[k][7] > 1;
+        if (replicated && m.replica != 0) continue;
         for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS) {
-            const float g = wgrads[m.cache + i];
-            param_grads[first + i] = g;
+            const float g = replicated ? prnn_dyn_ld(param_grads + first + i) : wgrads[m.cache + i];
+            if (!replicated) param_grads[first + i] = g;
             params[first + i] = prnn_dyn_update(weights[m.cache + i], g, first + i, adam_m, adam_v, lr, beta1, beta2,
                                                 eps, correction1, correction2);
         }
