@@ -13,7 +13,7 @@ from .builders import BiLSTMTagger, TreeLSTM
 from .data import DATA_DIR, Tree, Vocabulary, parse_tree, read_sst, read_wikiner
 from .graph import Expr, Graph
 from .interpreter import Result, run_script
-from .kernel import Interpreter, KernelSpec, compile_spec, profile_table, render_source
+from .kernel import Interpreter, KernelSpec, compile_spec, kernel_layout, profile_table, render_source
 from .loader import script_loader
 from .model import Model, Parameter
 from .optimizers import SGD, Adam
@@ -21,6 +21,7 @@ from .script import PLACEMENTS, MatrixLayout, Script, matrix_layout, schedule
 
 __all__ = ["Adam", "BiLSTMTagger", "DATA_DIR", "Expr", "Graph", "Interpreter", "KernelSpec", "MatrixLayout", "Model",
            "PLACEMENTS", "Parameter", "Result", "SGD", "Script", "Tree", "TreeLSTM", "Vocabulary", "compile_spec",
+           "kernel_layout",
            "matrix_layout", "parse_tree", "profile_table", "read_sst", "read_wikiner", "render_source", "run_script",
            "schedule",
            "script_loader"]

@@ -145,10 +145,13 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
     ``replicate``) fall back to ``spread`` when there are more matrices than
     blocks.
 
-    ``replicate`` starts from the partition and adds one replica at a time to
-    the matrix on the fewest blocks, while its replicas fit on ``blocks``
-    blocks and no block's weight cache grows past ``cache_floats`` (None: no
-    bound; an :class:`~.kernel.Interpreter` passes its device's). Every
+    ``replicate`` starts from the partition and adds replicas one at a time,
+    each to the matrices of one shape that are on the fewest blocks, all of
+    them at once, so that matrices used alike (a BiLSTM's two directions')
+    keep replicas alike; a shape is done where its next replicas would not
+    fit on ``blocks`` blocks, or would grow a block's weight cache past
+    ``cache_floats`` (None: no bound; an :class:`~.kernel.Interpreter`
+    passes its device's). Every
     holder of a matrix reads all of a stage's vectors of it, so a stage of
     many vectors costs a holder about as long whatever its rows (a group of 8
     vectors is one trip to memory, measured ~1.9 µs at batch 128, perf-notes
@@ -170,15 +173,18 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
     replicas = np.ones(len(mats), dtype=np.int64)
     shared = _cache_offsets(first, holders, rpb * cols, blocks)
     if partition and placement == "replicate":
-        growing = np.ones(len(mats), dtype=bool)
-        while growing.any():
-            k = int(np.argmin(np.where(growing, holders * replicas, np.iinfo(np.int64).max)))
-            more = replicas.copy()
-            more[k] += 1
+        shape = np.unique(np.stack([rows, cols]), axis=1, return_inverse=True)[1].ravel()
+        done = np.zeros(len(mats), dtype=bool)
+        while True:
+            done |= holders * (replicas + 1) > blocks
+            if done.all():
+                break
+            spans = np.where(done, np.iinfo(np.int64).max, holders * replicas)
+            grow = shape == shape[np.argmin(spans)]
+            more = replicas + grow
             trial = _cache_offsets(first, holders * more, rpb * cols, blocks)
-            if holders[k] * more[k] > blocks or (cache_floats is not None
-                                                 and int((trial + rpb * cols).max()) > cache_floats):
-                growing[k] = False
+            if cache_floats is not None and int((trial + rpb * cols).max()) > cache_floats:
+                done |= grow
             else:
                 replicas, shared = more, trial
     as_tuple = lambda a: tuple(int(v) for v in a)  # noqa: E731
