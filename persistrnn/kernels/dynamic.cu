@@ -70,7 +70,10 @@ struct prnn_dyn_rows {
     int cols, begin, count, cache, replica;
 };
 
-// This block's rows of matrix k (count 0 where it holds none) and its replica.
+// This block's rows of matrix k (count 0 where it holds none) and its
+// replica, worked out once per launch into prnn_dyn_rows_of (two divisions
+// by run-time values: not in every matvec).
+__shared__ prnn_dyn_rows prnn_dyn_rows_of[PRNN_DYN_MATRICES];
 __device__ __forceinline__ prnn_dyn_rows prnn_dyn_block_rows(int k) {
     const int rows = prnn_dyn_matrix[k][0], per_block = prnn_dyn_matrix[k][2], holders = prnn_dyn_matrix[k][6];
     const int at = ((int)blockIdx.x - prnn_dyn_matrix[k][5] + (int)gridDim.x) % (int)gridDim.x;
@@ -133,7 +136,7 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
                                                 float* values, float* grads, float* vec, float* dy,
                                                 const float* weights, float* wgrads) {
     const int k = prnn_dyn_operand(program, first, 0).w;
-    const prnn_dyn_rows m = prnn_dyn_block_rows(k);
+    const prnn_dyn_rows m = prnn_dyn_rows_of[k];
     const int tid = threadIdx.x;
     for (int g0 = 0; g0 < count; g0 += PRNN_DYN_GROUP) {
         const int in_group = min(PRNN_DYN_GROUP, count - g0);
@@ -334,8 +337,10 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     const prnn_watch watch{status, report, timeout_ns};
     const int tid = threadIdx.x;
 
+    for (int k = tid; k < PRNN_DYN_MATRICES; k += PRNN_DYN_THREADS) prnn_dyn_rows_of[k] = prnn_dyn_block_rows(k);
+    __syncthreads();
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
-        const prnn_dyn_rows m = prnn_dyn_block_rows(k);
+        const prnn_dyn_rows m = prnn_dyn_rows_of[k];
         const float* source = params + prnn_dyn_matrix[k][3] + m.begin * m.cols;
         for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS) {
             weights[m.cache + i] = source[i];
@@ -404,7 +409,7 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     // param_grads (zeroed before the launch); past one more arrival of every
     // block, the first replica updates the rows from the sum (below).
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
-        const prnn_dyn_rows m = prnn_dyn_block_rows(k);
+        const prnn_dyn_rows m = prnn_dyn_rows_of[k];
         const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
         if (prnn_dyn_matrix[k][7] > 1)
             for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS)
@@ -423,7 +428,7 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     // Matrices: this block's rows, from its caches; the gradient is written
     // out too, for the caller to read (a replicated matrix's is the sum).
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
-        const prnn_dyn_rows m = prnn_dyn_block_rows(k);
+        const prnn_dyn_rows m = prnn_dyn_rows_of[k];
         const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
         const bool replicated = prnn_dyn_matrix[k][7] > 1;
         if (replicated && m.replica != 0) continue;
