@@ -324,15 +324,20 @@ def test_replicas_hold_whole_matrices_on_further_blocks_and_share_the_vectors():
 
     model = dynamic.Model(0)
     dynamic.TreeLSTM(model, 50, 256, 256)
+    from persistrnn.dynamic.script import ROW_GROWTH
+
     partition = dynamic.matrix_layout(model, 132)
-    lay = dynamic.matrix_layout(model, 132, "replicate")
-    assert (lay.holders, lay.rows_per_block, lay.first_block) == (
-        partition.holders, partition.rows_per_block, partition.first_block)
-    # W_out (5 rows, one holder) first, on every block; then W_iou (30 holders) four times; U (99) once.
-    assert lay.replicas == (4, 1, 132)
+    lay = dynamic.kernel_layout(model, 132, "replicate", H100_SHARED)
+    assert lay.first_block == partition.first_block
+    # W_iou (768 x 256, 30 holders under the partition), U (1280 x 512, 99) and W_out (5 x 256, 1) gain a
+    # replica each in turn, on fewer holders with more rows where the replicas would not fit, until the
+    # caches fill an H100's shared memory; W_out alone then goes on to every block.
+    assert (lay.replicas, lay.holders, lay.rows_per_block) == ((6, 3, 132), (22, 43, 1), (35, 30, 5))
+    assert dynamic.KernelSpec(lay, train=True).shared_bytes <= H100_SHARED
     for k in range(len(lay.rows)):
+        assert lay.rows_per_block[k] <= ROW_GROWTH * partition.rows_per_block[k]
         on = [b for b in range(132) if lay.block_rows(k, b)[1] > 0]
-        assert len(on) == lay.holders[k] * lay.replicas[k]
+        assert len(on) == lay.holders[k] * lay.replicas[k] <= 132
         covered = sorted(r for b in on for r in range(*lay.block_rows(k, b)))
         assert covered == sorted(list(range(lay.rows[k])) * lay.replicas[k]), "each replica holds every row once"
     # A bound on the cache per block stops the replicas: W_out's alone fit here.

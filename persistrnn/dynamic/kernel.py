@@ -27,7 +27,7 @@ from .graph import Graph
 from .loader import script_loader
 from .model import Model
 from .optimizers import SGD, Optimizer
-from .script import BACKWARD, OPCODES, WORDS, MatrixLayout, Script, matrix_layout, schedule
+from .script import BACKWARD, OPCODES, ROW_GROWTH, WORDS, MatrixLayout, Script, matrix_layout, schedule
 
 __all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "kernel_layout", "profile_table",
            "render_source"]
@@ -84,12 +84,12 @@ class KernelSpec:
 def kernel_layout(model: Model, blocks: int, placement: str, shared_bytes: int) -> MatrixLayout:
     """The layout an :class:`Interpreter` runs: ``placement``'s, where
     ``replicate`` adds replicas only while a training binary still fits
-    ``shared_bytes`` of shared memory per block (replicas leave the rows per
-    block, so the vector buffers, as they are)."""
+    ``shared_bytes`` of shared memory per block (its vector buffers counted
+    at the most rows per block replicas may give a holder)."""
     layout = matrix_layout(model, blocks, placement)
     if placement != "replicate":
         return layout
-    fixed = CHUNK * WORDS + GROUP * (max(layout.cols) + max(layout.rows_per_block))
+    fixed = CHUNK * WORDS + GROUP * (max(layout.cols) + ROW_GROWTH * max(layout.rows_per_block))
     return matrix_layout(model, blocks, placement, (shared_bytes // 4 - fixed) // 2)
 
 
@@ -191,11 +191,13 @@ class Interpreter:
 
     ``blocks`` defaults to the SM count (one block per SM). ``placement``
     ``replicate`` (the default) gives each matrix its own blocks (VPPS's
-    partition), then whole copies of the matrices on further blocks while
-    their caches fit the device's shared memory, which share each stage's
-    vectors out (measured 1.2-1.6x faster than ``partition`` at batch 16-128
-    on an H100, perf-notes dynamic §18); ``partition`` stops before the
-    copies, ``spread`` gives every block rows of every matrix. A block
+    partition), then whole copies of the matrices on further blocks (each
+    holder keeping more rows where that makes room) while their caches fit
+    the device's shared memory, which share each stage's vectors out
+    (measured on an H100 against ``partition``: 1.3-2.2x faster at batch
+    16-128, 3% slower in training at batch 1; perf-notes dynamic §18, §20);
+    ``partition`` stops before the copies, ``spread`` gives every block
+    rows of every matrix. A block
     caches its matrices' rows, and their gradients, in shared memory. ``train``
     runs forward, backward and the ``optimizer``'s update in one launch and
     leaves every parameter's gradient in :attr:`param_grads`; ``infer`` runs

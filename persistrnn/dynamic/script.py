@@ -127,6 +127,11 @@ def _check_placement(blocks: Any, placement: Any) -> None:
         raise ArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
+ROW_GROWTH = 3
+"""``replicate``: the most rows a holder keeps, as a multiple of the
+partition's (a backward matvec's column loop runs over them)."""
+
+
 def _cache_offsets(first: np.ndarray, spans: np.ndarray, slices: np.ndarray, blocks: int) -> np.ndarray:
     """Each matrix's offset in the weight cache: below every earlier matrix
     that shares a block with it. Matrix k spans ``spans[k]`` blocks from
@@ -146,16 +151,18 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
     blocks.
 
     ``replicate`` starts from the partition and adds replicas one at a time,
-    each to the matrices of one shape that are on the fewest blocks, all of
-    them at once, so that matrices used alike (a BiLSTM's two directions')
-    keep replicas alike; a shape is done where its next replicas would not
-    fit on ``blocks`` blocks, or would grow a block's weight cache past
+    each to the matrices of one shape with the fewest replicas, all of them
+    at once, so that matrices used alike (a BiLSTM's two directions') keep
+    replicas alike; a matrix's replicas share the blocks, so each replica
+    holds more rows where they would not fit otherwise. A shape is done
+    where its next replicas would grow a block's weight cache past
     ``cache_floats`` (None: no bound; an :class:`~.kernel.Interpreter`
-    passes its device's). Every
-    holder of a matrix reads all of a stage's vectors of it, so a stage of
-    many vectors costs a holder about as long whatever its rows (a group of 8
-    vectors is one trip to memory, measured ~1.9 µs at batch 128, perf-notes
-    dynamic §17); replicas divide the vectors.
+    passes its device's), or its rows per block past ``ROW_GROWTH`` times
+    the partition's. Every holder of a matrix reads all of a stage's
+    vectors of it, so a stage of many vectors costs a holder about as long
+    whatever its rows (a group of 8 vectors is one trip to memory, measured
+    ~1.9 µs at batch 128, perf-notes dynamic §17); replicas divide the
+    vectors.
     """
     _check_placement(blocks, placement)
     offsets = model.layout()
@@ -174,19 +181,23 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
     shared = _cache_offsets(first, holders, rpb * cols, blocks)
     if partition and placement == "replicate":
         shape = np.unique(np.stack([rows, cols]), axis=1, return_inverse=True)[1].ravel()
+        most_rows = ROW_GROWTH * rpb
         done = np.zeros(len(mats), dtype=bool)
         while True:
-            done |= holders * (replicas + 1) > blocks
+            done |= replicas + 1 > blocks
             if done.all():
                 break
-            spans = np.where(done, np.iinfo(np.int64).max, holders * replicas)
-            grow = shape == shape[np.argmin(spans)]
+            grow = (shape == shape[np.argmin(np.where(done, np.iinfo(np.int64).max, replicas))]) & ~done
             more = replicas + grow
-            trial = _cache_offsets(first, holders * more, rpb * cols, blocks)
-            if cache_floats is not None and int((trial + rpb * cols).max()) > cache_floats:
+            fewer = np.where(grow, np.minimum(holders, blocks // more), holders)  # holders that fit the replicas
+            more_rows = -(-rows // fewer)
+            fewer = -(-rows // more_rows)
+            trial = _cache_offsets(first, fewer * more, more_rows * cols, blocks)
+            if ((more_rows > most_rows).any()
+                    or cache_floats is not None and int((trial + more_rows * cols).max()) > cache_floats):
                 done |= grow
             else:
-                replicas, shared = more, trial
+                replicas, holders, rpb, shared = more, fewer, more_rows, trial
     as_tuple = lambda a: tuple(int(v) for v in a)  # noqa: E731
     return MatrixLayout(blocks, as_tuple(rows), as_tuple(cols), as_tuple(rpb), as_tuple(holders), as_tuple(first),
                         tuple(offsets[m.name] for m in mats), as_tuple(shared), as_tuple(replicas))
