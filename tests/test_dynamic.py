@@ -1279,3 +1279,20 @@ def test_the_interpreter_runs_its_launches_under_its_own_device(monkeypatch):
         assert getattr(kernel.Interpreter, name).__wrapped__  # each entry point is wrapped
     with pytest.raises(ValueError, match="expected a CUDA device, got cpu"):
         kernel.Interpreter(None, device="cpu")
+
+
+def test_replicas_leave_room_for_the_kernels_static_shared_memory():
+    # The greedy growth may stop within a few bytes of its bound: the bound leaves the kernel's static shared
+    # memory (the failure flag, each matrix's rows of its block, the instrumented build's counters) out. Hidden
+    # 64, embedding 48 on 20 blocks near 144 KB: without that room some bounds give a binary 572 bytes too large.
+    from persistrnn.dynamic.kernel import PROFILE_SLOTS
+
+    model = dynamic.Model(0)
+    dynamic.TreeLSTM(model, 100, 48, 64)
+    static = 4 + 20 * len(model.matrices) + 2 * 8 * PROFILE_SLOTS
+    checked = 0
+    for limit in range(140 * 1024, 148 * 1024, 12):
+        lay = dynamic.kernel_layout(model, 20, "replicate", limit)
+        assert dynamic.KernelSpec(lay, train=True).shared_bytes + static <= limit, limit
+        checked += max(lay.replicas) > 1
+    assert checked > 0

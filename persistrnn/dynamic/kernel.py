@@ -85,12 +85,15 @@ def kernel_layout(model: Model, blocks: int, placement: str, shared_bytes: int) 
     """The layout an :class:`Interpreter` runs: ``placement``'s, where
     ``replicate`` adds replicas only while a training binary still fits
     ``shared_bytes`` of shared memory per block (its vector buffers counted
-    at the most rows per block replicas may give a holder)."""
-    layout = matrix_layout(model, blocks, placement)
+    at the most rows per block replicas may give a holder, and its static
+    shared memory: a flag, each matrix's rows of the block, 20 bytes each,
+    and the instrumented build's 512 bytes of counters, with room to spare)."""
     if placement != "replicate":
-        return layout
-    fixed = CHUNK * WORDS + GROUP * (max(layout.cols) + ROW_GROWTH * max(layout.rows_per_block))
-    return matrix_layout(model, blocks, placement, (shared_bytes // 4 - fixed) // 2)
+        return matrix_layout(model, blocks, placement)
+    partition = matrix_layout(model, blocks, "partition")  # the rows per block that replicas may multiply
+    static_bytes = 1024 + 32 * len(partition.rows)
+    fixed = CHUNK * WORDS + GROUP * (max(partition.cols) + ROW_GROWTH * max(partition.rows_per_block))
+    return matrix_layout(model, blocks, placement, ((shared_bytes - static_bytes) // 4 - fixed) // 2)
 
 
 def render_source(spec: KernelSpec) -> str:
