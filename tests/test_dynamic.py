@@ -1202,6 +1202,32 @@ def test_script_loader_gives_each_batch_its_schedule_in_order(workers):
     assert not forward_only[1].train
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_scripts_follow_a_given_layout_and_refuse_one_of_another_model(workers):
+    # An interpreter schedules with its own layout (replicas bounded by its
+    # device): schedule() and script_loader() take it, worker processes too.
+    model, builder, trees, vocab, graph = sst_batch(5, hidden=13)
+    layout = dynamic.kernel_layout(model, 7, "replicate", 14 * 1024)  # W_iou and W_out copied, U not
+    assert layout != dynamic.matrix_layout(model, 7, "replicate") and max(layout.replicas) > 1  # the bound binds
+    want = dynamic.schedule(graph, 7, layout=layout)
+    assert want.layout == layout
+
+    def build(g, batch):
+        builder.build_batch(g, batch, vocab)
+
+    got = next(iter(dynamic.script_loader(model, build, [trees], 7, layout=layout, workers=workers)))
+    assert got.layout == layout
+    np.testing.assert_array_equal(got.program, want.program)
+    flat = model.initial_values()
+    reference = dynamic.run_script(dynamic.schedule(graph, 7), flat)
+    assert abs(dynamic.run_script(got, flat).loss - reference.loss) <= 1e-12 * abs(reference.loss)
+    other, _, _, _, _ = sst_batch(5, hidden=14)
+    with pytest.raises(ArgumentError, match=r"layout is for matrices of \(42, 70, 5\) rows .* has \(39, 65, 5\)"):
+        dynamic.schedule(graph, 7, layout=dynamic.matrix_layout(other, 7))
+    with pytest.raises(ArgumentError, match="the layout is for 7 blocks; the graph is scheduled on 9"):
+        dynamic.schedule(graph, 9, layout=layout)
+
+
 def test_script_loader_raises_a_workers_failure_with_its_type_and_message():
     model, builder, trees, vocab, _ = sst_batch(3, hidden=13)
     bad = dynamic.parse_tree("(2 (1 a) (3 b) (2 c))")  # three children: not a binary tree

@@ -311,15 +311,18 @@ and per layout given."""
 
 def _model_tables(model: Model, blocks: int, placement: str, layout: MatrixLayout | None) -> _ModelTables:
     _check_placement(blocks, placement)  # before the lookup: True and 1.0 hash as 1 does
+    if layout is not None and layout.blocks != blocks:  # before the lookup: the tables are per layout
+        raise ArgumentError(f"the layout is for {layout.blocks} blocks; the graph is scheduled on {blocks}")
     per_model = _TABLES.setdefault(model, {})
     key = (blocks, placement) if layout is None else layout
     tables = per_model.get(key)
     if tables is None:
         if layout is None:
             layout = matrix_layout(model, blocks, placement)
-        elif layout.blocks != blocks or layout.rows != tuple(m.rows for m in model.matrices):
-            raise ArgumentError(f"the layout is for {layout.blocks} blocks and matrices of {layout.rows} rows; the "
-                                f"graph's model has {tuple(m.rows for m in model.matrices)}, scheduled on {blocks}")
+        elif (layout.rows, layout.cols) != (rows := tuple(m.rows for m in model.matrices),
+                                             cols := tuple(m.cols for m in model.matrices)):
+            raise ArgumentError(f"the layout is for matrices of {layout.rows} rows and {layout.cols} columns; the "
+                                f"graph's model has {rows} and {cols}")
         offsets = model.layout()
         matrix_slot = np.full(len(model.parameters), -1, dtype=np.int64)
         for k, m in enumerate(model.matrices):
