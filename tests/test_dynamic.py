@@ -236,7 +236,7 @@ def test_the_reference_saturates_without_overflow_on_large_parameters():
 
 def test_script_structure():
     from persistrnn.dynamic.graph import OP
-    from persistrnn.dynamic.script import BACKWARD, OPCODES, UNSYNCED, WORDS
+    from persistrnn.dynamic.script import BACKWARD, OPCODES, WORDS
 
     model, builder, trees, vocab, graph = sst_batch(4)
     blocks = 9
@@ -246,8 +246,7 @@ def test_script_structure():
     signals = 0
     operands = {}  # forward opcode -> operand rows over all instructions
     for b in range(blocks):
-        prog = script.block_program(b).copy()
-        prog[:, 0] &= UNSYNCED - 1  # the flag orders the block's threads; test_unsynced_* check it
+        prog = script.block_program(b)
         targets = prog[prog[:, 0] == OPCODES["wait"], 3]
         assert np.all(np.diff(targets) > 0), "a block's wait targets only grow"
         signals += int((prog[:, 0] == OPCODES["signal"]).sum())
@@ -270,7 +269,7 @@ def test_script_structure():
     assert count[OPCODES["loss"]] == len(script.losses) == sum(len(t.nodes()) for t in trees)
     for name in ("add", "mul", "tanh", "sigmoid", "lookup"):
         assert count[OPCODES[name]] == (g["op"] == OP[name]).sum(), name
-    ops = script.program[:script.instructions, 0] & (UNSYNCED - 1)
+    ops = script.program[:script.instructions, 0]
     for code in count:
         assert (ops == code).sum() == (ops == code + BACKWARD).sum()
     assert script.program.dtype == np.int32 and script.program.shape[1] == WORDS
@@ -714,19 +713,13 @@ def test_batch_builders_check_ids_and_labels():
 def script_digest(graph: dynamic.Graph, blocks_list) -> str:
     """sha256 over every script of ``graph`` (each block count, placement of
     the pinned ones, training and inference). The layout's replicas came
-    later: always 1 in these placements, they are left out of its repr; so
-    did the UNSYNCED flags on the opcodes, masked off here (the thread
-    mapping tests below check them)."""
-    from persistrnn.dynamic.script import UNSYNCED
-
+    later: always 1 in these placements, they are left out of its repr."""
     digest = hashlib.sha256()
     for blocks in blocks_list:
         for placement in ("partition", "spread"):
             for train in (True, False):
                 s = dynamic.schedule(graph, blocks, train=train, placement=placement)
-                program = s.program.copy()
-                program[:s.instructions, 0] &= UNSYNCED - 1
-                for array in (program, s.starts, s.offsets, s.losses):
+                for array in (s.program, s.starts, s.offsets, s.losses):
                     digest.update(f"{array.dtype}{array.shape}".encode())
                     digest.update(np.ascontiguousarray(array).tobytes())
                 assert set(s.layout.replicas) == {1}
@@ -779,97 +772,6 @@ the host path must leave the script buffers bit-for-bit the same."""
 @pytest.mark.parametrize("case, batch", sorted(SCRIPT_DIGESTS))
 def test_scripts_are_bit_for_bit_the_pinned_ones(case, batch):
     assert digest_case(case, batch) == SCRIPT_DIGESTS[case, batch]
-
-
-# ---- barriers left out between chained instructions (UNSYNCED) ---------------
-
-def cross_thread_reads(script) -> list[tuple[int, int]]:
-    """(block, instruction row) of every forward elementwise instruction in
-    which a thread reads a value that another thread of its block wrote
-    since the block's last barrier, with the kernel's mapping: element ``i``
-    of operand ``j`` of an instruction of width ``n`` is thread ``(j * n +
-    i) % THREADS``'s. Every instruction without the UNSYNCED flag ends with
-    a barrier (a wait, a matvec and a loss do in any case; a signal follows
-    a barrier)."""
-    from persistrnn.dynamic.script import OPCODES, THREADS, UNSYNCED
-
-    chained = {OPCODES[k] for k in ("lookup", "add", "mul", "tanh", "sigmoid", "relu", "copy")}
-    binary = {OPCODES["add"], OPCODES["mul"]}
-    program = script.program.astype(np.int64)
-    writer = np.full(script.workspace_floats, -1)  # thread that wrote each offset since the last barrier
-    races = []
-    for block in range(script.blocks):
-        touched = []
-        for row in range(script.starts[block], script.starts[block + 1]):
-            word, n, count, first = program[row]
-            op = word & (UNSYNCED - 1)
-            if op in chained:
-                element = np.arange(count * n)
-                j, i = element // n, element % n
-                thread = element % THREADS
-                operands = program[first:first + count]
-                reads = [] if op == OPCODES["lookup"] else [operands[j, 1] + i]
-                reads += [operands[j, 2] + i] if op in binary else []
-                for at in reads:
-                    if np.any((writer[at] >= 0) & (writer[at] != thread)):
-                        races.append((block, row))
-                out = operands[j, 0] + i
-                writer[out] = thread
-                touched.append(out)
-            if not word & UNSYNCED:
-                for out in touched:
-                    writer[out] = -1
-                touched = []
-    return races
-
-
-def unsynced_cases():
-    """Real batches whose widths are a multiple of the block's threads (256:
-    the benchmark's sizes) and odd ones (13, 12: few threads own their
-    elements in every instruction), on 1, 7 and 132 blocks."""
-    cases = []
-    for hidden in (256, 13):
-        model, builder, trees, vocab, _ = sst_batch(3, hidden=hidden, embedding=hidden)
-        graph = dynamic.Graph(model)
-        builder.build_batch(graph, trees, vocab)
-        cases.append((f"binary Tree-LSTM {hidden}", graph))
-    model, builder, trees, vocab, _ = sst_batch(3, hidden=256, embedding=40, variant="childsum")
-    graph = dynamic.Graph(model)
-    builder.build_batch(graph, trees, vocab)
-    cases.append(("child-sum Tree-LSTM 256", graph))
-    model, builder, sentences, graph = wikiner_batch(3, hidden=12)
-    cases.append(("tagger 12", graph))
-    return cases
-
-
-@pytest.mark.parametrize("blocks", [1, 7, 132])
-def test_unsynced_instructions_read_only_their_own_threads_values(blocks):
-    from persistrnn.dynamic.script import UNSYNCED
-
-    flagged = {}
-    for name, graph in unsynced_cases():
-        for placement in ("partition", "replicate"):
-            for train in (True, False):
-                s = dynamic.schedule(graph, blocks, train=train, placement=placement)
-                assert cross_thread_reads(s) == [], (name, placement, train)
-                flagged[name] = flagged.get(name, 0) + int(np.count_nonzero(s.program[:s.instructions, 0] & UNSYNCED))
-    # At width 256 a cell's chain needs no barrier between most of its instructions.
-    assert flagged["binary Tree-LSTM 256"] > 0 and flagged["child-sum Tree-LSTM 256"] > 0, flagged
-
-
-def test_unsynced_check_finds_a_barrier_left_out_wrongly():
-    """The mapping check above can fail: flag every forward elementwise
-    instruction of a width-13 Tree-LSTM, and reads of other threads' values
-    without a barrier between show up."""
-    from persistrnn.dynamic.script import OPCODES, UNSYNCED
-
-    _, graph = unsynced_cases()[1]
-    s = dynamic.schedule(graph, 7, train=False)
-    ops = s.program[:s.instructions, 0]
-    elementwise = np.isin(ops & (UNSYNCED - 1), [OPCODES[k] for k in ("add", "mul", "tanh", "sigmoid", "copy")])
-    assert cross_thread_reads(s) == []
-    s.program[:s.instructions, 0] |= np.where(elementwise, UNSYNCED, 0).astype(np.int32)
-    assert len(cross_thread_reads(s)) > 0
 
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..cells import NUMPY_FUNCTIONS
 from ..errors import ArgumentError
 from .optimizers import Optimizer
-from .script import BACKWARD, OPCODES, UNSYNCED, Script
+from .script import BACKWARD, OPCODES, Script
 
 __all__ = ["Result", "run_script"]
 
@@ -70,7 +70,7 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
 
     def execute(block: int, word: np.ndarray) -> None:
         nonlocal loss
-        op, n = int(word[0]) & (UNSYNCED - 1), int(word[1])  # the flag orders threads, not values
+        op, n = int(word[0]), int(word[1])
         items = program[word[3]:word[3] + word[2]]
         # (count, n) index grids of the operands
         span = np.arange(n)

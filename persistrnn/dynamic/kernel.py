@@ -27,18 +27,14 @@ from .graph import Graph
 from .loader import script_loader
 from .model import Model
 from .optimizers import SGD, Optimizer
-from .script import (BACKWARD, OPCODES, ROW_GROWTH, THREADS, UNSYNCED, WORDS, MatrixLayout, Script, matrix_layout,
-                     schedule)
+from .script import BACKWARD, OPCODES, ROW_GROWTH, WORDS, MatrixLayout, Script, matrix_layout, schedule
 
 __all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "kernel_layout", "profile_table",
            "render_source"]
 
 KERNEL_NAME = "dynamic_interpreter"
+THREADS = 256  # VPPS §III-A: 256 threads per block use the whole register file at one block per SM
 CHUNK = 128  # instructions fetched into shared memory at a time (2 KB)
-# Forward stores a thread keeps in registers for its later reads: a
-# Tree-LSTM cell's chain reads back values up to ~12 of a thread's stores
-# old (its o gate, read for h at the end).
-RECENT = 16
 GROUP = 8  # vectors a matvec takes at a time: 8 x 512 columns of input is 16 KB of shared memory
 PROFILE_SLOTS = 32  # kernels/dynamic.cu's PRNN_DYN_PROFILE_SLOTS: one per opcode (backward ones included), 0 the fetch
 
@@ -49,6 +45,7 @@ class KernelSpec:
 
     layout: MatrixLayout
     train: bool = True
+    threads: int = THREADS
     chunk: int = CHUNK
     group: int = GROUP
     profile: bool = False  # the instrumented build (kernels/dynamic.cu, PRNN_DYN_PROFILE)
@@ -65,11 +62,6 @@ class KernelSpec:
     @property
     def blocks(self) -> int:
         return self.layout.blocks
-
-    @property
-    def threads(self) -> int:
-        """The scheduler's (its UNSYNCED flags assume this element-to-thread mapping)."""
-        return THREADS
 
     @property
     def shared_bytes(self) -> int:
@@ -120,9 +112,7 @@ def render_source(spec: KernelSpec) -> str:
         "PRNN_DYN_TRAIN": int(spec.train),
         "PRNN_DYN_PROFILE": int(spec.profile),
         "PRNN_DYN_REPLICATED": int(max(lay.replicas) > 1),
-        "PRNN_DYN_RECENT": RECENT,
         "PRNN_OP_BACKWARD": BACKWARD,
-        "PRNN_OP_UNSYNCED": UNSYNCED,
         **{f"PRNN_OP_{name.upper()}": code for name, code in OPCODES.items()},
     }
     table = zip(lay.rows, lay.cols, lay.rows_per_block, lay.param_offset, lay.shared_offset, lay.first_block,

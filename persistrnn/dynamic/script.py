@@ -25,9 +25,8 @@ virtual processor (block), packed into one buffer with prefix offsets.
 The buffer is (rows, :data:`WORDS`) int32: the instructions of block 0, 1, …,
 then the operand lists. An instruction is ``op, n, count, arg``: ``count``
 operands of ``n`` floats each, listed from row ``arg``; a wait's ``arg`` is its
-counter target; ``op`` may carry the :data:`UNSYNCED` flag. An operand row is
-``out, a, b, p`` (workspace offsets; ``p``: a lookup's parameter offset, a
-loss's label, a matvec's matrix slot).
+counter target. An operand row is ``out, a, b, p`` (workspace offsets; ``p``:
+a lookup's parameter offset, a loss's label, a matvec's matrix slot).
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ from ..errors import ArgumentError
 from .graph import OP, Graph
 from .model import Model
 
-__all__ = ["BACKWARD", "MatrixLayout", "OPCODES", "PLACEMENTS", "Script", "THREADS", "UNSYNCED", "WORDS",
-           "matrix_layout", "schedule"]
+__all__ = ["BACKWARD", "MatrixLayout", "OPCODES", "PLACEMENTS", "Script", "WORDS", "matrix_layout", "schedule"]
 
 WORDS = 4
 OPCODES = {
@@ -58,15 +56,6 @@ OPCODES = {
 }
 BACKWARD = 16
 """Added to a forward opcode: the same nodes' backward instruction."""
-UNSYNCED = 64
-"""Added to a forward elementwise instruction's opcode: the block skips its
-closing barrier, because the next instruction reads only values that its own
-threads wrote since the last barrier (:func:`_unsynced`)."""
-THREADS = 256
-"""Threads per block of the interpreter kernel (VPPS §III-A: 256 use the whole
-register file at one block per SM). An elementwise instruction gives element
-``i`` of its ``j``-th operand to thread ``(j * n + i) % THREADS``; the
-scheduler's :data:`UNSYNCED` flags depend on that mapping."""
 
 PLACEMENTS = ("partition", "spread", "replicate")
 """``partition``: each matrix on its own blocks (VPPS); ``spread``: every
@@ -304,46 +293,6 @@ def _components(g: dict[str, np.ndarray]) -> np.ndarray:
             parent = jumped
 
 
-_CHAINABLE = np.zeros(BACKWARD, dtype=bool)
-_CHAINABLE[[OPCODES[name] for name in ("lookup", "add", "mul", "tanh", "sigmoid", "relu", "copy")]] = True
-"""By forward opcode: its every element is one thread's (a loss gives a
-thread a whole operand)."""
-_PHASE_BITS = 9  # a node's key: its stage above a phase in [0, THREADS), THREADS for none
-
-
-def _own_reads(g: dict[str, np.ndarray], offsets: np.ndarray, item_node: np.ndarray, item_stage: np.ndarray,
-               item_phase: np.ndarray, writers: np.ndarray, reads: list[np.ndarray]) -> np.ndarray:
-    """Per operand row: every value it reads that its stage's elementwise
-    instructions write (so this block, before it in the stage) was written
-    by the thread that reads it.
-
-    Element ``i`` of the ``j``-th operand of an instruction of width ``n`` is
-    thread ``(j * n + i) % THREADS``'s (``item_phase`` is ``j * n``), so a row
-    reading node ``u`` reads offset ``x`` of the workspace with thread ``(j * n
-    - offsets[u] + x) % THREADS``, and the row that wrote ``x`` into node
-    ``w`` used ``(j_w * n_w - offsets[w] + x) % THREADS``: the same thread for
-    every ``x`` exactly when the two phases ``(j * n - offset) % THREADS`` are
-    equal. ``writers`` are the rows that write their node whole; a node
-    written by several rows (a concat's parts) or by a loss has no phase,
-    so reading it in its stage never passes. A matvec's output is read one
-    stage later."""
-    op, stage, root = g["op"], g["stage"], g["root"]
-    low = THREADS - 1  # THREADS is a power of two
-    key = (stage << _PHASE_BITS) | THREADS
-    key[op == OP["matvec"]] = -1
-    written = item_node[writers]
-    key[written] = (item_stage[writers] << _PHASE_BITS) | ((item_phase[writers] - offsets[written]) & low)
-    ok = np.ones(item_node.size, dtype=bool)
-    for read in reads:
-        at = np.flatnonzero(read >= 0)
-        source = read[at]
-        theirs = key[root[source]]
-        reader_stage = item_stage[at]
-        mine = (reader_stage << _PHASE_BITS) | ((item_phase[at] - offsets[source]) & low)
-        ok[at[((theirs >> _PHASE_BITS) == reader_stage) & (theirs != mine)]] = False
-    return ok
-
-
 @dataclasses.dataclass(frozen=True)
 class _ModelTables:
     """What scheduling needs of a model and a placement, computed once: the
@@ -469,25 +418,13 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     mv_items[:, 0] = offsets[mv]
     mv_items[:, 1] = offsets[g["a"][mv]]
     mv_items[:, 3] = tables.matrix_slot[g["extra"][mv]]
-    item_stage = stage[owner]
-    item_order, new_group = _sort_groups([node_block[owner], item_stage, depth[owner], kop, width])
+    item_order, new_group = _sort_groups([node_block[owner], stage[owner], depth[owner], kop, width])
     first_row = np.flatnonzero(new_group)
     first_node, first_item = owner[item_order[first_row]], item_order[first_row]
-    ew_count = np.diff(np.r_[first_row, len(items)])
-    # Which elementwise instructions read only what their own threads wrote
-    # in their stage: those need no barrier before them (UNSYNCED below).
-    item_phase = np.empty(len(items), dtype=np.int64)
-    item_phase[item_order] = np.arange(len(items)) - np.repeat(first_row, ew_count)
-    item_phase *= width
-    chainable = _CHAINABLE[kop]
-    own_reads = _own_reads(g, offsets, owner, item_stage, item_phase, np.flatnonzero(chainable[:run.size]),
-                           [np.concatenate([a, part]), b])
-    group_chainable = chainable[first_item]
-    group_own_reads = group_chainable & np.logical_and.reduceat(own_reads[item_order], first_row) \
-        if first_row.size else group_chainable
     mv_order, mv_new = _sort_groups([stage[mv], mv_items[:, 3]])
     mv_stage = stage[mv][mv_order]
     mv_first = np.flatnonzero(mv_new)
+    ew_count = np.diff(np.r_[first_row, len(items)])
     mv_count = np.diff(np.r_[mv_first, len(mv_items)])
     slot = mv_items[mv_order[mv_first], 3]
     holders, first_block = np.asarray(layout.holders), np.asarray(layout.first_block)
@@ -579,17 +516,6 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     np.take(words, order, axis=0, out=program[:len(words)], mode="clip")
     np.take(items, item_order, axis=0, out=program[len(words):len(words) + len(items)], mode="clip")
     np.take(mv_items, mv_order, axis=0, out=program[len(words) + len(items):], mode="clip")
-    # UNSYNCED: a forward elementwise instruction whose successor on its
-    # block is one that reads only its own threads' values skips its barrier
-    # (a wait, a signal, a matvec or a loss between them is not such a
-    # successor, and every stage on a block ends with a signal or the script).
-    chain_row = np.zeros((2, len(words)), dtype=bool)
-    chain_row[0, len(wait_words):len(wait_words) + first_row.size] = group_chainable
-    chain_row[1, len(wait_words):len(wait_words) + first_row.size] = group_own_reads
-    chain_row = chain_row[:, order]
-    sorted_block = block_of[order]
-    unsynced = chain_row[0, :-1] & chain_row[1, 1:] & (sorted_block[:-1] == sorted_block[1:])
-    program[:max(len(words) - 1, 0), 0] += UNSYNCED * unsynced
     starts = np.concatenate([[0], np.cumsum(np.bincount(block_of, minlength=blocks))])
     losses = np.flatnonzero(op == OP["loss"])
     return Script(program, starts.astype(np.int32), offsets, workspace, losses, signals, stages, train, layout)

@@ -60,40 +60,6 @@ __device__ __forceinline__ float prnn_dyn_ld(const float* p) { return __ldcg(p);
 // acquire invalidates this SM's L1. So plain loads, which may hit L1, are safe.
 __device__ __forceinline__ float prnn_dyn_value(const float* p) { return *p; }
 
-// A thread's last PRNN_DYN_RECENT forward elementwise stores, (workspace
-// offset, value), newest first. A value is written once, so a later read of
-// that offset by the same thread may take it from here instead of a trip to
-// memory: a cell's chain of instructions reads back what the same threads
-// wrote one to a few instructions before (element i of a width-256 operand
-// is thread i's in every instruction). Every index is a compile-time
-// constant, so the entries stay in registers.
-struct prnn_dyn_recent {
-    int at[PRNN_DYN_RECENT];
-    float value[PRNN_DYN_RECENT];
-};
-
-__device__ __forceinline__ void prnn_dyn_remember(prnn_dyn_recent& r, int at, float value) {
-#pragma unroll
-    for (int k = PRNN_DYN_RECENT - 1; k > 0; --k) {
-        r.at[k] = r.at[k - 1];
-        r.value[k] = r.value[k - 1];
-    }
-    r.at[0] = at;
-    r.value[0] = value;
-}
-
-__device__ __forceinline__ float prnn_dyn_recall(const prnn_dyn_recent& r, const float* values, int at) {
-    float v = 0.0f;
-    bool found = false;
-#pragma unroll
-    for (int k = PRNN_DYN_RECENT - 1; k >= 0; --k)
-        if (r.at[k] == at) {
-            v = r.value[k];
-            found = true;
-        }
-    return found ? v : prnn_dyn_value(values + at);
-}
-
 __device__ __forceinline__ float prnn_dyn_warp_sum(float s) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -255,7 +221,7 @@ __device__ __forceinline__ float prnn_dyn_apply(int op, float x, float y) {
 // have one depth) and every node has its own storage.
 __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, const int* program, int first,
                                                      float* values, float* grads, const float* params,
-                                                     float* param_grads, float* loss, prnn_dyn_recent& recent) {
+                                                     float* param_grads, float* loss) {
     const int tid = threadIdx.x;
     if (op == PRNN_OP_LOSS) {
         for (int j = tid; j < count; j += PRNN_DYN_THREADS) {
@@ -281,17 +247,13 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
                 if (e < count * n) {
                     const int4 o = prnn_dyn_operand(program, first, j);
                     out[u] = o.x + i;
-                    x[u] = op == PRNN_OP_LOOKUP ? params[o.w + i] : prnn_dyn_recall(recent, values, o.y + i);
-                    if (binary) y[u] = prnn_dyn_recall(recent, values, o.z + i);
+                    x[u] = op == PRNN_OP_LOOKUP ? params[o.w + i] : prnn_dyn_value(values + o.y + i);
+                    if (binary) y[u] = prnn_dyn_value(values + o.z + i);
                 }
             }
 #pragma unroll
             for (int u = 0; u < PRNN_DYN_UNROLL; ++u)
-                if (out[u] >= 0) {
-                    const float v = prnn_dyn_apply(op, x[u], y[u]);
-                    values[out[u]] = v;
-                    prnn_dyn_remember(recent, out[u], v);
-                }
+                if (out[u] >= 0) values[out[u]] = prnn_dyn_apply(op, x[u], y[u]);
         }
         return;
     }
@@ -374,9 +336,6 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     __shared__ int failed;
     const prnn_watch watch{status, report, timeout_ns};
     const int tid = threadIdx.x;
-    prnn_dyn_recent recent;
-#pragma unroll
-    for (int k = 0; k < PRNN_DYN_RECENT; ++k) recent.at[k] = -1;  // no workspace offset
 
     for (int k = tid; k < PRNN_DYN_MATRICES; k += PRNN_DYN_THREADS) prnn_dyn_rows_of[k] = prnn_dyn_block_rows(k);
     __syncthreads();
@@ -425,15 +384,10 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
                 prnn_dyn_matvec(in[0] != PRNN_OP_MATVEC, program, in[3], in[2], values, grads, vec, dy, weights,
                                 wgrads);
             } else {
-                const int op = in[0] & (PRNN_OP_UNSYNCED - 1);
-                prnn_dyn_elementwise(op, in[1], in[2], program, in[3], values, grads, params, param_grads, loss,
-                                     recent);
-                // PRNN_OP_UNSYNCED: the next instruction reads only what its
-                // own threads wrote since the last barrier (the scheduler
-                // checked), so no thread need wait for the others here.
-                if (!(in[0] & PRNN_OP_UNSYNCED)) __syncthreads();
+                prnn_dyn_elementwise(in[0], in[1], in[2], program, in[3], values, grads, params, param_grads, loss);
+                __syncthreads();
             }
-            PRNN_DYN_COUNT(in[0] & (PRNN_OP_UNSYNCED - 1), started);
+            PRNN_DYN_COUNT(in[0], started);
         }
         __syncthreads();  // every thread is done with the chunk before the next overwrites it
     }
