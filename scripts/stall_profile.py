@@ -143,7 +143,8 @@ def main() -> None:
     parser.add_argument("--summarise", metavar="CSV", help="print the summary of ncu's source page instead")
     parser.add_argument("--tree-lstm", type=int, nargs="+", metavar="BATCH",
                         help="profile the dynamic interpreter's Tree-LSTM at these batches instead")
-    parser.add_argument("--placement", default="partition", help="the interpreter's placement (--tree-lstm)")
+    parser.add_argument("--placement", default="replicate",
+                        help="the interpreter's placement (--tree-lstm; the Interpreter's default)")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     if args.summarise:
