@@ -1228,6 +1228,68 @@ def test_scripts_follow_a_given_layout_and_refuse_one_of_another_model(workers):
         dynamic.schedule(graph, 9, layout=layout)
 
 
+def _assert_same_scripts(got, model, build, batches, blocks):
+    for script, batch in zip(got, batches, strict=True):
+        g = dynamic.Graph(model)
+        build(g, batch)
+        want = dynamic.schedule(g, blocks)
+        for field in ("program", "starts", "offsets", "losses"):
+            np.testing.assert_array_equal(getattr(script, field), getattr(want, field), err_msg=field)
+        assert (script.workspace_floats, script.signals, script.stages, script.layout) == \
+            (want.workspace_floats, want.signals, want.stages, want.layout)
+
+
+def test_script_loader_sends_a_script_larger_than_a_slot_through_the_pipe(monkeypatch):
+    from persistrnn.dynamic import loader
+
+    model, builder, trees, vocab, _ = sst_batch(6, hidden=13)
+    batches = [trees[0:1], trees[1:6]]
+
+    def build(g, batch):
+        builder.build_batch(g, batch, vocab)
+
+    def size(batch):
+        g = dynamic.Graph(model)
+        build(g, batch)
+        s = dynamic.schedule(g, 7)
+        return sum(-(-getattr(s, name).nbytes // 8) * 8 for name in ("program", "starts", "offsets", "losses"))
+
+    small, large = size(batches[0]), size(batches[1])
+    assert small < large
+    monkeypatch.setattr(loader, "SLOT_BYTES", (small + large) // 2)  # the first batch's script fits, not the second's
+    taken = []
+    take = loader._Slots.take
+    monkeypatch.setattr(loader._Slots, "take", lambda self, item: taken.append(item.index) or take(self, item))
+    got = list(dynamic.script_loader(model, build, batches, 7, workers=1))
+    assert taken == [0]
+    _assert_same_scripts(got, model, build, batches, 7)
+
+
+def test_script_loader_makes_a_script_again_whose_slot_was_rewritten(monkeypatch):
+    # One slot per worker, three scripts ahead, and a loop slower than the worker: the worker rewrites the
+    # slot before the loop reads it; the loop sees another tag there and makes that batch itself.
+    import time
+
+    from persistrnn.dynamic import loader
+
+    model, builder, trees, vocab, _ = sst_batch(4, hidden=13)
+    batches = [trees[k:k + 1] for k in range(4)]
+
+    def build(g, batch):
+        builder.build_batch(g, batch, vocab)
+
+    made_here = []
+    script = loader._Scripts.script
+    monkeypatch.setattr(loader._Scripts, "script", lambda self, i: made_here.append(i) or script(self, i))
+    monkeypatch.setattr(loader, "_Slots", lambda workers, per_worker, slots=loader._Slots: slots(workers, 1))
+    got = []
+    for s in dynamic.script_loader(model, build, batches, 7, workers=1, prefetch=3):
+        got.append(s)
+        time.sleep(0.3)
+    assert made_here and set(made_here) < {0, 1, 2, 3}, made_here  # this process made some, not all
+    _assert_same_scripts(got, model, build, batches, 7)
+
+
 def test_script_loader_raises_a_workers_failure_with_its_type_and_message():
     model, builder, trees, vocab, _ = sst_batch(3, hidden=13)
     bad = dynamic.parse_tree("(2 (1 a) (3 b) (2 c))")  # three children: not a binary tree

@@ -13,14 +13,30 @@ launches or the GPU are the limit.
 
 Each worker holds its own copy of the model's declarations, the ``build``
 callable and the batches (on Linux they are inherited by ``fork``, not
-pickled; a script comes back pickled, ~0.5 ms at 3.5 MB). A worker never
-touches the GPU.
+pickled). A worker never touches the GPU.
+
+A script's arrays (3.6 MB for a Tree-LSTM batch of 128, 5.8 MB for the
+tagger's) come back through shared memory, not the DataLoader's pipe: a
+pipe carried 0.3-1 GB/s on the machines measured, 4-6 ms per batch of 128
+in the launching process, which bounded the loop past ~10 workers
+(perf-notes, dynamic §22). Each worker writes into its own slots of one
+anonymous shared mapping made before the workers fork; only the slot's
+number and the small fields go through the pipe, and the launching process
+copies the arrays out under the slot's lock. A slot rewritten before it was
+read (a worker further ahead than its slots) is detected by its tag and
+that batch is made again in this process; a script larger than a slot
+comes through the pipe.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import mmap
 import multiprocessing
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
 
 from ..errors import ArgumentError
 from .graph import Graph
@@ -35,24 +51,119 @@ a worker that is stuck (not dead: a dead one fails the loop at once) never
 hangs it. Scripts of the largest measured batches take well under a second."""
 
 
+SLOT_BYTES = 16 << 20
+"""Bytes of one shared-memory slot: the arrays of one script. A larger
+script comes through the pipe. Pages are allocated as a slot is first
+written, so unused capacity costs address space only."""
+
+_ARRAYS = ("program", "starts", "offsets", "losses")
+
+
+@dataclasses.dataclass(frozen=True)
+class _InSlot:
+    """What a worker sends for a script written into a slot: the batch's
+    index, the slot, the tag it wrote there, each array's (dtype, shape,
+    byte offset) and the script's other fields."""
+
+    index: int
+    slot: int
+    tag: int
+    arrays: tuple[tuple[str, tuple[int, ...], int], ...]
+    fields: dict[str, Any]
+
+
+class _Slots:
+    """``per_worker`` slots of :data:`SLOT_BYTES` for each of ``workers``
+    workers in one anonymous shared mapping (inherited by the forked
+    workers), each with a lock and a tag (the worker's count of scripts
+    written, with its id: unique per loader)."""
+
+    def __init__(self, workers: int, per_worker: int) -> None:
+        context = multiprocessing.get_context("fork")
+        self.per_worker = per_worker
+        self.memory = mmap.mmap(-1, workers * per_worker * SLOT_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
+        self.tags = np.frombuffer(context.RawArray("q", workers * per_worker), dtype=np.int64)
+        self.locks = [context.Lock() for _ in range(workers * per_worker)]
+        self.written = itertools.count()  # this worker's scripts (each worker counts in its own copy)
+
+    def put(self, worker: int, index: int, script: Script) -> _InSlot | Script:
+        arrays = [np.ascontiguousarray(getattr(script, name)) for name in _ARRAYS]
+        if sum(-(-a.nbytes // 8) * 8 for a in arrays) > SLOT_BYTES:
+            return script
+        n = next(self.written)
+        slot, tag = worker * self.per_worker + n % self.per_worker, (n << 16) + worker + 1
+        layout, at = [], slot * SLOT_BYTES
+        if not self.locks[slot].acquire(timeout=WORKER_TIMEOUT_S):
+            raise ArgumentError(f"script_loader: the launching process held slot {slot} for {WORKER_TIMEOUT_S} s")
+        try:
+            for a in arrays:
+                np.frombuffer(self.memory, dtype=a.dtype, count=a.size, offset=at)[:] = a.ravel()
+                layout.append((a.dtype.str, a.shape, at))
+                at += -(-a.nbytes // 8) * 8
+            self.tags[slot] = tag
+        finally:
+            self.locks[slot].release()
+        fields = {f.name: getattr(script, f.name) for f in dataclasses.fields(script) if f.name not in _ARRAYS}
+        return _InSlot(index, slot, tag, tuple(layout), fields)
+
+    def take(self, item: _InSlot) -> Script | None:
+        """The script in ``item``'s slot, copied out; None where the slot
+        holds another script by now."""
+        if not self.locks[item.slot].acquire(timeout=WORKER_TIMEOUT_S):
+            raise ArgumentError(f"script_loader: a worker held slot {item.slot} for {WORKER_TIMEOUT_S} s")
+        try:
+            if self.tags[item.slot] != item.tag:
+                return None
+            arrays = {name: np.frombuffer(self.memory, dtype=dtype, count=int(np.prod(shape)), offset=at)
+                      .reshape(shape).copy() for name, (dtype, shape, at) in zip(_ARRAYS, item.arrays)}
+        finally:
+            self.locks[item.slot].release()
+        return Script(**arrays, **item.fields)
+
+
 class _Scripts:
-    """Map-style dataset: item ``i`` is batch ``i``'s script."""
+    """Map-style dataset: item ``i`` is batch ``i``'s script (in a worker
+    with slots, a handle on it in shared memory)."""
 
     def __init__(self, model: Model, build: Callable[[Graph, Any], Any], batches: Sequence[Any], blocks: int,
-                 train: bool, placement: str, layout: MatrixLayout | None) -> None:
+                 train: bool, placement: str, layout: MatrixLayout | None, slots: _Slots | None) -> None:
         self.model, self.build, self.batches = model, build, batches
         self.blocks, self.train, self.placement, self.layout = blocks, train, placement, layout
+        self.slots = slots
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, i: int) -> Script:
+    def script(self, i: int) -> Script:
         graph = Graph(self.model)
         self.build(graph, self.batches[i])
         return schedule(graph, self.blocks, train=self.train, placement=self.placement, layout=self.layout)
 
+    def __getitem__(self, i: int) -> Script | _InSlot:
+        import torch.utils.data
 
-def _as_is(script: Script) -> Script:
+        worker = torch.utils.data.get_worker_info()
+        script = self.script(i)
+        return script if worker is None or self.slots is None else self.slots.put(worker.id, i, script)
+
+
+class _Loader:
+    """The DataLoader's items as scripts, in order: a slot's copied out."""
+
+    def __init__(self, loader: Any, scripts: _Scripts) -> None:
+        self.loader, self.scripts = loader, scripts
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Script]:
+        for item in self.loader:
+            if isinstance(item, _InSlot):
+                item = self.scripts.slots.take(item) or self.scripts.script(item.index)
+            yield item
+
+
+def _as_is(script: Script | _InSlot) -> Script | _InSlot:
     return script
 
 
@@ -83,11 +194,14 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
         raise ArgumentError(f"script_loader: workers start by fork, which this platform lacks (it has "
                             f"{multiprocessing.get_all_start_methods()}); use workers=0")
     model.layout()  # fixes the declarations here, before any worker copies the model
-    return torch.utils.data.DataLoader(_Scripts(model, build, batches, blocks, train, placement, layout),
-                                       batch_size=None,
-                                       shuffle=False, num_workers=workers, collate_fn=_as_is,
-                                       prefetch_factor=prefetch if workers else None,
-                                       persistent_workers=workers > 0, timeout=WORKER_TIMEOUT_S if workers else 0,
-                                       # the inputs and `build` (a lambda, say) reach the workers by fork,
-                                       # unpickled, whatever this Python's default start method
-                                       multiprocessing_context="fork" if workers else None)
+    # A worker is at most `prefetch` scripts ahead of the loop (the DataLoader sends it a batch as the loop takes
+    # one of its scripts), so prefetch + 1 slots are never rewritten before they are read.
+    scripts = _Scripts(model, build, batches, blocks, train, placement, layout,
+                       _Slots(workers, prefetch + 1) if workers else None)
+    loader = torch.utils.data.DataLoader(scripts, batch_size=None, shuffle=False, num_workers=workers,
+                                         collate_fn=_as_is, prefetch_factor=prefetch if workers else None,
+                                         persistent_workers=workers > 0, timeout=WORKER_TIMEOUT_S if workers else 0,
+                                         # the inputs and `build` (a lambda, say) reach the workers by fork,
+                                         # unpickled, whatever this Python's default start method
+                                         multiprocessing_context="fork" if workers else None)
+    return _Loader(loader, scripts)
