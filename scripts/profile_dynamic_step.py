@@ -1,0 +1,74 @@
+"""Where the launching process's time goes in ``Interpreter.step``: scripts
+made beforehand in this process (so the loop does nothing but step), the
+wall time per batch of a loop of steps against the kernel's own time, then
+the loop under cProfile (top functions by own time).
+
+    PYTHONPATH=. python scripts/profile_dynamic_step.py [--suite tagger] [--batch 1] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from persistrnn import dynamic
+from persistrnn.bench.tagger import tagger_workload
+from persistrnn.bench.treelstm import Settings, consecutive_batches, tree_lstm_workload
+from persistrnn.runtime.timing import time_cuda_ms, warm_up
+
+WORKLOADS = {"treelstm": tree_lstm_workload, "tagger": tagger_workload}
+
+
+def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: int, args) -> None:
+    scripts = []
+    for group in consecutive_batches(work.inputs, batch, settings.iterations):
+        graph = dynamic.Graph(work.model)
+        work.add_batch(graph, group)
+        scripts.append(interp.schedule(graph))
+    loop = [scripts[i % len(scripts)] for i in range(args.steps)]
+    warm_up(lambda: interp.launch(scripts[0]))
+    kernel_ms = time_cuda_ms(lambda: interp.launch(scripts[0]), warmup=2, repeats=10)
+
+    def run() -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for script in loop:
+            interp.step(script)
+        interp.sync()
+        return (time.perf_counter() - started) * 1e3 / len(loop)
+
+    run()
+    walls = sorted(run() for _ in range(3))
+    print(f"{args.suite} batch {batch}: kernel {kernel_ms:.3f} ms (CUDA events, launches back to back); a loop "
+          f"of {len(loop)} steps {walls[1]:.3f} ms a batch (median of 3)")
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.top)
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", choices=sorted(WORKLOADS), default="tagger")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    settings = Settings()
+    work = WORKLOADS[args.suite](settings, torch.device("cuda"))
+    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
+    interp.load()
+    for batch in args.batch:
+        profile_batch(interp, work, settings, batch, args)
+
+
+if __name__ == "__main__":
+    main()
