@@ -845,6 +845,22 @@ def test_every_kernel_variant_compiles_without_local_memory(compiled):
         assert res.registers <= 255
 
 
+def test_a_binary_whose_shared_memory_exceeds_the_device_is_refused(compiled):
+    # The Interpreter's first check counts dynamic shared memory only; after the compile, the static part (each
+    # matrix's rows of the block, the failure flag, a profile build's counters) is added, so a model at the edge
+    # gets a ConfigError that names both, not a bare CUDA error at its launch.
+    from persistrnn.dynamic.kernel import KERNEL_NAME, check_shared_memory
+
+    for spec, binary in compiled:
+        static = binary.kernel_resources(KERNEL_NAME).shared_bytes
+        assert static >= 20 * len(spec.layout.rows), (spec.describe(), static)
+        check_shared_memory(spec, binary, spec.shared_bytes + static)  # exactly at the limit: fits
+        with pytest.raises(ConfigError, match=f"needs {spec.shared_bytes} bytes of dynamic and {static} of static "
+                                              f"shared memory per block, {spec.shared_bytes + static} in all; the "
+                                              f"device allows {spec.shared_bytes + static - 1}: use more blocks"):
+            check_shared_memory(spec, binary, spec.shared_bytes + static - 1)
+
+
 def test_profile_table_converts_each_blocks_cycles_by_its_own_clock():
     from persistrnn.dynamic.kernel import PROFILE_SLOTS, Launched
 

@@ -29,8 +29,8 @@ from .model import Model
 from .optimizers import SGD, Optimizer
 from .script import BACKWARD, OPCODES, ROW_GROWTH, WORDS, MatrixLayout, Script, matrix_layout, schedule
 
-__all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "compile_spec", "kernel_layout", "profile_table",
-           "render_source"]
+__all__ = ["Interpreter", "KERNEL_NAME", "KernelSpec", "check_shared_memory", "compile_spec", "kernel_layout",
+           "profile_table", "render_source"]
 
 KERNEL_NAME = "dynamic_interpreter"
 THREADS = 256  # VPPS §III-A: 256 threads per block use the whole register file at one block per SM
@@ -135,6 +135,18 @@ def compile_spec(spec: KernelSpec, arch: str | None = None) -> runtime.CompiledB
     return binary
 
 
+def check_shared_memory(spec: KernelSpec, binary: runtime.CompiledBinary, limit: int) -> None:
+    """Refuse ``binary`` where its static shared memory (the compiler's
+    count: each matrix's rows of the block, a flag, an instrumented build's
+    counters) and ``spec``'s dynamic shared memory together exceed ``limit``
+    bytes per block: its launch would fail with a bare CUDA error."""
+    static = binary.kernel_resources(KERNEL_NAME).shared_bytes
+    if spec.shared_bytes + static > limit:
+        raise ConfigError(f"the interpreter {spec.describe()} needs {spec.shared_bytes} bytes of dynamic and "
+                          f"{static} of static shared memory per block, {spec.shared_bytes + static} in all; the "
+                          f"device allows {limit}: use more blocks")
+
+
 def _device_script(script: Script, device: Any) -> tuple[Any, Any]:
     """The prefix offsets and the program in one pinned buffer, one copy to
     the device on the current stream: (starts, program) views of it. The
@@ -235,7 +247,7 @@ class Interpreter:
         self._pending: Launched | None = None
         self.placement = placement
         self.profile = bool(profile)
-        limit = facts.shared_per_block_optin
+        self.shared_limit = limit = facts.shared_per_block_optin
         self.layout = kernel_layout(model, self.blocks, placement, limit)
         for train in (True, False):
             spec = KernelSpec(self.layout, train)
@@ -254,7 +266,9 @@ class Interpreter:
         out = {}
         for train in (True, False):
             spec = KernelSpec(self.layout, train, profile=self.profile)
-            kernel = runtime.get_kernel(compile_spec(spec), KERNEL_NAME)
+            binary = compile_spec(spec)
+            check_shared_memory(spec, binary, self.shared_limit)
+            kernel = runtime.get_kernel(binary, KERNEL_NAME)
             out[train] = (kernel, kernel.config(self.blocks, spec.threads, shared=spec.shared_bytes,
                                                 cooperative=True))
         return out
