@@ -297,12 +297,22 @@ __device__ __forceinline__ prnn_walk prnn_make_walk(int columns) {
     return prnn_walk_of(columns, (int)threadIdx.x, PRNN_THREADS);
 }
 
+// Warps 0 .. prnn_busy_warps(B) - 1 run the pointwise update of B columns
+// (a thread per unit and column).
+__device__ __forceinline__ int prnn_busy_warps(int B) { return (PRNN_U * B + 31) / 32; }
+
 // Warps that copy the next projections during the pointwise update of B
 // columns (PRNN_EARLY_PREFETCH): those on the schedulers (warp w on w % 4)
-// that no updating warp (warps 0 .. busy - 1) issues on. 0: none.
+// that no updating warp issues on. 0: none. A copying warp's rank among
+// them: prnn_copier_rank.
 __device__ __forceinline__ int prnn_copying_warps(int B) {
-    const int busy = (PRNN_U * B + 31) / 32, warps = PRNN_THREADS / 32;
+    const int busy = prnn_busy_warps(B), warps = PRNN_THREADS / 32;
     return warps / 4 * max(4 - busy, 0) + max(warps % 4 - busy, 0);
+}
+
+__device__ __forceinline__ int prnn_copier_rank(int B, int warp) {
+    const int busy = prnn_busy_warps(B);
+    return (warp / 4) * (4 - busy) + warp % 4 - busy;
 }
 
 #define PRNN_FOR_PAIRS(walk, rows, B, row, b)                                                   \
@@ -1232,11 +1242,11 @@ prnn_recurrence(PRNN_INSTANCE_PARAMS PRNN_RESIDENT_PARAMS,
 #if PRNN_EARLY_PREFETCH
             // Into the slot step t - 1 read, before the barrier that ended it.
             if (last_stage && early_prefetch) {
-                const int busy_warps = (PRNN_U * B + 31) / 32, warp = tid / 32, scheduler = warp % 4;
-                if (scheduler >= busy_warps && t + PRNN_XW_DEPTH < T)
+                const int warp = tid / 32;
+                if (warp % 4 >= prnn_busy_warps(B) && t + PRNN_XW_DEPTH < T)
                     prnn_prefetch_xw(xw, L.xw, t + PRNN_XW_DEPTH, reverse, lengths, T, B, BP, step_stride, blk,
-                                     prnn_walk_of(B, ((warp / 4) * (4 - busy_warps) + scheduler - busy_warps) * 32 +
-                                                         tid % 32, prnn_copying_warps(B) * 32),
+                                     prnn_walk_of(B, prnn_copier_rank(B, warp) * 32 + tid % 32,
+                                                  prnn_copying_warps(B) * 32),
                                      slice0);
                 else
                     prnn_cp_async_commit();  // one group a step in every thread
