@@ -360,6 +360,11 @@ def candidate_families(ranked: list[Ranked]) -> list[tuple | None]:
     its slice size is priced past :data:`SLICE_WINDOW` above its kernel
     family's best-ranked slice size: such a one is timed only among the
     model's top k."""
+    return _families_and_prices(ranked)[0]
+
+
+def _families_and_prices(ranked: list[Ranked]) -> tuple[list[tuple | None], dict[tuple, float]]:
+    """:func:`candidate_families`, and each family's best-ranked price."""
     of = [family(r.config, r.batch_slice) for r in ranked]
     best_us: dict[tuple, float] = {}
     for r, f in zip(ranked, of):
@@ -367,7 +372,7 @@ def candidate_families(ranked: list[Ranked]) -> list[tuple | None]:
     kernel_best: dict[tuple, float] = {}  # by family without its slices: the best-ranked slice size's price
     for f, us in best_us.items():
         kernel_best.setdefault(f[:-1], us)
-    return [f if best_us[f] <= kernel_best[f[:-1]] * (1 + SLICE_WINDOW) else None for f in of]
+    return [f if best_us[f] <= kernel_best[f[:-1]] * (1 + SLICE_WINDOW) else None for f in of], best_us
 
 
 def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: bool = True) -> list[Ranked]:
@@ -385,10 +390,7 @@ def compile_top(ranked: list[Ranked], k: int, *, twins: bool = True, families: b
     # Keyed by the barrier configuration each is the twin of (cluster and single ones have none).
     tagged = {(dataclasses.replace(r.config, tagged_exchange=False), r.batch_slice): r
               for r in ranked if twins and r.config.tagged_exchange}
-    of = candidate_families(own)
-    best_us: dict[tuple, float] = {}
-    for r, f in zip(own, of):
-        best_us.setdefault(f, r.us)
+    of, best_us = _families_and_prices(own)
 
     def ties(i: int) -> bool:
         """Whether the model predicts ``own[i]``, of an FFMA family, within FAMILY_TIE of its family's best-ranked."""
