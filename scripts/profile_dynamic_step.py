@@ -1,7 +1,8 @@
 """Where the launching process's time goes in ``Interpreter.step``: scripts
 made beforehand in this process (so the loop does nothing but step), the
-wall time per batch of a loop of steps against the kernel's own time, then
-the loop under cProfile (top functions by own time).
+wall time per batch of a loop of steps against the kernel's own time, the
+host time of one ``launch`` call on its own, then the loop under cProfile
+(top functions by own time).
 
     PYTHONPATH=. python scripts/profile_dynamic_step.py [--suite tagger] [--batch 1] [--steps 200]
 """
@@ -42,10 +43,23 @@ def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: 
         interp.sync()
         return (time.perf_counter() - started) * 1e3 / len(loop)
 
+    def host_us() -> float:
+        """Median host µs of one launch call, the GPU idle before each."""
+        times = []
+        for script in loop:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            interp.launch(script)
+            times.append((time.perf_counter() - started) * 1e6)
+        torch.cuda.synchronize()
+        return sorted(times)[len(times) // 2]
+
     run()
     walls = sorted(run() for _ in range(3))
+    hosts = sorted(host_us() for _ in range(3))
     print(f"{args.suite} batch {batch}: kernel {kernel_ms:.3f} ms (CUDA events, launches back to back); a loop "
-          f"of {len(loop)} steps {walls[1]:.3f} ms a batch (median of 3)")
+          f"of {len(loop)} steps {walls[1]:.3f} ms a batch (median of 3); one launch call {hosts[1]:.0f} µs of "
+          f"host time (median)")
     profile = cProfile.Profile()
     profile.enable()
     run()
