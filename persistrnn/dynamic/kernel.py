@@ -303,33 +303,46 @@ class Interpreter:
         """
         import torch
 
-        if script.layout != self.layout:
+        if script.layout is not self.layout and script.layout != self.layout:
             raise ArgumentError(f"the script was scheduled for {script.layout}; this interpreter runs "
                                 f"{self.layout} (schedule with interp.schedule, or layout=interp.layout)")
+        # The per-batch host path, ~0.5 ms at first on the H100's host (more than the tagger's kernel at batch
+        # 1, perf-notes dynamic §25): one current-stream lookup, no fill of the values (the scheduler orders
+        # every read after its write; `poison` proves it), the gradients and the scratch zeroed by one memset.
+        stream = torch.cuda.current_stream()
         kernel, config = self._kernels[script.train]
         starts, program = _device_script(script, self.device)
-        fill = float("nan") if poison else 0.0
-        values = torch.full((script.workspace_floats,), fill, dtype=torch.float32, device=self.device)
-        grads = torch.zeros_like(values) if script.train else values
-        own = runtime.scratch(self.device, exchange_floats=1)  # status, counter, loss: zeros
-        loss = own.words[SCRATCH_WORDS:].view(torch.float32)
+        values = (torch.full((script.workspace_floats,), float("nan"), dtype=torch.float32, device=self.device)
+                  if poison else torch.empty(script.workspace_floats, dtype=torch.float32, device=self.device))
+        grad_floats = script.workspace_floats if script.train else 0
+        own = runtime.scratch(self.device, exchange_floats=grad_floats + 1)  # status, counter, grads, loss: zeros
+        floats = own.words[SCRATCH_WORDS:].view(torch.float32)
+        grads, loss = (floats[:grad_floats] if script.train else values), floats[grad_floats:]
         if script.train:
             self.param_grads.zero_()
             self.updates += 1
-        scalars = self.optimizer.scalars(max(self.updates, 1))
         profile = (torch.zeros((self.blocks, 2 * PROFILE_SLOTS + 2), dtype=torch.int64, device=self.device)
                    if self.profile else None)
-        args = runtime.kernel_args(program, starts, values, grads, self.params, self.param_grads, self.adam_m,
-                                   self.adam_v, np.uint64(loss.data_ptr()), np.uint64(own.counters),
-                                   self.model.matrix_floats, self.model.total_floats, *scalars,
-                                   np.uint64(own.status), np.uint64(runtime.report_word(self.device.index)),
-                                   np.uint64(runtime.wait_timeout_ns()), *(() if profile is None else (profile,)))
-        runtime.launch(kernel, config, *args)
+        lr, beta1, beta2, eps, correction1, correction2 = self.optimizer.scalars(max(self.updates, 1))
+        pointer, f32 = np.uint64, np.float32
+        args = (pointer(program.data_ptr()), pointer(starts.data_ptr()), pointer(values.data_ptr()),
+                pointer(grads.data_ptr()), *self._state_pointers, pointer(loss.data_ptr()), pointer(own.counters),
+                np.int32(self.model.matrix_floats), np.int32(self.model.total_floats), f32(lr), f32(beta1),
+                f32(beta2), f32(eps), f32(correction1), f32(correction2), pointer(own.status),
+                pointer(runtime.report_word(self.device.index)), pointer(runtime.wait_timeout_ns()),
+                *(() if profile is None else (pointer(profile.data_ptr()),)))
+        runtime.launch(kernel, config, *args, stream=stream)
         loss_host = torch.empty(1, dtype=torch.float32, pin_memory=True)
         loss_host.copy_(loss, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(stream)
         return Launched(script, loss, values, grads, loss_host, done, profile)
+
+    @functools.cached_property
+    def _state_pointers(self) -> tuple[np.uint64, ...]:
+        """The parameters', their gradients' and Adam's moments' addresses
+        (the tensors are updated in place for the interpreter's life)."""
+        return tuple(np.uint64(t.data_ptr()) for t in (self.params, self.param_grads, self.adam_m, self.adam_v))
 
     @_on_its_device
     def run(self, graph: Graph | Script, *, train: bool = True) -> float:
