@@ -1281,6 +1281,25 @@ def test_script_loader_sends_a_script_larger_than_a_slot_through_the_pipe(monkey
     _assert_same_scripts(got, model, build, batches, 7)
 
 
+def test_script_loader_without_shared_memory_sends_scripts_through_the_pipe(monkeypatch, caplog):
+    from persistrnn.dynamic import loader
+
+    model, builder, trees, vocab, _ = sst_batch(3, hidden=13)
+    batches = [trees[0:1], trees[1:3]]
+
+    def build(g, batch):
+        builder.build_batch(g, batch, vocab)
+
+    def refused(workers, per_worker):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(loader, "_Slots", refused)
+    with caplog.at_level("WARNING", logger="persistrnn"):
+        got = list(dynamic.script_loader(model, build, batches, 7, workers=1))
+    assert "no shared memory for 1 workers' slots" in caplog.text
+    _assert_same_scripts(got, model, build, batches, 7)
+
+
 def test_script_loader_makes_a_script_again_whose_slot_was_rewritten(monkeypatch):
     # One slot per worker, three scripts ahead, and a loop slower than the worker: the worker rewrites the
     # slot before the loop reads it; the loop sees another tag there and makes that batch itself.

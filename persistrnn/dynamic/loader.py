@@ -19,7 +19,7 @@ A script's arrays (3.6 MB for a Tree-LSTM batch of 128, 5.8 MB for the
 tagger's) come back through shared memory, not the DataLoader's pipe: a
 pipe carried 0.3-1 GB/s on the machines measured, 4-6 ms per batch of 128
 in the launching process, which bounded the loop past ~10 workers
-(perf-notes, dynamic §22). Each worker writes into its own slots of one
+(perf-notes, dynamic §23). Each worker writes into its own slots of one
 anonymous shared mapping made before the workers fork; only the slot's
 number and the small fields go through the pipe, and the launching process
 copies the arrays out under the slot's lock. A slot rewritten before it was
@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ..errors import ArgumentError
+from ..log import logger
 from .graph import Graph
 from .model import Model
 from .script import PLACEMENTS, MatrixLayout, Script, schedule
@@ -196,8 +197,14 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
     model.layout()  # fixes the declarations here, before any worker copies the model
     # A worker is at most `prefetch` scripts ahead of the loop (the DataLoader sends it a batch as the loop takes
     # one of its scripts), so prefetch + 1 slots are never rewritten before they are read.
-    scripts = _Scripts(model, build, batches, blocks, train, placement, layout,
-                       _Slots(workers, prefetch + 1) if workers else None)
+    slots = None
+    if workers:
+        try:
+            slots = _Slots(workers, prefetch + 1)
+        except OSError as error:  # address space or shared memory refused (a strict overcommit limit, say)
+            logger.warning("script_loader: no shared memory for %d workers' slots (%s); scripts come back through "
+                           "the DataLoader's pipe", workers, error)
+    scripts = _Scripts(model, build, batches, blocks, train, placement, layout, slots)
     loader = torch.utils.data.DataLoader(scripts, batch_size=None, shuffle=False, num_workers=workers,
                                          collate_fn=_as_is, prefetch_factor=prefetch if workers else None,
                                          persistent_workers=workers > 0, timeout=WORKER_TIMEOUT_S if workers else 0,
