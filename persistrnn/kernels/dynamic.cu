@@ -214,55 +214,48 @@ __device__ __forceinline__ float prnn_dyn_apply(int op, float x, float y) {
     }
 }
 
-// Any other instruction, by every thread of the block over the flattened
-// (operand, element) range; the caller synchronises the block after it.
-// Forward: PRNN_DYN_UNROLL elements per thread load before any stores, which
-// is safe because no node of an instruction reads another's output (they
-// have one depth) and every node has its own storage.
-__device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, const int* program, int first,
-                                                     float* values, float* grads, const float* params,
-                                                     float* param_grads, float* loss) {
-    const int tid = threadIdx.x;
-    if (op == PRNN_OP_LOSS) {
-        for (int j = tid; j < count; j += PRNN_DYN_THREADS) {
-            const int4 o = prnn_dyn_operand(program, first, j);
-            float top, total;
-            prnn_dyn_softmax(values + o.y, n, &top, &total);
-            const float l = top + logf(total) - prnn_dyn_value(values + o.y + o.w);
-            values[o.x] = l;
-            atomicAdd(loss, l);
-        }
-        return;
-    }
-    if (op < PRNN_OP_BACKWARD) {
-        const bool binary = op == PRNN_OP_ADD || op == PRNN_OP_MUL;
-        for (int e0 = tid; e0 < count * n; e0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
-            float x[PRNN_DYN_UNROLL], y[PRNN_DYN_UNROLL];
-            int out[PRNN_DYN_UNROLL];
+// A forward instruction of op OP, by every thread of the block over the
+// flattened (operand, element) range: PRNN_DYN_UNROLL elements per thread
+// load before any stores, which is safe because no node of an instruction
+// reads another's output (they have one depth) and every node has its own
+// storage. OP is a template argument so that each op's element loop carries
+// no test of it.
+template <int OP>
+__device__ __forceinline__ void prnn_dyn_forward(int n, int count, const int* program, int first, float* values,
+                                                 const float* params) {
+    constexpr bool binary = OP == PRNN_OP_ADD || OP == PRNN_OP_MUL;
+    for (int e0 = threadIdx.x; e0 < count * n; e0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
+        float x[PRNN_DYN_UNROLL], y[PRNN_DYN_UNROLL];
+        int out[PRNN_DYN_UNROLL];
 #pragma unroll
-            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
-                const int e = e0 + u * PRNN_DYN_THREADS, j = e / n, i = e - j * n;
-                out[u] = -1;
-                x[u] = y[u] = 0.0f;
-                if (e < count * n) {
-                    const int4 o = prnn_dyn_operand(program, first, j);
-                    out[u] = o.x + i;
-                    x[u] = op == PRNN_OP_LOOKUP ? params[o.w + i] : prnn_dyn_value(values + o.y + i);
-                    if (binary) y[u] = prnn_dyn_value(values + o.z + i);
-                }
+        for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+            const int e = e0 + u * PRNN_DYN_THREADS, j = e / n, i = e - j * n;
+            out[u] = -1;
+            x[u] = y[u] = 0.0f;
+            if (e < count * n) {
+                const int4 o = prnn_dyn_operand(program, first, j);
+                out[u] = o.x + i;
+                x[u] = OP == PRNN_OP_LOOKUP ? params[o.w + i] : prnn_dyn_value(values + o.y + i);
+                if (binary) y[u] = prnn_dyn_value(values + o.z + i);
             }
-#pragma unroll
-            for (int u = 0; u < PRNN_DYN_UNROLL; ++u)
-                if (out[u] >= 0) values[out[u]] = prnn_dyn_apply(op, x[u], y[u]);
         }
-        return;
+#pragma unroll
+        for (int u = 0; u < PRNN_DYN_UNROLL; ++u)
+            if (out[u] >= 0) values[out[u]] = prnn_dyn_apply(OP, x[u], y[u]);
     }
+}
+
 #if PRNN_DYN_TRAIN
-    for (int e = tid; e < count * n; e += PRNN_DYN_THREADS) {
+// A backward instruction of op OP (a forward op + PRNN_OP_BACKWARD), by every
+// thread of the block over the flattened (operand, element) range.
+template <int OP>
+__device__ __forceinline__ void prnn_dyn_backward(int n, int count, const int* program, int first,
+                                                  const float* values, float* grads, float* param_grads) {
+    for (int e = threadIdx.x; e < count * n; e += PRNN_DYN_THREADS) {
         const int j = e / n, i = e - j * n;
         const int4 o = prnn_dyn_operand(program, first, j);
         const int out = o.x + i, a = o.y + i, b = o.z + i;
-        switch (op) {
+        switch (OP) {
         // Backward: a node's gradient gathers from every consumer, which may
         // run on other blocks, so every accumulation is an atomic add in L2.
         case PRNN_OP_LOOKUP + PRNN_OP_BACKWARD: atomicAdd(param_grads + o.w + i, prnn_dyn_ld(grads + out)); break;
@@ -301,6 +294,57 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         default: break;
         }
     }
+}
+#endif
+
+// Any other instruction, by every thread of the block; the caller
+// synchronises the block after it.
+__device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, const int* program, int first,
+                                                     float* values, float* grads, const float* params,
+                                                     float* param_grads, float* loss) {
+    const int tid = threadIdx.x;
+    if (op == PRNN_OP_LOSS) {
+        for (int j = tid; j < count; j += PRNN_DYN_THREADS) {
+            const int4 o = prnn_dyn_operand(program, first, j);
+            float top, total;
+            prnn_dyn_softmax(values + o.y, n, &top, &total);
+            const float l = top + logf(total) - prnn_dyn_value(values + o.y + o.w);
+            values[o.x] = l;
+            atomicAdd(loss, l);
+        }
+        return;
+    }
+    // One element loop per op (a template argument): the loops carry no test of the op, which measured 6%
+    // of a training launch at every batch (perf-notes dynamic §27).
+#define PRNN_DYN_FORWARD(OP) \
+    case OP: return prnn_dyn_forward<OP>(n, count, program, first, values, params)
+    switch (op) {
+        PRNN_DYN_FORWARD(PRNN_OP_LOOKUP);
+        PRNN_DYN_FORWARD(PRNN_OP_ADD);
+        PRNN_DYN_FORWARD(PRNN_OP_MUL);
+        PRNN_DYN_FORWARD(PRNN_OP_TANH);
+        PRNN_DYN_FORWARD(PRNN_OP_SIGMOID);
+        PRNN_DYN_FORWARD(PRNN_OP_RELU);
+        PRNN_DYN_FORWARD(PRNN_OP_COPY);
+    default: break;
+    }
+#undef PRNN_DYN_FORWARD
+#if PRNN_DYN_TRAIN
+#define PRNN_DYN_BACKWARD(OP) \
+    case OP + PRNN_OP_BACKWARD: \
+        return prnn_dyn_backward<OP + PRNN_OP_BACKWARD>(n, count, program, first, values, grads, param_grads)
+    switch (op) {
+        PRNN_DYN_BACKWARD(PRNN_OP_LOOKUP);
+        PRNN_DYN_BACKWARD(PRNN_OP_ADD);
+        PRNN_DYN_BACKWARD(PRNN_OP_MUL);
+        PRNN_DYN_BACKWARD(PRNN_OP_TANH);
+        PRNN_DYN_BACKWARD(PRNN_OP_SIGMOID);
+        PRNN_DYN_BACKWARD(PRNN_OP_RELU);
+        PRNN_DYN_BACKWARD(PRNN_OP_COPY);
+        PRNN_DYN_BACKWARD(PRNN_OP_LOSS);
+    default: break;
+    }
+#undef PRNN_DYN_BACKWARD
 #endif
 }
 
