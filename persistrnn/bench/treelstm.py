@@ -71,7 +71,7 @@ class Settings:
     # Processes that make scripts ahead (dynamic.script_loader) for the second training timing, leaving two
     # CPUs to the launching process and the system (0: not timed). On the 16-CPU H100 host 14 workers ran the
     # Tree-LSTM 1.6x faster than 8 at batch 128 and 1.2x at 16, 0.9x at batch 1; above 16, not measured
-    # (perf-notes dynamic §22).
+    # (perf-notes dynamic §23).
     host_workers: int = max(0, min(16, (os.cpu_count() or 1) - 2))
 
 
