@@ -35,10 +35,8 @@ from typing import Callable
 import torch
 
 from persistrnn import dynamic
-from persistrnn.bench.tagger import tagger_workload
-from persistrnn.bench.treelstm import Settings, Workload, consecutive_batches, tree_lstm_workload
-
-WORKLOADS = {"treelstm": tree_lstm_workload, "tagger": tagger_workload}
+from persistrnn.bench.tagger import WORKLOADS
+from persistrnn.bench.treelstm import Settings, Workload, consecutive_batches
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters

@@ -18,11 +18,9 @@ import time
 import torch
 
 from persistrnn import dynamic
-from persistrnn.bench.tagger import tagger_workload
-from persistrnn.bench.treelstm import Settings, consecutive_batches, tree_lstm_workload
+from persistrnn.bench.tagger import WORKLOADS
+from persistrnn.bench.treelstm import Settings, consecutive_batches
 from persistrnn.runtime.timing import time_cuda_ms, warm_up
-
-WORKLOADS = {"treelstm": tree_lstm_workload, "tagger": tagger_workload}
 
 
 def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: int, args) -> None:

@@ -19,11 +19,9 @@ import os
 import torch
 
 from persistrnn import dynamic
-from persistrnn.bench.tagger import tagger_workload
-from persistrnn.bench.treelstm import Settings, _steady_ms, consecutive_batches, tree_lstm_workload
+from persistrnn.bench.tagger import WORKLOADS
+from persistrnn.bench.treelstm import Settings, _steady_ms, consecutive_batches
 from persistrnn.runtime.timing import time_cuda_ms, warm_up
-
-WORKLOADS = {"treelstm": tree_lstm_workload, "tagger": tagger_workload}
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .dynet_peer import DyNetTagger
-from .treelstm import Settings, Workload, _torch_params, main as run_suite
+from .treelstm import Settings, Workload, _torch_params, main as run_suite, tree_lstm_workload
 
 __all__ = ["TorchTagger", "main", "tagger_workload"]
 
@@ -124,6 +124,10 @@ def tagger_workload(settings: Settings, device: Any) -> Workload:
     return Workload("tagger", encoded, model, lambda g, sentence: builder.build(g, *sentence),
                     TorchTagger(model, builder, device), add_batch=lambda g, group: builder.build_batch(g, group),
                     dynet=lambda dy, lr: DyNetTagger(dy, model, builder, lr))
+
+
+WORKLOADS = {"treelstm": tree_lstm_workload, "tagger": tagger_workload}
+"""The dynamic-network suites' workloads by name (the profiling scripts take them)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,5 @@ from .script import PLACEMENTS, MatrixLayout, Script, matrix_layout, schedule
 
 __all__ = ["Adam", "BiLSTMTagger", "DATA_DIR", "Expr", "Graph", "Interpreter", "KernelSpec", "MatrixLayout", "Model",
            "PLACEMENTS", "Parameter", "Result", "SGD", "Script", "Tree", "TreeLSTM", "Vocabulary", "compile_spec",
-           "kernel_layout",
-           "matrix_layout", "parse_tree", "profile_table", "read_sst", "read_wikiner", "render_source", "run_script",
-           "schedule",
-           "script_loader"]
+           "kernel_layout", "matrix_layout", "parse_tree", "profile_table", "read_sst", "read_wikiner", "render_source",
+           "run_script", "schedule", "script_loader"]
