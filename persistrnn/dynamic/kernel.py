@@ -327,8 +327,8 @@ class Interpreter:
         pointer, f32 = np.uint64, np.float32
         args = (pointer(program.data_ptr()), pointer(starts.data_ptr()), pointer(values.data_ptr()),
                 pointer(grads.data_ptr()), *self._state_pointers, pointer(loss.data_ptr()), pointer(own.counters),
-                np.int32(self.model.matrix_floats), np.int32(self.model.total_floats), f32(lr), f32(beta1),
-                f32(beta2), f32(eps), f32(correction1), f32(correction2), pointer(own.status),
+                *self._dense_range, f32(lr), f32(beta1), f32(beta2), f32(eps), f32(correction1), f32(correction2),
+                pointer(own.status),
                 pointer(runtime.report_word(self.device.index)), pointer(runtime.wait_timeout_ns()),
                 *(() if profile is None else (pointer(profile.data_ptr()),)))
         runtime.launch(kernel, config, *args, stream=stream)
@@ -343,6 +343,13 @@ class Interpreter:
         """The parameters', their gradients' and Adam's moments' addresses
         (the tensors are updated in place for the interpreter's life)."""
         return tuple(np.uint64(t.data_ptr()) for t in (self.params, self.param_grads, self.adam_m, self.adam_v))
+
+    @functools.cached_property
+    def _dense_range(self) -> tuple[np.int32, np.int32]:
+        """The flat buffer's biases and embeddings, [matrix floats, total
+        floats): fixed with the model's layout (its parameters' sums, not
+        taken on every launch)."""
+        return np.int32(self.model.matrix_floats), np.int32(self.model.total_floats)
 
     @_on_its_device
     def run(self, graph: Graph | Script, *, train: bool = True) -> float:
