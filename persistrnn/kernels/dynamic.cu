@@ -383,12 +383,29 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
 
     for (int k = tid; k < PRNN_DYN_MATRICES; k += PRNN_DYN_THREADS) prnn_dyn_rows_of[k] = prnn_dyn_block_rows(k);
     __syncthreads();
+    // The once-a-launch loops over a block's rows (here, and the update after the script) load
+    // PRNN_DYN_UNROLL elements a thread before they store any: a loop that waited for each element's trip to
+    // memory before the next load ran its ~30 elements a thread one latency after another (perf-notes dynamic
+    // §29).
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
         const prnn_dyn_rows m = prnn_dyn_rows_of[k];
         const float* source = params + prnn_dyn_matrix[k][3] + m.begin * m.cols;
-        for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS) {
-            weights[m.cache + i] = source[i];
-            if (PRNN_DYN_TRAIN) wgrads[m.cache + i] = 0.0f;
+        const int n = m.count * m.cols;
+        for (int i0 = tid; i0 < n; i0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
+            float v[PRNN_DYN_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+                const int i = i0 + u * PRNN_DYN_THREADS;
+                v[u] = i < n ? source[i] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+                const int i = i0 + u * PRNN_DYN_THREADS;
+                if (i < n) {
+                    weights[m.cache + i] = v[u];
+                    if (PRNN_DYN_TRAIN) wgrads[m.cache + i] = 0.0f;
+                }
+            }
         }
     }
     if (tid == 0) failed = 0;
@@ -476,18 +493,43 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
         const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
         const bool replicated = prnn_dyn_matrix[k][7] > 1;
         if (replicated && m.replica != 0) continue;
-        for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS) {
-            const float g = replicated ? prnn_dyn_ld(param_grads + first + i) : wgrads[m.cache + i];
-            if (!replicated) param_grads[first + i] = g;
-            params[first + i] = prnn_dyn_update(weights[m.cache + i], g, first + i, adam_m, adam_v, lr, beta1, beta2,
-                                                eps, correction1, correction2);
+        const int n = m.count * m.cols;
+        for (int i0 = tid; i0 < n; i0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
+            float g[PRNN_DYN_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+                const int i = i0 + u * PRNN_DYN_THREADS;
+                g[u] = i >= n ? 0.0f : replicated ? prnn_dyn_ld(param_grads + first + i) : wgrads[m.cache + i];
+            }
+#pragma unroll
+            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+                const int i = i0 + u * PRNN_DYN_THREADS;
+                if (i >= n) continue;
+                if (!replicated) param_grads[first + i] = g[u];
+                params[first + i] = prnn_dyn_update(weights[m.cache + i], g[u], first + i, adam_m, adam_v, lr, beta1,
+                                                    beta2, eps, correction1, correction2);
+            }
         }
     }
     // Biases and embeddings, after the script's closing barrier of every
     // block: their gradients are complete and nobody reads them any more.
-    for (int i = dense_begin + (int)blockIdx.x * PRNN_DYN_THREADS + tid; i < dense_end;
-         i += (int)gridDim.x * PRNN_DYN_THREADS)
-        params[i] = prnn_dyn_update(params[i], prnn_dyn_ld(param_grads + i), i, adam_m, adam_v, lr, beta1, beta2, eps,
-                                    correction1, correction2);
+    const int stride = (int)gridDim.x * PRNN_DYN_THREADS;
+    for (int i0 = dense_begin + (int)blockIdx.x * PRNN_DYN_THREADS + tid; i0 < dense_end;
+         i0 += PRNN_DYN_UNROLL * stride) {
+        float p[PRNN_DYN_UNROLL], g[PRNN_DYN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+            const int i = i0 + u * stride;
+            p[u] = i < dense_end ? params[i] : 0.0f;
+            g[u] = i < dense_end ? prnn_dyn_ld(param_grads + i) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
+            const int i = i0 + u * stride;
+            if (i < dense_end)
+                params[i] = prnn_dyn_update(p[u], g[u], i, adam_m, adam_v, lr, beta1, beta2, eps, correction1,
+                                            correction2);
+        }
+    }
 #endif
 }
