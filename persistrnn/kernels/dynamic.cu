@@ -383,29 +383,12 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
 
     for (int k = tid; k < PRNN_DYN_MATRICES; k += PRNN_DYN_THREADS) prnn_dyn_rows_of[k] = prnn_dyn_block_rows(k);
     __syncthreads();
-    // The once-a-launch loops over a block's rows (here, and the update after the script) load
-    // PRNN_DYN_UNROLL elements a thread before they store any: a loop that waited for each element's trip to
-    // memory before the next load ran its ~30 elements a thread one latency after another (perf-notes dynamic
-    // §29).
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
         const prnn_dyn_rows m = prnn_dyn_rows_of[k];
         const float* source = params + prnn_dyn_matrix[k][3] + m.begin * m.cols;
-        const int n = m.count * m.cols;
-        for (int i0 = tid; i0 < n; i0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
-            float v[PRNN_DYN_UNROLL];
-#pragma unroll
-            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
-                const int i = i0 + u * PRNN_DYN_THREADS;
-                v[u] = i < n ? source[i] : 0.0f;
-            }
-#pragma unroll
-            for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
-                const int i = i0 + u * PRNN_DYN_THREADS;
-                if (i < n) {
-                    weights[m.cache + i] = v[u];
-                    if (PRNN_DYN_TRAIN) wgrads[m.cache + i] = 0.0f;
-                }
-            }
+        for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS) {
+            weights[m.cache + i] = source[i];
+            if (PRNN_DYN_TRAIN) wgrads[m.cache + i] = 0.0f;
         }
     }
     if (tid == 0) failed = 0;
@@ -493,6 +476,9 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
         const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
         const bool replicated = prnn_dyn_matrix[k][7] > 1;
         if (replicated && m.replica != 0) continue;
+        // The update loops load PRNN_DYN_UNROLL elements a thread before they store any: one element at a time,
+        // each waiting for its trip to memory, they cost a training launch 14-19 µs more at the kernel's tail
+        // (perf-notes dynamic §29; the copy into shared memory above measured no gain from the same change).
         const int n = m.count * m.cols;
         for (int i0 = tid; i0 < n; i0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
             float g[PRNN_DYN_UNROLL];
