@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 from .dynet_peer import DyNetTreeLSTM, load_dynet
 from .environment import describe, environment
-from .timing import time_cuda_ms
+from .timing import time_cuda_ms, warm_up
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -97,7 +97,8 @@ class Workload:
 def _kernel_ms(interp: Any, scripts: list, repeats: int) -> float:
     """Device ms per launch of ``scripts`` (every timed batch's, built
     beforehand), launched back to back between two CUDA events, the median
-    of ``repeats``: while the host prepares a launch faster than the device
+    of ``repeats`` after a warm-up to steady clocks (the row's scheduling
+    leaves the GPU idle before it): while the host prepares a launch faster than the device
     runs one, the queue stays full and a launch's host work and any stall of
     the host between two launches do not count. Timing the first batch's
     launch alone, between its own events, counted both: the tagger's batch-1
@@ -107,6 +108,7 @@ def _kernel_ms(interp: Any, scripts: list, repeats: int) -> float:
         for script in scripts:
             interp.launch(script)
 
+    warm_up(launches)
     return time_cuda_ms(launches, warmup=1, repeats=repeats) / len(scripts)
 
 
