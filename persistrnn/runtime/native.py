@@ -78,7 +78,8 @@ def build(target: Path) -> None:
                *(f"-isystem{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", tmp,
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
     log = tmp + ".log"
-    then_rename = 'tmp="$1" target="$2" log="$3"; shift 3; "$@" >"$log" 2>&1 && mv -f "$tmp" "$target" && rm -f "$log"'
+    # The log goes before the rename: whoever sees the library in place never sees the log beside it.
+    then_rename = 'tmp="$1" target="$2" log="$3"; shift 3; "$@" >"$log" 2>&1 && rm -f "$log" && mv -f "$tmp" "$target"'
     try:
         done = subprocess.run(["sh", "-c", then_rename, "sh", tmp, str(target), log, *command],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
