@@ -123,7 +123,7 @@ def wikiner_batch(count: int, hidden: int = 12, embedding: int = 10, seed: int =
 
 import pytest  # noqa: E402
 
-from persistrnn.errors import ArgumentError, ConfigError  # noqa: E402
+from persistrnn.errors import ArgumentError, ArgumentTypeError, ConfigError  # noqa: E402
 
 TOLERANCE = 1e-10
 """The reference interpreter and torch both run float64: they differ by summation order only."""
@@ -617,6 +617,36 @@ def test_tree_batch_builder_gives_the_expression_api_scripts(variant, batch):
     assert [len(x) for x in losses] == [len(t.nodes()) for t in trees]
     assert [e.id for x in losses for e in x] == np.flatnonzero(reference.arrays()["op"] == OP["loss"]).tolist()
     assert_same_scripts(model, fast, reference, [1, 3, 7, 132])
+    again = dynamic.Graph(model)  # the trees' walks are kept from the first build, and joining them changed none
+    builder.build_batch(again, trees[::-1] + trees, vocab)
+    with_reversed = dynamic.Graph(model)
+    for t in trees[::-1] + trees:
+        expression_tree_lstm(builder, with_reversed, t, vocab.ids)
+    assert_same_scripts(model, again, with_reversed, [132])
+
+
+def test_a_trees_post_order_is_walked_once_and_matches_its_nodes():
+    tree = dynamic.parse_tree("(3 (2 (1 a) (4 b)) (0 (2 c) (1 (3 d) (2 e))))")
+    order = tree.post_order
+    assert tree.post_order is order  # kept on the (immutable) tree
+    nodes = tree.nodes()
+    position = {id(n): k for k, n in enumerate(nodes)}
+    assert order.label.tolist() == [n.label for n in nodes]
+    assert order.child_count.tolist() == [len(n.children) for n in nodes]
+    assert order.children.tolist() == [position[id(c)] for n in nodes for c in n.children]
+    assert order.words == tuple(tree.words()) == ("a", "b", "c", "d", "e")
+    assert order.leaf_at.tolist() == [k for k, n in enumerate(nodes) if n.word is not None]
+
+    def level(n):
+        return 1 + max(map(level, n.children)) if n.children else 0
+
+    assert order.level.tolist() == [level(n) for n in nodes]
+    bad = dynamic.Tree(1.5, "a")
+    for _ in range(2):  # a refused tree keeps nothing: it is refused again
+        with pytest.raises(ArgumentTypeError, match="1.5"):
+            assert bad.post_order is None
+    with pytest.raises(ArgumentError, match="both a word"):
+        assert dynamic.Tree(1, "a", (dynamic.Tree(1, "b"),)).post_order is None
 
 
 @pytest.mark.parametrize("batch", [1, 5, 32])

@@ -13,13 +13,13 @@ their order are those of calling the cell code per node and token, at
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError
 from .batch import Instances, Template, instantiate
-from .data import Tree, Vocabulary
+from .data import Tree, Vocabulary, integers
 from .graph import Expr, Graph
 from .model import Model
 
@@ -101,74 +101,39 @@ class TreeLSTM:
         as arrays: their child counts, their children's positions (all nodes'
         lists one after another), word ids (0 for inner nodes), labels and
         levels (a leaf 0, else 1 + its children's deepest); nodes per tree.
-
-        One walk per tree over an explicit stack (a tree's depth is not
-        bounded by Python's recursion limit) that appends to flat lists; a
-        finished node leaves its position on a stack, so its parent takes
-        its children's positions from there, with no lookup by node."""
-        kid_count: list[int] = []
-        kid_flat: list[int] = []
-        leaf_words: list[str] = []
-        leaf_at: list[int] = []
-        labels: list[int] = []
-        level: list[int] = []
-        binary = self.variant == "binary"
-
-        def visit(root: Tree) -> None:
-            todo: list[tuple[Tree, bool]] = [(root, False)]  # (node, its children are done)
-            finished: list[int] = []  # positions of finished nodes whose parent is not
-            while todo:
-                node, children_done = todo.pop()
-                children = node.children
-                if children and not children_done:
-                    if node.word is not None:
-                        raise ArgumentError(f"a tree node has both a word ({node.word!r}) and children")
-                    if binary and len(children) != 2:
-                        raise ArgumentError(f"the binary Tree-LSTM takes nodes of 0 or 2 children, got one of "
-                                            f"{len(children)} (use variant='childsum')")
-                    todo.append((node, True))
-                    todo.extend((child, False) for child in reversed(children))  # the first child first
-                    continue
-                if children:
-                    inner = finished[-len(children):]
-                    del finished[-len(children):]
-                    kid_count.append(len(inner))
-                    kid_flat.extend(inner)
-                    level.append(1 + max([level[k] for k in inner]))
-                else:
-                    if node.word is None:
-                        raise ArgumentError("a tree node has neither a word nor children")
-                    leaf_at.append(len(labels))
-                    leaf_words.append(node.word)
-                    kid_count.append(0)
-                    level.append(0)
-                labels.append(node.label)
-                finished.append(len(labels) - 1)
-
-        tree_nodes = []
-        leaf_ids: list[int] = []
-        for t, tree in enumerate(trees):
-            start, leaves = len(labels), len(leaf_words)
-            visit(tree)
-            tree_nodes.append(len(labels) - start)
-            if ids is not None:  # the tree's leaves in order, one id each
-                given = list(ids[t])
-                if len(given) != len(leaf_words) - leaves:
-                    raise ArgumentError(f"build: tree {t} has {len(leaf_words) - leaves} leaves, got "
-                                        f"{len(given)} ids")
-                leaf_ids.extend(given)
+        Each tree's own arrays (:attr:`~.data.Tree.post_order`, walked once per
+        tree) are joined, their positions shifted by the nodes before."""
+        orders = [tree.post_order for tree in trees]
         if ids is not None and len(ids) != len(trees):
             raise ArgumentError(f"build: expected one id sequence per tree ({len(trees)}), got {len(ids)}")
+        tree_nodes = np.asarray([o.label.size for o in orders], dtype=np.int64)
+        first = np.cumsum(tree_nodes) - tree_nodes
+
+        def joined(name: str, shifted: bool) -> np.ndarray:
+            parts = [getattr(o, name) for o in orders]
+            out = np.concatenate(parts)
+            if shifted:
+                out += np.repeat(first, [p.size for p in parts])
+            return out
+
+        kid_count = joined("child_count", False)
+        if self.variant == "binary" and ((odd := (kid_count != 0) & (kid_count != 2)).any()):
+            raise ArgumentError(f"the binary Tree-LSTM takes nodes of 0 or 2 children, got one of "
+                                f"{int(kid_count[odd][0])} (use variant='childsum')")
         if ids is None:
+            leaf_words = [w for o in orders for w in o.words]
             leaf_ids = (word_ids.encode(leaf_words) if isinstance(word_ids, Vocabulary)
                         else [_lookup(word_ids, w) for w in leaf_words])
-        # The walk's own lists hold ints it made; the labels and ids came from the caller's data and are checked.
-        def own(values: list[int]) -> np.ndarray:
-            return np.asarray(values, dtype=np.int64)
-
-        words = np.zeros(len(labels), dtype=np.int64)
-        words[own(leaf_at)] = _integers(leaf_ids)
-        return own(kid_count), own(kid_flat), words, _integers(labels), own(level), own(tree_nodes)
+        else:  # each tree's leaves in order, one id each
+            leaf_ids = []
+            for t, (o, given) in enumerate(zip(orders, ids)):
+                given = list(given)
+                if len(given) != len(o.words):
+                    raise ArgumentError(f"build: tree {t} has {len(o.words)} leaves, got {len(given)} ids")
+                leaf_ids.extend(given)
+        words = np.zeros(int(tree_nodes.sum()), dtype=np.int64)
+        words[joined("leaf_at", True)] = integers(leaf_ids)
+        return kid_count, joined("children", True), words, joined("label", False), joined("level", False), tree_nodes
 
     def _template(self, g: Graph, children: int) -> Template:
         """The cell of a leaf (``children`` 0) or of an inner node of ``children`` children."""
@@ -252,8 +217,8 @@ class BiLSTMTagger:
                                     f"{len(tags)} tags")
         if not sentences:
             return []
-        words = _integers([w for s, _ in sentences for w in s])
-        tags = _integers([t for _, s in sentences for t in s])
+        words = integers([w for s, _ in sentences for w in s])
+        tags = integers([t for _, s in sentences for t in s])
         _check_range("lookup", "row", words, self.embed.rows, f" for {self.embed.name!r}")
         _check_range("loss", "label", tags, self.tags, "")
         # A sentence's nodes depend only on its length, up to the word and tag
@@ -341,20 +306,6 @@ class BiLSTMTagger:
 
     def _output(self, g: Graph, forward: Expr, backward: Expr, tag: int) -> Expr:
         return g.loss(g.matvec(self.w_out, g.concat([forward, backward])) + g.parameter(self.b_out), tag)
-
-
-def _integers(values: Sequence[Any]) -> np.ndarray:
-    """``values`` as int64, refusing what is not an integer (a float, a bool,
-    a string), as the expression API refuses it: ``np.asarray(..., int64)``
-    alone would truncate 1.7 to 1 and read True as 1."""
-    array = np.asarray(values)
-    # a list mixing True with ints comes out int64: the bools are looked for in the list itself (by their
-    # types, collected in C: half the time of a generator over the values)
-    if array.size and (array.dtype.kind not in "iu" or (not isinstance(values, np.ndarray)
-                                                         and bool in set(map(type, values)))):
-        bad = next(v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)))
-        raise ArgumentTypeError(f"build: expected integer ids and labels, got {bad!r} ({type(bad).__name__})")
-    return array.astype(np.int64, copy=False).reshape(-1)
 
 
 def _lookup(word_ids: Mapping[str, int], word: str) -> int:
