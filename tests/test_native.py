@@ -61,18 +61,24 @@ def _restore_driver(library):
 
 def test_a_build_that_outlives_its_process_still_leaves_the_library_and_no_temp_file(tmp_path):
     # The build runs in a thread beside a first call; a process that ends first leaves its compiler to finish,
-    # and the library is renamed into place for the next process (a stand-in compiler that takes a second).
+    # and the library is renamed into place for the next process (a stand-in compiler that takes a second). The
+    # process ends once the compiler has started (it marks a file): a fixed wait raced the thread's own imports
+    # (torch's, over a second on a machine with CUDA).
     import time
 
-    compiler = tmp_path / "slow-c++"
-    compiler.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\nsleep 1\necho built > "$2"\n')
+    compiler, started = tmp_path / "slow-c++", tmp_path / "compiler-started"
+    compiler.write_text(f'#!/bin/sh\ntouch "{started}"\nwhile [ "$1" != "-o" ]; do shift; done\nsleep 1\n'
+                        'echo built > "$2"\n')
     compiler.chmod(0o755)
     target = tmp_path / "cache" / "replay.so"
     code = ("import sys, threading, time\nfrom pathlib import Path\nfrom persistrnn.runtime import native\n"
             "threading.Thread(target=native.build, args=(Path(sys.argv[1]),), daemon=True).start()\n"
-            "time.sleep(0.3)\nprint('ended')\n")
-    ended = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "CXX": str(compiler)})
+            "deadline = time.monotonic() + 60\n"
+            "while not Path(sys.argv[2]).exists() and time.monotonic() < deadline:\n    time.sleep(0.01)\n"
+            "print('ended')\n")
+    ended = subprocess.run([sys.executable, "-c", code, str(target), str(started)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "CXX": str(compiler)})
+    assert started.exists(), ended.stderr[-2000:]
     assert (ended.returncode, ended.stdout.strip(), target.exists()) == (0, "ended", False), ended.stderr[-2000:]
     deadline = time.monotonic() + 30
     while not target.exists() and time.monotonic() < deadline:
