@@ -1216,18 +1216,21 @@ def test_the_tree_reader_takes_any_depth_and_names_a_bad_label():
 # ---- scripts made ahead in worker processes (script_loader) --------------------
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_script_loader_gives_each_batch_its_schedule_in_order(workers):
+@pytest.mark.parametrize("workers, per_item", [(0, 1), (2, 1), (2, 3), (0, 3)])
+def test_script_loader_gives_each_batch_its_schedule_in_order(workers, per_item):
     # Real SST trees in batches of different sizes and a BiLSTM tagger's
     # sentences: every script from the workers is bit for bit the one
-    # schedule() makes in this process, in the batches' order.
+    # schedule() makes in this process, in the batches' order, one batch or
+    # several (the last item short) per worker item.
     model, builder, trees, vocab, _ = sst_batch(12, hidden=13)
     batches = [trees[0:1], trees[1:6], trees[6:12], trees[3:4]]
 
     def build(g, batch):
         builder.build_batch(g, batch, vocab)
 
-    got = list(dynamic.script_loader(model, build, batches, 7, workers=workers, prefetch=1))
+    loader = dynamic.script_loader(model, build, batches, 7, workers=workers, prefetch=1, per_item=per_item)
+    assert len(loader) == len(batches)
+    got = list(loader)
     assert len(got) == len(batches)
     for script, batch in zip(got, batches):
         g = dynamic.Graph(model)
@@ -1285,7 +1288,8 @@ def _assert_same_scripts(got, model, build, batches, blocks):
             (want.workspace_floats, want.signals, want.stages, want.layout)
 
 
-def test_script_loader_sends_a_script_larger_than_a_slot_through_the_pipe(monkeypatch):
+@pytest.mark.parametrize("per_item", [1, 2])
+def test_script_loader_sends_a_script_larger_than_a_slot_through_the_pipe(monkeypatch, per_item):
     from persistrnn.dynamic import loader
 
     model, builder, trees, vocab, _ = sst_batch(6, hidden=13)
@@ -1306,7 +1310,7 @@ def test_script_loader_sends_a_script_larger_than_a_slot_through_the_pipe(monkey
     taken = []
     take = loader._Slots.take
     monkeypatch.setattr(loader._Slots, "take", lambda self, item: taken.append(item.index) or take(self, item))
-    got = list(dynamic.script_loader(model, build, batches, 7, workers=1))
+    got = list(dynamic.script_loader(model, build, batches, 7, workers=1, per_item=per_item))
     assert taken == [0]
     _assert_same_scripts(got, model, build, batches, 7)
 
@@ -1330,8 +1334,9 @@ def test_script_loader_without_shared_memory_sends_scripts_through_the_pipe(monk
     _assert_same_scripts(got, model, build, batches, 7)
 
 
-def test_script_loader_makes_a_script_again_whose_slot_was_rewritten(monkeypatch):
-    # One slot per worker, three scripts ahead, and a loop slower than the worker: the worker rewrites the
+@pytest.mark.parametrize("per_item", [1, 2])
+def test_script_loader_makes_a_script_again_whose_slot_was_rewritten(monkeypatch, per_item):
+    # One slot per worker, three items ahead, and a loop slower than the worker: the worker rewrites the
     # slot before the loop reads it; the loop sees another tag there and makes that batch itself.
     import time
 
@@ -1348,21 +1353,25 @@ def test_script_loader_makes_a_script_again_whose_slot_was_rewritten(monkeypatch
     monkeypatch.setattr(loader._Scripts, "script", lambda self, i: made_here.append(i) or script(self, i))
     monkeypatch.setattr(loader, "_Slots", lambda workers, per_worker, slots=loader._Slots: slots(workers, 1))
     got = []
-    for s in dynamic.script_loader(model, build, batches, 7, workers=1, prefetch=3):
+    for s in dynamic.script_loader(model, build, batches, 7, workers=1, prefetch=3, per_item=per_item):
         got.append(s)
         time.sleep(0.3)
     assert made_here and set(made_here) < {0, 1, 2, 3}, made_here  # this process made some, not all
     _assert_same_scripts(got, model, build, batches, 7)
 
 
-def test_script_loader_raises_a_workers_failure_with_its_type_and_message():
+@pytest.mark.parametrize("per_item", [1, 2, 3])
+def test_script_loader_raises_a_workers_failure_with_its_type_and_message(per_item):
+    # The failing batch alone in its item, or after a good one in the same item (the worker hands back the
+    # good script; this process makes the rest and raises there), or first in an item with a good one after.
     model, builder, trees, vocab, _ = sst_batch(3, hidden=13)
     bad = dynamic.parse_tree("(2 (1 a) (3 b) (2 c))")  # three children: not a binary tree
 
     def build(g, batch):
         builder.build_batch(g, batch, vocab)
 
-    scripts = iter(dynamic.script_loader(model, build, [trees[:1], [bad]], 4, workers=1))
+    scripts = iter(dynamic.script_loader(model, build, [trees[:1], [bad], trees[1:2]], 4, workers=1,
+                                         per_item=per_item))
     assert next(scripts).stages > 0
     with pytest.raises(ArgumentError, match="the binary Tree-LSTM takes nodes of 0 or 2 children"):
         next(scripts)
@@ -1372,6 +1381,7 @@ def test_script_loader_raises_a_workers_failure_with_its_type_and_message():
     (dict(workers=-1), "workers must be an int >= 0, got -1"),
     (dict(workers=True), "workers must be an int >= 0, got True"),
     (dict(prefetch=0), "prefetch must be an int >= 1, got 0"),
+    (dict(per_item=0), "per_item must be an int >= 1, got 0"),
     (dict(placement="scatter"), "placement must be one of"),
     (dict(build=None), "build must be a callable"),
 ])

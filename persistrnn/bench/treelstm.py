@@ -48,6 +48,7 @@ import importlib.metadata
 import io
 import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -59,6 +60,10 @@ from .environment import describe, environment
 from .timing import time_cuda_ms, warm_up
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+ITEM_KERNEL_MS = 2.0
+"""Kernel time a worker's item of scripts holds in the loop with workers (``per_item`` is the batches'
+scripts that reach it, up to :data:`MAX_PER_ITEM`)."""
+MAX_PER_ITEM = 8
 
 
 @dataclasses.dataclass
@@ -397,13 +402,17 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
     row["host_workers"] = settings.host_workers
     if settings.host_workers:
         # The same loop with each batch's script made ahead by worker processes (they start in the warm-up
-        # run). Each loop starts with a ramp: every worker makes its first `prefetch` scripts at once, and the
+        # run). Each loop starts with a ramp: every worker makes its first `prefetch` (2) items at once, and the
         # launches wait for them (a loop of 20 batches, as timed first, holds its ramp in full; perf-notes dynamic
-        # §11). An epoch has hundreds of batches, so the rate is timed past the ramp: from the launch of batch 2W
-        # to the end of the loop, over the batches repeated to at least three times that.
-        ramp = 2 * settings.host_workers
+        # §11). An epoch has hundreds of batches, so the rate is timed past the ramp: from the launch of batch
+        # 2 W per_item to the end of the loop, over the batches repeated to at least three times that.
+        # A worker's item holds ~ITEM_KERNEL_MS of kernel time in scripts: the launching process's cost per
+        # DataLoader item (~0.1-0.25 ms, perf-notes dynamic §32) is then a small part of the kernel's time.
+        per_item = max(1, min(MAX_PER_ITEM, math.ceil(ITEM_KERNEL_MS / row["ours_train_kernel_ms"])))
+        row["ours_workers_per_item"] = per_item
+        ramp = 2 * settings.host_workers * per_item
         ahead = batches * -(-3 * ramp // len(batches))
-        scripts_ahead = interp.scripts(ahead, build, workers=settings.host_workers)
+        scripts_ahead = interp.scripts(ahead, build, workers=settings.host_workers, per_item=per_item)
         wall, waiting, stepping = _steady_ms(interp, scripts_ahead, ramp, settings.repeats)
         timed = len(ahead) - ramp
         row["ours_workers_train_sent_s"] = batch * timed / (wall / 1e3)
@@ -547,6 +556,7 @@ COLUMNS = [
     ("dynet_train_sent_s", "DyNet autobatch (CPU) sent/s", "{:.0f}"),
     ("ours_workers_wait_ms_per_batch", "ours with workers: ms/batch waiting for a script", "{:.2f}"),
     ("ours_workers_step_ms_per_batch", "ours with workers: ms/batch in step", "{:.2f}"),
+    ("ours_workers_per_item", "ours with workers: scripts per worker item", "{}"),
     ("ours_train_kernel_ms", "ours train kernel ms", "{:.3f}"),
     ("ours_host_ms_per_batch", "ours host ms/batch (build + schedule)", "{:.2f}"),
     ("ours_instructions_per_input", "ours instructions/input", "{:.0f}"),

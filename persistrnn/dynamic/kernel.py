@@ -293,14 +293,15 @@ class Interpreter:
         return schedule(graph, self.blocks, train=train, placement=self.placement, layout=self.layout)
 
     def scripts(self, batches: Sequence[Any], build: Callable[[Graph, Any], Any], *, train: bool = True,
-                workers: int = 0, prefetch: int = 2) -> Any:
+                workers: int = 0, prefetch: int = 2, per_item: int = 1) -> Any:
         """The scripts of ``batches`` for this interpreter, in order, made
-        ahead by ``workers`` processes (:func:`~.loader.script_loader`);
+        ahead by ``workers`` processes, ``per_item`` batches at a time
+        (:func:`~.loader.script_loader`);
         ``build(graph, batch)`` adds one batch to a graph. For
         ``for script in interp.scripts(...): interp.step(script)``, where one
         process's host work per batch would outlast the kernel."""
         return script_loader(self.model, build, batches, self.blocks, train=train, placement=self.placement,
-                             layout=self.layout, workers=workers, prefetch=prefetch)
+                             layout=self.layout, workers=workers, prefetch=prefetch, per_item=per_item)
 
     @_on_its_device
     def launch(self, script: Script, *, poison: bool = False) -> Launched:

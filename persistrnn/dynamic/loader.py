@@ -26,6 +26,13 @@ copies the arrays out under the slot's lock. A slot rewritten before it was
 read (a worker further ahead than its slots) is detected by its tag and
 that batch is made again in this process; a script larger than a slot
 comes through the pipe.
+
+The DataLoader costs the launching process ~0.1-0.25 ms per item it hands
+over (its queues, its pickled handle, its bookkeeping; perf-notes dynamic
+§32), which is a third of a batch-1 kernel. ``per_item`` makes each item
+several consecutive batches' scripts, so that cost is shared; a worker
+whose item fails part way hands back the scripts before the failure, and
+the launching process makes the rest itself, raising the failure there.
 """
 
 from __future__ import annotations
@@ -58,6 +65,15 @@ script comes through the pipe. Pages are allocated as a slot is first
 written, so unused capacity costs address space only."""
 
 _ARRAYS = ("program", "starts", "offsets", "losses")
+
+
+@dataclasses.dataclass(frozen=True)
+class _MakeHere:
+    """The rest of a worker's item after a batch of it failed: the
+    launching process makes these batches itself, and so raises the failure
+    with its own type, message and traceback."""
+
+    indices: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,29 +139,41 @@ class _Slots:
 
 
 class _Scripts:
-    """Map-style dataset: item ``i`` is batch ``i``'s script (in a worker
-    with slots, a handle on it in shared memory)."""
+    """Map-style dataset: item ``j`` is the scripts of batches ``j *
+    per_item`` up to ``(j + 1) * per_item`` (in a worker with slots, handles
+    on them in shared memory)."""
 
     def __init__(self, model: Model, build: Callable[[Graph, Any], Any], batches: Sequence[Any], blocks: int,
-                 train: bool, placement: str, layout: MatrixLayout | None, slots: _Slots | None) -> None:
+                 train: bool, placement: str, layout: MatrixLayout | None, slots: _Slots | None,
+                 per_item: int) -> None:
         self.model, self.build, self.batches = model, build, batches
         self.blocks, self.train, self.placement, self.layout = blocks, train, placement, layout
-        self.slots = slots
+        self.slots, self.per_item = slots, per_item
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return -(-len(self.batches) // self.per_item)
 
     def script(self, i: int) -> Script:
         graph = Graph(self.model)
         self.build(graph, self.batches[i])
         return schedule(graph, self.blocks, train=self.train, placement=self.placement, layout=self.layout)
 
-    def __getitem__(self, i: int) -> Script | _InSlot:
+    def __getitem__(self, item: int) -> tuple[Script | _InSlot | _MakeHere, ...]:
         import torch.utils.data
 
         worker = torch.utils.data.get_worker_info()
-        script = self.script(i)
-        return script if worker is None or self.slots is None else self.slots.put(worker.id, i, script)
+        indices = range(item * self.per_item, min(len(self.batches), (item + 1) * self.per_item))
+        made: list[Script | _InSlot | _MakeHere] = []
+        for i in indices:
+            try:
+                script = self.script(i)
+            except Exception:
+                if not made:
+                    raise  # the DataLoader raises it in the loop, with its type and message
+                made.append(_MakeHere(tuple(indices[len(made):])))
+                break
+            made.append(script if worker is None or self.slots is None else self.slots.put(worker.id, i, script))
+        return tuple(made)
 
 
 class _Loader:
@@ -155,36 +183,46 @@ class _Loader:
         self.loader, self.scripts = loader, scripts
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.scripts.batches)
 
     def __iter__(self) -> Iterator[Script]:
+        scripts = self.scripts
         for item in self.loader:
-            if isinstance(item, _InSlot):
-                item = self.scripts.slots.take(item) or self.scripts.script(item.index)
-            yield item
+            for one in item:
+                if isinstance(one, _MakeHere):
+                    yield from (scripts.script(i) for i in one.indices)
+                elif isinstance(one, _InSlot):
+                    yield scripts.slots.take(one) or scripts.script(one.index)
+                else:
+                    yield one
 
 
-def _as_is(script: Script | _InSlot) -> Script | _InSlot:
-    return script
+def _as_is(item: tuple[Script | _InSlot | _MakeHere, ...]) -> tuple[Script | _InSlot | _MakeHere, ...]:
+    return item
 
 
 def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Sequence[Any], blocks: int, *,
                   train: bool = True, placement: str = "partition", layout: MatrixLayout | None = None,
-                  workers: int = 0, prefetch: int = 2) -> Any:
+                  workers: int = 0, prefetch: int = 2, per_item: int = 1) -> Any:
     """An iterable of the scripts of ``batches``, in their order: for each
     batch, ``build(graph, batch)`` adds it to a new :class:`~.graph.Graph` of
     ``model``, which is scheduled on ``blocks`` blocks (:func:`~.script.schedule`).
 
     ``workers`` processes make them ahead (0: in this process, one at a time
-    as the loop asks), each up to ``prefetch`` scripts ahead; they start at
-    the first loop and stay for the next ones (a loop per epoch pays their
-    start once). A failure in a worker (a malformed input, say) is raised in
+    as the loop asks), ``per_item`` consecutive batches at a time, each up to
+    ``prefetch`` such items ahead; they start at the first loop and stay for
+    the next ones (a loop per epoch pays their start once). Where a script
+    takes about a millisecond to make (batches of a few inputs), a
+    ``per_item`` of ~4 shares the launching process's cost per item; larger
+    items take longer to the first script and ``per_item`` times the shared
+    memory. A failure in a worker (a malformed input, say) is raised in
     the loop with its type and message. ``Interpreter.scripts`` calls this
     with the interpreter's blocks, placement and ``layout``.
     """
     import torch.utils.data
 
-    for name, value, low in (("workers", workers, 0), ("prefetch", prefetch, 1), ("blocks", blocks, 1)):
+    for name, value, low in (("workers", workers, 0), ("prefetch", prefetch, 1), ("blocks", blocks, 1),
+                             ("per_item", per_item, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ArgumentError(f"script_loader: {name} must be an int >= {low}, got {value!r}")
     if placement not in PLACEMENTS:
@@ -195,16 +233,18 @@ def script_loader(model: Model, build: Callable[[Graph, Any], Any], batches: Seq
         raise ArgumentError(f"script_loader: workers start by fork, which this platform lacks (it has "
                             f"{multiprocessing.get_all_start_methods()}); use workers=0")
     model.layout()  # fixes the declarations here, before any worker copies the model
-    # A worker is at most `prefetch` scripts ahead of the loop (the DataLoader sends it a batch as the loop takes
-    # one of its scripts), so prefetch + 1 slots are never rewritten before they are read.
+    # A worker is at most `prefetch` items ahead of the loop (the DataLoader sends it an item as the loop takes
+    # one of its items), so (prefetch + 1) * per_item slots are never rewritten before they are read. In this
+    # process an item is one script: the loop overlaps each with the kernel before it.
+    per_item = per_item if workers else 1
     slots = None
     if workers:
         try:
-            slots = _Slots(workers, prefetch + 1)
+            slots = _Slots(workers, (prefetch + 1) * per_item)
         except OSError as error:  # address space or shared memory refused (a strict overcommit limit, say)
             logger.warning("script_loader: no shared memory for %d workers' slots (%s); scripts come back through "
                            "the DataLoader's pipe", workers, error)
-    scripts = _Scripts(model, build, batches, blocks, train, placement, layout, slots)
+    scripts = _Scripts(model, build, batches, blocks, train, placement, layout, slots, per_item)
     loader = torch.utils.data.DataLoader(scripts, batch_size=None, shuffle=False, num_workers=workers,
                                          collate_fn=_as_is, prefetch_factor=prefetch if workers else None,
                                          persistent_workers=workers > 0, timeout=WORKER_TIMEOUT_S if workers else 0,
