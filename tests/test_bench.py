@@ -1008,3 +1008,59 @@ def test_training_timings_interleave_the_sides_round_by_round(monkeypatch):
     got = training._time_interleaved(runs, calls=2, repeats=3)
     assert order == ["enter ours", "ours", "ours", "enter cudnn", "cudnn", "cudnn"] * 3
     assert got == {"ours": 0.5, "cudnn": 0.5}  # one clock tick between the events, over 2 calls
+
+
+def test_a_queued_timing_doubles_the_sleep_until_the_call_is_issued_behind_it(monkeypatch):
+    # Fakes of torch.cuda's sleep, events and synchronize: the host issues a call in 1.2 "sleep units" of
+    # 2**20 cycles; a repeat counts only where the timed region had not begun when the call returned, and
+    # the sleep doubles until it has not. A host that never gets there is refused, not waited for.
+    import torch
+
+    from persistrnn.errors import ArgumentError
+    from persistrnn.runtime import timing as runtime_timing
+
+    issue_cycles, slept, taken = [1.2 * runtime_timing.QUEUE_SLEEP_CYCLES], [], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.sleep = None
+
+        def record(self):
+            self.sleep = slept[-1]
+
+        def query(self):
+            return self.sleep <= issue_cycles[0]  # reached: the sleep ended before the call was issued
+
+        def elapsed_time(self, end):
+            return 0.25
+
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert runtime_timing.time_cuda_ms(lambda: taken.append(1), warmup=1, repeats=3, queued=True) == 0.25
+    assert slept == [runtime_timing.QUEUE_SLEEP_CYCLES] + [2 * runtime_timing.QUEUE_SLEEP_CYCLES] * 3
+    assert len(taken) == 1 + 4  # the warm-up, one refused repeat and three timed
+    issue_cycles[0] = float("inf")
+    slept.clear()
+    with pytest.raises(ArgumentError, match="longer to issue one call than a GPU sleep"):
+        runtime_timing.time_cuda_ms(lambda: None, warmup=0, repeats=1, queued=True)
+    assert len(slept) == runtime_timing.QUEUE_SLEEP_DOUBLINGS + 1
+
+
+@pytest.mark.gpu
+def test_a_queued_timing_leaves_out_the_hosts_time_to_issue():
+    # Five tiny kernels with 2 ms of host time between them: events around them see the host's ~10 ms;
+    # issued behind a GPU sleep they see the kernels' microseconds.
+    import time
+
+    import torch
+
+    x = torch.ones(1024, device="cuda")
+
+    def slow_host():
+        for _ in range(5):
+            x.add_(1)
+            time.sleep(0.002)
+
+    assert runtime.time_cuda_ms(slow_host, repeats=3) >= 8.0
+    assert runtime.time_cuda_ms(slow_host, repeats=3, queued=True) < 1.0

@@ -103,18 +103,19 @@ def _kernel_ms(interp: Any, scripts: list, repeats: int) -> float:
     """Device ms per launch of ``scripts`` (every timed batch's, built
     beforehand), launched back to back between two CUDA events, the median
     of ``repeats`` after a warm-up to steady clocks (the row's scheduling
-    leaves the GPU idle before it): while the host prepares a launch faster than the device
-    runs one, the queue stays full and a launch's host work and any stall of
-    the host between two launches do not count. Timing the first batch's
-    launch alone, between its own events, counted both: the tagger's batch-1
-    kernel read 3.010 ms where its loop of steps ran 0.81 ms a batch
-    (perf-notes dynamic §28)."""
+    leaves the GPU idle before it). The launches are issued while the GPU
+    sleeps (``queued``), so a launch's host work and any stall of the host
+    between two launches do not count. Timing the first batch's launch
+    alone, between its own events, counted both: the tagger's batch-1 kernel
+    read 3.010 ms where its loop of steps ran 0.81 ms a batch (perf-notes
+    dynamic §28); back to back without the sleep, the Tree-LSTM's 0.19 ms
+    batch-1 inference kernel read 0.273 ms on a slow host (§32)."""
     def launches() -> None:
         for script in scripts:
             interp.launch(script)
 
     warm_up(launches)
-    return time_cuda_ms(launches, warmup=1, repeats=repeats) / len(scripts)
+    return time_cuda_ms(launches, warmup=1, repeats=repeats, queued=True) / len(scripts)
 
 
 def _wall_ms(run: Callable[[], None], repeats: int) -> float:
