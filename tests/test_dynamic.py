@@ -641,6 +641,8 @@ def test_a_trees_post_order_is_walked_once_and_matches_its_nodes():
         return 1 + max(map(level, n.children)) if n.children else 0
 
     assert order.level.tolist() == [level(n) for n in nodes]
+    with pytest.raises(ValueError, match="read-only"):
+        order.label[0] = 4
     bad = dynamic.Tree(1.5, "a")
     for _ in range(2):  # a refused tree keeps nothing: it is refused again
         with pytest.raises(ArgumentTypeError, match="1.5"):

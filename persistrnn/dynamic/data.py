@@ -66,7 +66,7 @@ class PostOrder:
     child_count: per node; children: each node's children's positions, all
     nodes' lists one after another; label: per node; level: a leaf 0, else 1
     + its deepest child's; leaf_at: the leaves' positions; words: the
-    leaves' words in order."""
+    leaves' words in order. The arrays are read-only."""
 
     child_count: np.ndarray
     children: np.ndarray
@@ -125,8 +125,11 @@ class Tree:
                 level.append(0)
             labels.append(node.label)
             finished.append(len(labels) - 1)
-        own = functools.partial(np.asarray, dtype=np.int64)  # the walk's own ints; the labels came from the caller
-        return PostOrder(own(child_count), own(children), integers(labels), own(level), own(leaf_at), tuple(words))
+        arrays = [np.asarray(child_count, dtype=np.int64), np.asarray(children, dtype=np.int64),
+                  integers(labels), np.asarray(level, dtype=np.int64), np.asarray(leaf_at, dtype=np.int64)]
+        for array in arrays:  # kept and shared by every build of the tree: read-only, as the tree is
+            array.flags.writeable = False
+        return PostOrder(*arrays, tuple(words))
 
     def nodes(self) -> list[Tree]:
         """Every node, children before parents (a post-order)."""
