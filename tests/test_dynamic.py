@@ -1362,6 +1362,20 @@ def test_script_loader_makes_a_script_again_whose_slot_was_rewritten(monkeypatch
     _assert_same_scripts(got, model, build, batches, 7)
 
 
+def test_script_loader_workers_keep_what_they_inherited_out_of_the_collectors_passes():
+    import gc
+
+    model, builder, trees, vocab, _ = sst_batch(3, hidden=13)
+
+    def build(g, batch):
+        if gc.get_freeze_count() == 0:  # raised in the loop, with its message, if the worker froze nothing
+            raise ArgumentError("the worker's inherited objects are not frozen")
+        builder.build_batch(g, batch, vocab)
+
+    got = list(dynamic.script_loader(model, build, [trees[:1], trees[1:]], 4, workers=1))
+    assert [s.stages > 0 for s in got] == [True, True]
+
+
 @pytest.mark.parametrize("per_item", [1, 2, 3])
 def test_script_loader_raises_a_workers_failure_with_its_type_and_message(per_item):
     # The failing batch alone in its item, or after a good one in the same item (the worker hands back the
