@@ -539,14 +539,17 @@ def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] =
 
         batches = track(batches, description=work.name, transient=True)
     initial = interp.params.clone()
-    for batch in batches:
-        # Every batch size starts from the initial parameters, so its float64 check measures the kernel on the
-        # model it was built with: the timed SGD steps of the rows before (the same few batches, hundreds of
-        # times) drove the tagger into saturation, where float32 and float64 runs of one script part by 3e-3
-        # (perf-notes dynamic §24).
-        interp.params.copy_(initial)
-        result["rows"].append(run_batch(batch, work, interp, settings))
-        release_device_memory()
+    try:
+        for batch in batches:
+            # Every batch size starts from the initial parameters, so its float64 check measures the kernel on
+            # the model it was built with: the timed SGD steps of the rows before (the same few batches,
+            # hundreds of times) drove the tagger into saturation, where float32 and float64 runs of one script
+            # part by 3e-3 (perf-notes dynamic §24).
+            interp.params.copy_(initial)
+            result["rows"].append(run_batch(batch, work, interp, settings))
+            release_device_memory()
+    finally:
+        gc.unfreeze()  # as `bench serve` does: a process that runs more than this suite collects them again
     return result
 
 
