@@ -523,11 +523,6 @@ def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] =
     interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
     interp.load()
     jit_s = time.perf_counter() - started
-    # The inputs, the models and the interpreter, out of the cyclic collector's full passes (~0.17 s each over
-    # an SST run's ~300k objects, one every few dozen batches of 128 of either side's host work; perf-notes
-    # dynamic §35), as a long training or serving process would keep them.
-    gc.collect()
-    gc.freeze()
     dy, why = load_dynet()
     result: dict[str, Any] = {"suite": work.name, "environment": environment(),
                               "settings": dataclasses.asdict(settings), "jit_s": jit_s, "blocks": interp.blocks,
@@ -539,6 +534,11 @@ def run(settings: Settings, make_workload: Callable[[Settings, Any], Workload] =
 
         batches = track(batches, description=work.name, transient=True)
     initial = interp.params.clone()
+    # The inputs, the models and the interpreter, out of the cyclic collector's full passes (~0.17 s each over
+    # an SST run's ~300k objects, one every few dozen batches of 128 of either side's host work; perf-notes
+    # dynamic §35), as a long training or serving process would keep them.
+    gc.collect()
+    gc.freeze()
     try:
         for batch in batches:
             # Every batch size starts from the initial parameters, so its float64 check measures the kernel on
