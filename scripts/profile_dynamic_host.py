@@ -6,6 +6,10 @@ is mapped and faulted in page by page unless glibc's malloc reuses freed
 heap), then the top functions by own time under cProfile for each.
 ``--keep-heap`` sets malloc's mmap and trim thresholds (``mallopt``) so
 that freed memory stays in the heap: the time without the page faults.
+``--gc freeze`` moves everything alive once a suite is loaded out of the
+cyclic collector's passes (``gc.freeze()``, as the loader's workers do); the
+table counts the full (generation-2) collections during the timed loops and
+their ms per batch either way.
 ``--workers W ...`` also times the scripts made ahead by ``script_loader``
 with each number of worker processes (0: in this process): ms per script
 from the first script to the last, steady state, and the first one's wait
@@ -24,6 +28,7 @@ import argparse
 import cProfile
 import ctypes
 import ctypes.util
+import gc
 import io
 import os
 import pstats
@@ -72,7 +77,26 @@ def top(run: Callable[[], object], count: int) -> str:
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
-def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, float, float, float, float]:
+class FullCollections:
+    """Generation-2 collections and their seconds, from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._started = 0, 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._started = time.perf_counter()
+            else:
+                self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - self._started
+
+
+FULL = FullCollections()
+
+
+def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, float, float, float, float, int,
+                                                                           float]:
     """Graph nodes of the first batch, build and schedule ms and page faults
     per batch; prints the cProfile tops."""
     groups = consecutive_batches(work.inputs, batch, args.iterations)
@@ -90,13 +114,15 @@ def profile(work: Workload, batch: int, args: argparse.Namespace) -> tuple[int, 
         for graph in graphs:
             dynamic.schedule(graph, args.blocks, train=not args.infer)
 
+    count, seconds = FULL.count, FULL.seconds
     build_ms, build_faults = (x / len(groups) for x in median_ms(build_all, args.repeats))
     schedule_ms, schedule_faults = (x / len(groups) for x in median_ms(schedule_all, args.repeats))
+    full = (FULL.count - count, (FULL.seconds - seconds) * 1e3 / (len(groups) * (args.repeats + 1)))
     if args.top:
         for phase, run in (("build", build_all), ("schedule", schedule_all)):
             print(f"\n== {work.name} batch {batch}: {phase} ({len(groups)} batches), top {args.top} by own time")
             print(top(run, args.top))
-    return len(graphs[0]), build_ms, schedule_ms, build_faults, schedule_faults
+    return len(graphs[0]), build_ms, schedule_ms, build_faults, schedule_faults, *full
 
 
 def loader_ms(work: Workload, batch: int, workers: int, args: argparse.Namespace) -> tuple[float, float]:
@@ -123,6 +149,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="cProfile rows per phase (0: none)")
     parser.add_argument("--infer", action="store_true", help="schedule inference scripts (forward only)")
     parser.add_argument("--keep-heap", action="store_true", help="freed memory stays in malloc's heap (mallopt)")
+    parser.add_argument("--gc", choices=("on", "freeze"), default="on",
+                        help="freeze: gc.freeze() once each suite is loaded")
     parser.add_argument("--workers", type=int, nargs="*", default=[],
                         help="also time script_loader with these numbers of worker processes")
     args = parser.parse_args()
@@ -134,15 +162,18 @@ def main() -> None:
     rows, loader_rows = [], []
     for suite in args.suite:
         work = WORKLOADS[suite](settings, torch.device("cpu"))
+        if args.gc == "freeze":
+            gc.collect()
+            gc.freeze()
         rows += [(suite, batch, *profile(work, batch, args)) for batch in args.batch]
         loader_rows += [(suite, batch, w, *loader_ms(work, batch, w, args)) for batch in args.batch
                         for w in args.workers]
-    print("\n| suite | batch | nodes (first batch) | build ms/batch | schedule ms/batch | host ms/batch "
-          "| page faults/batch: build, schedule |")
-    print("|---|---|---|---|---|---|---|")
-    for suite, batch, nodes, build_ms, schedule_ms, build_faults, schedule_faults in rows:
+    print(f"\n(gc {args.gc})\n\n| suite | batch | nodes (first batch) | build ms/batch | schedule ms/batch "
+          "| host ms/batch | page faults/batch: build, schedule | full collections | their ms/batch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for suite, batch, nodes, build_ms, schedule_ms, build_faults, schedule_faults, full, full_ms in rows:
         print(f"| {suite} | {batch} | {nodes:,} | {build_ms:.2f} | {schedule_ms:.2f} | {build_ms + schedule_ms:.2f} "
-              f"| {build_faults:,.0f}, {schedule_faults:,.0f} |")
+              f"| {build_faults:,.0f}, {schedule_faults:,.0f} | {full} | {full_ms:.2f} |")
     if loader_rows:
         print(f"\nscript_loader, {args.iterations * args.repeats} batches per row ({os.cpu_count()} CPUs)\n\n"
               "| suite | batch | workers | ms per script | ms to the first |\n|---|---|---|---|---|")
