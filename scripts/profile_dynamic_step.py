@@ -2,7 +2,9 @@
 made beforehand in this process (so the loop does nothing but step), the
 wall time per batch of a loop of steps against the kernel's own time, the
 host time of one ``launch`` call on its own, then the loop under cProfile
-(top functions by own time).
+(top functions by own time). The kernel columns (training and inference)
+are the suites' own: every script launched back to back, queued behind a
+GPU sleep (``bench.treelstm._kernel_ms``); ``--top 0`` leaves out cProfile.
 
     PYTHONPATH=. python scripts/profile_dynamic_step.py [--suite tagger] [--batch 1] [--steps 200]
 """
@@ -19,19 +21,19 @@ import torch
 
 from persistrnn import dynamic
 from persistrnn.bench.tagger import WORKLOADS
-from persistrnn.bench.treelstm import Settings, consecutive_batches
-from persistrnn.runtime.timing import time_cuda_ms, warm_up
+from persistrnn.bench.treelstm import Settings, _kernel_ms, consecutive_batches
 
 
 def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: int, args) -> None:
-    scripts = []
+    scripts, inference = [], []
     for group in consecutive_batches(work.inputs, batch, settings.iterations):
         graph = dynamic.Graph(work.model)
         work.add_batch(graph, group)
         scripts.append(interp.schedule(graph))
+        inference.append(interp.schedule(graph, train=False))
     loop = [scripts[i % len(scripts)] for i in range(args.steps)]
-    warm_up(lambda: interp.launch(scripts[0]))
-    kernel_ms = time_cuda_ms(lambda: interp.launch(scripts[0]), warmup=2, repeats=10)
+    kernel_ms = _kernel_ms(interp, scripts, repeats=5)
+    infer_ms = _kernel_ms(interp, inference, repeats=5)
 
     def run() -> float:
         torch.cuda.synchronize()
@@ -55,9 +57,11 @@ def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: 
     run()
     walls = sorted(run() for _ in range(3))
     hosts = sorted(host_us() for _ in range(3))
-    print(f"{args.suite} batch {batch}: kernel {kernel_ms:.3f} ms (CUDA events, launches back to back); a loop "
-          f"of {len(loop)} steps {walls[1]:.3f} ms a batch (median of 3); one launch call {hosts[1]:.0f} µs of "
-          f"host time (median)")
+    print(f"{args.suite} batch {batch}: kernel {kernel_ms:.3f} ms, inference kernel {infer_ms:.3f} ms (queued, "
+          f"launches back to back); a loop of {len(loop)} steps {walls[1]:.3f} ms a batch (median of 3); one "
+          f"launch call {hosts[1]:.0f} µs of host time (median)")
+    if args.top <= 0:
+        return
     profile = cProfile.Profile()
     profile.enable()
     run()

@@ -31,8 +31,10 @@ from .model import Model, Parameter
 
 __all__ = ["Expr", "Graph", "OPS"]
 
-OPS = ("lookup", "matvec", "add", "mul", "tanh", "sigmoid", "relu", "concat", "loss", "slice")
-"""Node kinds; ``lookup`` covers embedding rows and whole bias vectors."""
+OPS = ("lookup", "matvec", "add", "mul", "tanh", "sigmoid", "relu", "concat", "loss", "slice", "sigmoid_mul",
+       "sigmoid_mul_tanh")
+"""Node kinds; ``lookup`` covers embedding rows and whole bias vectors; ``sigmoid_mul``
+and ``sigmoid_mul_tanh`` are an LSTM's gated products as one node each."""
 OP = {name: i for i, name in enumerate(OPS)}
 _MATVEC = OP["matvec"]
 
@@ -216,6 +218,17 @@ class Graph:
 
     def relu(self, x: Expr) -> Expr:
         return self._unary("relu", x)
+
+    def sigmoid_mul(self, gate: Expr, x: Expr) -> Expr:
+        """``sigmoid(gate) * x`` as one node: an LSTM's forget term. One pass
+        over the elements where ``sigmoid`` then ``mul`` take two, each its own
+        instruction on the chain of a cell (perf-notes dynamic §36)."""
+        return self._binary("sigmoid_mul", gate, x)
+
+    def sigmoid_mul_tanh(self, gate: Expr, x: Expr) -> Expr:
+        """``sigmoid(gate) * tanh(x)`` as one node: an LSTM's ``i * g`` and
+        ``o * tanh(c)``, where three nodes took three passes."""
+        return self._binary("sigmoid_mul_tanh", gate, x)
 
     def sum(self, xs: Sequence[Expr]) -> Expr:
         """The sum of one or more same-size expressions (a child sum), as a

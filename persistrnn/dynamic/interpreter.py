@@ -90,6 +90,10 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
             values[y] = _sigmoid(values[x])
         elif op == O["relu"]:
             values[y] = np.maximum(values[x], 0.0)
+        elif op == O["sigmoid_mul"]:
+            values[y] = _sigmoid(values[x]) * values[z]
+        elif op == O["sigmoid_mul_tanh"]:
+            values[y] = _sigmoid(values[x]) * np.tanh(values[z])
         elif op == O["copy"]:
             values[y] = values[x]
         elif op == O["loss"]:
@@ -119,6 +123,14 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
             np.add.at(grads, x, grads[y] * values[y] * (1.0 - values[y]))
         elif op == O["relu"] + BACKWARD:
             np.add.at(grads, x, grads[y] * (values[y] > 0))
+        elif op == O["sigmoid_mul"] + BACKWARD:
+            s = _sigmoid(values[x])
+            np.add.at(grads, x, grads[y] * values[z] * s * (1.0 - s))
+            np.add.at(grads, z, grads[y] * s)
+        elif op == O["sigmoid_mul_tanh"] + BACKWARD:
+            s, t = _sigmoid(values[x]), np.tanh(values[z])
+            np.add.at(grads, x, grads[y] * t * s * (1.0 - s))
+            np.add.at(grads, z, grads[y] * s * (1.0 - t * t))
         elif op == O["copy"] + BACKWARD:
             np.add.at(grads, x, grads[y])
         elif op == O["loss"] + BACKWARD:

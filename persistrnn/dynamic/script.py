@@ -53,6 +53,8 @@ OPCODES = {
     "add": 5, "mul": 6, "tanh": 7, "sigmoid": 8, "relu": 9,
     "copy": 10,  # out[0:n] = a[0:n] (one part of a concat)
     "loss": 11,  # out[0] = logsumexp(a[0:n]) - a[p]; added into the batch loss
+    "sigmoid_mul": 12,  # out = sigmoid(a) * b
+    "sigmoid_mul_tanh": 13,  # out = sigmoid(a) * tanh(b)
 }
 BACKWARD = 16
 """Added to a forward opcode: the same nodes' backward instruction."""

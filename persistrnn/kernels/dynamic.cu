@@ -201,15 +201,19 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
     }
 }
 
+// The precise form: the gradients are checked to 1e-5 against float64.
+__device__ __forceinline__ float prnn_dyn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
 // A forward elementwise op on x (a's element; a lookup's parameter) and y (b's).
 __device__ __forceinline__ float prnn_dyn_apply(int op, float x, float y) {
     switch (op) {
     case PRNN_OP_ADD: return x + y;
     case PRNN_OP_MUL: return x * y;
     case PRNN_OP_TANH: return tanhf(x);
-    // The precise form: the gradients are checked to 1e-5 against float64.
-    case PRNN_OP_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case PRNN_OP_SIGMOID: return prnn_dyn_sigmoid(x);
     case PRNN_OP_RELU: return fmaxf(x, 0.0f);
+    case PRNN_OP_SIGMOID_MUL: return prnn_dyn_sigmoid(x) * y;
+    case PRNN_OP_SIGMOID_MUL_TANH: return prnn_dyn_sigmoid(x) * tanhf(y);
     default: return x;  // lookup, copy
     }
 }
@@ -223,7 +227,8 @@ __device__ __forceinline__ float prnn_dyn_apply(int op, float x, float y) {
 template <int OP>
 __device__ __forceinline__ void prnn_dyn_forward(int n, int count, const int* program, int first, float* values,
                                                  const float* params) {
-    constexpr bool binary = OP == PRNN_OP_ADD || OP == PRNN_OP_MUL;
+    constexpr bool binary = OP == PRNN_OP_ADD || OP == PRNN_OP_MUL || OP == PRNN_OP_SIGMOID_MUL ||
+                            OP == PRNN_OP_SIGMOID_MUL_TANH;
     for (int e0 = threadIdx.x; e0 < count * n; e0 += PRNN_DYN_UNROLL * PRNN_DYN_THREADS) {
         float x[PRNN_DYN_UNROLL], y[PRNN_DYN_UNROLL];
         int out[PRNN_DYN_UNROLL];
@@ -284,6 +289,22 @@ __device__ __forceinline__ void prnn_dyn_backward(int n, int count, const int* p
         case PRNN_OP_RELU + PRNN_OP_BACKWARD:
             if (prnn_dyn_value(values + out) > 0.0f) atomicAdd(grads + a, prnn_dyn_ld(grads + out));
             break;
+        // The fused gated products recompute sigmoid(a) (and tanh(b)) from
+        // their inputs: their output is the product, not the factors.
+        case PRNN_OP_SIGMOID_MUL + PRNN_OP_BACKWARD: {
+            const float g = prnn_dyn_ld(grads + out), s = prnn_dyn_sigmoid(prnn_dyn_value(values + a));
+            const float y = prnn_dyn_value(values + b);
+            atomicAdd(grads + a, g * y * s * (1.0f - s));
+            atomicAdd(grads + b, g * s);
+            break;
+        }
+        case PRNN_OP_SIGMOID_MUL_TANH + PRNN_OP_BACKWARD: {
+            const float g = prnn_dyn_ld(grads + out), s = prnn_dyn_sigmoid(prnn_dyn_value(values + a));
+            const float t = tanhf(prnn_dyn_value(values + b));
+            atomicAdd(grads + a, g * t * s * (1.0f - s));
+            atomicAdd(grads + b, g * s * (1.0f - t * t));
+            break;
+        }
         case PRNN_OP_COPY + PRNN_OP_BACKWARD: atomicAdd(grads + a, prnn_dyn_ld(grads + out)); break;
         case PRNN_OP_LOSS + PRNN_OP_BACKWARD: {
             float top, total;
@@ -326,6 +347,8 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         PRNN_DYN_FORWARD(PRNN_OP_SIGMOID);
         PRNN_DYN_FORWARD(PRNN_OP_RELU);
         PRNN_DYN_FORWARD(PRNN_OP_COPY);
+        PRNN_DYN_FORWARD(PRNN_OP_SIGMOID_MUL);
+        PRNN_DYN_FORWARD(PRNN_OP_SIGMOID_MUL_TANH);
     default: break;
     }
 #undef PRNN_DYN_FORWARD
@@ -342,6 +365,8 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         PRNN_DYN_BACKWARD(PRNN_OP_RELU);
         PRNN_DYN_BACKWARD(PRNN_OP_COPY);
         PRNN_DYN_BACKWARD(PRNN_OP_LOSS);
+        PRNN_DYN_BACKWARD(PRNN_OP_SIGMOID_MUL);
+        PRNN_DYN_BACKWARD(PRNN_OP_SIGMOID_MUL_TANH);
     default: break;
     }
 #undef PRNN_DYN_BACKWARD
