@@ -6,7 +6,7 @@ was written shows in the loss."""
 
 import numpy as np
 import pytest
-from test_dynamic import rel, sst_batch, tagger_loss, torch_params, tree_lstm_loss, wikiner_batch
+from test_dynamic import cells_graph, rel, sst_batch, tagger_loss, torch_params, tree_lstm_loss, wikiner_batch
 
 from persistrnn import dynamic
 from persistrnn.errors import ArgumentError
@@ -70,6 +70,14 @@ def test_tagger_kernel_matches_reference_and_torch():
     P = torch_params(model, flat)
     loss = sum(tagger_loss(builder, P, w, t) for w, t in sentences)
     assert abs(float(launched.loss.item()) - loss.item()) <= TOLERANCE * loss.item()
+
+
+@pytest.mark.parametrize("n", [7, 130])
+def test_the_cells_match_the_reference_with_and_without_a_carried_cell(n):
+    # lstm_cell and tree_cell, forward and backward, odd sizes and one wider than a block's threads per operand.
+    model, biases, graph, _, _ = cells_graph(n)
+    interp, launched, want, _ = _run_both(model, graph, 3, dynamic.SGD(0.1))
+    _check(interp, launched, want)
 
 
 def test_inference_kernel_matches_reference():

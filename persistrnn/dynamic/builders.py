@@ -90,7 +90,7 @@ class TreeLSTM:
         groups = []
         for count in np.unique(kid_count).tolist():
             members = np.flatnonzero(kid_count == count)
-            sources = kid_flat[kid_start[members, None] + np.arange(count)].repeat(2, axis=1)
+            sources = kid_flat[kid_start[members, None] + np.arange(count)]
             groups.append(Instances(self._template(g, count), members, sources, level[members], words[members],
                                     labels[members]))
         return _losses(g, instantiate(g, groups), groups, np.cumsum(tree_nodes)[:-1])
@@ -141,43 +141,42 @@ class TreeLSTM:
         if template is None:
             H = self.hidden
 
-            def cell(probe: Graph, slots: list[Expr]) -> tuple[Expr, Expr]:
-                pairs = [(slots[2 * k], slots[2 * k + 1]) for k in range(children)]
-                return self._cell(probe, None if children else 0, pairs, 0)
+            def cell(probe: Graph, slots: list[Expr]) -> list[Expr]:
+                return [self._cell(probe, None if children else 0, slots, 0)]
 
-            sizes = [H, H] * children
-            template = Template.record(g, sizes, [0, 1] * children, self.embed if not children else None, cell)
+            template = Template.record(g, [2 * H] * children, [0] * children, self.embed if not children else None,
+                                       cell)
             self._templates[children] = template
         return template
 
-    def _cell(self, g: Graph, word: int | None, kids: list[tuple[Expr, Expr]], label: int) -> tuple[Expr, Expr]:
+    def _cell(self, g: Graph, word: int | None, kids: list[Expr], label: int) -> Expr:
         """One tree node's expressions (a leaf's ``word``, or its children's
-        ``(h, c)``), its loss last; returns its ``(h, c)``."""
+        states), its loss last; returns its state ``[h; c]`` (2 * hidden).
+        The binary cell is one node (``Graph.tree_cell``) on its gates plus
+        ``[b_iou; b_f]``, read in place: a level's chain of elementwise
+        instructions 8 -> 3 (perf-notes dynamic §37)."""
         H = self.hidden
-        iou = None
-        if word is not None:
-            iou = g.matvec(self.w_iou, g.lookup(self.embed, word))
-        if kids:
-            if self.variant == "binary":
-                gates = g.matvec(self.u, g.concat([h for h, _ in kids]))
-                recurrent = gates[0:3 * H]
+        if self.variant == "binary":
+            if kids:
+                gates = g.matvec(self.u, g.concat([k[0:H] for k in kids]))
+                state = g.tree_cell(gates + g.parameter(self.b_iou, self.b_f), g.concat([k[H:2 * H] for k in kids]))
             else:
-                recurrent = g.matvec(self.u_iou, g.sum([h for h, _ in kids]))
-            iou = recurrent if iou is None else iou + recurrent
-        iou = iou + g.parameter(self.b_iou)
-        # The gated products as one node each: a level's chain of elementwise
-        # instructions 10 -> 7 (perf-notes dynamic §36).
-        c = g.sigmoid_mul_tanh(iou[0:H], iou[2 * H:3 * H])
-        if kids:
-            if self.variant == "binary":
-                f = gates[3 * H:5 * H] + g.parameter(self.b_f)
-                forget = [f[k * H:(k + 1) * H] for k in range(2)]
-            else:
-                forget = [g.matvec(self.u_f, h) + g.parameter(self.b_f) for h, _ in kids]
-            c = g.sum([c] + [g.sigmoid_mul(fk, ck) for fk, (_, ck) in zip(forget, kids)])
-        h = g.sigmoid_mul_tanh(iou[H:2 * H], c)
-        g.loss(g.matvec(self.w_out, h) + g.parameter(self.b_out), label)
-        return h, c
+                state = g.tree_cell(g.matvec(self.w_iou, g.lookup(self.embed, word)) + g.parameter(self.b_iou))
+        else:
+            iou = None
+            if word is not None:
+                iou = g.matvec(self.w_iou, g.lookup(self.embed, word))
+            if kids:
+                recurrent = g.matvec(self.u_iou, g.sum([k[0:H] for k in kids]))
+                iou = recurrent if iou is None else iou + recurrent
+            iou = iou + g.parameter(self.b_iou)
+            c = g.sigmoid_mul_tanh(iou[0:H], iou[2 * H:3 * H])
+            if kids:
+                forget = [g.matvec(self.u_f, k[0:H]) + g.parameter(self.b_f) for k in kids]
+                c = g.sum([c] + [g.sigmoid_mul(f, k[H:2 * H]) for f, k in zip(forget, kids)])
+            state = g.concat([g.sigmoid_mul_tanh(iou[H:2 * H], c), c])
+        g.loss(g.matvec(self.w_out, state[0:H]) + g.parameter(self.b_out), label)
+        return state
 
 
 class BiLSTMTagger:
@@ -263,7 +262,7 @@ class BiLSTMTagger:
                                         np.ones(1, dtype=np.int64)))
                 chain = t + 1 if d == 0 else length - t  # steps from the direction's start
                 groups.append(Instances(self._template(g, f"step{d}"), step[later],
-                                        np.stack([lookup, step - 1, step - 1], axis=1)[later], chain[later]))
+                                        np.stack([lookup, step - 1], axis=1)[later], chain[later]))
             groups.append(Instances(self._template(g, "output"), output, np.stack([forward, backward], axis=1),
                                     np.full(length, length + 1), label=zeros))
             scratch = Graph(g.model)
@@ -283,31 +282,31 @@ class BiLSTMTagger:
             if kind == "lookup":
                 template = Template.record(g, [], [], self.embed, lambda p, s: [p.lookup(self.embed, 0)])
             elif kind == "output":
-                template = Template.record(g, [H, H], [0, 0], None, lambda p, s: [self._output(p, s[0], s[1], 0)])
+                template = Template.record(g, [2 * H, 2 * H], [0, 0], None,
+                                           lambda p, s: [self._output(p, s[0], s[1], 0)])
             elif kind.startswith("first"):
                 d = int(kind[-1])
-                template = Template.record(g, [E], [0], None, lambda p, s: self._step(p, d, s[0], None))
+                template = Template.record(g, [E], [0], None, lambda p, s: [self._step(p, d, s[0], None)])
             else:
                 d = int(kind[-1])
-                template = Template.record(g, [E, H, H], [0, 0, 1], None,
-                                           lambda p, s: self._step(p, d, s[0], (s[1], s[2])))
+                template = Template.record(g, [E, 2 * H], [0, 0], None, lambda p, s: [self._step(p, d, s[0], s[1])])
             self._templates[kind] = template
         return template
 
-    def _step(self, g: Graph, direction: int, x: Expr, state: tuple[Expr, Expr] | None) -> tuple[Expr, Expr]:
-        """One LSTM step of ``direction`` on ``x`` from ``state`` (``h, c``; None: zero); returns ``(h, c)``."""
+    def _step(self, g: Graph, direction: int, x: Expr, state: Expr | None) -> Expr:
+        """One LSTM step of ``direction`` on ``x`` from ``state`` (``[h; c]``; None:
+        zero); returns the new state, one node (``Graph.lstm_cell``: a step's
+        chain of elementwise instructions 5 -> 2, perf-notes dynamic §37)."""
         w_x, w_h, b = self.directions[direction]
         H = self.hidden
         z = g.matvec(w_x, x) + g.parameter(b)
-        if state is not None:
-            z = z + g.matvec(w_h, state[0])
-        c_new = g.sigmoid_mul_tanh(z[0:H], z[2 * H:3 * H])
-        c = c_new if state is None else g.sigmoid_mul(z[H:2 * H], state[1]) + c_new
-        h = g.sigmoid_mul_tanh(z[3 * H:4 * H], c)
-        return h, c
+        if state is None:
+            return g.lstm_cell(z)
+        return g.lstm_cell(z + g.matvec(w_h, state[0:H]), state[H:2 * H])
 
     def _output(self, g: Graph, forward: Expr, backward: Expr, tag: int) -> Expr:
-        return g.loss(g.matvec(self.w_out, g.concat([forward, backward])) + g.parameter(self.b_out), tag)
+        H = self.hidden
+        return g.loss(g.matvec(self.w_out, g.concat([forward[0:H], backward[0:H]])) + g.parameter(self.b_out), tag)
 
 
 def _lookup(word_ids: Mapping[str, int], word: str) -> int:

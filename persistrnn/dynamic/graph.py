@@ -32,9 +32,10 @@ from .model import Model, Parameter
 __all__ = ["Expr", "Graph", "OPS"]
 
 OPS = ("lookup", "matvec", "add", "mul", "tanh", "sigmoid", "relu", "concat", "loss", "slice", "sigmoid_mul",
-       "sigmoid_mul_tanh")
+       "sigmoid_mul_tanh", "lstm_cell", "tree_cell")
 """Node kinds; ``lookup`` covers embedding rows and whole bias vectors; ``sigmoid_mul``
-and ``sigmoid_mul_tanh`` are an LSTM's gated products as one node each."""
+and ``sigmoid_mul_tanh`` are an LSTM's gated products as one node each, and
+``lstm_cell`` / ``tree_cell`` a whole cell from its gates' pre-activations."""
 OP = {name: i for i, name in enumerate(OPS)}
 _MATVEC = OP["matvec"]
 
@@ -181,10 +182,20 @@ class Graph:
             raise ArgumentError(f"lookup: row must be an int in [0, {table.rows}) for {table.name!r}, got {row!r}")
         return self._node("lookup", table.cols, extra=table.index, row=int(row))
 
-    def parameter(self, bias: Parameter) -> Expr:
-        """A bias vector as an expression."""
-        self._param("parameter", bias, ("bias",))
-        return self._node("lookup", bias.rows, extra=bias.index)
+    def parameter(self, bias: Parameter, *more: Parameter) -> Expr:
+        """A bias vector as an expression. With ``more``: biases declared one
+        after another (only matrices between them), read in place as their
+        concatenation, one node (the flat buffer keeps them adjacent)."""
+        biases = (bias, *more)
+        for p in biases:
+            self._param("parameter", p, ("bias",))
+        dense = [p.index for p in self.model.parameters if p.kind != "matrix"]
+        at = [dense.index(p.index) for p in biases]
+        if at != list(range(at[0], at[0] + len(at))):
+            raise ArgumentError(f"parameter: expected biases declared one after another, got "
+                                f"{[p.name for p in biases]}, declared in the order "
+                                f"{[self.model.parameters[i].name for i in dense]}")
+        return self._node("lookup", sum(p.rows for p in biases), extra=bias.index)
 
     def matvec(self, matrix: Parameter, x: Expr) -> Expr:
         """``matrix @ x`` with the matrix cached on chip."""
@@ -229,6 +240,38 @@ class Graph:
         """``sigmoid(gate) * tanh(x)`` as one node: an LSTM's ``i * g`` and
         ``o * tanh(c)``, where three nodes took three passes."""
         return self._binary("sigmoid_mul_tanh", gate, x)
+
+    def _cell(self, op: str, gates: Expr, c: Expr | None, gate_rows: int, carried: int) -> Expr:
+        z = self._own(op, gates)
+        if c is None:
+            if self.size[z] % gate_rows:
+                raise ArgumentError(f"{op}: expected gates of {gate_rows} * n floats, got {self.size[z]}")
+            return self._node(op, 2 * (self.size[z] // gate_rows), a=z)
+        k = self._own(op, c)
+        n = self.size[k] // carried
+        if self.size[k] % carried or self.size[z] != (gate_rows + carried) * n:
+            raise ArgumentError(f"{op}: expected gates of {gate_rows + carried} * n floats and a carried cell of "
+                                f"{carried} * n, got {self.size[z]} and {self.size[k]}")
+        return self._node(op, 2 * n, a=z, b=k)
+
+    def lstm_cell(self, gates: Expr, c: Expr | None = None) -> Expr:
+        """An LSTM step's cell as one node: from ``gates`` = [i, f, g, o]
+        (4n pre-activations, torch's order) and the previous cell ``c`` (n;
+        None: zero state), ``[h; c']`` (2n), with
+        c' = sigmoid(f) * c + sigmoid(i) * tanh(g) and h = sigmoid(o) * tanh(c').
+        One pass over the elements where the gated products took five
+        instructions on a step's chain (perf-notes dynamic §37)."""
+        if c is None:
+            return self._cell("lstm_cell", gates, None, 4, 1)
+        return self._cell("lstm_cell", gates, c, 3, 1)
+
+    def tree_cell(self, gates: Expr, c: Expr | None = None) -> Expr:
+        """A binary Tree-LSTM node's cell as one node: from ``gates`` =
+        [i, o, u, f_1, f_2] (5n pre-activations) and its children's cells
+        ``c`` = [c_1; c_2] (2n), ``[h; c']`` (2n), with
+        c' = sigmoid(i) * tanh(u) + sigmoid(f_1) * c_1 + sigmoid(f_2) * c_2 and
+        h = sigmoid(o) * tanh(c'). A leaf: ``gates`` = [i, o, u] (3n), ``c`` None."""
+        return self._cell("tree_cell", gates, c, 3, 2)
 
     def sum(self, xs: Sequence[Expr]) -> Expr:
         """The sum of one or more same-size expressions (a child sum), as a

@@ -68,10 +68,45 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
         e = np.exp(z - z.max(axis=1, keepdims=True))
         return e / e.sum(axis=1, keepdims=True)
 
+    def cell_gates(op: int, items: np.ndarray, half: np.ndarray) -> tuple[np.ndarray, ...]:
+        """A cell's (count, n/2) index grids: its h and c, its gates i, o, g
+        and, per carried cell, the forget gate and the carried cell."""
+        out, z, k = (items[:, j, None] + half for j in range(3))
+        n = half.size
+        if op % BACKWARD == O["lstm_cell"]:
+            return out, out + n, z, z + 3 * n, z + 2 * n, [(z + n, k)]
+        return out, out + n, z, z + n, z + 2 * n, [(z + 3 * n, k), (z + 4 * n, k + n)]
+
+    def cell_forward(op: int, items: np.ndarray, n: int) -> None:
+        h, c, i, o, g, carried = cell_gates(op, items, np.arange(n // 2))
+        value = _sigmoid(values[i]) * np.tanh(values[g])
+        has = items[:, 3, None] == 1
+        for f, k in carried:
+            value = value + np.where(has, _sigmoid(values[np.where(has, f, i)]) * values[np.where(has, k, i)], 0.0)
+        values[c] = value
+        values[h] = _sigmoid(values[o]) * np.tanh(value)
+
+    def cell_backward(op: int, items: np.ndarray, n: int) -> None:
+        h, c, i, o, g, carried = cell_gates(op, items, np.arange(n // 2))
+        s_o, t_c = _sigmoid(values[o]), np.tanh(values[c])
+        np.add.at(grads, o, grads[h] * t_c * s_o * (1.0 - s_o))
+        dc = grads[c] + grads[h] * s_o * (1.0 - t_c ** 2)
+        s_i, t_g = _sigmoid(values[i]), np.tanh(values[g])
+        np.add.at(grads, i, dc * t_g * s_i * (1.0 - s_i))
+        np.add.at(grads, g, dc * s_i * (1.0 - t_g ** 2))
+        has = items[:, 3] == 1
+        for f, k in carried:
+            s_f = _sigmoid(values[f[has]])
+            np.add.at(grads, f[has], dc[has] * values[k[has]] * s_f * (1.0 - s_f))
+            np.add.at(grads, k[has], dc[has] * s_f)
+
     def execute(block: int, word: np.ndarray) -> None:
         nonlocal loss
         op, n = int(word[0]), int(word[1])
         items = program[word[3]:word[3] + word[2]]
+        if op % BACKWARD in (O["lstm_cell"], O["tree_cell"]):
+            (cell_backward if op >= BACKWARD else cell_forward)(op, items, n)
+            return
         # (count, n) index grids of the operands
         span = np.arange(n)
         y, x, z = (items[:, k, None] + span for k in range(3))

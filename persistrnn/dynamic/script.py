@@ -26,7 +26,8 @@ The buffer is (rows, :data:`WORDS`) int32: the instructions of block 0, 1, …,
 then the operand lists. An instruction is ``op, n, count, arg``: ``count``
 operands of ``n`` floats each, listed from row ``arg``; a wait's ``arg`` is its
 counter target. An operand row is ``out, a, b, p`` (workspace offsets; ``p``:
-a lookup's parameter offset, a loss's label, a matvec's matrix slot).
+a lookup's parameter offset, a loss's label, a matvec's matrix slot, 1 where
+a cell carries a cell state in ``b``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ OPCODES = {
     "loss": 11,  # out[0] = logsumexp(a[0:n]) - a[p]; added into the batch loss
     "sigmoid_mul": 12,  # out = sigmoid(a) * b
     "sigmoid_mul_tanh": 13,  # out = sigmoid(a) * tanh(b)
+    # out[0:n/2] = h, out[n/2:n] = c of a cell from its gates a; p = 1 where b
+    # holds the carried cell(s), 0 where the state is zero (Graph.lstm_cell, Graph.tree_cell)
+    "lstm_cell": 14,
+    "tree_cell": 15,
 }
 BACKWARD = 16
 """Added to a forward opcode: the same nodes' backward instruction."""
@@ -399,6 +404,7 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     table = extra[is_lookup]
     node_items[is_lookup, 3] = poff[table] + g["row"][run[is_lookup]] * pcols[table]
     node_items[is_loss, 3] = extra[is_loss]
+    node_items[:, 3] += ((run_op == OP["lstm_cell"]) | (run_op == OP["tree_cell"])) & (b >= 0)
     part_size = size[part]
     kop = np.concatenate([_KERNEL_OP[run_op], np.full(cat.size, OPCODES["copy"])])
     width = np.concatenate([size[run], part_size])

@@ -250,7 +250,66 @@ __device__ __forceinline__ void prnn_dyn_forward(int n, int count, const int* pr
     }
 }
 
+// A cell (Graph.lstm_cell, TREE false; Graph.tree_cell, TREE true) over its
+// operands' n / 2 units: out[0:m] = h, out[m:2m] = c from the gates' pre-
+// activations at a, [i, f, g, o] (LSTM) or [i, o, u, f_1, f_2] (TREE), and,
+// where p is 1, the carried cell(s) at b. One pass where the gated products
+// took five instructions on the chain of a step (perf-notes dynamic §37).
+template <bool TREE>
+struct prnn_dyn_cell_gates {
+    int i, o, g, m;
+    __device__ __forceinline__ prnn_dyn_cell_gates(int a, int n) : i(a), o(a + (TREE ? n / 2 : 3 * (n / 2))),
+                                                                   g(a + 2 * (n / 2)), m(n / 2) {}
+    // the forget gate of carried cell k
+    __device__ __forceinline__ int f(int k) const { return i + (TREE ? (3 + k) * m : m); }
+    static constexpr int carried = TREE ? 2 : 1;
+};
+
+template <bool TREE>
+__device__ __forceinline__ void prnn_dyn_cell_forward(int n, int count, const int* program, int first,
+                                                      float* values) {
+    const int m = n / 2;
+    for (int e = threadIdx.x; e < count * m; e += PRNN_DYN_THREADS) {
+        const int j = e / m, u = e - j * m;
+        const int4 o = prnn_dyn_operand(program, first, j);
+        const prnn_dyn_cell_gates<TREE> z(o.y + u, n);
+        float c = prnn_dyn_sigmoid(prnn_dyn_value(values + z.i)) * tanhf(prnn_dyn_value(values + z.g));
+        if (o.w)
+#pragma unroll
+            for (int k = 0; k < z.carried; ++k)
+                c += prnn_dyn_sigmoid(prnn_dyn_value(values + z.f(k))) * prnn_dyn_value(values + o.z + k * m + u);
+        values[o.x + m + u] = c;
+        values[o.x + u] = prnn_dyn_sigmoid(prnn_dyn_value(values + z.o)) * tanhf(c);
+    }
+}
+
 #if PRNN_DYN_TRAIN
+template <bool TREE>
+__device__ __forceinline__ void prnn_dyn_cell_backward(int n, int count, const int* program, int first,
+                                                       const float* values, float* grads) {
+    const int m = n / 2;
+    for (int e = threadIdx.x; e < count * m; e += PRNN_DYN_THREADS) {
+        const int j = e / m, u = e - j * m;
+        const int4 o = prnn_dyn_operand(program, first, j);
+        const prnn_dyn_cell_gates<TREE> z(o.y + u, n);
+        const float gh = prnn_dyn_ld(grads + o.x + u), t = tanhf(prnn_dyn_value(values + o.x + m + u));
+        const float so = prnn_dyn_sigmoid(prnn_dyn_value(values + z.o));
+        atomicAdd(grads + z.o, gh * t * so * (1.0f - so));
+        const float dc = prnn_dyn_ld(grads + o.x + m + u) + gh * so * (1.0f - t * t);
+        const float si = prnn_dyn_sigmoid(prnn_dyn_value(values + z.i)), tg = tanhf(prnn_dyn_value(values + z.g));
+        atomicAdd(grads + z.i, dc * tg * si * (1.0f - si));
+        atomicAdd(grads + z.g, dc * si * (1.0f - tg * tg));
+        if (o.w)
+#pragma unroll
+            for (int k = 0; k < z.carried; ++k) {
+                const int carried = o.z + k * m + u;
+                const float sf = prnn_dyn_sigmoid(prnn_dyn_value(values + z.f(k)));
+                atomicAdd(grads + z.f(k), dc * prnn_dyn_value(values + carried) * sf * (1.0f - sf));
+                atomicAdd(grads + carried, dc * sf);
+            }
+    }
+}
+
 // A backward instruction of op OP (a forward op + PRNN_OP_BACKWARD), by every
 // thread of the block over the flattened (operand, element) range.
 template <int OP>
@@ -349,6 +408,8 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         PRNN_DYN_FORWARD(PRNN_OP_COPY);
         PRNN_DYN_FORWARD(PRNN_OP_SIGMOID_MUL);
         PRNN_DYN_FORWARD(PRNN_OP_SIGMOID_MUL_TANH);
+    case PRNN_OP_LSTM_CELL: return prnn_dyn_cell_forward<false>(n, count, program, first, values);
+    case PRNN_OP_TREE_CELL: return prnn_dyn_cell_forward<true>(n, count, program, first, values);
     default: break;
     }
 #undef PRNN_DYN_FORWARD
@@ -367,6 +428,10 @@ __device__ __forceinline__ void prnn_dyn_elementwise(int op, int n, int count, c
         PRNN_DYN_BACKWARD(PRNN_OP_LOSS);
         PRNN_DYN_BACKWARD(PRNN_OP_SIGMOID_MUL);
         PRNN_DYN_BACKWARD(PRNN_OP_SIGMOID_MUL_TANH);
+    case PRNN_OP_LSTM_CELL + PRNN_OP_BACKWARD:
+        return prnn_dyn_cell_backward<false>(n, count, program, first, values, grads);
+    case PRNN_OP_TREE_CELL + PRNN_OP_BACKWARD:
+        return prnn_dyn_cell_backward<true>(n, count, program, first, values, grads);
     default: break;
     }
 #undef PRNN_DYN_BACKWARD
