@@ -60,14 +60,15 @@ def run(cell: str, hidden: int, batch: int, steps: int, config: str) -> None:
     print(cfg)
 
 
-def run_tree_lstm(batches: list[int], placement: str) -> None:
+def run_tree_lstm(batches: list[int], placement: str, suite: str = "treelstm") -> None:
     import torch
 
     from persistrnn import dynamic
+    from persistrnn.bench.tagger import WORKLOADS
     from persistrnn.runtime.timing import time_cuda_ms, warm_up
-    from persistrnn.bench.treelstm import Settings, consecutive_batches, tree_lstm_workload
+    from persistrnn.bench.treelstm import Settings, consecutive_batches
 
-    work = tree_lstm_workload(Settings(), torch.device("cuda"))
+    work = WORKLOADS[suite](Settings(), torch.device("cuda"))
     interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05), placement=placement)
     instrumented = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(0.05), placement=placement, profile=True)
     print(f"placement {placement}: {interp.layout}")
@@ -82,7 +83,7 @@ def run_tree_lstm(batches: list[int], placement: str) -> None:
             timed = interp.schedule(graph, train=train)
             warm_up(lambda timed=timed: interp.launch(timed))  # steady clocks before the timing
             ms = time_cuda_ms(lambda timed=timed: interp.launch(timed), warmup=3, repeats=20)
-            print(f"tree-LSTM batch {batch}, {'training' if train else 'inference'}: {len(graph)} nodes, "
+            print(f"{suite} batch {batch}, {'training' if train else 'inference'}: {len(graph)} nodes, "
                   f"{timed.stages} stages, {timed.instructions} instructions on {interp.blocks} blocks, {ms:.3f} ms "
                   f"a launch ({ms * 1e3 / timed.stages:.2f} µs a stage)")
             launched = instrumented.launch(timed)
@@ -143,6 +144,8 @@ def main() -> None:
     parser.add_argument("--summarise", metavar="CSV", help="print the summary of ncu's source page instead")
     parser.add_argument("--tree-lstm", type=int, nargs="+", metavar="BATCH",
                         help="profile the dynamic interpreter's Tree-LSTM at these batches instead")
+    parser.add_argument("--suite", default="treelstm", choices=("treelstm", "tagger"),
+                        help="the dynamic workload --tree-lstm profiles (the tagger's BiLSTM likewise)")
     parser.add_argument("--placement", default="replicate",
                         help="the interpreter's placement (--tree-lstm; the Interpreter's default)")
     parser.add_argument("--top", type=int, default=40)
@@ -150,7 +153,7 @@ def main() -> None:
     if args.summarise:
         summarise(args.summarise, args.top)
     elif args.tree_lstm:
-        run_tree_lstm(args.tree_lstm, args.placement)
+        run_tree_lstm(args.tree_lstm, args.placement, args.suite)
     else:
         run(args.cell, args.hidden, args.batch, args.steps, args.config)
 
