@@ -478,6 +478,36 @@ def test_replicas_hold_whole_matrices_on_further_blocks_and_share_the_vectors():
             assert rel(got.param_grads, want.param_grads) <= 1e-12
 
 
+def test_a_shape_of_several_matrices_takes_replicas_side_by_side_where_stacked_caches_would_not_fit():
+    # The bench tagger (embedding = hidden = 256): its four LSTM matrices share one shape. A second replica of
+    # each on its own 32 holders would stack two matrices' rows on every block past an H100's shared memory;
+    # on 16 holders of 64 rows each, the four matrices' eight replicas lie side by side.
+    from persistrnn.dynamic.script import ROW_GROWTH
+
+    model = dynamic.Model(0)
+    dynamic.BiLSTMTagger(model, 50, 5, 256, 256)
+    partition = dynamic.matrix_layout(model, 132)
+    lay = dynamic.kernel_layout(model, 132, "replicate", H100_SHARED)
+    assert partition.holders[:4] == (32,) * 4 and partition.rows_per_block[:4] == (32,) * 4
+    assert (lay.replicas, lay.holders, lay.rows_per_block) == ((2, 2, 2, 2, 132), (16, 16, 16, 16, 1),
+                                                               (64, 64, 64, 64, 5))
+    assert dynamic.KernelSpec(lay, train=True).shared_bytes <= H100_SHARED
+    for b in range(132):  # no block holds rows of two LSTM matrices
+        assert sum(lay.block_rows(k, b)[1] > 0 for k in range(4)) <= 1
+    for k in range(4):
+        assert lay.rows_per_block[k] <= ROW_GROWTH * partition.rows_per_block[k]
+        on = [b for b in range(132) if lay.block_rows(k, b)[1] > 0]
+        covered = sorted(r for b in on for r in range(*lay.block_rows(k, b)))
+        assert covered == sorted(list(range(1024)) * 2), "each replica holds every row once"
+    # The float64 results of a batch on this layout are the partition's.
+    model, builder, sentences, graph = wikiner_batch(3, hidden=256, embedding=256)
+    flat = model.initial_values()
+    got = dynamic.run_script(dynamic.schedule(graph, 132, layout=lay), flat)
+    want = dynamic.run_script(dynamic.schedule(graph, 132), flat)
+    assert abs(got.loss - want.loss) <= 1e-12 * abs(want.loss)
+    assert rel(got.param_grads, want.param_grads) <= 1e-12
+
+
 def test_a_tree_level_costs_two_stages():
     # Binary Tree-LSTM: one matvec for all five gates of a node, then its
     # cell in one elementwise stage; the output layer runs beside the parent's

@@ -63,9 +63,13 @@ def test_tree_lstm_kernel_matches_reference_and_torch(variant, blocks, placement
     assert abs(float(launched.loss.item()) - loss.item()) <= TOLERANCE * loss.item()
 
 
-def test_tagger_kernel_matches_reference_and_torch():
-    model, builder, sentences, graph = wikiner_batch(6, hidden=40, embedding=33)
-    interp, launched, want, flat = _run_both(model, graph, _sm_count(), dynamic.SGD(0.1))
+@pytest.mark.parametrize("hidden, embedding", [(40, 33), (256, 256)])
+def test_tagger_kernel_matches_reference_and_torch(hidden, embedding):
+    # 256 / 256: the bench's sizes, whose four LSTM matrices (one shape) take their replicas side by side.
+    model, builder, sentences, graph = wikiner_batch(6, hidden=hidden, embedding=embedding)
+    interp, launched, want, flat = _run_both(model, graph, _sm_count(), dynamic.SGD(0.1), placement="replicate")
+    if hidden == embedding == 256 and _sm_count() == 132:
+        assert interp.layout.replicas[:4] == (2, 2, 2, 2)
     _check(interp, launched, want)
     P = torch_params(model, flat)
     loss = sum(tagger_loss(builder, P, w, t) for w, t in sentences)

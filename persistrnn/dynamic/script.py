@@ -161,7 +161,9 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
     each to the matrices of one shape with the fewest replicas, all of them
     at once, so that matrices used alike (a BiLSTM's two directions') keep
     replicas alike; a matrix's replicas share the blocks, so each replica
-    holds more rows where they would not fit otherwise. A shape is done
+    holds more rows where they would not fit otherwise, and the matrices of
+    one shape go side by side (not stacked on shared blocks) where only that
+    fits (the bench tagger's four LSTM matrices). A shape is done
     where its next replicas would grow a block's weight cache past
     ``cache_floats`` (None: no bound; an :class:`~.kernel.Interpreter`
     passes its device's), or its rows per block past ``ROW_GROWTH`` times
@@ -196,12 +198,20 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
                 break
             grow = (shape == shape[np.argmin(np.where(done, np.iinfo(np.int64).max, replicas))]) & ~done
             more = replicas + grow
-            fewer = np.where(grow, np.minimum(holders, blocks // more), holders)  # holders that fit the replicas
-            more_rows = -(-rows // fewer)
-            fewer = -(-rows // more_rows)
-            trial = _cache_offsets(first, fewer * more, more_rows * cols, blocks)
-            if ((more_rows > most_rows).any()
-                    or cache_floats is not None and int((trial + more_rows * cols).max()) > cache_floats):
+            # Holders that fit the replicas: first each matrix's on the grid
+            # alone; failing that, where the shape has several matrices (a
+            # BiLSTM's four), all of theirs side by side, whose caches then
+            # do not stack on shared blocks.
+            for spread in sorted({1, int(grow.sum())}):
+                fewer = np.where(grow, np.minimum(holders, blocks // (more * spread)), holders)
+                more_rows = -(-rows // np.maximum(fewer, 1))
+                fewer = -(-rows // more_rows)
+                trial = _cache_offsets(first, fewer * more, more_rows * cols, blocks)
+                fits = not ((more_rows > most_rows).any() or cache_floats is not None
+                            and int((trial + more_rows * cols).max()) > cache_floats)
+                if fits:
+                    break
+            if not fits:
                 done |= grow
             else:
                 replicas, holders, rpb, shared = more, fewer, more_rows, trial
