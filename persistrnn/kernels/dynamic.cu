@@ -102,36 +102,85 @@ __device__ __forceinline__ void prnn_dyn_softmax(const float* z, int n, float* t
 
 // A matvec's forward rows: this block's rows of matrix m times the group's
 // first G vectors in vec (G a power of two at least in_group, so that a group
-// of one vector does one vector's work), a warp per row, lanes along the row,
-// a shuffle reduction per vector; first is the group's first operand.
+// of one vector does one vector's work), a warp per R rows, lanes along the
+// rows, a shuffle reduction per row and vector; first is the group's first
+// operand. R = 8 / G rows at once: their loads and reductions overlap, where
+// one row after another made a holder's rows cost as much as its vectors at
+// a few vectors a group (perf-notes dynamic §38-39).
 template <int G>
 __device__ __forceinline__ void prnn_dyn_matvec_rows(const prnn_dyn_rows& m, const float* weights, const float* vec,
                                                      float* values, const int* program, int first, int in_group) {
+    constexpr int R = G >= 8 ? 1 : 8 / G;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < m.count; r += PRNN_DYN_WARPS) {
-        const float* w = weights + m.cache + r * m.cols;
-        float s[G];
+    for (int r0 = warp * R; r0 < m.count; r0 += PRNN_DYN_WARPS * R) {
+        float s[R][G];
 #pragma unroll
-        for (int j = 0; j < G; ++j) s[j] = 0.0f;
+        for (int q = 0; q < R; ++q)
+#pragma unroll
+            for (int j = 0; j < G; ++j) s[q][j] = 0.0f;
         for (int c = lane; c < m.cols; c += 32) {
-            const float wc = w[c];
+            float x[G];
 #pragma unroll
-            for (int j = 0; j < G; ++j) s[j] = fmaf(wc, vec[j * PRNN_DYN_MAX_COLS + c], s[j]);
+            for (int j = 0; j < G; ++j) x[j] = vec[j * PRNN_DYN_MAX_COLS + c];
+#pragma unroll
+            for (int q = 0; q < R; ++q) {
+                const float wc = r0 + q < m.count ? weights[m.cache + (r0 + q) * m.cols + c] : 0.0f;
+#pragma unroll
+                for (int j = 0; j < G; ++j) s[q][j] = fmaf(wc, x[j], s[q][j]);
+            }
         }
 #pragma unroll
-        for (int j = 0; j < G; ++j) {
-            const float total = prnn_dyn_warp_sum(s[j]);
-            if (lane == 0 && j < in_group) values[prnn_dyn_operand(program, first, j).x + m.begin + r] = total;
-        }
+        for (int q = 0; q < R; ++q)
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                const float total = prnn_dyn_warp_sum(s[q][j]);
+                if (lane == 0 && j < in_group && r0 + q < m.count)
+                    values[prnn_dyn_operand(program, first, j).x + m.begin + r0 + q] = total;
+            }
     }
 }
 
+#if PRNN_DYN_TRAIN
+// A matvec's backward columns: a thread per column of this block's rows of
+// matrix m, its part of W^T dy for the group's first G vectors (atomics:
+// other blocks hold the other rows) and its column of sum_j dy_j x_j^T into
+// the cached gradient. G as the forward's: a group of one vector does one
+// vector's work (every group did all 8 slots' before, zeros past the group;
+// perf-notes dynamic §39).
+template <int G>
+__device__ __forceinline__ void prnn_dyn_matvec_columns(const prnn_dyn_rows& m, const float* weights, float* wgrads,
+                                                        const float* vec, const float* dy, float* grads,
+                                                        const int* program, int first, int in_group) {
+    for (int c = threadIdx.x; c < m.cols; c += PRNN_DYN_THREADS) {
+        float s[G], x[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            s[j] = 0.0f;
+            x[j] = vec[j * PRNN_DYN_MAX_COLS + c];
+        }
+        for (int r = 0; r < m.count; ++r) {
+            const int at = m.cache + r * m.cols + c;
+            const float w = weights[at];
+            float acc = wgrads[at];
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                const float d = dy[j * PRNN_DYN_MAX_ROWS + r];
+                s[j] = fmaf(w, d, s[j]);
+                acc = fmaf(d, x[j], acc);
+            }
+            wgrads[at] = acc;
+        }
+#pragma unroll
+        for (int j = 0; j < G; ++j)
+            if (j < in_group) atomicAdd(grads + prnn_dyn_operand(program, first, j).y + c, s[j]);
+    }
+}
+#endif
+
 // A matvec instruction: this block's rows of matrix k times every listed
 // vector, PRNN_DYN_GROUP vectors at a time so that each weight read from
-// shared memory serves the whole group. Forward: prnn_dyn_matvec_rows.
-// Backward: a thread per column, its part of W^T dy for every vector
-// (atomics: other blocks hold the other rows) and its column of
-// sum_j dy_j x_j^T into the cached gradient.
+// shared memory serves the whole group. Forward: prnn_dyn_matvec_rows;
+// backward: prnn_dyn_matvec_columns.
 __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* program, int first, int count,
                                                 float* values, float* grads, float* vec, float* dy,
                                                 const float* weights, float* wgrads) {
@@ -140,10 +189,9 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
     const int tid = threadIdx.x;
     for (int g0 = 0; g0 < count; g0 += PRNN_DYN_GROUP) {
         const int in_group = min(PRNN_DYN_GROUP, count - g0);
-        // The forward reads the first `slots` vectors, the backward all of the
-        // group's; vectors past the group's end are zeros (they add nothing
-        // to the gradient).
-        const int slots = backward ? PRNN_DYN_GROUP : in_group <= 1 ? 1 : in_group <= 2 ? 2 : in_group <= 4 ? 4 : 8;
+        // Both directions read the first `slots` vectors; vectors past the
+        // group's end are zeros (they add nothing to the gradient).
+        const int slots = in_group <= 1 ? 1 : in_group <= 2 ? 2 : in_group <= 4 ? 4 : 8;
         // A thread's columns, all vectors' loads of a column before its
         // stores (no division by the column count: ~20 instructions each).
         for (int c = tid; c < m.cols; c += PRNN_DYN_THREADS) {
@@ -156,15 +204,15 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
                 if (j < slots) vec[j * PRNN_DYN_MAX_COLS + c] = x[j];
         }
         if (backward)
-            for (int e = tid; e < PRNN_DYN_GROUP * m.count; e += PRNN_DYN_THREADS) {
+            for (int e = tid; e < slots * m.count; e += PRNN_DYN_THREADS) {
                 const int j = e / m.count, r = e - j * m.count;
                 dy[j * PRNN_DYN_MAX_ROWS + r] =
                     j < in_group ? prnn_dyn_ld(grads + prnn_dyn_operand(program, first, g0 + j).x + m.begin + r)
                                  : 0.0f;
             }
         __syncthreads();
+        static_assert(PRNN_DYN_GROUP == 8, "the slot counts below are the powers of two up to 8");
         if (!backward) {
-            static_assert(PRNN_DYN_GROUP == 8, "the forward's slot counts below are the powers of two up to 8");
             if (slots == 1) prnn_dyn_matvec_rows<1>(m, weights, vec, values, program, first + g0, in_group);
             else if (slots == 2) prnn_dyn_matvec_rows<2>(m, weights, vec, values, program, first + g0, in_group);
             else if (slots == 4) prnn_dyn_matvec_rows<4>(m, weights, vec, values, program, first + g0, in_group);
@@ -172,29 +220,13 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
         }
 #if PRNN_DYN_TRAIN
         else {
-            for (int c = tid; c < m.cols; c += PRNN_DYN_THREADS) {
-                float s[PRNN_DYN_GROUP], x[PRNN_DYN_GROUP];
-#pragma unroll
-                for (int j = 0; j < PRNN_DYN_GROUP; ++j) {
-                    s[j] = 0.0f;
-                    x[j] = vec[j * PRNN_DYN_MAX_COLS + c];
-                }
-                for (int r = 0; r < m.count; ++r) {
-                    const int at = m.cache + r * m.cols + c;
-                    const float w = weights[at];
-                    float acc = wgrads[at];
-#pragma unroll
-                    for (int j = 0; j < PRNN_DYN_GROUP; ++j) {
-                        const float d = dy[j * PRNN_DYN_MAX_ROWS + r];
-                        s[j] = fmaf(w, d, s[j]);
-                        acc = fmaf(d, x[j], acc);
-                    }
-                    wgrads[at] = acc;
-                }
-#pragma unroll
-                for (int j = 0; j < PRNN_DYN_GROUP; ++j)
-                    if (j < in_group) atomicAdd(grads + prnn_dyn_operand(program, first, g0 + j).y + c, s[j]);
-            }
+#define PRNN_DYN_COLUMNS(G) \
+    prnn_dyn_matvec_columns<G>(m, weights, wgrads, vec, dy, grads, program, first + g0, in_group)
+            if (slots == 1) PRNN_DYN_COLUMNS(1);
+            else if (slots == 2) PRNN_DYN_COLUMNS(2);
+            else if (slots == 4) PRNN_DYN_COLUMNS(4);
+            else PRNN_DYN_COLUMNS(8);
+#undef PRNN_DYN_COLUMNS
         }
 #endif
         __syncthreads();  // the group's buffers are free for the next
