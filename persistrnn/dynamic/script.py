@@ -63,6 +63,7 @@ OPCODES = {
 }
 BACKWARD = 16
 """Added to a forward opcode: the same nodes' backward instruction."""
+assert max(OPCODES.values()) < BACKWARD, "forward opcodes stay below BACKWARD (the profile has 2 * 16 slots)"
 
 PLACEMENTS = ("partition", "spread", "replicate")
 """``partition``: each matrix on its own blocks (VPPS); ``spread``: every
