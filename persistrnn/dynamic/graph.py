@@ -189,12 +189,13 @@ class Graph:
         biases = (bias, *more)
         for p in biases:
             self._param("parameter", p, ("bias",))
-        dense = [p.index for p in self.model.parameters if p.kind != "matrix"]
-        at = [dense.index(p.index) for p in biases]
-        if at != list(range(at[0], at[0] + len(at))):
-            raise ArgumentError(f"parameter: expected biases declared one after another, got "
-                                f"{[p.name for p in biases]}, declared in the order "
-                                f"{[self.model.parameters[i].name for i in dense]}")
+        if more:  # one bias (every node of a hand-built graph) needs no adjacency check
+            dense = [p.index for p in self.model.parameters if p.kind != "matrix"]
+            at = [dense.index(p.index) for p in biases]
+            if at != list(range(at[0], at[0] + len(at))):
+                raise ArgumentError(f"parameter: expected biases declared one after another, got "
+                                    f"{[p.name for p in biases]}, declared in the order "
+                                    f"{[self.model.parameters[i].name for i in dense]}")
         return self._node("lookup", sum(p.rows for p in biases), extra=bias.index)
 
     def matvec(self, matrix: Parameter, x: Expr) -> Expr:

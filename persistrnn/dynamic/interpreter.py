@@ -80,9 +80,9 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
     def cell_forward(op: int, items: np.ndarray, n: int) -> None:
         h, c, i, o, g, carried = cell_gates(op, items, np.arange(n // 2))
         value = _sigmoid(values[i]) * np.tanh(values[g])
-        has = items[:, 3, None] == 1
+        has = items[:, 3] == 1
         for f, k in carried:
-            value = value + np.where(has, _sigmoid(values[np.where(has, f, i)]) * values[np.where(has, k, i)], 0.0)
+            value[has] += _sigmoid(values[f[has]]) * values[k[has]]
         values[c] = value
         values[h] = _sigmoid(values[o]) * np.tanh(value)
 
