@@ -19,8 +19,7 @@ import tempfile
 
 import torch
 
-from persistrnn import dynamic
-from persistrnn.bench.tagger import WORKLOADS
+from persistrnn.bench.tagger import WORKLOADS, loaded_suite
 from persistrnn.bench.treelstm import Settings, consecutive_batches
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -35,9 +34,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args()
     settings = Settings()
-    work = WORKLOADS[args.suite](settings, torch.device("cuda"))
-    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
-    interp.load()
+    work, interp = loaded_suite(args.suite, settings)
     batches = consecutive_batches(work.inputs, args.batch, settings.iterations)
     ramp = 2 * args.workers
     ahead = [batches[i % len(batches)] for i in range(ramp + args.batches)]

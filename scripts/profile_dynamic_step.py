@@ -4,7 +4,7 @@ wall time per batch of a loop of steps against the kernel's own time, the
 host time of one ``launch`` call on its own, then the loop under cProfile
 (top functions by own time). The kernel columns (training and inference)
 are the suites' own: every script launched back to back, queued behind a
-GPU sleep (``bench.treelstm._kernel_ms``); ``--top 0`` leaves out cProfile.
+GPU sleep (``bench.treelstm.kernel_ms``); ``--top 0`` leaves out cProfile.
 
     PYTHONPATH=. python scripts/profile_dynamic_step.py [--suite tagger] [--batch 1] [--steps 200]
 """
@@ -20,8 +20,8 @@ import time
 import torch
 
 from persistrnn import dynamic
-from persistrnn.bench.tagger import WORKLOADS
-from persistrnn.bench.treelstm import Settings, _kernel_ms, consecutive_batches
+from persistrnn.bench.tagger import WORKLOADS, loaded_suite
+from persistrnn.bench.treelstm import Settings, consecutive_batches, kernel_ms
 
 
 def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: int, args) -> None:
@@ -32,8 +32,8 @@ def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: 
         scripts.append(interp.schedule(graph))
         inference.append(interp.schedule(graph, train=False))
     loop = [scripts[i % len(scripts)] for i in range(args.steps)]
-    kernel_ms = _kernel_ms(interp, scripts, repeats=5)
-    infer_ms = _kernel_ms(interp, inference, repeats=5)
+    train_ms = kernel_ms(interp, scripts, repeats=5)
+    infer_ms = kernel_ms(interp, inference, repeats=5)
 
     def run() -> float:
         torch.cuda.synchronize()
@@ -57,7 +57,7 @@ def profile_batch(interp: dynamic.Interpreter, work, settings: Settings, batch: 
     run()
     walls = sorted(run() for _ in range(3))
     hosts = sorted(host_us() for _ in range(3))
-    print(f"{args.suite} batch {batch}: kernel {kernel_ms:.3f} ms, inference kernel {infer_ms:.3f} ms (queued, "
+    print(f"{args.suite} batch {batch}: kernel {train_ms:.3f} ms, inference kernel {infer_ms:.3f} ms (queued, "
           f"launches back to back); a loop of {len(loop)} steps {walls[1]:.3f} ms a batch (median of 3); one "
           f"launch call {hosts[1]:.0f} µs of host time (median)")
     if args.top <= 0:
@@ -79,9 +79,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     settings = Settings()
-    work = WORKLOADS[args.suite](settings, torch.device("cuda"))
-    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
-    interp.load()
+    work, interp = loaded_suite(args.suite, settings)
     for batch in args.batch:
         profile_batch(interp, work, settings, batch, args)
 

@@ -16,10 +16,9 @@ import argparse
 import functools
 import os
 
-import torch
 
 from persistrnn import dynamic
-from persistrnn.bench.tagger import WORKLOADS
+from persistrnn.bench.tagger import WORKLOADS, loaded_suite
 from persistrnn.bench.treelstm import Settings, _steady_ms, consecutive_batches
 from persistrnn.runtime.timing import time_cuda_ms, warm_up
 
@@ -35,9 +34,7 @@ def main() -> None:
     print("| suite | batch | kernel ms | workers | sent/s | ms/batch | waiting ms/batch | in step ms/batch |")
     print("|---|---|---|---|---|---|---|---|")
     for suite in args.suite:
-        work = WORKLOADS[suite](settings, torch.device("cuda"))
-        interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
-        interp.load()
+        work, interp = loaded_suite(suite, settings)
         for batch in args.batch:
             batches = consecutive_batches(work.inputs, batch, settings.iterations)
             graph = dynamic.Graph(work.model)

@@ -16,7 +16,7 @@ from typing import Any
 from .dynet_peer import DyNetTagger
 from .treelstm import Settings, Workload, _torch_params, main as run_suite, tree_lstm_workload
 
-__all__ = ["TorchTagger", "main", "tagger_workload"]
+__all__ = ["TorchTagger", "loaded_suite", "main", "tagger_workload"]
 
 
 class TorchTagger:
@@ -128,6 +128,19 @@ def tagger_workload(settings: Settings, device: Any) -> Workload:
 
 WORKLOADS = {"treelstm": tree_lstm_workload, "tagger": tagger_workload}
 """The dynamic-network suites' workloads by name (the profiling scripts take them)."""
+
+
+def loaded_suite(suite: str, settings: Settings) -> tuple[Workload, Any]:
+    """A suite's workload on the GPU and the interpreter the suite runs (SGD
+    at the suite's rate), compiled and loaded: the profiling scripts' start."""
+    import torch
+
+    from .. import dynamic
+
+    work = WORKLOADS[suite](settings, torch.device("cuda"))
+    interp = dynamic.Interpreter(work.model, optimizer=dynamic.SGD(settings.lr))
+    interp.load()
+    return work, interp
 
 
 def main(argv: list[str] | None = None) -> int:

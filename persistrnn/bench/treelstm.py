@@ -8,7 +8,7 @@ of consecutive SST train trees. Providers, in one process on one GPU:
   forward only). Training throughput runs ``step()``, which schedules batch
   k+1 on the host while batch k runs; the host time of building and
   scheduling a batch (VPPS Fig. 10) and the kernel's device time are
-  reported beside it (:func:`_kernel_ms`: every timed batch's script, built
+  reported beside it (:func:`kernel_ms`: every timed batch's script, built
   beforehand, launched back to back between two CUDA events, ms per
   launch). A second training
   timing takes each batch's script from ``host_workers`` worker processes
@@ -99,7 +99,7 @@ class Workload:
     dynet: Callable[[Any, float], Any] | None = None  # (dynet, lr) -> the DyNet peer (bench.dynet_peer)
 
 
-def _kernel_ms(interp: Any, scripts: list, repeats: int) -> float:
+def kernel_ms(interp: Any, scripts: list, repeats: int) -> float:
     """Device ms per launch of ``scripts`` (every timed batch's, built
     beforehand), launched back to back between two CUDA events, the median
     of ``repeats`` after a warm-up to steady clocks (the row's scheduling
@@ -392,7 +392,7 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
     row["ours_host_ms_per_batch"] = row["ours_build_ms_per_batch"] + row["ours_schedule_ms_per_batch"]
     row["ours_instructions_per_input"] = scripts[0].instructions / batch
     row["stages_train"] = scripts[0].stages
-    row["ours_train_kernel_ms"] = _kernel_ms(interp, scripts, settings.repeats)
+    row["ours_trainkernel_ms"] = kernel_ms(interp, scripts, settings.repeats)
 
     def ours_train() -> None:
         for b in batches:
@@ -409,7 +409,7 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
         # 2 W per_item to the end of the loop, over the batches repeated to at least three times that.
         # A worker's item holds ~ITEM_KERNEL_MS of kernel time in scripts: the launching process's cost per
         # DataLoader item (~0.1-0.25 ms, perf-notes dynamic §32) is then a small part of the kernel's time.
-        per_item = max(1, min(MAX_PER_ITEM, math.ceil(ITEM_KERNEL_MS / row["ours_train_kernel_ms"])))
+        per_item = max(1, min(MAX_PER_ITEM, math.ceil(ITEM_KERNEL_MS / row["ours_trainkernel_ms"])))
         row["ours_workers_per_item"] = per_item
         ramp = 2 * settings.host_workers * per_item
         ahead = batches * -(-3 * ramp // len(batches))
@@ -421,7 +421,7 @@ def run_batch(batch: int, work: Workload, interp: Any, settings: Settings) -> di
         # step (the launch, then the wait for the previous batch's kernel).
         row["ours_workers_wait_ms_per_batch"] = waiting / timed
         row["ours_workers_step_ms_per_batch"] = stepping / timed
-    row["ours_infer_kernel_ms"] = _kernel_ms(interp, [interp.schedule(g, train=False) for g in graphs],
+    row["ours_inferkernel_ms"] = kernel_ms(interp, [interp.schedule(g, train=False) for g in graphs],
                                              settings.repeats)
     row["ours_infer_ms"] = _wall_ms(lambda: interp.run(graph_of(batches[0]), train=False), settings.repeats)
 
@@ -566,11 +566,11 @@ COLUMNS = [
     ("ours_workers_wait_ms_per_batch", "ours with workers: ms/batch waiting for a script", "{:.2f}"),
     ("ours_workers_step_ms_per_batch", "ours with workers: ms/batch in step", "{:.2f}"),
     ("ours_workers_per_item", "ours with workers: scripts per worker item", "{}"),
-    ("ours_train_kernel_ms", "ours train kernel ms", "{:.3f}"),
+    ("ours_trainkernel_ms", "ours train kernel ms", "{:.3f}"),
     ("ours_host_ms_per_batch", "ours host ms/batch (build + schedule)", "{:.2f}"),
     ("ours_instructions_per_input", "ours instructions/input", "{:.0f}"),
     ("ours_infer_ms", "ours infer ms", "{:.3f}"),
-    ("ours_infer_kernel_ms", "ours infer kernel ms", "{:.3f}"),
+    ("ours_inferkernel_ms", "ours infer kernel ms", "{:.3f}"),
     ("torch_graph_infer_ms", "torch level-batched + graph infer ms", "{:.3f}"),
     ("torch_batched_infer_ms", "torch level-batched infer ms", "{:.3f}"),
     ("torch_eager_infer_ms", "torch eager infer ms", "{:.3f}"),
