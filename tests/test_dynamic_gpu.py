@@ -6,7 +6,8 @@ was written shows in the loss."""
 
 import numpy as np
 import pytest
-from test_dynamic import cells_graph, rel, sst_batch, tagger_loss, torch_params, tree_lstm_loss, wikiner_batch
+from test_dynamic import (cell_matvecs_graph, cells_graph, rel, sst_batch, tagger_loss, torch_params, tree_lstm_loss,
+                          wikiner_batch)
 
 from persistrnn import dynamic
 from persistrnn.errors import ArgumentError
@@ -82,6 +83,16 @@ def test_the_cells_match_the_reference_with_and_without_a_carried_cell(n):
     model, biases, graph, _, _ = cells_graph(n)
     interp, launched, want, _ = _run_both(model, graph, 3, dynamic.SGD(0.1))
     _check(interp, launched, want)
+
+
+@pytest.mark.parametrize("n, blocks", [(7, 3), (7, 8), (130, 5)])
+def test_the_cell_matvecs_match_the_reference(n, blocks):
+    # lstm_matvec and tree_matvec in every form, forward and backward: uneven units per block (7 on 3), one
+    # unit on some blocks (7 on 8), and 26 units of 3-5 gates a block (130 on 5).
+    model, graph, _, _, _ = cell_matvecs_graph(n, width=33)
+    for train in (True, False):
+        interp, launched, want, _ = _run_both(model, graph, blocks, dynamic.SGD(0.1) if train else None, train=train)
+        _check(interp, launched, want, train=train)
 
 
 def test_inference_kernel_matches_reference():

@@ -24,23 +24,23 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import ArgumentError
-from .graph import OP, Expr, Graph
+from .graph import DISTRIBUTED, OP, Expr, Graph
 from .model import Parameter
 
 __all__ = ["Template", "Instances", "instantiate"]
 
 _NONE = -(2**40)
 """A coefficient for "does not depend on this slot": far below any real depth or stage."""
-_SLICE, _MATVEC, _LOOKUP, _LOSS = OP["slice"], OP["matvec"], OP["lookup"], OP["loss"]
+_SLICE, _LOOKUP, _LOSS = OP["slice"], OP["lookup"], OP["loss"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Template:
     """One recorded node pattern of ``rows`` nodes over ``slots`` inputs.
 
-    References (``a``, ``b``, ``root``, ``part``): ``r >= 0`` is row ``r`` of
-    the same instance, ``-1`` none, ``-2 - s`` slot ``s``. ``depth``,
-    ``stage`` and ``ready`` (the first even stage that can read the row):
+    References (``a``, ``b``, ``c``, ``root``, ``part``): ``r >= 0`` is row
+    ``r`` of the same instance, ``-1`` none, ``-2 - s`` slot ``s``. ``depth``,
+    ``stage`` and ``ready`` (the first stage an elementwise row can read it in):
     (rows, 1 + 3 slots) max-plus coefficients, column 0 the constant, then
     over the slots' depths, ready stages and stages (a slice of a slot takes
     the slot's stage). Rows that look up a row of ``words`` take the
@@ -53,6 +53,7 @@ class Template:
     size: np.ndarray
     a: np.ndarray
     b: np.ndarray
+    c: np.ndarray
     extra: np.ndarray
     root: np.ndarray
     depth: np.ndarray
@@ -93,23 +94,24 @@ class Template:
             stage[s, 1 + 2 * S + s] = 0
         pair_node, pair_part = col["concat_node"], col["concat_part"]
         for node in range(S, S + rows):
-            kind, a, b = col["op"][node], col["a"][node], col["b"][node]
-            inputs = pair_part[pair_node == node] if kind == OP["concat"] else [i for i in (a, b) if i >= 0]
+            kind, a, b, c = col["op"][node], col["a"][node], col["b"][node], col["c"][node]
+            inputs = pair_part[pair_node == node] if kind == OP["concat"] else [i for i in (a, b, c) if i >= 0]
             if kind == _SLICE:
                 depth[node], stage[node] = depth[a], stage[a]
-            elif kind == _MATVEC:
-                depth[node], stage[node] = depth[a] + 1, ready[a] + 1
+            elif kind in DISTRIBUTED:
+                depth[node] = np.max([depth[i] for i in inputs], axis=0) + 1
+                stage[node] = np.max([stage[i] for i in inputs], axis=0) + 1
             elif len(inputs):
                 depth[node] = np.max([depth[i] for i in inputs], axis=0) + 1
                 stage[node] = np.max([ready[i] for i in inputs], axis=0)
             else:
                 depth[node, 0], stage[node, 0] = 0, 0
             root = col["root"][node]
-            ready[node] = ready[root] if root < S else stage[root] + (col["op"][root] == _MATVEC)
+            ready[node] = ready[root] if root < S else stage[root] + (col["op"][root] in DISTRIBUTED)
         if any(o < S or op[o - S] == _SLICE for o in outputs):
             raise ArgumentError("a template's outputs must be nodes it makes, not slices or its inputs")
         is_word = (op == _LOOKUP) & (col["extra"][S:] == (words.index if words is not None else -1))
-        return cls(op, col["size"][S:], ref(col["a"][S:]), ref(col["b"][S:]), col["extra"][S:],
+        return cls(op, col["size"][S:], ref(col["a"][S:]), ref(col["b"][S:]), ref(col["c"][S:]), col["extra"][S:],
                    ref(col["root"][S:]), depth[S:], stage[S:], ready[S:], pair_node[pair_node >= S] - S,
                    ref(pair_part[pair_node >= S]), np.flatnonzero(is_word), np.flatnonzero(op == _LOSS),
                    np.asarray(outputs, dtype=np.int64) - S, np.asarray(slot_output, dtype=np.int64))
@@ -206,7 +208,7 @@ def instantiate(graph: Graph, groups: Sequence[Instances]) -> np.ndarray:
     # Every row of every instance, scattered into creation order.
     total = int(rows.sum())
     columns = {k: np.empty(total, dtype=np.int64)
-               for k in ("op", "size", "a", "b", "extra", "depth", "stage", "root")}
+               for k in ("op", "size", "a", "b", "c", "extra", "depth", "stage", "root")}
     columns["row"] = np.zeros(total, dtype=np.int64)
     pair_nodes, pair_parts = [], []
     for gr in groups:
@@ -227,6 +229,7 @@ def instantiate(graph: Graph, groups: Sequence[Instances]) -> np.ndarray:
         columns["size"][at] = t.size
         columns["a"][at] = resolve(t.a)
         columns["b"][at] = resolve(t.b)
+        columns["c"][at] = resolve(t.c)
         columns["root"][at] = resolve(t.root)
         columns["extra"][at] = t.extra
         if t.word_row.size:

@@ -53,9 +53,10 @@ class TreeLSTM:
         arity = 2 if variant == "binary" else 1
         H = hidden
         self.embed = model.embedding("embed", vocabulary, embedding)
-        self.w_iou = model.matrix("W_iou", 3 * H, embedding)
-        if variant == "binary":
-            self.u = model.matrix("U", 5 * H, 2 * H)
+        binary = variant == "binary"
+        self.w_iou = model.matrix("W_iou", 3 * H, embedding, gates=3 if binary else 1)
+        if binary:
+            self.u = model.matrix("U", 5 * H, 2 * H, gates=5)
         else:
             self.u_iou = model.matrix("U_iou", 3 * H, H)
             self.u_f = model.matrix("U_f", H, H)
@@ -152,16 +153,16 @@ class TreeLSTM:
     def _cell(self, g: Graph, word: int | None, kids: list[Expr], label: int) -> Expr:
         """One tree node's expressions (a leaf's ``word``, or its children's
         states), its loss last; returns its state ``[h; c]`` (2 * hidden).
-        The binary cell is one node (``Graph.tree_cell``) on its gates plus
-        ``[b_iou; b_f]``, read in place: a level's chain of elementwise
-        instructions 8 -> 3 (perf-notes dynamic §37)."""
+        The binary cell is one node over its gates' matvec
+        (``Graph.tree_matvec``) with ``[b_iou; b_f]`` read in place: a tree
+        level costs one stage, where a matvec and a cell took two (perf-notes
+        dynamic §37, §40)."""
         H = self.hidden
         if self.variant == "binary":
             if kids:
-                gates = g.matvec(self.u, g.concat([k[0:H] for k in kids]))
-                state = g.tree_cell(gates + g.parameter(self.b_iou, self.b_f), g.concat([k[H:2 * H] for k in kids]))
+                state = g.tree_matvec(self.u, kids, g.parameter(self.b_iou, self.b_f))
             else:
-                state = g.tree_cell(g.matvec(self.w_iou, g.lookup(self.embed, word)) + g.parameter(self.b_iou))
+                state = g.tree_matvec(self.w_iou, [g.lookup(self.embed, word)], g.parameter(self.b_iou))
         else:
             iou = None
             if word is not None:
@@ -194,7 +195,8 @@ class BiLSTMTagger:
         self.embed = model.embedding("embed", vocabulary, embedding)
         self.directions = []
         for d in ("fwd", "bwd"):
-            self.directions.append((model.matrix(f"W_x_{d}", 4 * H, embedding), model.matrix(f"W_h_{d}", 4 * H, H),
+            self.directions.append((model.matrix(f"W_x_{d}", 4 * H, embedding, gates=4),
+                                    model.matrix(f"W_h_{d}", 4 * H, H, gates=4),
                                     model.bias(f"b_{d}", 4 * H, fan_in=H)))
         self.w_out = model.matrix("W_out", tags, 2 * H)
         self.b_out = model.bias("b_out", tags, fan_in=2 * H)
@@ -231,7 +233,7 @@ class BiLSTMTagger:
         base = len(g) + np.concatenate([[0], np.cumsum(nodes)[:-1]])
         columns = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
         shift = np.repeat(base, nodes)
-        for k in ("a", "b", "root"):
+        for k in ("a", "b", "c", "root"):
             columns[k] = np.where(columns[k] >= 0, columns[k] + shift, -1)
         pairs = np.repeat(base, [b["concat_node"].size for b in blocks])
         columns["concat_node"] += pairs
@@ -295,14 +297,13 @@ class BiLSTMTagger:
 
     def _step(self, g: Graph, direction: int, x: Expr, state: Expr | None) -> Expr:
         """One LSTM step of ``direction`` on ``x`` from ``state`` (``[h; c]``; None:
-        zero); returns the new state, one node (``Graph.lstm_cell``: a step's
-        chain of elementwise instructions 5 -> 2, perf-notes dynamic §37)."""
+        zero); returns the new state, one node over the recurrent matvec
+        (``Graph.lstm_matvec``: a step costs one stage where a matvec and a
+        cell took two, perf-notes dynamic §40), the input's term its addend."""
         w_x, w_h, b = self.directions[direction]
-        H = self.hidden
-        z = g.matvec(w_x, x) + g.parameter(b)
         if state is None:
-            return g.lstm_cell(z)
-        return g.lstm_cell(z + g.matvec(w_h, state[0:H]), state[H:2 * H])
+            return g.lstm_matvec(w_x, x, g.parameter(b))
+        return g.lstm_matvec(w_h, state, g.matvec(w_x, x) + g.parameter(b))
 
     def _output(self, g: Graph, forward: Expr, backward: Expr, tag: int) -> Expr:
         H = self.hidden

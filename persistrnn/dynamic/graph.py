@@ -7,13 +7,15 @@ before it). Two numbers are known when a node is made:
 
 * its **depth**, 1 + its inputs' deepest: nodes of one depth never depend on
   each other, so the scheduler runs them as one batched instruction;
-* its **stage**, the barrier-separated step of the script it runs in. Stages
-  alternate: even stages run the elementwise nodes, odd stages the
-  matrix-vector products. A matvec runs in the first odd stage after its
-  input is complete; any other node in the first even stage in which all its
-  inputs are complete (a matvec's output one stage after it). So a chain of
-  elementwise nodes stays in one stage, on one block, without a barrier: a
-  Tree-LSTM level costs two stages (its gates' matvec, then its cell).
+* its **stage**, the barrier-separated step of the script it runs in. A
+  *distributed* node (a matvec, or a cell over its gates' matvec:
+  ``lstm_matvec``, ``tree_matvec``) runs on its matrix's holders in the first
+  stage after all its inputs are complete; any other node in the first stage
+  in which all its inputs can be read: its elementwise inputs' stage (it
+  runs on their block), a distributed input's next one. So a chain of
+  elementwise nodes stays in one stage, on one block, without a barrier; a
+  Tree-LSTM level costs two stages as a matvec and a cell, one as a
+  ``tree_matvec``.
 
 A slice is a view of its parent's storage and runs nothing (``root`` is the
 node that owns the storage); the loss of a node (softmax cross-entropy) ends a
@@ -32,12 +34,14 @@ from .model import Model, Parameter
 __all__ = ["Expr", "Graph", "OPS"]
 
 OPS = ("lookup", "matvec", "add", "mul", "tanh", "sigmoid", "relu", "concat", "loss", "slice", "sigmoid_mul",
-       "sigmoid_mul_tanh", "lstm_cell", "tree_cell")
+       "sigmoid_mul_tanh", "lstm_cell", "tree_cell", "lstm_matvec", "tree_matvec")
 """Node kinds; ``lookup`` covers embedding rows and whole bias vectors; ``sigmoid_mul``
-and ``sigmoid_mul_tanh`` are an LSTM's gated products as one node each, and
-``lstm_cell`` / ``tree_cell`` a whole cell from its gates' pre-activations."""
+and ``sigmoid_mul_tanh`` are an LSTM's gated products as one node each,
+``lstm_cell`` / ``tree_cell`` a whole cell from its gates' pre-activations, and
+``lstm_matvec`` / ``tree_matvec`` a cell over its gates' matvec, as one node."""
 OP = {name: i for i, name in enumerate(OPS)}
-_MATVEC = OP["matvec"]
+DISTRIBUTED = (OP["matvec"], OP["lstm_matvec"], OP["tree_matvec"])
+"""Nodes that run on their matrix's holders; the others run on one block each."""
 
 
 class Expr:
@@ -71,9 +75,10 @@ class Expr:
 class Graph:
     """Nodes of one batch over ``model``'s parameters.
 
-    Columns per node: ``op`` (index in :data:`OPS`), ``size``, inputs ``a`` and
-    ``b`` (node ids, -1 for none), ``extra`` (parameter index for lookup and
-    matvec, label for a loss, start for a slice), ``row`` (a lookup's table
+    Columns per node: ``op`` (index in :data:`OPS`), ``size``, inputs ``a``,
+    ``b`` and ``c`` (node ids, -1 for none; ``c``: a cell matvec's addend),
+    ``extra`` (parameter index for lookup and the matvecs, label for a loss,
+    start for a slice), ``row`` (a lookup's table
     row), ``depth``, ``stage`` and ``root`` (see the module's docstring). A
     concat's inputs are the pairs (``concat_node``, ``concat_part``), in order.
 
@@ -88,6 +93,7 @@ class Graph:
         self.size: list[int] = []
         self.a: list[int] = []
         self.b: list[int] = []
+        self.c: list[int] = []
         self.extra: list[int] = []
         self.row: list[int] = []
         self.depth: list[int] = []
@@ -116,12 +122,12 @@ class Graph:
     # ---- recording -------------------------------------------------------
 
     def _ready(self, node: int) -> int:
-        """The first even stage in which ``node``'s value can be read."""
+        """The first stage in which an elementwise node can read ``node``'s value."""
         root = self.root[node]
-        return self.stage[root] + (self.op[root] == _MATVEC)
+        return self.stage[root] + (self.op[root] in DISTRIBUTED)
 
     def _node(self, op: str, size: int, a: int = -1, b: int = -1, extra: int = 0, row: int = 0,
-              inputs: Sequence[int] = ()) -> Expr:
+              inputs: Sequence[int] = (), c: int = -1) -> Expr:
         # Called for every node of a hand-built graph: the common cases (no
         # input, one, two) are written out, as the graph's build time is host time.
         if self._tail:
@@ -130,8 +136,11 @@ class Graph:
         depth_of, ready = self.depth, self._ready
         if op == "slice":
             depth, stage, root = depth_of[a], self.stage[a], self.root[a]
-        elif op == "matvec":  # the first odd stage after the input is complete
-            depth, stage, root = 1 + depth_of[a], ready(a) + 1, node
+        elif op == "matvec":  # the first stage after the input is complete
+            depth, stage, root = 1 + depth_of[a], self.stage[a] + 1, node
+        elif op in ("lstm_matvec", "tree_matvec"):
+            used = [i for i in (a, b, c) if i >= 0]
+            depth, stage, root = 1 + max(depth_of[i] for i in used), 1 + max(self.stage[i] for i in used), node
         elif inputs:
             depth, stage, root = 1 + max(depth_of[i] for i in inputs), max(ready(i) for i in inputs), node
         elif b >= 0:
@@ -144,6 +153,7 @@ class Graph:
         self.size.append(size)
         self.a.append(a)
         self.b.append(b)
+        self.c.append(c)
         self.extra.append(extra)
         self.row.append(row)
         self.depth.append(depth)
@@ -274,6 +284,46 @@ class Graph:
         h = sigmoid(o) * tanh(c'). A leaf: ``gates`` = [i, o, u] (3n), ``c`` None."""
         return self._cell("tree_cell", gates, c, 3, 2)
 
+    def _cell_matvec(self, op: str, matrix: Parameter, inputs: Sequence[Expr], addend: Expr, lstm: bool) -> Expr:
+        self._param(op, matrix, ("matrix",))
+        ids = [self._own(op, x) for x in inputs]
+        z = self._own(op, addend)
+        if not 1 <= len(ids) <= (1 if lstm else 2):
+            raise ArgumentError(f"{op}: expected {'one input' if lstm else 'one or two inputs'}, got {len(ids)}")
+        plain = len(ids) == 1 and self.size[ids[0]] == matrix.cols  # an input vector, zero state
+        carried = 0 if plain else len(ids)
+        gates = 4 if lstm else 3 + carried
+        n = matrix.rows // gates
+        if matrix.gates != gates or matrix.rows % gates:
+            raise ArgumentError(f"{op}: expected a matrix declared with gates={gates} ({'LSTM' if lstm else 'tree'} "
+                                f"cell, {carried} carried), got {matrix.name!r} with gates={matrix.gates}")
+        if not plain and (matrix.cols != carried * n or any(self.size[i] != 2 * n for i in ids)):
+            raise ArgumentError(f"{op}: {matrix.name!r} takes an input of {matrix.cols} or {carried} state(s) [h; c] "
+                                f"of {2 * n} each, got {[self.size[i] for i in ids]}")
+        if self.size[z] != matrix.rows:
+            raise ArgumentError(f"{op}: expected an addend of {matrix.rows} (the gates), got {self.size[z]}")
+        return self._node(op, 2 * n, a=ids[0], b=ids[1] if len(ids) > 1 else -1, c=z, extra=matrix.index)
+
+    def lstm_matvec(self, matrix: Parameter, x: Expr, addend: Expr) -> Expr:
+        """An LSTM step over its gates' matvec as one node:
+        ``lstm_cell(matrix @ h + addend, c)`` for the previous state ``x`` =
+        [h; c] (2n), or ``lstm_cell(matrix @ x + addend)`` for an input
+        vector ``x`` of ``matrix.cols`` floats (zero state). ``matrix`` is
+        declared with ``gates=4`` (rows [i, f, g, o], 4n). It runs on the
+        matrix's holders, each finishing the cells of its units after its
+        rows' products: one stage where a matvec and a cell took two
+        (perf-notes dynamic §40)."""
+        return self._cell_matvec("lstm_matvec", matrix, [x], addend, True)
+
+    def tree_matvec(self, matrix: Parameter, inputs: Sequence[Expr], addend: Expr) -> Expr:
+        """A Tree-LSTM node over its gates' matvec as one node: for children
+        states ``inputs`` = [[h_1; c_1], [h_2; c_2]] (or one child),
+        ``tree_cell(matrix @ [h_1; h_2] + addend, [c_1; c_2])``, with
+        ``matrix`` declared with ``gates=5`` (``gates=4`` for one child); for a
+        leaf, ``inputs`` = [x] (``matrix.cols`` floats) and
+        ``tree_cell(matrix @ x + addend)``, ``gates=3``."""
+        return self._cell_matvec("tree_matvec", matrix, list(inputs), addend, False)
+
     def sum(self, xs: Sequence[Expr]) -> Expr:
         """The sum of one or more same-size expressions (a child sum), as a
         balanced tree of adds: depth grows with log2 of the count."""
@@ -315,7 +365,8 @@ class Graph:
         """The node columns (and the concat pairs) as int64 arrays."""
         if not len(self):
             raise ArgumentError("the graph is empty: build at least one input's expressions first")
-        names = ("op", "size", "a", "b", "extra", "row", "depth", "stage", "root", "concat_node", "concat_part")
+        names = ("op", "size", "a", "b", "c", "extra", "row", "depth", "stage", "root", "concat_node",
+                 "concat_part")
         listed = [{k: np.asarray(getattr(self, k), dtype=np.int64) for k in names}] if self.op else []
         chunks = listed + self._tail
         if len(chunks) == 1:

@@ -59,10 +59,56 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
     ends = [int(script.starts[p + 1]) for p in range(script.blocks)]
     program = script.program.astype(np.int64)
 
-    def matrix(k: int, block: int) -> tuple[np.ndarray, int, int]:
-        r0, r1 = layout.block_rows(k, block)
+    def matrix(k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Matrix k's rows on ``block`` (its cache order), their ids, and their gradient's view."""
+        rows = layout.block_rows(k, block)
         cols, base = layout.cols[k], layout.param_offset[k]
-        return params[base + r0 * cols:base + r1 * cols].reshape(r1 - r0, cols), r0, r1
+        span = slice(base, base + layout.rows[k] * cols)
+        grad = None if param_grads is None else param_grads[span].reshape(-1, cols)
+        return params[span].reshape(-1, cols)[rows], rows, grad
+
+    def cell_matvec(op: int, block: int, items: np.ndarray, n: int) -> None:
+        """A cell over its gates' matvec on ``block``: its rows' gates, then
+        its units' cells (forward); the units' gate gradients, then the
+        transposed product and the rows' weight gradient (backward)."""
+        k, carried = divmod(n, 4)
+        w, rows, wgrad = matrix(k, block)
+        units, span = layout.rows[k] // layout.gates[k], rows.size // layout.gates[k]
+        unit = rows[:span]  # gate 0's rows are the units' ids
+        col = np.arange(layout.cols[k])
+        out, a, b, addend = (items[:, j, None] for j in range(4))
+        source = np.where(col < units, a + col, b + col - units) if carried == 2 else a + col
+        lstm = op % BACKWARD == O["lstm_matvec"]
+        at = dict(i=0, f=1, g=2, o=3) if lstm else dict(i=0, o=1, g=2)
+        forget = [1] if lstm else [3 + j for j in range(carried)]
+        cell = [a + units + unit, b + units + unit][:carried]
+        z = values[out + 2 * units + rows]  # read back in the backward; written below in the forward
+        if op < BACKWARD:
+            z = values[source] @ w.T + values[addend + rows]
+            values[out + 2 * units + rows] = z
+        gate = {name: z[:, q * span:(q + 1) * span] for name, q in at.items()}
+        if op < BACKWARD:
+            c = _sigmoid(gate["i"]) * np.tanh(gate["g"])
+            for q, kept in zip(forget, cell):
+                c = c + _sigmoid(z[:, q * span:(q + 1) * span]) * values[kept]
+            values[out + units + unit] = c
+            values[out + unit] = _sigmoid(gate["o"]) * np.tanh(c)
+            return
+        dz = np.zeros_like(z)
+        gh, t = grads[out + unit], np.tanh(values[out + units + unit])
+        s_o = _sigmoid(gate["o"])
+        dz[:, at["o"] * span:(at["o"] + 1) * span] = gh * t * s_o * (1.0 - s_o)
+        dc = grads[out + units + unit] + gh * s_o * (1.0 - t ** 2)
+        s_i, t_g = _sigmoid(gate["i"]), np.tanh(gate["g"])
+        dz[:, :span] = dc * t_g * s_i * (1.0 - s_i)
+        dz[:, at["g"] * span:(at["g"] + 1) * span] = dc * s_i * (1.0 - t_g ** 2)
+        for q, kept in zip(forget, cell):
+            s_f = _sigmoid(z[:, q * span:(q + 1) * span])
+            dz[:, q * span:(q + 1) * span] = dc * values[kept] * s_f * (1.0 - s_f)
+            np.add.at(grads, kept, dc * s_f)
+        np.add.at(grads, addend + rows, dz)
+        np.add.at(grads, source, dz @ w)
+        wgrad[rows] += dz.T @ values[source]
 
     def softmax(z: np.ndarray) -> np.ndarray:
         e = np.exp(z - z.max(axis=1, keepdims=True))
@@ -107,14 +153,17 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
         if op % BACKWARD in (O["lstm_cell"], O["tree_cell"]):
             (cell_backward if op >= BACKWARD else cell_forward)(op, items, n)
             return
+        if op % BACKWARD in (O["lstm_matvec"], O["tree_matvec"]):
+            cell_matvec(op, block, items, n)
+            return
         # (count, n) index grids of the operands
         span = np.arange(n)
         y, x, z = (items[:, k, None] + span for k in range(3))
         if op == O["lookup"]:
             values[y] = params[items[:, 3, None] + span]
         elif op == O["matvec"]:
-            w, r0, r1 = matrix(int(items[0, 3]), block)
-            values[items[:, 0, None] + np.arange(r0, r1)] = values[x] @ w.T
+            w, rows, _ = matrix(int(items[0, 3]), block)
+            values[items[:, 0, None] + rows] = values[x] @ w.T
         elif op == O["add"]:
             values[y] = values[x] + values[z]
         elif op == O["mul"]:
@@ -140,12 +189,10 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
         elif op == O["lookup"] + BACKWARD:
             np.add.at(param_grads, items[:, 3, None] + span, grads[y])
         elif op == O["matvec"] + BACKWARD:
-            k = int(items[0, 3])
-            w, r0, r1 = matrix(k, block)
-            dy = grads[items[:, 0, None] + np.arange(r0, r1)]
-            base = layout.param_offset[k]
+            w, rows, wgrad = matrix(int(items[0, 3]), block)
+            dy = grads[items[:, 0, None] + rows]
             np.add.at(grads, x, dy @ w)
-            param_grads[base + r0 * n:base + r1 * n] += (dy.T @ values[x]).ravel()
+            wgrad[rows] += dy.T @ values[x]
         elif op == O["add"] + BACKWARD:
             np.add.at(grads, x, grads[y])
             np.add.at(grads, z, grads[y])

@@ -36,7 +36,8 @@ KERNEL_NAME = "dynamic_interpreter"
 THREADS = 256  # VPPS §III-A: 256 threads per block use the whole register file at one block per SM
 CHUNK = 128  # instructions fetched into shared memory at a time (2 KB)
 GROUP = 8  # vectors a matvec takes at a time: 8 x 512 columns of input is 16 KB of shared memory
-PROFILE_SLOTS = 32  # kernels/dynamic.cu's PRNN_DYN_PROFILE_SLOTS: one per opcode (backward ones included), 0 the fetch
+# kernels/dynamic.cu's PRNN_DYN_PROFILE_SLOTS: one per opcode (backward ones included), 0 the fetch
+PROFILE_SLOTS = 2 * BACKWARD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +87,12 @@ def kernel_layout(model: Model, blocks: int, placement: str, shared_bytes: int) 
     ``replicate`` adds replicas only while a training binary still fits
     ``shared_bytes`` of shared memory per block (its vector buffers counted
     at the most rows per block replicas may give a holder, and its static
-    shared memory: a flag, each matrix's rows of the block, 20 bytes each,
-    and the instrumented build's 512 bytes of counters, with room to spare)."""
+    shared memory: a flag, each matrix's rows of the block, 28 bytes each,
+    and the instrumented build's 1 KB of counters, with room to spare)."""
     if placement != "replicate":
         return matrix_layout(model, blocks, placement)
     partition = matrix_layout(model, blocks, "partition")  # the rows per block that replicas may multiply
-    static_bytes = 1024 + 32 * len(partition.rows)
+    static_bytes = 2048 + 32 * len(partition.rows)
     fixed = CHUNK * WORDS + GROUP * (max(partition.cols) + ROW_GROWTH * max(partition.rows_per_block))
     return matrix_layout(model, blocks, placement, ((shared_bytes - static_bytes) // 4 - fixed) // 2)
 
@@ -113,14 +114,15 @@ def render_source(spec: KernelSpec) -> str:
         "PRNN_DYN_PROFILE": int(spec.profile),
         "PRNN_DYN_REPLICATED": int(max(lay.replicas) > 1),
         "PRNN_OP_BACKWARD": BACKWARD,
+        "PRNN_DYN_PROFILE_SLOTS": PROFILE_SLOTS,
         **{f"PRNN_OP_{name.upper()}": code for name, code in OPCODES.items()},
     }
     table = zip(lay.rows, lay.cols, lay.rows_per_block, lay.param_offset, lay.shared_offset, lay.first_block,
-                lay.holders, lay.replicas)
+                lay.holders, lay.replicas, lay.gates)
     rows = ", ".join("{" + ", ".join(str(v) for v in entry) + "}" for entry in table)
     prelude = [f"// dynamic interpreter: {spec.describe()}"]
     prelude += [f"#define {k} {v}" for k, v in defines.items()]
-    prelude.append(f"__constant__ int prnn_dyn_matrix[{len(lay.rows)}][8] = {{{rows}}};")
+    prelude.append(f"__constant__ int prnn_dyn_matrix[{len(lay.rows)}][9] = {{{rows}}};")
     return "\n".join(prelude) + "\n" + runtime.read_source("dynamic.cu")
 
 

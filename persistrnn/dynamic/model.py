@@ -33,6 +33,7 @@ class Parameter:
     rows: int
     cols: int
     index: int  # declaration order
+    gates: int = 1  # a matrix whose rows are gates of units (Graph.lstm_matvec, tree_matvec): gates * units rows
 
     @property
     def size(self) -> int:
@@ -62,7 +63,7 @@ class Model:
         self._initial: list[np.ndarray] = []
         self._frozen = False
 
-    def _declare(self, name: str, kind: str, rows: int, cols: int, scale: float) -> Parameter:
+    def _declare(self, name: str, kind: str, rows: int, cols: int, scale: float, gates: int = 1) -> Parameter:
         if self._frozen:
             raise ArgumentError(f"cannot declare {name!r}: the model's layout is already fixed (a graph was "
                                 "scheduled or a kernel compiled); declare every parameter first")
@@ -71,14 +72,21 @@ class Model:
         if any(p.name == name for p in self.parameters):
             raise ArgumentError(f"parameter {name!r} is declared twice")
         p = Parameter(name, kind, _positive(f"{name} rows", rows), _positive(f"{name} cols", cols),
-                      len(self.parameters))
+                      len(self.parameters), _positive(f"{name} gates", gates))
+        if p.rows % p.gates:
+            raise ArgumentError(f"matrix {name!r}: expected rows a multiple of its {p.gates} gates, got {p.rows}")
         self.parameters.append(p)
         self._initial.append(self._rng.uniform(-scale, scale, p.size))
         return p
 
-    def matrix(self, name: str, rows: int, cols: int) -> Parameter:
-        """A weight matrix (rows x cols), used by ``Graph.matvec``: cached on chip, its rows spread over blocks."""
-        return self._declare(name, "matrix", rows, cols, 1.0 / math.sqrt(cols))
+    def matrix(self, name: str, rows: int, cols: int, gates: int = 1) -> Parameter:
+        """A weight matrix (rows x cols), used by ``Graph.matvec``: cached on chip, its rows spread over blocks.
+
+        ``gates`` > 1: the rows are ``gates`` blocks of ``rows / gates`` units
+        each (a cell's gates, as ``Graph.lstm_matvec`` and ``Graph.tree_matvec``
+        take them), and every block keeps all gates of its units, so that it
+        finishes its units' cells after its rows' products without a barrier."""
+        return self._declare(name, "matrix", rows, cols, 1.0 / math.sqrt(cols), gates)
 
     def bias(self, name: str, size: int, fan_in: int | None = None) -> Parameter:
         """A vector read by ``Graph.parameter``; ``fan_in`` sets the init range as torch's Linear bias."""

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError
-from .graph import OP, Graph
+from .graph import DISTRIBUTED, OP, Graph
 from .model import Model
 
 __all__ = ["BACKWARD", "MatrixLayout", "OPCODES", "PLACEMENTS", "Script", "WORDS", "matrix_layout", "schedule"]
@@ -60,10 +60,15 @@ OPCODES = {
     # holds the carried cell(s), 0 where the state is zero (Graph.lstm_cell, Graph.tree_cell)
     "lstm_cell": 14,
     "tree_cell": 15,
+    # A cell over its gates' matvec, on the matrix's holders (Graph.lstm_matvec,
+    # Graph.tree_matvec): operand rows out, a, b (the inputs), p (the addend);
+    # n = 4 * matrix slot + carried cells
+    "lstm_matvec": 16,
+    "tree_matvec": 17,
 }
-BACKWARD = 16
+BACKWARD = 32
 """Added to a forward opcode: the same nodes' backward instruction."""
-assert max(OPCODES.values()) < BACKWARD, "forward opcodes stay below BACKWARD (the profile has 2 * 16 slots)"
+assert max(OPCODES.values()) < BACKWARD, "forward opcodes stay below BACKWARD (the profile has a slot per opcode)"
 
 PLACEMENTS = ("partition", "spread", "replicate")
 """``partition``: each matrix on its own blocks (VPPS); ``spread``: every
@@ -84,11 +89,13 @@ class MatrixLayout:
     Matrix ``k`` (in declaration order among matrices) lives on the
     ``holders[k] * replicas[k]`` blocks from ``first_block[k]`` on (counted
     modulo ``blocks``); the ``i``-th of them is holder ``i % holders[k]`` of
-    replica ``i // holders[k]``, and holder ``j`` keeps rows
-    [j * rows_per_block[k], min(rows, (j + 1) * rows_per_block[k])), at
-    ``shared_offset[k]`` floats into its weight cache (matrices that share a
-    block have disjoint cache ranges). Every replica holds the whole matrix;
-    a stage's vectors are dealt out among the replicas.
+    replica ``i // holders[k]``. A matrix's rows are ``gates[k]`` blocks of
+    ``units = rows / gates`` (1 gate: every row its own unit); holder ``j``
+    keeps units [j * u, min(units, (j + 1) * u)) of every gate, u =
+    ``rows_per_block[k] / gates[k]``, gate after gate (:meth:`block_rows`),
+    at ``shared_offset[k]`` floats into its weight cache (matrices that share
+    a block have disjoint cache ranges). Every replica holds the whole
+    matrix; a stage's vectors are dealt out among the replicas.
     """
 
     blocks: int
@@ -100,24 +107,28 @@ class MatrixLayout:
     param_offset: tuple[int, ...]
     shared_offset: tuple[int, ...]
     replicas: tuple[int, ...]
+    gates: tuple[int, ...]
 
     @property
     def shared_floats(self) -> int:
         """Weight-cache floats per block (the gradient cache is as large again)."""
         return max(o + r * c for o, r, c in zip(self.shared_offset, self.rows_per_block, self.cols))
 
-    def block_rows(self, k: int, block: int) -> tuple[int, int]:
-        """Rows [r0, r1) of matrix ``k`` on ``block`` (empty where it holds none)."""
+    def block_rows(self, k: int, block: int) -> np.ndarray:
+        """The rows of matrix ``k`` on ``block`` in its cache's order (none
+        where it holds none): its units' rows of each gate, gate after gate."""
         at = (block - self.first_block[k]) % self.blocks
         if at >= self.holders[k] * self.replicas[k]:
-            return 0, 0
-        start = at % self.holders[k] * self.rows_per_block[k]
-        return start, min(start + self.rows_per_block[k], self.rows[k])
+            return np.zeros(0, dtype=np.int64)
+        units, per = self.rows[k] // self.gates[k], self.rows_per_block[k] // self.gates[k]
+        start = at % self.holders[k] * per
+        return (np.arange(self.gates[k])[:, None] * units + np.arange(start, min(start + per, units))).ravel()
 
 
 def _partition(sizes: np.ndarray, rows: np.ndarray, blocks: int) -> np.ndarray:
     """Blocks per matrix, in proportion to its floats (VPPS: the cache per
-    block is even), at least one each and at most one per row."""
+    block is even), at least one each and at most one per row (``rows``: a
+    matrix's units)."""
     count = np.clip(np.floor(blocks * sizes / sizes.sum()).astype(np.int64), 1, rows)
     while count.sum() > blocks:  # the floor of one raised small matrices: take from the least loaded
         load = np.where(count > 1, sizes / np.maximum(count - 1, 1), np.inf)
@@ -179,13 +190,15 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
     mats = model.matrices
     rows = np.asarray([m.rows for m in mats], dtype=np.int64)
     cols = np.asarray([m.cols for m in mats], dtype=np.int64)
+    gates = np.asarray([m.gates for m in mats], dtype=np.int64)
+    units = rows // gates  # a holder keeps whole units: all their gates' rows
     partition = placement != "spread" and len(mats) <= blocks
     if partition:
-        count = _partition(rows * cols, rows, blocks)
+        count = _partition(rows * cols, units, blocks)
     else:
-        count = np.minimum(rows, blocks)
-    rpb = -(-rows // count)
-    holders = -(-rows // rpb)
+        count = np.minimum(units, blocks)
+    rpb = -(-units // count) * gates
+    holders = -(-units // (rpb // gates))
     first = np.cumsum(holders) - holders if partition else np.zeros(len(mats), dtype=np.int64)
     replicas = np.ones(len(mats), dtype=np.int64)
     shared = _cache_offsets(first, holders, rpb * cols, blocks)
@@ -205,8 +218,8 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
             # do not stack on shared blocks.
             for spread in sorted({1, int(grow.sum())}):
                 fewer = np.where(grow, np.minimum(holders, blocks // (more * spread)), holders)
-                more_rows = -(-rows // np.maximum(fewer, 1))
-                fewer = -(-rows // more_rows)
+                more_units = -(-units // np.maximum(fewer, 1))
+                fewer, more_rows = -(-units // more_units), more_units * gates
                 trial = _cache_offsets(first, fewer * more, more_rows * cols, blocks)
                 fits = not ((more_rows > most_rows).any() or cache_floats is not None
                             and int((trial + more_rows * cols).max()) > cache_floats)
@@ -218,7 +231,7 @@ def matrix_layout(model: Model, blocks: int, placement: str = "partition", cache
                 replicas, holders, rpb, shared = more, fewer, more_rows, trial
     as_tuple = lambda a: tuple(int(v) for v in a)  # noqa: E731
     return MatrixLayout(blocks, as_tuple(rows), as_tuple(cols), as_tuple(rpb), as_tuple(holders), as_tuple(first),
-                        tuple(offsets[m.name] for m in mats), as_tuple(shared), as_tuple(replicas))
+                        tuple(offsets[m.name] for m in mats), as_tuple(shared), as_tuple(replicas), as_tuple(gates))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,12 +271,14 @@ class Script:
         return self.program[instruction[3]:instruction[3] + instruction[2]]
 
 
-def _storage(g: dict[str, np.ndarray]) -> tuple[np.ndarray, int]:
+def _storage(g: dict[str, np.ndarray], extra_floats: np.ndarray) -> tuple[np.ndarray, int]:
     """Workspace offset of every node: own storage for every node but a
-    slice; a slice at its parent's offset plus its start (resolved through
-    chains of slices, one link per pass)."""
+    slice (its size plus ``extra_floats``: a cell matvec keeps its gates'
+    pre-activations after its state, for the backward); a slice at its
+    parent's offset plus its start (resolved through chains of slices, one
+    link per pass)."""
     is_view = g["op"] == OP["slice"]
-    own = np.where(is_view, 0, g["size"])
+    own = np.where(is_view, 0, g["size"] + extra_floats)
     offsets = np.concatenate([[0], np.cumsum(own)])
     total = int(offsets[-1])
     offsets = offsets[:-1].copy()
@@ -280,8 +295,8 @@ def _components(g: dict[str, np.ndarray]) -> np.ndarray:
     """A label per node: nodes joined by an input read in the same stage
     (never through a matvec) share the smallest id among them."""
     op, root, stage = g["op"], g["root"], g["stage"]
-    joins = (op != OP["matvec"]) & (op != OP["slice"])  # consumers that run in their inputs' stage
-    readable = op != OP["matvec"]  # a matvec's output is read one stage after it
+    readable = ~np.isin(op, DISTRIBUTED)  # a distributed node's output is read one stage after it
+    joins = readable & (op != OP["slice"])  # consumers that run in their inputs' stage
     with_a, with_b = (np.flatnonzero(joins & (x >= 0)) for x in (g["a"], g["b"]))
     consumers, sources = [], []
     for consumer, source in ((with_a, g["a"][with_a]), (with_b, g["b"][with_b]),
@@ -314,10 +329,11 @@ def _components(g: dict[str, np.ndarray]) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class _ModelTables:
     """What scheduling needs of a model and a placement, computed once: the
-    layout, and per parameter its flat offset, columns and matrix slot."""
+    layout, and per parameter its flat offset, rows, columns and matrix slot."""
 
     layout: MatrixLayout
     param_offset: np.ndarray
+    param_rows: np.ndarray
     param_cols: np.ndarray
     matrix_slot: np.ndarray
 
@@ -337,16 +353,18 @@ def _model_tables(model: Model, blocks: int, placement: str, layout: MatrixLayou
     if tables is None:
         if layout is None:
             layout = matrix_layout(model, blocks, placement)
-        elif (layout.rows, layout.cols) != (rows := tuple(m.rows for m in model.matrices),
-                                             cols := tuple(m.cols for m in model.matrices)):
-            raise ArgumentError(f"the layout is for matrices of {layout.rows} rows and {layout.cols} columns; the "
-                                f"graph's model has {rows} and {cols}")
+        elif (layout.rows, layout.cols, layout.gates) != (rows := tuple(m.rows for m in model.matrices),
+                                                           cols := tuple(m.cols for m in model.matrices),
+                                                           gates := tuple(m.gates for m in model.matrices)):
+            raise ArgumentError(f"the layout is for matrices of {layout.rows} rows, {layout.cols} columns and "
+                                f"{layout.gates} gates; the graph's model has {rows}, {cols} and {gates}")
         offsets = model.layout()
         matrix_slot = np.full(len(model.parameters), -1, dtype=np.int64)
         for k, m in enumerate(model.matrices):
             matrix_slot[m.index] = k
+        column = lambda name: np.asarray([getattr(p, name) for p in model.parameters], dtype=np.int64)  # noqa: E731
         tables = _ModelTables(layout, np.asarray([offsets[p.name] for p in model.parameters], dtype=np.int64),
-                              np.asarray([p.cols for p in model.parameters], dtype=np.int64), matrix_slot)
+                              column("rows"), column("cols"), matrix_slot)
         per_model[key] = tables
     return tables
 
@@ -383,8 +401,9 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     tables = _model_tables(model, blocks, placement, layout)
     layout, poff, pcols = tables.layout, tables.param_offset, tables.param_cols
     g = graph.arrays()
-    offsets, workspace = _storage(g)
     op, size, stage, depth = g["op"], g["size"], g["stage"], g["depth"]
+    cell_mv = (op == OP["lstm_matvec"]) | (op == OP["tree_matvec"])
+    offsets, workspace = _storage(g, np.where(cell_mv, tables.param_rows[np.where(cell_mv, g["extra"], 0)], 0))
 
     # Blocks of the elementwise components: round-robin in order of
     # (stage, cost descending, first node); the rank runs on across stages,
@@ -392,7 +411,7 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     # stage. Every node has size >= 1, so a component with elementwise
     # nodes has a cost > 0.
     label = _components(g)
-    elementwise = (op != OP["slice"]) & (op != OP["matvec"])
+    elementwise = (op != OP["slice"]) & ~np.isin(op, DISTRIBUTED)
     comp_floats = np.bincount(label[elementwise], weights=size[elementwise], minlength=len(op)).astype(np.int64)
     comps = np.flatnonzero(comp_floats)
     rank = np.empty(len(op), dtype=np.int64)
@@ -432,27 +451,37 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     # operands; the matvec operands of one (stage, matrix) dealt out among
     # its replicas in contiguous parts, one instruction per part on each
     # holder of its replica.
-    mv = np.flatnonzero(op == OP["matvec"])
+    # A cell matvec's operand row: out, its inputs a and b, its addend;
+    # carried: its states' count (0: an input vector, zero state).
+    mv = np.flatnonzero(np.isin(op, DISTRIBUTED))
+    mv_slot = tables.matrix_slot[g["extra"][mv]]
+    mv_a, mv_b, mv_c = g["a"][mv], g["b"][mv], g["c"][mv]
     mv_items = np.zeros((mv.size, WORDS), dtype=np.int64)
     mv_items[:, 0] = offsets[mv]
-    mv_items[:, 1] = offsets[g["a"][mv]]
-    mv_items[:, 3] = tables.matrix_slot[g["extra"][mv]]
+    mv_items[:, 1] = offsets[mv_a]
+    mv_items[:, 2] = np.where(mv_b >= 0, offsets[np.maximum(mv_b, 0)], 0)
+    mv_items[:, 3] = np.where(mv_c >= 0, offsets[np.maximum(mv_c, 0)], mv_slot)
+    mv_kop = _KERNEL_OP[op[mv]]
+    carried = np.where(mv_b >= 0, 2, (size[mv_a] != pcols[g["extra"][mv]]).astype(np.int64))
     item_order, new_group = _sort_groups([node_block[owner], stage[owner], depth[owner], kop, width])
     first_row = np.flatnonzero(new_group)
     first_node, first_item = owner[item_order[first_row]], item_order[first_row]
-    mv_order, mv_new = _sort_groups([stage[mv], mv_items[:, 3]])
+    mv_order, mv_new = _sort_groups([stage[mv], mv_slot, mv_kop, carried])
     mv_stage = stage[mv][mv_order]
     mv_first = np.flatnonzero(mv_new)
     ew_count = np.diff(np.r_[first_row, len(items)])
     mv_count = np.diff(np.r_[mv_first, len(mv_items)])
-    slot = mv_items[mv_order[mv_first], 3]
+    slot = mv_slot[mv_order[mv_first]]
+    # matvec: n = the matrix's columns; cell matvec: 4 * matrix slot + carried cells
+    mv_word = mv_kop[mv_order[mv_first]]
+    mv_n = np.where(mv_word == OPCODES["matvec"], np.asarray(layout.cols)[slot], 4 * slot + carried[mv_order[mv_first]])
     holders, first_block = np.asarray(layout.holders), np.asarray(layout.first_block)
-    parts = np.minimum(np.asarray(layout.replicas)[slot], mv_count)  # per (stage, matrix) group
+    parts = np.minimum(np.asarray(layout.replicas)[slot], mv_count)  # per (stage, matrix, op, carried) group
     part_group = np.repeat(np.arange(mv_first.size), parts)
     replica = np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)
     part_count = mv_count[part_group] // parts[part_group] + (replica < mv_count[part_group] % parts[part_group])
     part_first = np.cumsum(part_count) - part_count  # the parts of a group follow each other in the list rows
-    slot = slot[part_group]
+    slot, mv_word, mv_n = slot[part_group], mv_word[part_group], mv_n[part_group]
     per = holders[slot]
     mv_group = np.repeat(np.arange(part_group.size), per)  # one instruction per part and holder
     holder = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
@@ -460,15 +489,14 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     mv_block %= layout.blocks
     mv_count, mv_first = part_count, part_first
     mv_stage = mv_stage[mv_first]
-    cols = np.asarray(layout.cols)
     # Instructions: (block, stage, order in stage, words); arg is a row of the
     # operand lists, made absolute once the instruction count is known.
     inst_block = np.concatenate([node_block[first_node], mv_block])
     inst_stage = np.concatenate([stage[first_node], mv_stage[mv_group]])
     inst_order = np.concatenate([depth[first_node], slot[mv_group]])
     inst = np.zeros((inst_block.size, WORDS), dtype=np.int64)
-    inst[:, 0] = np.concatenate([kop[first_item], np.full(mv_group.size, OPCODES["matvec"])])
-    inst[:, 1] = np.concatenate([width[first_item], cols[slot][mv_group]])
+    inst[:, 0] = np.concatenate([kop[first_item], mv_word[mv_group]])
+    inst[:, 1] = np.concatenate([width[first_item], mv_n[mv_group]])
     inst[:, 2] = np.concatenate([ew_count, mv_count[mv_group]])
     inst[:, 3] = np.concatenate([first_row, len(items) + mv_first[mv_group]])
 

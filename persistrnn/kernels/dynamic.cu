@@ -18,9 +18,13 @@
 //   PRNN_DYN_TRAIN, PRNN_DYN_PROFILE (an instrumented build, below),
 //   PRNN_DYN_REPLICATED (some matrix has replicas), the opcodes PRNN_OP_*,
 //   and prnn_dyn_matrix[k] = {rows, cols, rows per block, parameter offset,
-//   cache offset, first block, holders, replicas}: matrix k is on the
+//   cache offset, first block, holders, replicas, gates}: matrix k is on the
 //   holders * replicas blocks from the first on, modulo the grid, the i-th
-//   of them holder i % holders of replica i / holders.
+//   of them holder i % holders of replica i / holders. Its rows are gates
+//   blocks of rows / gates units; a holder keeps all gates of its units, gate
+//   after gate (MatrixLayout.block_rows), so that a cell over the matvec
+//   (PRNN_OP_LSTM_MATVEC, PRNN_OP_TREE_MATVEC) finishes its units' cells on
+//   the holder, without a barrier between the products and the cell.
 
 #define PRNN_DYN_WORDS 4
 #define PRNN_DYN_WARPS (PRNN_DYN_THREADS / 32)
@@ -34,7 +38,6 @@
 // counts them; slot 0 is the fetch of script chunks. It writes per block
 // profile[block][PRNN_DYN_PROFILE_SLOTS][2] (cycles, count), then the loop's
 // cycles and nanoseconds (globaltimer), to convert cycles per block.
-#define PRNN_DYN_PROFILE_SLOTS 32
 #if PRNN_DYN_PROFILE
 #define PRNN_DYN_PROFILE_PARAM , unsigned long long* __restrict__ profile
 #define PRNN_DYN_MARK(start) const prnn_u32 start = (prnn_u32)clock()
@@ -60,27 +63,45 @@ __device__ __forceinline__ float prnn_dyn_ld(const float* p) { return __ldcg(p);
 // acquire invalidates this SM's L1. So plain loads, which may hit L1, are safe.
 __device__ __forceinline__ float prnn_dyn_value(const float* p) { return *p; }
 
+// The precise form: the gradients are checked to 1e-5 against float64.
+__device__ __forceinline__ float prnn_dyn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
 __device__ __forceinline__ float prnn_dyn_warp_sum(float s) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     return s;
 }
 
+// This block's rows of a matrix: span units from unit begin, of each of its
+// count / span gates (count 0 where it holds none); the matrix has units
+// units a gate.
 struct prnn_dyn_rows {
-    int cols, begin, count, cache, replica;
+    int cols, begin, count, cache, replica, span, units;
+    // the matrix row of this block's row r (its cache order)
+    __device__ __forceinline__ int row(int r) const { return span == count ? begin + r : r / span * units + begin + r % span; }
+    // the parameter float of this block's cache float i, for a matrix at offset
+    __device__ __forceinline__ int param(int offset, int i) const {
+        const int run = span * cols;  // a gate's rows of this block: contiguous in the parameter
+        return span == count ? offset + begin * cols + i : offset + (i / run * units + begin) * cols + i % run;
+    }
 };
 
-// This block's rows of matrix k (count 0 where it holds none) and its
-// replica, worked out once per launch into prnn_dyn_rows_of (two divisions
-// by run-time values: not in every matvec).
+// This block's rows of matrix k and its replica, worked out once per launch
+// into prnn_dyn_rows_of (divisions by run-time values: not in every matvec).
 __shared__ prnn_dyn_rows prnn_dyn_rows_of[PRNN_DYN_MATRICES];
 __device__ __forceinline__ prnn_dyn_rows prnn_dyn_block_rows(int k) {
-    const int rows = prnn_dyn_matrix[k][0], per_block = prnn_dyn_matrix[k][2], holders = prnn_dyn_matrix[k][6];
+    const int gates = prnn_dyn_matrix[k][8], units = prnn_dyn_matrix[k][0] / gates;
+    const int per_block = prnn_dyn_matrix[k][2] / gates, holders = prnn_dyn_matrix[k][6];
     const int at = ((int)blockIdx.x - prnn_dyn_matrix[k][5] + (int)gridDim.x) % (int)gridDim.x;
     const bool holds = at < holders * prnn_dyn_matrix[k][7];
-    const int begin = holds ? at % holders * per_block : 0;
-    return {prnn_dyn_matrix[k][1], begin, holds ? min(begin + per_block, rows) - begin : 0, prnn_dyn_matrix[k][4],
-            at / holders};
+    const int begin = holds ? at % holders * per_block : 0, span = holds ? min(begin + per_block, units) - begin : 0;
+    return {prnn_dyn_matrix[k][1], begin, span * gates, prnn_dyn_matrix[k][4], at / holders, span, units};
+}
+
+// Column c of a matvec's vector: a plain vector at a; for a cell over its
+// matvec with two carried states [h; c] at a and b, their h halves.
+__device__ __forceinline__ int prnn_dyn_input(int4 o, int c, int units, int carried) {
+    return carried == 2 && c >= units ? o.z + c - units : o.y + c;
 }
 
 // Operand j of an instruction: {out, a, b, p}. The script is read-only for
@@ -106,10 +127,14 @@ __device__ __forceinline__ void prnn_dyn_softmax(const float* z, int n, float* t
 // rows, a shuffle reduction per row and vector; first is the group's first
 // operand. R = 8 / G rows at once: their loads and reductions overlap, where
 // one row after another made a holder's rows cost as much as its vectors at
-// a few vectors a group (perf-notes dynamic §38-39).
-template <int G>
+// a few vectors a group (perf-notes dynamic §38-39). CELL: a cell over the
+// matvec; each row's sum plus the addend's row (operand p) is the gate's
+// pre-activation, kept after the state [h; c] (for the backward) and in
+// gates[vector][row] for the cell.
+template <int G, bool CELL>
 __device__ __forceinline__ void prnn_dyn_matvec_rows(const prnn_dyn_rows& m, const float* weights, const float* vec,
-                                                     float* values, const int* program, int first, int in_group) {
+                                                     float* values, float* gates, const int* program, int first,
+                                                     int in_group) {
     constexpr int R = G >= 8 ? 1 : 8 / G;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r0 = warp * R; r0 < m.count; r0 += PRNN_DYN_WARPS * R) {
@@ -130,15 +155,94 @@ __device__ __forceinline__ void prnn_dyn_matvec_rows(const prnn_dyn_rows& m, con
             }
         }
 #pragma unroll
-        for (int q = 0; q < R; ++q)
+        for (int q = 0; q < R; ++q) {
+            const int row = r0 + q < m.count ? m.row(r0 + q) : 0;
 #pragma unroll
             for (int j = 0; j < G; ++j) {
                 const float total = prnn_dyn_warp_sum(s[q][j]);
-                if (lane == 0 && j < in_group && r0 + q < m.count)
-                    values[prnn_dyn_operand(program, first, j).x + m.begin + r0 + q] = total;
+                if (lane == 0 && j < in_group && r0 + q < m.count) {
+                    const int4 o = prnn_dyn_operand(program, first, j);
+                    if (CELL) {
+                        const float z = total + prnn_dyn_value(values + o.w + row);
+                        values[o.x + 2 * m.units + row] = z;
+                        gates[j * PRNN_DYN_MAX_ROWS + r0 + q] = z;
+                    } else {
+                        values[o.x + row] = total;
+                    }
+                }
             }
+        }
     }
 }
+
+// The gates of a cell over its matvec, from a unit's pre-activation rows
+// (this block's row q * span + u is gate q of its unit u): i, f, g, o for an
+// LSTM; i, o, u (as g) and a forget gate per carried cell for a tree.
+template <bool LSTM>
+struct prnn_dyn_cell_rows {
+    static constexpr int i = 0, g = 2, o = LSTM ? 3 : 1;
+    __device__ __forceinline__ static int f(int k) { return LSTM ? 1 : 3 + k; }
+};
+
+// A cell over its matvec, forward, after prnn_dyn_matvec_rows<G, true>: a
+// thread per (vector, unit of this block); the carried cells are the c
+// halves of the states at a (and b).
+template <bool LSTM>
+__device__ __forceinline__ void prnn_dyn_cell_matvec_forward(const prnn_dyn_rows& m, int carried, const float* gates,
+                                                             float* values, const int* program, int first,
+                                                             int in_group) {
+    using Z = prnn_dyn_cell_rows<LSTM>;
+    for (int e = threadIdx.x; e < in_group * m.span; e += PRNN_DYN_THREADS) {
+        const int j = e / m.span, u = e - j * m.span, unit = m.begin + u;
+        const int4 o = prnn_dyn_operand(program, first, j);
+        const float* z = gates + j * PRNN_DYN_MAX_ROWS + u;
+        float c = prnn_dyn_sigmoid(z[Z::i * m.span]) * tanhf(z[Z::g * m.span]);
+        for (int k = 0; k < carried; ++k)
+            c += prnn_dyn_sigmoid(z[Z::f(k) * m.span]) * prnn_dyn_value(values + (k ? o.z : o.y) + m.units + unit);
+        values[o.x + m.units + unit] = c;
+        values[o.x + unit] = prnn_dyn_sigmoid(z[Z::o * m.span]) * tanhf(c);
+    }
+}
+
+#if PRNN_DYN_TRAIN
+// A cell over its matvec, backward, before prnn_dyn_matvec_columns: a thread
+// per (vector slot, unit of this block) turns the state's gradients into its
+// gates' (into dy[vector][row], zeros past the group), adds them into the
+// addend's gradient and the forget terms into the carried cells'.
+template <bool LSTM>
+__device__ __forceinline__ void prnn_dyn_cell_matvec_backward(const prnn_dyn_rows& m, int carried, int slots,
+                                                              const float* values, float* grads, float* dy,
+                                                              const int* program, int first, int in_group) {
+    using Z = prnn_dyn_cell_rows<LSTM>;
+    const int gate_count = m.count / max(m.span, 1);
+    for (int e = threadIdx.x; e < slots * m.span; e += PRNN_DYN_THREADS) {
+        const int j = e / m.span, u = e - j * m.span, unit = m.begin + u;
+        float* d = dy + j * PRNN_DYN_MAX_ROWS + u;
+        if (j >= in_group) {
+            for (int q = 0; q < gate_count; ++q) d[q * m.span] = 0.0f;
+            continue;
+        }
+        const int4 o = prnn_dyn_operand(program, first, j);
+        const float* z = values + o.x + 2 * m.units + unit;  // gate q's pre-activation at z[q * units]
+        const float gh = prnn_dyn_ld(grads + o.x + unit), t = tanhf(prnn_dyn_value(values + o.x + m.units + unit));
+        const float so = prnn_dyn_sigmoid(prnn_dyn_value(z + Z::o * m.units));
+        d[Z::o * m.span] = gh * t * so * (1.0f - so);
+        const float dc = prnn_dyn_ld(grads + o.x + m.units + unit) + gh * so * (1.0f - t * t);
+        const float si = prnn_dyn_sigmoid(prnn_dyn_value(z + Z::i * m.units));
+        const float tg = tanhf(prnn_dyn_value(z + Z::g * m.units));
+        d[Z::i * m.span] = dc * tg * si * (1.0f - si);
+        d[Z::g * m.span] = dc * si * (1.0f - tg * tg);
+        if (LSTM && carried == 0) d[Z::f(0) * m.span] = 0.0f;  // the zero state's forget gate has no effect
+        for (int k = 0; k < carried; ++k) {
+            const int kept = (k ? o.z : o.y) + m.units + unit;
+            const float sf = prnn_dyn_sigmoid(prnn_dyn_value(z + Z::f(k) * m.units));
+            d[Z::f(k) * m.span] = dc * prnn_dyn_value(values + kept) * sf * (1.0f - sf);
+            atomicAdd(grads + kept, dc * sf);
+        }
+        for (int q = 0; q < gate_count; ++q) atomicAdd(grads + o.w + q * m.units + unit, d[q * m.span]);
+    }
+}
+#endif
 
 #if PRNN_DYN_TRAIN
 // A matvec's backward columns: a thread per column of this block's rows of
@@ -150,7 +254,7 @@ __device__ __forceinline__ void prnn_dyn_matvec_rows(const prnn_dyn_rows& m, con
 template <int G>
 __device__ __forceinline__ void prnn_dyn_matvec_columns(const prnn_dyn_rows& m, const float* weights, float* wgrads,
                                                         const float* vec, const float* dy, float* grads,
-                                                        const int* program, int first, int in_group) {
+                                                        const int* program, int first, int in_group, int carried) {
     for (int c = threadIdx.x; c < m.cols; c += PRNN_DYN_THREADS) {
         float s[G], x[G];
 #pragma unroll
@@ -172,19 +276,25 @@ __device__ __forceinline__ void prnn_dyn_matvec_columns(const prnn_dyn_rows& m, 
         }
 #pragma unroll
         for (int j = 0; j < G; ++j)
-            if (j < in_group) atomicAdd(grads + prnn_dyn_operand(program, first, j).y + c, s[j]);
+            if (j < in_group) atomicAdd(grads + prnn_dyn_input(prnn_dyn_operand(program, first, j), c, m.units, carried), s[j]);
     }
 }
 #endif
 
-// A matvec instruction: this block's rows of matrix k times every listed
-// vector, PRNN_DYN_GROUP vectors at a time so that each weight read from
-// shared memory serves the whole group. Forward: prnn_dyn_matvec_rows;
-// backward: prnn_dyn_matvec_columns.
-__device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* program, int first, int count,
+// A matvec instruction (op PRNN_OP_MATVEC, n its columns) or a cell over its
+// matvec (PRNN_OP_LSTM_MATVEC, PRNN_OP_TREE_MATVEC, n = 4 * matrix + carried
+// cells): this block's rows of matrix k times every listed vector,
+// PRNN_DYN_GROUP vectors at a time so that each weight read from shared
+// memory serves the whole group. Forward: prnn_dyn_matvec_rows, then the
+// cells of this block's units; backward: the cells' gate gradients, then
+// prnn_dyn_matvec_columns.
+__device__ __forceinline__ void prnn_dyn_matvec(int op, int n, const int* program, int first, int count,
                                                 float* values, float* grads, float* vec, float* dy,
                                                 const float* weights, float* wgrads) {
-    const int k = prnn_dyn_operand(program, first, 0).w;
+    const bool backward = op >= PRNN_OP_BACKWARD;
+    const int kind = op % PRNN_OP_BACKWARD;  // PRNN_OP_MATVEC, PRNN_OP_LSTM_MATVEC or PRNN_OP_TREE_MATVEC
+    const bool cell = kind != PRNN_OP_MATVEC;
+    const int k = cell ? n / 4 : prnn_dyn_operand(program, first, 0).w, carried = cell ? n % 4 : 0;
     const prnn_dyn_rows m = prnn_dyn_rows_of[k];
     const int tid = threadIdx.x;
     for (int g0 = 0; g0 < count; g0 += PRNN_DYN_GROUP) {
@@ -198,30 +308,48 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
             float x[PRNN_DYN_GROUP];
 #pragma unroll
             for (int j = 0; j < PRNN_DYN_GROUP; ++j)
-                x[j] = j < in_group ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).y + c) : 0.0f;
+                x[j] = j < in_group ? prnn_dyn_value(values + prnn_dyn_input(prnn_dyn_operand(program, first, g0 + j),
+                                                                             c, m.units, carried))
+                                    : 0.0f;
 #pragma unroll
             for (int j = 0; j < PRNN_DYN_GROUP; ++j)
                 if (j < slots) vec[j * PRNN_DYN_MAX_COLS + c] = x[j];
         }
-        if (backward)
+#if PRNN_DYN_TRAIN
+        if (backward && kind == PRNN_OP_LSTM_MATVEC)
+            prnn_dyn_cell_matvec_backward<true>(m, carried, slots, values, grads, dy, program, first + g0, in_group);
+        else if (backward && kind == PRNN_OP_TREE_MATVEC)
+            prnn_dyn_cell_matvec_backward<false>(m, carried, slots, values, grads, dy, program, first + g0, in_group);
+        else if (backward)
             for (int e = tid; e < slots * m.count; e += PRNN_DYN_THREADS) {
                 const int j = e / m.count, r = e - j * m.count;
                 dy[j * PRNN_DYN_MAX_ROWS + r] =
-                    j < in_group ? prnn_dyn_ld(grads + prnn_dyn_operand(program, first, g0 + j).x + m.begin + r)
-                                 : 0.0f;
+                    j < in_group ? prnn_dyn_ld(grads + prnn_dyn_operand(program, first, g0 + j).x + m.row(r)) : 0.0f;
             }
+#endif
         __syncthreads();
         static_assert(PRNN_DYN_GROUP == 8, "the slot counts below are the powers of two up to 8");
         if (!backward) {
-            if (slots == 1) prnn_dyn_matvec_rows<1>(m, weights, vec, values, program, first + g0, in_group);
-            else if (slots == 2) prnn_dyn_matvec_rows<2>(m, weights, vec, values, program, first + g0, in_group);
-            else if (slots == 4) prnn_dyn_matvec_rows<4>(m, weights, vec, values, program, first + g0, in_group);
-            else prnn_dyn_matvec_rows<8>(m, weights, vec, values, program, first + g0, in_group);
+#define PRNN_DYN_ROWS(G)                                                                                      \
+    if (cell) prnn_dyn_matvec_rows<G, true>(m, weights, vec, values, dy, program, first + g0, in_group);      \
+    else prnn_dyn_matvec_rows<G, false>(m, weights, vec, values, dy, program, first + g0, in_group)
+            if (slots == 1) { PRNN_DYN_ROWS(1); }
+            else if (slots == 2) { PRNN_DYN_ROWS(2); }
+            else if (slots == 4) { PRNN_DYN_ROWS(4); }
+            else { PRNN_DYN_ROWS(8); }
+#undef PRNN_DYN_ROWS
+            if (cell) {
+                __syncthreads();  // every row's gates are in dy
+                if (kind == PRNN_OP_LSTM_MATVEC)
+                    prnn_dyn_cell_matvec_forward<true>(m, carried, dy, values, program, first + g0, in_group);
+                else
+                    prnn_dyn_cell_matvec_forward<false>(m, carried, dy, values, program, first + g0, in_group);
+            }
         }
 #if PRNN_DYN_TRAIN
         else {
 #define PRNN_DYN_COLUMNS(G) \
-    prnn_dyn_matvec_columns<G>(m, weights, wgrads, vec, dy, grads, program, first + g0, in_group)
+    prnn_dyn_matvec_columns<G>(m, weights, wgrads, vec, dy, grads, program, first + g0, in_group, carried)
             if (slots == 1) PRNN_DYN_COLUMNS(1);
             else if (slots == 2) PRNN_DYN_COLUMNS(2);
             else if (slots == 4) PRNN_DYN_COLUMNS(4);
@@ -232,9 +360,6 @@ __device__ __forceinline__ void prnn_dyn_matvec(bool backward, const int* progra
         __syncthreads();  // the group's buffers are free for the next
     }
 }
-
-// The precise form: the gradients are checked to 1e-5 against float64.
-__device__ __forceinline__ float prnn_dyn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // A forward elementwise op on x (a's element; a lookup's parameter) and y (b's).
 __device__ __forceinline__ float prnn_dyn_apply(int op, float x, float y) {
@@ -507,9 +632,8 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     __syncthreads();
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
         const prnn_dyn_rows m = prnn_dyn_rows_of[k];
-        const float* source = params + prnn_dyn_matrix[k][3] + m.begin * m.cols;
         for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS) {
-            weights[m.cache + i] = source[i];
+            weights[m.cache + i] = params[m.param(prnn_dyn_matrix[k][3], i)];
             if (PRNN_DYN_TRAIN) wgrads[m.cache + i] = 0.0f;
         }
     }
@@ -546,9 +670,9 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
                 // Every thread's writes of the level precede this (the
                 // barrier after each instruction); the release publishes them.
                 if (tid == 0) prnn_red_release_gpu_add(counter, 1u);
-            } else if (in[0] == PRNN_OP_MATVEC || in[0] == PRNN_OP_MATVEC + PRNN_OP_BACKWARD) {
-                prnn_dyn_matvec(in[0] != PRNN_OP_MATVEC, program, in[3], in[2], values, grads, vec, dy, weights,
-                                wgrads);
+            } else if (const int kind = in[0] % PRNN_OP_BACKWARD;
+                       kind == PRNN_OP_MATVEC || kind == PRNN_OP_LSTM_MATVEC || kind == PRNN_OP_TREE_MATVEC) {
+                prnn_dyn_matvec(in[0], in[1], program, in[3], in[2], values, grads, vec, dy, weights, wgrads);
             } else {
                 prnn_dyn_elementwise(in[0], in[1], in[2], program, in[3], values, grads, params, param_grads, loss);
                 __syncthreads();
@@ -576,10 +700,9 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     // block, the first replica updates the rows from the sum (below).
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
         const prnn_dyn_rows m = prnn_dyn_rows_of[k];
-        const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
         if (prnn_dyn_matrix[k][7] > 1)
             for (int i = tid; i < m.count * m.cols; i += PRNN_DYN_THREADS)
-                atomicAdd(param_grads + first + i, wgrads[m.cache + i]);
+                atomicAdd(param_grads + m.param(prnn_dyn_matrix[k][3], i), wgrads[m.cache + i]);
     }
     __syncthreads();
     if (tid == 0) {
@@ -595,7 +718,7 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
     // out too, for the caller to read (a replicated matrix's is the sum).
     for (int k = 0; k < PRNN_DYN_MATRICES; ++k) {
         const prnn_dyn_rows m = prnn_dyn_rows_of[k];
-        const int first = prnn_dyn_matrix[k][3] + m.begin * m.cols;
+        const int offset = prnn_dyn_matrix[k][3];
         const bool replicated = prnn_dyn_matrix[k][7] > 1;
         if (replicated && m.replica != 0) continue;
         // The update loops load PRNN_DYN_UNROLL elements a thread before they store any: one element at a time,
@@ -607,15 +730,16 @@ dynamic_interpreter(const int* __restrict__ program, const int* __restrict__ sta
 #pragma unroll
             for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
                 const int i = i0 + u * PRNN_DYN_THREADS;
-                g[u] = i >= n ? 0.0f : replicated ? prnn_dyn_ld(param_grads + first + i) : wgrads[m.cache + i];
+                g[u] = i >= n ? 0.0f : replicated ? prnn_dyn_ld(param_grads + m.param(offset, i)) : wgrads[m.cache + i];
             }
 #pragma unroll
             for (int u = 0; u < PRNN_DYN_UNROLL; ++u) {
                 const int i = i0 + u * PRNN_DYN_THREADS;
                 if (i >= n) continue;
-                if (!replicated) param_grads[first + i] = g[u];
-                params[first + i] = prnn_dyn_update(weights[m.cache + i], g[u], first + i, adam_m, adam_v, lr, beta1,
-                                                    beta2, eps, correction1, correction2);
+                const int at = m.param(offset, i);
+                if (!replicated) param_grads[at] = g[u];
+                params[at] = prnn_dyn_update(weights[m.cache + i], g[u], at, adam_m, adam_v, lr, beta1, beta2, eps,
+                                             correction1, correction2);
             }
         }
     }
