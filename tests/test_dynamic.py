@@ -302,13 +302,14 @@ def test_the_cells_match_torch_with_and_without_a_carried_cell(blocks):
         g.tree_cell(x["z_lstm"])
 
 
-def cell_matvecs_graph(n: int = 7, width: int = 5):
+def cell_matvecs_graph(n: int = 7, width: int = 5, copies: int = 1):
     """Every form of a cell over its matvec: an LSTM step from a state and
     from an input vector (zero state), a tree node of two children, of one
     child (the LSTM step's output: two cell matvecs chained) and a leaf; and
     a plain matvec with a gated matrix. Their states are read by one matvec
-    and a loss; every input is a bias of its own. Returns (model, graph,
-    the biases by name, n, width)."""
+    and a loss; every input is a bias of its own. ``copies`` > 1: the whole
+    pattern again on scaled inputs, so that each instruction lists several
+    vectors. Returns (model, graph, the biases by name, n, width)."""
     model = dynamic.Model(5)
     mats = {"W_lstm": (4 * n, n, 4), "W_first": (4 * n, width, 4), "U_two": (5 * n, 2 * n, 5),
             "U_one": (4 * n, n, 4), "W_leaf": (3 * n, width, 3)}
@@ -317,13 +318,15 @@ def cell_matvecs_graph(n: int = 7, width: int = 5):
     names = {"x": width, "s1": 2 * n, "s2": 2 * n, "z4": 4 * n, "z5": 5 * n, "z4b": 4 * n, "z3": 3 * n}
     biases = {k: model.bias(k, size) for k, size in names.items()}
     g = dynamic.Graph(model)
-    x = {k: g.parameter(p) for k, p in biases.items()}
-    step = g.lstm_matvec(mats["W_lstm"], x["s1"], x["z4"])
-    states = [step, g.lstm_matvec(mats["W_first"], x["x"], x["z4b"]),
-              g.tree_matvec(mats["U_two"], [x["s1"], x["s2"]], x["z5"]),
-              g.tree_matvec(mats["U_one"], [step], x["z4"]), g.tree_matvec(mats["W_leaf"], [x["x"]], x["z3"]),
-              g.matvec(mats["W_lstm"], x["s2"][0:n])]
-    g.loss(g.matvec(w, g.concat(states)), 3)
+    x0 = {k: g.parameter(p) for k, p in biases.items()}
+    for copy in range(copies):
+        x = x0 if copy == 0 else {k: g.tanh(v * g.sigmoid(v)) for k, v in x0.items()}
+        step = g.lstm_matvec(mats["W_lstm"], x["s1"], x["z4"])
+        states = [step, g.lstm_matvec(mats["W_first"], x["x"], x["z4b"]),
+                  g.tree_matvec(mats["U_two"], [x["s1"], x["s2"]], x["z5"]),
+                  g.tree_matvec(mats["U_one"], [step], x["z4"]), g.tree_matvec(mats["W_leaf"], [x["x"]], x["z3"]),
+                  g.matvec(mats["W_lstm"], x["s2"][0:n])]
+        g.loss(g.matvec(w, g.concat(states)), 3)
     return model, g, biases, n, width
 
 

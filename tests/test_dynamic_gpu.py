@@ -85,11 +85,13 @@ def test_the_cells_match_the_reference_with_and_without_a_carried_cell(n):
     _check(interp, launched, want)
 
 
-@pytest.mark.parametrize("n, blocks", [(7, 3), (7, 8), (130, 5)])
-def test_the_cell_matvecs_match_the_reference(n, blocks):
+@pytest.mark.parametrize("n, blocks, vectors", [(7, 3, 1), (7, 8, 1), (130, "sms", 1), (9, 5, 11), (40, 7, 3)])
+def test_the_cell_matvecs_match_the_reference(n, blocks, vectors):
     # lstm_matvec and tree_matvec in every form, forward and backward: uneven units per block (7 on 3), one
-    # unit on some blocks (7 on 8), and 26 units of 3-5 gates a block (130 on 5).
-    model, graph, _, _, _ = cell_matvecs_graph(n, width=33)
+    # unit on some blocks (7 on 8), more (vector, unit) pairs than a block's threads (130 units of 3-5 gates),
+    # several groups of vectors (11) and a few vectors (3).
+    blocks = _sm_count() if blocks == "sms" else blocks
+    model, graph, _, _, _ = cell_matvecs_graph(n, width=33, copies=vectors)
     for train in (True, False):
         interp, launched, want, _ = _run_both(model, graph, blocks, dynamic.SGD(0.1) if train else None, train=train)
         _check(interp, launched, want, train=train)

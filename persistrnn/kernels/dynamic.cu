@@ -163,7 +163,7 @@ __device__ __forceinline__ void prnn_dyn_matvec_rows(const prnn_dyn_rows& m, con
                 if (lane == 0 && j < in_group && r0 + q < m.count) {
                     const int4 o = prnn_dyn_operand(program, first, j);
                     if (CELL) {
-                        const float z = total + prnn_dyn_value(values + o.w + row);
+                        const float z = total + gates[j * PRNN_DYN_MAX_ROWS + r0 + q];  // the addend's row
                         values[o.x + 2 * m.units + row] = z;
                         gates[j * PRNN_DYN_MAX_ROWS + r0 + q] = z;
                     } else {
@@ -184,62 +184,85 @@ struct prnn_dyn_cell_rows {
     __device__ __forceinline__ static int f(int k) { return LSTM ? 1 : 3 + k; }
 };
 
-// A cell over its matvec, forward, after prnn_dyn_matvec_rows<G, true>: a
-// thread per (vector, unit of this block); the carried cells are the c
-// halves of the states at a (and b).
+// A cell over its matvec, forward, after every group's rows: a thread per
+// (vector, unit of this block) of the whole instruction, so that the cells
+// of many vectors run side by side (one pass per group of 8 vectors put a
+// few threads' chain of loads and activations on every group: perf-notes
+// dynamic §40). direct: one group whose gates are still in gates[vector][row]
+// and whose carried cells thread (vector, unit) loaded before the products
+// (kept); otherwise both are read from global memory. The carried cells are
+// the c halves of the states at a (and b).
 template <bool LSTM>
-__device__ __forceinline__ void prnn_dyn_cell_matvec_forward(const prnn_dyn_rows& m, int carried, const float* gates,
+__device__ __forceinline__ void prnn_dyn_cell_matvec_forward(const prnn_dyn_rows& m, int carried, bool direct,
+                                                             const float* gates, const float (&kept)[2],
                                                              float* values, const int* program, int first,
-                                                             int in_group) {
+                                                             int count) {
     using Z = prnn_dyn_cell_rows<LSTM>;
-    for (int e = threadIdx.x; e < in_group * m.span; e += PRNN_DYN_THREADS) {
+    for (int e = threadIdx.x; e < count * m.span; e += PRNN_DYN_THREADS) {
         const int j = e / m.span, u = e - j * m.span, unit = m.begin + u;
         const int4 o = prnn_dyn_operand(program, first, j);
-        const float* z = gates + j * PRNN_DYN_MAX_ROWS + u;
-        float c = prnn_dyn_sigmoid(z[Z::i * m.span]) * tanhf(z[Z::g * m.span]);
-        for (int k = 0; k < carried; ++k)
-            c += prnn_dyn_sigmoid(z[Z::f(k) * m.span]) * prnn_dyn_value(values + (k ? o.z : o.y) + m.units + unit);
+        // gate q's pre-activation at z[q * stride]
+        const float* z = direct ? gates + j * PRNN_DYN_MAX_ROWS + u : values + o.x + 2 * m.units + unit;
+        const int stride = direct ? m.span : m.units;
+        float c = prnn_dyn_sigmoid(z[Z::i * stride]) * tanhf(z[Z::g * stride]);
+#pragma unroll
+        for (int k = 0; k < 2; ++k)  // constant bounds: kept stays in registers
+            if (k < carried)
+                c += prnn_dyn_sigmoid(z[Z::f(k) * stride]) *
+                     (direct ? kept[k] : prnn_dyn_value(values + (k ? o.z : o.y) + m.units + unit));
         values[o.x + m.units + unit] = c;
-        values[o.x + unit] = prnn_dyn_sigmoid(z[Z::o * m.span]) * tanhf(c);
+        values[o.x + unit] = prnn_dyn_sigmoid(z[Z::o * stride]) * tanhf(c);
     }
 }
 
 #if PRNN_DYN_TRAIN
-// A cell over its matvec, backward, before prnn_dyn_matvec_columns: a thread
-// per (vector slot, unit of this block) turns the state's gradients into its
-// gates' (into dy[vector][row], zeros past the group), adds them into the
-// addend's gradient and the forget terms into the carried cells'.
+// A cell over its matvec, backward, before the transposed products: a thread
+// per (vector, unit of this block) turns the state's gradients into its
+// gates' and adds them into the addend's gradient, and the forget terms into
+// the carried cells'. direct (one group): the gates' gradients go to
+// dy[vector][row] (slots vectors, zeros past the group's count); otherwise to
+// the node's gradient at its gates' storage, which each group then loads.
 template <bool LSTM>
-__device__ __forceinline__ void prnn_dyn_cell_matvec_backward(const prnn_dyn_rows& m, int carried, int slots,
-                                                              const float* values, float* grads, float* dy,
-                                                              const int* program, int first, int in_group) {
+__device__ __forceinline__ void prnn_dyn_cell_matvec_backward(const prnn_dyn_rows& m, int carried, bool direct,
+                                                              int slots, const float* values, float* grads,
+                                                              float* dy, const int* program, int first, int count) {
     using Z = prnn_dyn_cell_rows<LSTM>;
     const int gate_count = m.count / max(m.span, 1);
-    for (int e = threadIdx.x; e < slots * m.span; e += PRNN_DYN_THREADS) {
+    for (int e = threadIdx.x; e < (direct ? slots : count) * m.span; e += PRNN_DYN_THREADS) {
         const int j = e / m.span, u = e - j * m.span, unit = m.begin + u;
-        float* d = dy + j * PRNN_DYN_MAX_ROWS + u;
-        if (j >= in_group) {
-            for (int q = 0; q < gate_count; ++q) d[q * m.span] = 0.0f;
+        if (j >= count) {
+            for (int q = 0; q < gate_count; ++q) dy[j * PRNN_DYN_MAX_ROWS + q * m.span + u] = 0.0f;
             continue;
         }
         const int4 o = prnn_dyn_operand(program, first, j);
+        // gate q's gradient at d[q * stride]
+        float* d = direct ? dy + j * PRNN_DYN_MAX_ROWS + u : grads + o.x + 2 * m.units + unit;
+        const int stride = direct ? m.span : m.units;
         const float* z = values + o.x + 2 * m.units + unit;  // gate q's pre-activation at z[q * units]
         const float gh = prnn_dyn_ld(grads + o.x + unit), t = tanhf(prnn_dyn_value(values + o.x + m.units + unit));
         const float so = prnn_dyn_sigmoid(prnn_dyn_value(z + Z::o * m.units));
-        d[Z::o * m.span] = gh * t * so * (1.0f - so);
+        float dz[5];  // i, f / o, g, ... by gate row; a tree's gates are at most 3 + 2
+        dz[Z::o] = gh * t * so * (1.0f - so);
         const float dc = prnn_dyn_ld(grads + o.x + m.units + unit) + gh * so * (1.0f - t * t);
         const float si = prnn_dyn_sigmoid(prnn_dyn_value(z + Z::i * m.units));
         const float tg = tanhf(prnn_dyn_value(z + Z::g * m.units));
-        d[Z::i * m.span] = dc * tg * si * (1.0f - si);
-        d[Z::g * m.span] = dc * si * (1.0f - tg * tg);
-        if (LSTM && carried == 0) d[Z::f(0) * m.span] = 0.0f;  // the zero state's forget gate has no effect
-        for (int k = 0; k < carried; ++k) {
+        dz[Z::i] = dc * tg * si * (1.0f - si);
+        dz[Z::g] = dc * si * (1.0f - tg * tg);
+        if (LSTM && carried == 0) dz[Z::f(0)] = 0.0f;  // the zero state's forget gate has no effect
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {  // constant bounds: dz stays in registers
+            if (k >= carried) continue;
             const int kept = (k ? o.z : o.y) + m.units + unit;
             const float sf = prnn_dyn_sigmoid(prnn_dyn_value(z + Z::f(k) * m.units));
-            d[Z::f(k) * m.span] = dc * prnn_dyn_value(values + kept) * sf * (1.0f - sf);
+            dz[Z::f(k)] = dc * prnn_dyn_value(values + kept) * sf * (1.0f - sf);
             atomicAdd(grads + kept, dc * sf);
         }
-        for (int q = 0; q < gate_count; ++q) atomicAdd(grads + o.w + q * m.units + unit, d[q * m.span]);
+#pragma unroll
+        for (int q = 0; q < 5; ++q)
+            if (q < gate_count) {
+                d[q * stride] = dz[q];
+                atomicAdd(grads + o.w + q * m.units + unit, dz[q]);
+            }
     }
 }
 #endif
@@ -297,6 +320,21 @@ __device__ __forceinline__ void prnn_dyn_matvec(int op, int n, const int* progra
     const int k = cell ? n / 4 : prnn_dyn_operand(program, first, 0).w, carried = cell ? n % 4 : 0;
     const prnn_dyn_rows m = prnn_dyn_rows_of[k];
     const int tid = threadIdx.x;
+    // A cell's instruction of one group whose (vector, unit) pairs fit the
+    // block keeps its gates in shared memory and its carried cells in the
+    // registers of the thread that finishes the cell, loaded beside the
+    // vectors: no trip to memory between the products and the cell.
+    const bool direct = cell && count <= PRNN_DYN_GROUP && count * m.span <= PRNN_DYN_THREADS;
+    float kept[2] = {0.0f, 0.0f};
+#if PRNN_DYN_TRAIN
+    if (backward && cell && !direct) {  // every vector's gate gradients first, by all threads, into global memory
+        if (kind == PRNN_OP_LSTM_MATVEC)
+            prnn_dyn_cell_matvec_backward<true>(m, carried, false, 0, values, grads, dy, program, first, count);
+        else
+            prnn_dyn_cell_matvec_backward<false>(m, carried, false, 0, values, grads, dy, program, first, count);
+        __syncthreads();
+    }
+#endif
     for (int g0 = 0; g0 < count; g0 += PRNN_DYN_GROUP) {
         const int in_group = min(PRNN_DYN_GROUP, count - g0);
         // Both directions read the first `slots` vectors; vectors past the
@@ -315,16 +353,33 @@ __device__ __forceinline__ void prnn_dyn_matvec(int op, int n, const int* progra
             for (int j = 0; j < PRNN_DYN_GROUP; ++j)
                 if (j < slots) vec[j * PRNN_DYN_MAX_COLS + c] = x[j];
         }
+        if (!backward && cell) {
+            // The addend's rows, which the products add to, and (direct) the carried cells.
+            for (int e = tid; e < in_group * m.count; e += PRNN_DYN_THREADS) {
+                const int j = e / m.count, r = e - j * m.count;
+                dy[j * PRNN_DYN_MAX_ROWS + r] = prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).w +
+                                                               m.row(r));
+            }
+            if (direct && tid < count * m.span) {
+                const int j = tid / m.span, unit = m.begin + tid - j * m.span;
+                const int4 o = prnn_dyn_operand(program, first, j);
+#pragma unroll
+                for (int q = 0; q < 2; ++q)  // constant bounds: kept stays in registers
+                    if (q < carried) kept[q] = prnn_dyn_value(values + (q ? o.z : o.y) + m.units + unit);
+            }
+        }
 #if PRNN_DYN_TRAIN
-        if (backward && kind == PRNN_OP_LSTM_MATVEC)
-            prnn_dyn_cell_matvec_backward<true>(m, carried, slots, values, grads, dy, program, first + g0, in_group);
-        else if (backward && kind == PRNN_OP_TREE_MATVEC)
-            prnn_dyn_cell_matvec_backward<false>(m, carried, slots, values, grads, dy, program, first + g0, in_group);
-        else if (backward)
+        if (backward && direct && kind == PRNN_OP_LSTM_MATVEC)
+            prnn_dyn_cell_matvec_backward<true>(m, carried, true, slots, values, grads, dy, program, first, count);
+        else if (backward && direct)
+            prnn_dyn_cell_matvec_backward<false>(m, carried, true, slots, values, grads, dy, program, first, count);
+        else if (backward)  // a matvec's output gradient; a cell's gates' (from the pass above)
             for (int e = tid; e < slots * m.count; e += PRNN_DYN_THREADS) {
                 const int j = e / m.count, r = e - j * m.count;
                 dy[j * PRNN_DYN_MAX_ROWS + r] =
-                    j < in_group ? prnn_dyn_ld(grads + prnn_dyn_operand(program, first, g0 + j).x + m.row(r)) : 0.0f;
+                    j < in_group ? prnn_dyn_ld(grads + prnn_dyn_operand(program, first, g0 + j).x +
+                                               (cell ? 2 * m.units : 0) + m.row(r))
+                                 : 0.0f;
             }
 #endif
         __syncthreads();
@@ -338,13 +393,6 @@ __device__ __forceinline__ void prnn_dyn_matvec(int op, int n, const int* progra
             else if (slots == 4) { PRNN_DYN_ROWS(4); }
             else { PRNN_DYN_ROWS(8); }
 #undef PRNN_DYN_ROWS
-            if (cell) {
-                __syncthreads();  // every row's gates are in dy
-                if (kind == PRNN_OP_LSTM_MATVEC)
-                    prnn_dyn_cell_matvec_forward<true>(m, carried, dy, values, program, first + g0, in_group);
-                else
-                    prnn_dyn_cell_matvec_forward<false>(m, carried, dy, values, program, first + g0, in_group);
-            }
         }
 #if PRNN_DYN_TRAIN
         else {
@@ -357,7 +405,14 @@ __device__ __forceinline__ void prnn_dyn_matvec(int op, int n, const int* progra
 #undef PRNN_DYN_COLUMNS
         }
 #endif
-        __syncthreads();  // the group's buffers are free for the next
+        __syncthreads();  // the group's buffers are free for the next; a cell's gates are all written
+    }
+    if (cell && !backward) {
+        if (kind == PRNN_OP_LSTM_MATVEC)
+            prnn_dyn_cell_matvec_forward<true>(m, carried, direct, dy, kept, values, program, first, count);
+        else
+            prnn_dyn_cell_matvec_forward<false>(m, carried, direct, dy, kept, values, program, first, count);
+        __syncthreads();  // the next instruction's loads overwrite dy
     }
 }
 
