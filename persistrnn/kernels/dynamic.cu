@@ -340,6 +340,28 @@ __device__ __forceinline__ void prnn_dyn_matvec(int op, int n, const int* progra
         // Both directions read the first `slots` vectors; vectors past the
         // group's end are zeros (they add nothing to the gradient).
         const int slots = in_group <= 1 ? 1 : in_group <= 2 ? 2 : in_group <= 4 ? 4 : 8;
+        // A cell's addend rows, which the products add to, and (direct) its
+        // carried cells: loaded before the vectors' stores wait for their
+        // loads, so that all are one trip to memory (after them, the group
+        // paid a second: perf-notes dynamic §40).
+        constexpr int ADDEND = (PRNN_DYN_GROUP * PRNN_DYN_MAX_ROWS + PRNN_DYN_THREADS - 1) / PRNN_DYN_THREADS;
+        float addend[ADDEND];
+        if (!backward && cell) {
+#pragma unroll
+            for (int i = 0; i < ADDEND; ++i) {
+                const int e = tid + i * PRNN_DYN_THREADS, j = e / m.count, r = e - j * m.count;
+                addend[i] = j < in_group ? prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).w +
+                                                          m.row(r))
+                                         : 0.0f;
+            }
+            if (direct && tid < count * m.span) {
+                const int j = tid / m.span, unit = m.begin + tid - j * m.span;
+                const int4 o = prnn_dyn_operand(program, first, j);
+#pragma unroll
+                for (int q = 0; q < 2; ++q)  // constant bounds: kept stays in registers
+                    if (q < carried) kept[q] = prnn_dyn_value(values + (q ? o.z : o.y) + m.units + unit);
+            }
+        }
         // A thread's columns, all vectors' loads of a column before its
         // stores (no division by the column count: ~20 instructions each).
         for (int c = tid; c < m.cols; c += PRNN_DYN_THREADS) {
@@ -353,21 +375,12 @@ __device__ __forceinline__ void prnn_dyn_matvec(int op, int n, const int* progra
             for (int j = 0; j < PRNN_DYN_GROUP; ++j)
                 if (j < slots) vec[j * PRNN_DYN_MAX_COLS + c] = x[j];
         }
-        if (!backward && cell) {
-            // The addend's rows, which the products add to, and (direct) the carried cells.
-            for (int e = tid; e < in_group * m.count; e += PRNN_DYN_THREADS) {
-                const int j = e / m.count, r = e - j * m.count;
-                dy[j * PRNN_DYN_MAX_ROWS + r] = prnn_dyn_value(values + prnn_dyn_operand(program, first, g0 + j).w +
-                                                               m.row(r));
-            }
-            if (direct && tid < count * m.span) {
-                const int j = tid / m.span, unit = m.begin + tid - j * m.span;
-                const int4 o = prnn_dyn_operand(program, first, j);
+        if (!backward && cell)
 #pragma unroll
-                for (int q = 0; q < 2; ++q)  // constant bounds: kept stays in registers
-                    if (q < carried) kept[q] = prnn_dyn_value(values + (q ? o.z : o.y) + m.units + unit);
+            for (int i = 0; i < ADDEND; ++i) {
+                const int e = tid + i * PRNN_DYN_THREADS, j = e / m.count;
+                if (j < in_group) dy[j * PRNN_DYN_MAX_ROWS + e - j * m.count] = addend[i];
             }
-        }
 #if PRNN_DYN_TRAIN
         if (backward && direct && kind == PRNN_OP_LSTM_MATVEC)
             prnn_dyn_cell_matvec_backward<true>(m, carried, true, slots, values, grads, dy, program, first, count);
