@@ -237,6 +237,22 @@ def test_the_fused_gated_products_match_torch(blocks):
     assert all(np.abs(model.view(got.param_grads, p)).min() > 0 for p in (a, b))
 
 
+def torch_lstm_cell(z, c=None):
+    """[h; c'] of an LSTM cell in torch from its gates z = [i, f, g, o] and its cell c (None: zero state)."""
+    i, f, g, o = z.split(z.numel() // 4)
+    c = torch.sigmoid(i) * torch.tanh(g) + (0 if c is None else torch.sigmoid(f) * c)
+    return torch.cat([torch.sigmoid(o) * torch.tanh(c), c])
+
+
+def torch_tree_cell(z, cs=()):
+    """[h; c'] of a Tree-LSTM cell in torch from its gates z = [i, o, u, f_1, ...] and its children's cells cs."""
+    n = z.numel() // (3 + len(cs))
+    i, o, u = z[:3 * n].split(n)
+    forget = [torch.sigmoid(z[(3 + k) * n:(4 + k) * n]) * ck for k, ck in enumerate(cs)]
+    c = torch.sigmoid(i) * torch.tanh(u) + sum(forget)
+    return torch.cat([torch.sigmoid(o) * torch.tanh(c), c])
+
+
 def cells_graph(n: int = 7):
     """Both cells with a carried cell and from zero state, their h and c read
     by one matvec and a loss; every input a bias of its own. Returns (model,
@@ -267,22 +283,10 @@ def test_the_cells_match_torch_with_and_without_a_carried_cell(blocks):
 
     P = torch_params(model, flat)
     v = {k: P[k][:, 0] for k in names}
-    sig, tanh = torch.sigmoid, torch.tanh
-
-    def lstm(z, c=None):
-        i, f, gg, o = z.split(n)
-        c = sig(i) * tanh(gg) + (0 if c is None else sig(f) * c)
-        return torch.cat([sig(o) * tanh(c), c])
-
-    def tree(z, c=None):
-        i, o, u = z[:3 * n].split(n)
-        c_new = sig(i) * tanh(u)
-        if c is not None:
-            c_new = c_new + sig(z[3 * n:4 * n]) * c[:n] + sig(z[4 * n:]) * c[n:]
-        return torch.cat([sig(o) * tanh(c_new), c_new])
-
-    logits = P["W"] @ torch.cat([lstm(v["z_lstm"], v["c_lstm"]), lstm(v["z_first"]), tree(v["z_tree"], v["c_tree"]),
-                                 tree(v["z_leaf"])])
+    c_tree = v["c_tree"]
+    logits = P["W"] @ torch.cat([torch_lstm_cell(v["z_lstm"], v["c_lstm"]), torch_lstm_cell(v["z_first"]),
+                                 torch_tree_cell(v["z_tree"], [c_tree[:n], c_tree[n:]]),
+                                 torch_tree_cell(v["z_leaf"])])
     want = torch.logsumexp(logits, 0) - logits[2]
     want.backward()
     assert abs(got.loss - want.item()) <= TOLERANCE * abs(want.item())
@@ -348,18 +352,7 @@ def test_the_cell_matvecs_match_torch(blocks):
             assert (units == units[0]).all()
     P = torch_params(model, flat)
     v = {k: P[k][:, 0] for k in biases}
-    sig, tanh = torch.sigmoid, torch.tanh
-
-    def lstm(z, c=None):
-        i, f, gg, o = z.split(n)
-        c = sig(i) * tanh(gg) + (0 if c is None else sig(f) * c)
-        return torch.cat([sig(o) * tanh(c), c])
-
-    def tree(z, cs=()):
-        i, o, u = z[:3 * n].split(n)
-        c = sig(i) * tanh(u) + sum(sig(z[(3 + k) * n:(4 + k) * n]) * ck for k, ck in enumerate(cs))
-        return torch.cat([sig(o) * tanh(c), c])
-
+    lstm, tree = torch_lstm_cell, torch_tree_cell
     s1, s2 = v["s1"], v["s2"]
     step = lstm(P["W_lstm"] @ s1[:n] + v["z4"], s1[n:])
     states = [step, lstm(P["W_first"] @ v["x"] + v["z4b"]),
