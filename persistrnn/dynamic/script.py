@@ -4,9 +4,11 @@ virtual processor (block), packed into one buffer with prefix offsets.
 * Every node gets storage in one float workspace (values, and gradients at
   the same offsets); a slice is a view, at its parent's offset plus its start.
 * Placement (VPPS §III-A): each weight matrix lives on its own subset of the
-  blocks, a slice of rows per block (:class:`MatrixLayout`). All matvec nodes
-  of one stage and one matrix are one instruction on each block that holds
-  rows of it, over the list of their vectors; where the matrix has replicas
+  blocks, a slice of rows per block (:class:`MatrixLayout`; a matrix of
+  gates, all gates of a slice of units). All matvec nodes of one stage and
+  one matrix are one instruction on each block that holds rows of it, over
+  the list of their vectors, and so are its cell matvecs of one kind (each
+  holder then finishes its units' cells); where the matrix has replicas
   (whole copies on further blocks), the list is dealt out among them.
 * The other nodes of a stage form components (nodes joined by an input of
   the same stage): a component runs on one block, so its chain needs no
@@ -25,9 +27,10 @@ virtual processor (block), packed into one buffer with prefix offsets.
 The buffer is (rows, :data:`WORDS`) int32: the instructions of block 0, 1, …,
 then the operand lists. An instruction is ``op, n, count, arg``: ``count``
 operands of ``n`` floats each, listed from row ``arg``; a wait's ``arg`` is its
-counter target. An operand row is ``out, a, b, p`` (workspace offsets; ``p``:
-a lookup's parameter offset, a loss's label, a matvec's matrix slot, 1 where
-a cell carries a cell state in ``b``).
+counter target; a cell matvec's ``n`` is 4 * its matrix slot + its carried
+cells. An operand row is ``out, a, b, p`` (workspace offsets; ``p``: a
+lookup's parameter offset, a loss's label, a matvec's matrix slot, a cell
+matvec's addend, 1 where a cell carries a cell state in ``b``).
 """
 
 from __future__ import annotations
