@@ -293,8 +293,8 @@ class Graph:
         plain = len(ids) == 1 and self.size[ids[0]] == matrix.cols  # an input vector, zero state
         carried = 0 if plain else len(ids)
         gates = 4 if lstm else 3 + carried
-        n = matrix.rows // gates
-        if matrix.gates != gates or matrix.rows % gates:
+        n = matrix.rows // gates  # exact: Model.matrix refuses rows that are not a multiple of its gates
+        if matrix.gates != gates:
             raise ArgumentError(f"{op}: expected a matrix declared with gates={gates} ({'LSTM' if lstm else 'tree'} "
                                 f"cell, {carried} carried), got {matrix.name!r} with gates={matrix.gates}")
         if not plain and (matrix.cols != carried * n or any(self.size[i] != 2 * n for i in ids)):

@@ -82,10 +82,11 @@ def run_script(script: Script, params: np.ndarray, optimizer: Optimizer | None =
         at = dict(i=0, f=1, g=2, o=3) if lstm else dict(i=0, o=1, g=2)
         forget = [1] if lstm else [3 + j for j in range(carried)]
         cell = [a + units + unit, b + units + unit][:carried]
-        z = values[out + 2 * units + rows]  # read back in the backward; written below in the forward
-        if op < BACKWARD:
+        if op < BACKWARD:  # the gates' pre-activations, kept after the state for the backward
             z = values[source] @ w.T + values[addend + rows]
             values[out + 2 * units + rows] = z
+        else:
+            z = values[out + 2 * units + rows]
         gate = {name: z[:, q * span:(q + 1) * span] for name, q in at.items()}
         if op < BACKWARD:
             c = _sigmoid(gate["i"]) * np.tanh(gate["g"])

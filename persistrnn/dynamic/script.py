@@ -407,8 +407,10 @@ def schedule(graph: Graph, blocks: int, *, train: bool = True, placement: str = 
     layout, poff, pcols = tables.layout, tables.param_offset, tables.param_cols
     g = graph.arrays()
     op, size, stage, depth = g["op"], g["size"], g["stage"], g["depth"]
-    cell_mv = (op == OP["lstm_matvec"]) | (op == OP["tree_matvec"])
-    offsets, workspace = _storage(g, np.where(cell_mv, tables.param_rows[np.where(cell_mv, g["extra"], 0)], 0))
+    gate_floats = np.zeros(len(op), dtype=np.int64)  # a cell matvec's gates, kept after its state
+    cell_mv = np.flatnonzero((op == OP["lstm_matvec"]) | (op == OP["tree_matvec"]))
+    gate_floats[cell_mv] = tables.param_rows[g["extra"][cell_mv]]
+    offsets, workspace = _storage(g, gate_floats)
 
     # Blocks of the elementwise components: round-robin in order of
     # (stage, cost descending, first node); the rank runs on across stages,
